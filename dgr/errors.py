@@ -1,0 +1,284 @@
+"""Typed errors of dgr: one class per failure a caller can act on."""
+
+from __future__ import annotations
+
+__all__ = [
+    "DgrError",
+    "ModelNotFound",
+    "InvalidModel",
+    "UnsupportedArchitecture",
+    "InvalidLayerRange",
+    "InvalidToken",
+    "InvalidPosition",
+    "ContextFull",
+    "UnknownSlot",
+    "InvalidBoundary",
+    "MissingTokenIds",
+    "MtpNotSupported",
+    "InvalidArgument",
+    "EngineError",
+    "CoreNotBuilt",
+    "FrameError",
+    "FrameTruncated",
+    "FrameTooLarge",
+    "FrameChecksumError",
+    "FrameVersionError",
+    "UnknownCodec",
+    "SessionError",
+    "StaleEpoch",
+    "CacheMiss",
+    "UnknownSession",
+    "ResourceExhausted",
+    "ModelMismatch",
+    "RouteError",
+    "WorkerUnavailable",
+    "WorkerDraining",
+    "StepDeadlineExceeded",
+    "VendorError",
+    "ModelFetchError",
+]
+
+
+class DgrError(Exception):
+    """Base class of every error dgr raises on purpose.
+
+    ``code`` is the stable numeric status shared with the C++ ``ShardEngine``
+    (``cpp/include/dgr/status.h``); 0 is reserved for success.
+    """
+
+    code = 100
+
+
+# --- engine (codes shared with cpp/include/dgr/status.h) ---------------------
+
+
+class ModelNotFound(DgrError, FileNotFoundError):
+    """The model path does not exist or cannot be read."""
+
+    code = 1
+
+
+class InvalidModel(DgrError, ValueError):
+    """The file is not a GGUF model llama.cpp can load (bad magic, truncated, corrupt)."""
+
+    code = 2
+
+
+class UnsupportedArchitecture(DgrError, ValueError):
+    """A partial layer range was asked of an architecture whose graph is not adapted."""
+
+    code = 3
+
+
+class InvalidLayerRange(DgrError, ValueError):
+    """A layer range outside [0, n_layer), empty, or not held by the file."""
+
+    code = 4
+
+
+class InvalidToken(DgrError, ValueError):
+    """A token id outside [0, n_vocab)."""
+
+    code = 5
+
+
+class InvalidPosition(DgrError, ValueError):
+    """Positions that are not contiguous or do not continue the slot's sequence."""
+
+    code = 6
+
+
+class ContextFull(DgrError, RuntimeError):
+    """The slot has no room left for the tokens of this step."""
+
+    code = 7
+
+
+class UnknownSlot(DgrError, LookupError):
+    """A slot index outside [0, n_slots)."""
+
+    code = 8
+
+    def __str__(self) -> str:  # LookupError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class InvalidBoundary(DgrError, ValueError):
+    """A boundary array of the wrong shape, dtype or presence for this stage."""
+
+    code = 9
+
+
+class MissingTokenIds(InvalidBoundary):
+    """The stage owns a layer that routes by token id and got no token ids."""
+
+    code = 10
+
+
+class MtpNotSupported(DgrError, ValueError):
+    """Multi-token prediction is reserved and off."""
+
+    code = 11
+
+
+class InvalidArgument(DgrError, ValueError):
+    """Any other bad argument (settings, shapes, types)."""
+
+    code = 12
+
+
+class EngineError(DgrError, RuntimeError):
+    """llama.cpp failed for a reason that is not the caller's input."""
+
+    code = 13
+
+
+class CoreNotBuilt(DgrError, ImportError):
+    """The compiled core ``dgr._core`` is missing; build it with ``pip install -e .``."""
+
+    code = 14
+
+
+# --- wire ---------------------------------------------------------------------
+
+
+class FrameError(DgrError, ValueError):
+    """A wire frame that cannot be decoded or fails validation."""
+
+    code = 20
+
+
+class FrameTruncated(FrameError):
+    """The frame is shorter than its prefix, header or payload claim."""
+
+    code = 21
+
+
+class FrameTooLarge(FrameError):
+    """The frame's payload exceeds the receiver's configured maximum."""
+
+    code = 22
+
+
+class FrameChecksumError(FrameError):
+    """The payload checksum does not match."""
+
+    code = 23
+
+
+class FrameVersionError(FrameError):
+    """The frame's format or schema version is newer than this build supports."""
+
+    code = 24
+
+
+class UnknownCodec(FrameError):
+    """The frame names a dtype or codec this build does not know."""
+
+    code = 25
+
+
+# --- sessions and routes --------------------------------------------------------
+
+
+class SessionError(DgrError):
+    """A request that does not fit the worker's session state."""
+
+    code = 30
+
+
+class StaleEpoch(SessionError, ValueError):
+    """The request's epoch is lower than the session's current epoch."""
+
+    code = 31
+
+
+class CacheMiss(SessionError, LookupError):
+    """The worker's cache does not continue at the request's first position: re-prefill."""
+
+    code = 32
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class UnknownSession(SessionError, LookupError):
+    """The worker holds no state for this session."""
+
+    code = 33
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class ResourceExhausted(SessionError, RuntimeError):
+    """No slot or context is free; ``retry_after`` says when to try again (seconds)."""
+
+    code = 34
+
+    def __init__(self, message: str = "", retry_after: float | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ModelMismatch(DgrError, ValueError):
+    """A frame or route names a model identity or numeric settings this worker does not serve."""
+
+    code = 35
+
+
+class RouteError(DgrError, ValueError):
+    """A route whose stages do not cover [0, n_layer) exactly once, in order."""
+
+    code = 36
+
+
+class WorkerUnavailable(DgrError, ConnectionError):
+    """The worker cannot be reached or went away mid-step."""
+
+    code = 37
+
+
+class WorkerDraining(WorkerUnavailable):
+    """The worker is shutting down and takes no new sessions."""
+
+    code = 38
+
+
+class StepDeadlineExceeded(DgrError, TimeoutError):
+    """A step did not complete within its deadline."""
+
+    code = 39
+
+
+# --- build and artifacts ----------------------------------------------------------
+
+
+class VendorError(DgrError, RuntimeError):
+    """Fetching, patching or building the pinned llama.cpp failed."""
+
+    code = 50
+
+
+class ModelFetchError(DgrError, RuntimeError):
+    """A registry model could not be downloaded or verified."""
+
+    code = 51
+
+
+def _by_code() -> dict[int, type[DgrError]]:
+    table: dict[int, type[DgrError]] = {}
+    todo = [DgrError]
+    while todo:
+        cls = todo.pop()
+        table.setdefault(cls.code, cls)
+        todo.extend(cls.__subclasses__())
+    return table
+
+
+BY_CODE = _by_code()
+
+
+def from_code(code: int, message: str) -> DgrError:
+    """Build the error class registered for ``code`` (``DgrError`` when unknown)."""
+    return BY_CODE.get(code, DgrError)(message)
