@@ -1,5 +1,28 @@
-"""dgr: a distributed GGUF runtime."""
+"""dgr: a distributed GGUF runtime (one model split by layer ranges across processes)."""
+
 from . import errors
 from .errors import DgrError
 
-__all__ = ["errors", "DgrError"]
+__all__ = ["errors", "DgrError", "Engine"]
+__version__ = "0.1.0"
+
+# Heavy or compiled parts load on first use, so `python -m dgr.vendor` works before any build.
+_LAZY = {
+    "Engine": ("dgr.engine", "Engine"),
+}
+
+
+def __getattr__(name):
+    try:
+        module, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'dgr' has no attribute {name!r}") from None
+    import importlib
+
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,0 +1,114 @@
+// dgr::Engine: one process's share of a GGUF model, layers [layer_start, layer_end).
+//
+// All Cython sees of llama.cpp is this header: the llama types stay behind a pimpl.
+// Every method reports failure as a dgr::Status; none aborts on bad input.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dgr/status.h"
+
+namespace dgr {
+
+struct EngineConfig {
+    std::string model_path;
+    int32_t  layer_start = 0;
+    int32_t  layer_end   = -1;   // -1: n_layer
+    // Settings that decide numerics: explicit, never "auto", identical on every stage of a route.
+    uint32_t n_ctx       = 1024; // context tokens per slot
+    uint32_t n_slots     = 1;    // concurrent sequences (one KV stream each)
+    int32_t  n_threads   = 1;    // n_threads == n_threads_batch
+    uint32_t n_ubatch    = 64;   // n_batch == n_ubatch
+    bool     flash_attn  = true;
+    std::string type_k   = "f16";
+    std::string type_v   = "f16";
+    // Settings that do not change numerics.
+    bool     use_mmap    = true;
+    bool     mtp         = false; // reserved: must stay off
+};
+
+struct EngineInfo {
+    std::string arch;
+    std::string desc;
+    int32_t  n_layer = 0;
+    int32_t  layer_start = 0;
+    int32_t  layer_end = 0;
+    int32_t  n_embd = 0;
+    int32_t  n_embd_boundary = 0;
+    int32_t  n_vocab = 0;
+    int32_t  n_ctx_train = 0;
+    uint32_t n_ctx = 0;          // per slot, as configured
+    uint32_t n_ctx_alloc = 0;    // per slot, as allocated by llama.cpp (may be padded up)
+    uint32_t n_slots = 0;
+    uint32_t n_ubatch = 0;
+    int32_t  n_threads = 0;
+    bool     flash_attn = false;
+    std::string type_k;
+    std::string type_v;
+    int32_t  hash_layer_count = 0; // layers that route experts by token id (DeepSeek V4)
+    bool     needs_token_ids = false;
+    uint64_t n_params = 0;
+    uint64_t weight_bytes = 0;
+    uint64_t kv_bytes = 0;
+    uint64_t compute_bytes = 0;
+    int32_t  token_bos = -1;
+    int32_t  token_eos = -1;
+    bool     add_bos = false;
+};
+
+class Engine {
+public:
+    ~Engine();
+    Engine(const Engine &) = delete;
+    Engine & operator=(const Engine &) = delete;
+
+    // Load a model range. On success *out owns a new engine.
+    static Status Load(const EngineConfig & cfg, std::unique_ptr<Engine> * out);
+
+    const EngineInfo & info() const;
+    bool is_first() const;
+    bool is_last() const;
+
+    Status Tokenize(const std::string & text, bool add_special, bool parse_special,
+                    std::vector<int32_t> * out) const;
+    Status Detokenize(const int32_t * tokens, size_t n, bool remove_special, bool unparse_special,
+                      std::string * out) const;
+    bool IsEog(int32_t token) const;
+
+    // Number of output floats per row: n_vocab on the last stage, n_embd_boundary otherwise.
+    int32_t OutputWidth() const;
+
+    // Run n_tokens at positions pos[] of a slot through the owned layers.
+    //   tokens:   required on the first stage and when needs_token_ids; else may be null
+    //   boundary: required on non-first stages: n_tokens * n_embd_boundary floats
+    //   want:     last stage only: per-token 0/1, which rows return logits (null: last row)
+    //   out:      receives n_out_rows * OutputWidth() floats (all rows on non-last stages)
+    // Positions must continue the slot (pos[0] == NextPos(slot)) and be contiguous.
+    // Longer inputs are computed in chunks of n_ubatch tokens.
+    Status Forward(int32_t slot, const int32_t * pos, const int32_t * tokens, const float * boundary,
+                   int32_t n_tokens, const uint8_t * want, float * out, size_t out_capacity,
+                   int32_t * n_out_rows);
+
+    // Drop a slot's state; the next Forward on it must start at position 0.
+    Status Release(int32_t slot);
+
+    // Next position the slot expects (0 when empty), or -1 for an unknown slot.
+    int32_t NextPos(int32_t slot) const;
+
+    // Refresh memory figures (KV/compute bytes) in info().
+    void RefreshMemory();
+
+private:
+    Engine();
+    struct Impl;
+    std::unique_ptr<Impl> impl_;
+};
+
+// Build facts: whether the patched llama.cpp supports layer ranges.
+bool HasLayerRanges();
+
+}  // namespace dgr

@@ -1,0 +1,544 @@
+// dgr::Engine over the patched llama.cpp: range load, slot-keyed forward, typed status.
+
+#include "dgr/engine.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <sys/stat.h>
+
+#include "ggml.h"
+#include "gguf.h"
+#include "llama.h"
+#include "llama-ext.h"
+
+// Patch 0001 adds llama_model_params::layer_start/layer_end; setup.py defines this when the
+// pinned tree carries it.
+#ifndef DGR_LAYER_RANGE
+#define DGR_LAYER_RANGE 0
+#endif
+
+namespace dgr {
+
+namespace {
+
+// ---- llama.cpp log capture -------------------------------------------------------------
+// llama_log_set is process-global. Keep the last error lines so a failed load can say why,
+// and echo llama.cpp's log only when DGR_LLAMA_LOG is set (1: warnings and errors, 2: all).
+
+std::mutex g_log_mu;
+std::deque<std::string> g_log_tail;
+int g_log_echo = -1;
+
+void log_cb(ggml_log_level level, const char * text, void *) {
+    if (g_log_echo < 0) {
+        const char * env = std::getenv("DGR_LLAMA_LOG");
+        g_log_echo = env ? std::atoi(env) : 0;
+    }
+    if (g_log_echo >= 2 || (g_log_echo == 1 && level >= GGML_LOG_LEVEL_WARN)) {
+        std::fputs(text, stderr);
+    }
+    if (level >= GGML_LOG_LEVEL_WARN || level == GGML_LOG_LEVEL_CONT) {
+        std::lock_guard<std::mutex> lk(g_log_mu);
+        if (level == GGML_LOG_LEVEL_CONT && !g_log_tail.empty()) {
+            g_log_tail.back() += text;
+        } else {
+            g_log_tail.emplace_back(text);
+        }
+        while (g_log_tail.size() > 8) g_log_tail.pop_front();
+    }
+}
+
+void log_clear() {
+    std::lock_guard<std::mutex> lk(g_log_mu);
+    g_log_tail.clear();
+}
+
+std::string log_last_error() {
+    std::lock_guard<std::mutex> lk(g_log_mu);
+    std::string out;
+    for (const auto & s : g_log_tail) {
+        if (s.find("error") != std::string::npos || s.find("failed") != std::string::npos ||
+            s.find("not supported") != std::string::npos) {
+            out = s;
+        }
+    }
+    while (!out.empty() && (out.back() == '\n' || out.back() == ' ')) out.pop_back();
+    return out;
+}
+
+std::once_flag g_backend_once;
+
+void backend_init() {
+    std::call_once(g_backend_once, [] {
+        llama_log_set(log_cb, nullptr);
+        llama_backend_init();
+    });
+}
+
+bool parse_type(const std::string & name, ggml_type * out) {
+    static const struct { const char * n; ggml_type t; } kTypes[] = {
+        {"f32", GGML_TYPE_F32}, {"f16", GGML_TYPE_F16}, {"bf16", GGML_TYPE_BF16},
+        {"q8_0", GGML_TYPE_Q8_0}, {"q4_0", GGML_TYPE_Q4_0}, {"q4_1", GGML_TYPE_Q4_1},
+        {"q5_0", GGML_TYPE_Q5_0}, {"q5_1", GGML_TYPE_Q5_1},
+    };
+    for (const auto & e : kTypes) {
+        if (name == e.n) { *out = e.t; return true; }
+    }
+    return false;
+}
+
+// Architectures whose stage graph is adapted by the patch stack (a partial range needs it).
+bool arch_supports_ranges(const std::string & arch) {
+#if DGR_LAYER_RANGE
+    return arch == "llama";
+#else
+    (void) arch;
+    return false;
+#endif
+}
+
+int64_t gguf_int(const gguf_context * g, const std::string & key, int64_t dflt) {
+    const int64_t id = gguf_find_key(g, key.c_str());
+    if (id < 0) return dflt;
+    switch (gguf_get_kv_type(g, id)) {
+        case GGUF_TYPE_UINT8:  return gguf_get_val_u8(g, id);
+        case GGUF_TYPE_INT8:   return gguf_get_val_i8(g, id);
+        case GGUF_TYPE_UINT16: return gguf_get_val_u16(g, id);
+        case GGUF_TYPE_INT16:  return gguf_get_val_i16(g, id);
+        case GGUF_TYPE_UINT32: return gguf_get_val_u32(g, id);
+        case GGUF_TYPE_INT32:  return gguf_get_val_i32(g, id);
+        case GGUF_TYPE_UINT64: return (int64_t) gguf_get_val_u64(g, id);
+        case GGUF_TYPE_INT64:  return gguf_get_val_i64(g, id);
+        default:               return dflt;
+    }
+}
+
+struct GgufFacts {
+    std::string arch;
+    int64_t n_layer = 0;
+    int64_t hash_layer_count = 0;
+};
+
+// Read what the range check needs from the GGUF header, and catch the files llama.cpp would
+// reject (or, for some, crash on) before handing them to it.
+Status inspect_gguf(const std::string & path, GgufFacts * facts) {
+    struct stat st;
+    if (::stat(path.c_str(), &st) != 0) {
+        return Status(kModelNotFound, "model file not found: " + path + " (" + std::strerror(errno) +
+                      "); give the path of a .gguf file, or fetch the default model with "
+                      "`python -m dgr.models fetch`");
+    }
+    if (!S_ISREG(st.st_mode)) {
+        return Status(kModelNotFound, "model path is not a regular file: " + path);
+    }
+    FILE * f = std::fopen(path.c_str(), "rb");
+    if (!f) {
+        return Status(kModelNotFound, "cannot open model file " + path + ": " + std::strerror(errno));
+    }
+    char magic[4] = {0, 0, 0, 0};
+    const size_t got = std::fread(magic, 1, 4, f);
+    std::fclose(f);
+    if (got != 4 || std::memcmp(magic, "GGUF", 4) != 0) {
+        return Status(kInvalidModel, path + " is not a GGUF file (bad magic); dgr loads GGUF models only");
+    }
+    gguf_init_params gp = { /*no_alloc =*/ true, /*ctx =*/ nullptr };
+    gguf_context * g = gguf_init_from_file(path.c_str(), gp);
+    if (!g) {
+        std::string why = log_last_error();
+        return Status(kInvalidModel, path + " is not a readable GGUF file (truncated or corrupt header)" +
+                      (why.empty() ? std::string() : ": " + why));
+    }
+    Status s;
+    const int64_t arch_id = gguf_find_key(g, "general.architecture");
+    if (arch_id < 0 || gguf_get_kv_type(g, arch_id) != GGUF_TYPE_STRING) {
+        s = Status(kInvalidModel, path + " has no general.architecture key");
+    } else {
+        facts->arch = gguf_get_val_str(g, arch_id);
+        facts->n_layer = gguf_int(g, facts->arch + ".block_count", -1);
+        facts->hash_layer_count = gguf_int(g, facts->arch + ".hash_layer_count", 0);
+        if (facts->n_layer <= 0) {
+            s = Status(kInvalidModel, path + " has no " + facts->arch + ".block_count");
+        }
+        // A file cut short: a tensor whose data ends past the end of this file.
+        const size_t data_off = gguf_get_data_offset(g);
+        const int64_t n_t = gguf_get_n_tensors(g);
+        const bool split = gguf_find_key(g, "split.count") >= 0 && gguf_int(g, "split.count", 1) > 1;
+        for (int64_t i = 0; s.ok() && !split && i < n_t; ++i) {
+            const size_t end = data_off + gguf_get_tensor_offset(g, i) + gguf_get_tensor_size(g, i);
+            if (end > (size_t) st.st_size) {
+                s = Status(kInvalidModel, path + " is truncated: tensor " + gguf_get_tensor_name(g, i) +
+                           " ends at byte " + std::to_string(end) + " but the file has " +
+                           std::to_string((long long) st.st_size) + " bytes");
+            }
+        }
+    }
+    gguf_free(g);
+    return s;
+}
+
+}  // namespace
+
+bool HasLayerRanges() { return DGR_LAYER_RANGE != 0; }
+
+struct Engine::Impl {
+    EngineConfig cfg;
+    EngineInfo info;
+    llama_model * model = nullptr;
+    llama_context * ctx = nullptr;
+    const llama_vocab * vocab = nullptr;
+    llama_batch batch{};
+    llama_token * batch_token = nullptr;  // llama_batch_init's own token array, restored before free
+    bool first = true;
+    bool last = true;
+    mutable std::mutex mu;
+
+    ~Impl() {
+        if (batch.pos) {
+            batch.token = batch_token;
+            batch.embd = nullptr;
+            llama_batch_free(batch);
+        }
+        if (ctx) llama_free(ctx);
+        if (model) llama_model_free(model);
+    }
+};
+
+Engine::Engine() : impl_(new Impl) {}
+Engine::~Engine() = default;
+
+const EngineInfo & Engine::info() const { return impl_->info; }
+bool Engine::is_first() const { return impl_->first; }
+bool Engine::is_last() const { return impl_->last; }
+
+int32_t Engine::OutputWidth() const {
+    return impl_->last ? impl_->info.n_vocab : impl_->info.n_embd_boundary;
+}
+
+Status Engine::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * out) {
+    backend_init();
+    log_clear();
+
+    if (cfg.mtp) {
+        return Status(kMtpNotSupported, "multi-token prediction (MTP) is reserved and off in this "
+                      "version of dgr; load without mtp");
+    }
+    if (cfg.n_slots < 1 || cfg.n_slots > 256) {
+        return Status(kInvalidArgument, "n_slots must be in [1, 256], got " + std::to_string(cfg.n_slots));
+    }
+    if (cfg.n_ctx < 1) return Status(kInvalidArgument, "n_ctx (per slot) must be >= 1");
+    if (cfg.n_ubatch < 1) return Status(kInvalidArgument, "n_ubatch must be >= 1");
+    if (cfg.n_threads < 1) return Status(kInvalidArgument, "n_threads must be >= 1");
+    ggml_type tk, tv;
+    if (!parse_type(cfg.type_k, &tk)) return Status(kInvalidArgument, "unknown KV type_k: " + cfg.type_k);
+    if (!parse_type(cfg.type_v, &tv)) return Status(kInvalidArgument, "unknown KV type_v: " + cfg.type_v);
+
+    GgufFacts facts;
+    Status s = inspect_gguf(cfg.model_path, &facts);
+    if (!s.ok()) return s;
+
+    const int64_t n_layer = facts.n_layer;
+    const int64_t start = cfg.layer_start;
+    const int64_t end = cfg.layer_end < 0 ? n_layer : cfg.layer_end;
+    if (start < 0 || end > n_layer || start >= end) {
+        return Status(kInvalidLayerRange, "layer range [" + std::to_string(start) + ", " +
+                      std::to_string(end) + ") is not a non-empty part of [0, " +
+                      std::to_string(n_layer) + ") of " + cfg.model_path);
+    }
+    const bool partial = start != 0 || end != n_layer;
+    if (partial && !arch_supports_ranges(facts.arch)) {
+        return Status(kUnsupportedArch, "layer ranges are not supported for architecture '" + facts.arch +
+                      "' (its stage graph is not adapted by dgr's patch stack); load the whole model "
+                      "(layers=None) or use a supported architecture");
+    }
+
+    std::unique_ptr<Engine> e(new Engine());
+    Impl & m = *e->impl_;
+    m.cfg = cfg;
+    m.first = start == 0;
+    m.last = end == n_layer;
+
+    llama_model_params mp = llama_model_default_params();
+    mp.n_gpu_layers = 0;
+    mp.load_mode = cfg.use_mmap ? LLAMA_LOAD_MODE_AUTO : LLAMA_LOAD_MODE_NONE;
+    mp.load_mtp = false;
+#if DGR_LAYER_RANGE
+    mp.layer_start = (int32_t) start;
+    mp.layer_end = (int32_t) end;
+#endif
+    m.model = llama_model_load_from_file(cfg.model_path.c_str(), mp);
+    if (!m.model) {
+        std::string why = log_last_error();
+        return Status(kInvalidModel, "llama.cpp could not load " + cfg.model_path +
+                      (why.empty() ? std::string() : ": " + why));
+    }
+
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = cfg.n_ctx * cfg.n_slots;
+    cp.n_batch = cfg.n_ubatch;
+    cp.n_ubatch = cfg.n_ubatch;
+    cp.n_seq_max = cfg.n_slots;
+    cp.n_threads = cfg.n_threads;
+    cp.n_threads_batch = cfg.n_threads;
+    cp.flash_attn_type = cfg.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    cp.type_k = tk;
+    cp.type_v = tv;
+    cp.kv_unified = false;  // one KV stream per slot: cell layout independent of other sessions
+    cp.swa_full = true;
+    cp.embeddings = false;
+    cp.no_perf = true;
+    m.ctx = llama_init_from_model(m.model, cp);
+    if (!m.ctx) {
+        std::string why = log_last_error();
+        return Status(kEngineError, "llama.cpp could not create a context for " + cfg.model_path +
+                      (why.empty() ? std::string() : ": " + why));
+    }
+    m.vocab = llama_model_get_vocab(m.model);
+
+    EngineInfo & in = m.info;
+    char buf[256];
+    in.arch = facts.arch;
+    if (llama_model_desc(m.model, buf, sizeof buf) > 0) in.desc = buf;
+    in.n_layer = llama_model_n_layer(m.model);
+    in.layer_start = (int32_t) start;
+    in.layer_end = (int32_t) end;
+    in.n_embd = llama_model_n_embd(m.model);
+#if DGR_LAYER_RANGE
+    in.n_embd_boundary = llama_model_n_embd_boundary(m.model);
+#else
+    in.n_embd_boundary = llama_model_n_embd_out(m.model);
+#endif
+    in.n_vocab = llama_vocab_n_tokens(m.vocab);
+    in.n_ctx_train = llama_model_n_ctx_train(m.model);
+    in.n_ctx = cfg.n_ctx;
+    in.n_ctx_alloc = llama_n_ctx_seq(m.ctx);
+    in.n_slots = cfg.n_slots;
+    in.n_ubatch = cfg.n_ubatch;
+    in.n_threads = cfg.n_threads;
+    in.flash_attn = cfg.flash_attn;
+    in.type_k = cfg.type_k;
+    in.type_v = cfg.type_v;
+    in.hash_layer_count = (int32_t) facts.hash_layer_count;
+    in.needs_token_ids = m.first || start < facts.hash_layer_count;
+    in.n_params = llama_model_n_params(m.model);
+    in.token_bos = llama_vocab_bos(m.vocab);
+    in.token_eos = llama_vocab_eos(m.vocab);
+    in.add_bos = llama_vocab_get_add_bos(m.vocab);
+    if (in.n_ctx_alloc < cfg.n_ctx) {
+        return Status(kInvalidArgument, "llama.cpp allocated " + std::to_string(in.n_ctx_alloc) +
+                      " context tokens per slot, fewer than the n_ctx=" + std::to_string(cfg.n_ctx) + " asked");
+    }
+    e->RefreshMemory();
+
+    // One reusable batch of n_ubatch rows: token and boundary arrays are pointed at the
+    // caller's buffers per chunk, so only pos/seq/logits are written here.
+    m.batch = llama_batch_init((int32_t) cfg.n_ubatch, 0, 1);
+    m.batch_token = m.batch.token;
+    m.batch.token = nullptr;
+    for (uint32_t i = 0; i < cfg.n_ubatch; ++i) m.batch.n_seq_id[i] = 1;
+    *out = std::move(e);
+    return Status();
+}
+
+void Engine::RefreshMemory() {
+    Impl & m = *impl_;
+    uint64_t w = 0, kv = 0, comp = 0;
+    for (const auto & kvp : llama_get_memory_breakdown(m.ctx)) {
+        w += kvp.second.model;
+        kv += kvp.second.context;
+        comp += kvp.second.compute;
+    }
+    m.info.weight_bytes = w ? w : llama_model_size(m.model);
+    m.info.kv_bytes = kv;
+    m.info.compute_bytes = comp;
+}
+
+Status Engine::Tokenize(const std::string & text, bool add_special, bool parse_special,
+                        std::vector<int32_t> * out) const {
+    const Impl & m = *impl_;
+    if (text.size() > (size_t) INT32_MAX / 2) return Status(kInvalidArgument, "text too long to tokenize");
+    out->resize(text.size() + 8);
+    int32_t n = llama_tokenize(m.vocab, text.data(), (int32_t) text.size(), out->data(),
+                               (int32_t) out->size(), add_special, parse_special);
+    if (n < 0) {
+        if (n == INT32_MIN) return Status(kInvalidArgument, "tokenization overflowed int32");
+        out->resize((size_t) -n);
+        n = llama_tokenize(m.vocab, text.data(), (int32_t) text.size(), out->data(),
+                           (int32_t) out->size(), add_special, parse_special);
+        if (n < 0) return Status(kEngineError, "tokenization failed");
+    }
+    out->resize((size_t) n);
+    return Status();
+}
+
+Status Engine::Detokenize(const int32_t * tokens, size_t n, bool remove_special, bool unparse_special,
+                          std::string * out) const {
+    const Impl & m = *impl_;
+    for (size_t i = 0; i < n; ++i) {
+        if (tokens[i] < 0 || tokens[i] >= m.info.n_vocab) {
+            return Status(kInvalidToken, "token id " + std::to_string(tokens[i]) + " at index " +
+                          std::to_string(i) + " is outside the vocabulary [0, " +
+                          std::to_string(m.info.n_vocab) + ")");
+        }
+    }
+    out->resize(n * 8 + 16);
+    int32_t k = llama_detokenize(m.vocab, tokens, (int32_t) n, out->data(), (int32_t) out->size(),
+                                 remove_special, unparse_special);
+    if (k < 0) {
+        out->resize((size_t) -k);
+        k = llama_detokenize(m.vocab, tokens, (int32_t) n, out->data(), (int32_t) out->size(),
+                             remove_special, unparse_special);
+        if (k < 0) return Status(kEngineError, "detokenization failed");
+    }
+    out->resize((size_t) k);
+    return Status();
+}
+
+bool Engine::IsEog(int32_t token) const {
+    return token >= 0 && token < impl_->info.n_vocab && llama_vocab_is_eog(impl_->vocab, token);
+}
+
+int32_t Engine::NextPos(int32_t slot) const {
+    const Impl & m = *impl_;
+    if (slot < 0 || (uint32_t) slot >= m.cfg.n_slots) return -1;
+    return llama_memory_seq_pos_max(llama_get_memory(m.ctx), slot) + 1;
+}
+
+Status Engine::Release(int32_t slot) {
+    Impl & m = *impl_;
+    if (slot < 0 || (uint32_t) slot >= m.cfg.n_slots) {
+        return Status(kUnknownSlot, "slot " + std::to_string(slot) + " does not exist; this engine has slots 0.." +
+                      std::to_string(m.cfg.n_slots - 1));
+    }
+    std::lock_guard<std::mutex> lk(m.mu);
+    llama_memory_seq_rm(llama_get_memory(m.ctx), slot, -1, -1);
+    return Status();
+}
+
+Status Engine::Forward(int32_t slot, const int32_t * pos, const int32_t * tokens, const float * boundary,
+                       int32_t n_tokens, const uint8_t * want, float * out, size_t out_capacity,
+                       int32_t * n_out_rows) {
+    Impl & m = *impl_;
+    const EngineInfo & in = m.info;
+    *n_out_rows = 0;
+    if (slot < 0 || (uint32_t) slot >= m.cfg.n_slots) {
+        return Status(kUnknownSlot, "slot " + std::to_string(slot) + " does not exist; this engine has slots 0.." +
+                      std::to_string(m.cfg.n_slots - 1));
+    }
+    if (n_tokens <= 0) return Status(kInvalidArgument, "forward needs at least one token");
+    if (!pos) return Status(kInvalidPosition, "positions are required");
+    if (m.first && !tokens) {
+        return Status(kInvalidArgument, "the first stage (layers starting at 0) takes token ids");
+    }
+    if (!m.first && !boundary) {
+        return Status(kInvalidBoundary, "stage [" + std::to_string(in.layer_start) + ", " +
+                      std::to_string(in.layer_end) + ") takes a boundary array of shape [n_tokens, " +
+                      std::to_string(in.n_embd_boundary) + "] from the stage before it");
+    }
+    if (!m.first && in.needs_token_ids && !tokens) {
+        return Status(kMissingTokenIds, "stage [" + std::to_string(in.layer_start) + ", " +
+                      std::to_string(in.layer_end) + ") owns hash-routed layers (hash_layer_count=" +
+                      std::to_string(in.hash_layer_count) + ") and needs the token ids with the boundary");
+    }
+    if (tokens) {
+        for (int32_t i = 0; i < n_tokens; ++i) {
+            if (tokens[i] < 0 || tokens[i] >= in.n_vocab) {
+                return Status(kInvalidToken, "token id " + std::to_string(tokens[i]) + " at index " +
+                              std::to_string(i) + " is outside the vocabulary [0, " +
+                              std::to_string(in.n_vocab) + ")");
+            }
+        }
+    }
+
+    std::lock_guard<std::mutex> lk(m.mu);
+    const int32_t next = llama_memory_seq_pos_max(llama_get_memory(m.ctx), slot) + 1;
+    for (int32_t i = 0; i < n_tokens; ++i) {
+        if (pos[i] != pos[0] + i) {
+            return Status(kInvalidPosition, "positions must be contiguous: position " + std::to_string(pos[i]) +
+                          " at index " + std::to_string(i) + " should be " + std::to_string(pos[0] + i));
+        }
+    }
+    if (pos[0] != next) {
+        return Status(kInvalidPosition, "slot " + std::to_string(slot) + " continues at position " +
+                      std::to_string(next) + " but the input starts at " + std::to_string(pos[0]) +
+                      (pos[0] > next ? " (a gap: send the missing tokens first)"
+                                     : " (already computed: release the slot and re-prefill)"));
+    }
+    if ((int64_t) pos[0] + n_tokens > (int64_t) in.n_ctx) {
+        return Status(kContextFull, "slot " + std::to_string(slot) + " holds " + std::to_string(next) +
+                      " tokens; " + std::to_string(n_tokens) + " more exceed its context of " +
+                      std::to_string(in.n_ctx) + " tokens (release the slot or use a larger n_ctx)");
+    }
+
+    const int32_t width = OutputWidth();
+    int32_t rows_wanted = 0;
+    if (m.last) {
+        if (want) {
+            for (int32_t i = 0; i < n_tokens; ++i) rows_wanted += want[i] ? 1 : 0;
+        } else {
+            rows_wanted = 1;
+        }
+    } else {
+        rows_wanted = n_tokens;
+    }
+    if ((size_t) rows_wanted * (size_t) width > out_capacity) {
+        return Status(kInvalidArgument, "output buffer holds " + std::to_string(out_capacity) + " floats, " +
+                      std::to_string((size_t) rows_wanted * width) + " needed");
+    }
+
+    const int32_t W = in.n_embd_boundary;
+    const int32_t U = (int32_t) m.cfg.n_ubatch;
+    int32_t rows_out = 0;
+    for (int32_t c0 = 0; c0 < n_tokens; c0 += U) {
+        const int32_t n = std::min(U, n_tokens - c0);
+        llama_batch & b = m.batch;
+        b.n_tokens = n;
+        b.token = (tokens && (m.first || in.needs_token_ids)) ? const_cast<int32_t *>(tokens + c0) : nullptr;
+        b.embd = m.first ? nullptr : const_cast<float *>(boundary + (size_t) c0 * W);
+        for (int32_t i = 0; i < n; ++i) {
+            b.pos[i] = pos[c0 + i];
+            b.seq_id[i][0] = slot;
+            int8_t o = 0;
+            if (m.last) o = want ? (want[c0 + i] ? 1 : 0) : (c0 + i == n_tokens - 1 ? 1 : 0);
+            b.logits[i] = o;
+        }
+        const int32_t rc = llama_decode(m.ctx, b);
+        b.token = nullptr;
+        b.embd = nullptr;
+        if (rc != 0) {
+            // Never leave a half-computed step behind: the slot must be re-prefilled.
+            llama_memory_seq_rm(llama_get_memory(m.ctx), slot, -1, -1);
+            std::string why = log_last_error();
+            return Status(rc == 1 ? kContextFull : kEngineError,
+                          "llama_decode failed with code " + std::to_string(rc) + " at position " +
+                          std::to_string(pos[c0]) + "; slot " + std::to_string(slot) +
+                          " was cleared and must be re-prefilled" + (why.empty() ? "" : ": " + why));
+        }
+        if (m.last) {
+            for (int32_t i = 0; i < n; ++i) {
+                if (!b.logits[i]) continue;
+                const float * row = llama_get_logits_ith(m.ctx, i);
+                if (!row) return Status(kEngineError, "llama.cpp returned no logits for row " + std::to_string(c0 + i));
+                std::memcpy(out + (size_t) rows_out * width, row, sizeof(float) * (size_t) width);
+                ++rows_out;
+            }
+        } else {
+#if DGR_LAYER_RANGE
+            const float * bnd = llama_get_boundary(m.ctx);
+            if (!bnd) return Status(kEngineError, "llama.cpp returned no boundary");
+            std::memcpy(out + (size_t) rows_out * width, bnd, sizeof(float) * (size_t) n * width);
+            rows_out += n;
+#else
+            return Status(kUnsupportedArch, "this build of llama.cpp has no layer ranges");
+#endif
+        }
+    }
+    *n_out_rows = rows_out;
+    return Status();
+}
+
+}  // namespace dgr

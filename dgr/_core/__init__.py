@@ -1,0 +1,14 @@
+"""Private compiled core of dgr (Cython over cpp/). Import ``dgr`` instead."""
+
+try:
+    from ._core import HAS_LAYER_RANGES, Engine
+except ImportError as _e:  # pragma: no cover - exercised by tests with a hidden build
+    from ..errors import CoreNotBuilt
+
+    raise CoreNotBuilt(
+        "dgr's compiled core (dgr._core._core) is not built or does not match this Python: "
+        f"{_e}. Build it from the source checkout with `pip install -e .` (it fetches, patches "
+        "and builds the pinned llama.cpp; `python -m dgr.vendor status` shows the cache)."
+    ) from _e
+
+__all__ = ["Engine", "HAS_LAYER_RANGES"]

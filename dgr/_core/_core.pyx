@@ -1,0 +1,179 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, embedsignature=True
+"""Private compiled core of dgr: binds dgr::Engine (cpp/). Users import ``dgr``."""
+
+from libc.stdint cimport int32_t, uint8_t
+from libc.string cimport memcpy
+from libcpp.memory cimport unique_ptr
+from libcpp.string cimport string
+from libcpp.utility cimport move
+from libcpp.vector cimport vector
+
+cimport numpy as cnp
+import numpy as np
+
+from dgr._core.includes.engine cimport (
+    CEngine, CEngineConfig, CEngineInfo, CStatus, HasLayerRanges,
+)
+from dgr import errors as _errors
+
+cnp.import_array()
+
+HAS_LAYER_RANGES = HasLayerRanges()
+
+
+cdef int check_status(const CStatus & st) except -1:
+    """The one bridge from dgr::Status to the classes of dgr/errors.py."""
+    if st.ok():
+        return 0
+    raise _errors.from_code(st.code, st.message.decode("utf-8", "replace"))
+
+
+cdef class Engine:
+    """A share of a GGUF model (layers [a, b)) on the CPU, with sequence slots.
+
+    This is the compiled half; ``dgr.Engine`` is the documented public class.
+    """
+
+    cdef unique_ptr[CEngine] _e
+    cdef readonly int32_t n_vocab
+    cdef readonly int32_t n_embd_boundary
+    cdef readonly int32_t output_width
+    cdef readonly bint is_first
+    cdef readonly bint is_last
+    cdef readonly bint needs_token_ids
+    cdef readonly int32_t n_slots
+
+    def __cinit__(self, str model_path, int layer_start=0, int layer_end=-1, *,
+                  unsigned int n_ctx=1024, unsigned int n_slots=1, int n_threads=1,
+                  unsigned int n_ubatch=64, bint flash_attn=True, str type_k="f16",
+                  str type_v="f16", bint use_mmap=True, bint mtp=False):
+        cdef CEngineConfig cfg
+        cdef CStatus st
+        cdef unique_ptr[CEngine] e
+        cfg.model_path = model_path.encode("utf-8")
+        cfg.layer_start = layer_start
+        cfg.layer_end = layer_end
+        cfg.n_ctx = n_ctx
+        cfg.n_slots = n_slots
+        cfg.n_threads = n_threads
+        cfg.n_ubatch = n_ubatch
+        cfg.flash_attn = flash_attn
+        cfg.type_k = type_k.encode()
+        cfg.type_v = type_v.encode()
+        cfg.use_mmap = use_mmap
+        cfg.mtp = mtp
+        with nogil:
+            st = CEngine.Load(cfg, &e)
+        check_status(st)
+        self._e = move(e)
+        cdef const CEngineInfo * info = &self._e.get().info()
+        self.n_vocab = info.n_vocab
+        self.n_embd_boundary = info.n_embd_boundary
+        self.output_width = self._e.get().OutputWidth()
+        self.is_first = self._e.get().is_first()
+        self.is_last = self._e.get().is_last()
+        self.needs_token_ids = info.needs_token_ids
+        self.n_slots = info.n_slots
+
+    def _info(self):
+        """Engine facts as a dict (memory figures refreshed)."""
+        self._e.get().RefreshMemory()
+        cdef const CEngineInfo * i = &self._e.get().info()
+        return {
+            "arch": i.arch.decode(), "desc": i.desc.decode("utf-8", "replace"),
+            "n_layer": i.n_layer, "layer_start": i.layer_start, "layer_end": i.layer_end,
+            "n_embd": i.n_embd, "n_embd_boundary": i.n_embd_boundary, "n_vocab": i.n_vocab,
+            "n_ctx_train": i.n_ctx_train, "n_ctx": i.n_ctx, "n_ctx_alloc": i.n_ctx_alloc,
+            "n_slots": i.n_slots, "n_ubatch": i.n_ubatch, "n_threads": i.n_threads,
+            "flash_attn": bool(i.flash_attn), "type_k": i.type_k.decode(),
+            "type_v": i.type_v.decode(), "hash_layer_count": i.hash_layer_count,
+            "needs_token_ids": bool(i.needs_token_ids), "n_params": i.n_params,
+            "weight_bytes": i.weight_bytes, "kv_bytes": i.kv_bytes,
+            "compute_bytes": i.compute_bytes, "token_bos": i.token_bos,
+            "token_eos": i.token_eos, "add_bos": bool(i.add_bos),
+        }
+
+    def tokenize(self, text, bint add_special=True, bint parse_special=False):
+        """Token ids of ``text`` (str or bytes) as an int32 array."""
+        cdef string s = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        cdef vector[int32_t] out
+        cdef CStatus st
+        with nogil:
+            st = self._e.get().Tokenize(s, add_special, parse_special, &out)
+        check_status(st)
+        arr = np.empty(out.size(), dtype=np.int32)
+        cdef int32_t[::1] view = arr
+        if out.size():
+            memcpy(&view[0], out.data(), out.size() * sizeof(int32_t))
+        return arr
+
+    def detokenize(self, tokens, bint remove_special=False, bint unparse_special=False):
+        """Text of ``tokens`` (any int sequence)."""
+        cdef cnp.ndarray arr = np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1)
+        cdef string out
+        cdef CStatus st
+        cdef const int32_t * p = <const int32_t *> cnp.PyArray_DATA(arr)
+        cdef size_t n = arr.shape[0]
+        with nogil:
+            st = self._e.get().Detokenize(p, n, remove_special, unparse_special, &out)
+        check_status(st)
+        return out.decode("utf-8", "replace")
+
+    def is_eog(self, int token):
+        """Whether ``token`` ends a generation (EOS, EOT, ...)."""
+        return self._e.get().IsEog(token)
+
+    def next_pos(self, int slot):
+        """Position the slot expects next (0 when empty)."""
+        cdef int32_t p = self._e.get().NextPos(slot)
+        if p < 0:
+            raise _errors.UnknownSlot(
+                f"slot {slot} does not exist; this engine has slots 0..{self.n_slots - 1}")
+        return p
+
+    def release(self, int slot):
+        """Drop the slot's state; its next forward starts at position 0."""
+        cdef CStatus st
+        with nogil:
+            st = self._e.get().Release(slot)
+        check_status(st)
+
+    def _forward(self, int slot, cnp.ndarray pos, object tokens, object boundary,
+                 object want, object out):
+        """Validated-array forward; see ``dgr.Engine.forward``."""
+        cdef int32_t n = pos.shape[0]
+        cdef const int32_t * ppos = <const int32_t *> cnp.PyArray_DATA(pos)
+        cdef const int32_t * ptok = NULL
+        cdef const float * pbnd = NULL
+        cdef const uint8_t * pwant = NULL
+        cdef cnp.ndarray a
+        cdef int32_t rows
+        if tokens is not None:
+            a = <cnp.ndarray> tokens
+            ptok = <const int32_t *> cnp.PyArray_DATA(a)
+        if boundary is not None:
+            a = <cnp.ndarray> boundary
+            pbnd = <const float *> cnp.PyArray_DATA(a)
+        if want is not None:
+            a = <cnp.ndarray> want
+            pwant = <const uint8_t *> cnp.PyArray_DATA(a)
+            rows = <int32_t> np.count_nonzero(want) if self.is_last else n
+        else:
+            rows = 1 if self.is_last else n
+        if out is None:
+            out = np.empty((rows, self.output_width), dtype=np.float32)
+        cdef cnp.ndarray o = <cnp.ndarray> out
+        if (o.dtype != np.float32 or not o.flags.c_contiguous or not o.flags.writeable
+                or o.ndim != 2 or o.shape[0] < rows or o.shape[1] != self.output_width):
+            raise _errors.InvalidArgument(
+                f"out must be a writable C-contiguous float32 array of shape "
+                f"[>={rows}, {self.output_width}]")
+        cdef float * pout = <float *> cnp.PyArray_DATA(o)
+        cdef size_t cap = <size_t> o.shape[0] * <size_t> o.shape[1]
+        cdef int32_t n_rows = 0
+        cdef CStatus st
+        with nogil:
+            st = self._e.get().Forward(slot, ppos, ptok, pbnd, n, pwant, pout, cap, &n_rows)
+        check_status(st)
+        return out if o.shape[0] == n_rows else out[:n_rows]
+

@@ -1,0 +1,78 @@
+# Declarations of cpp/include/dgr/*.h: all that Cython sees of the engine.
+from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
+from libcpp cimport bool
+from libcpp.memory cimport unique_ptr
+from libcpp.string cimport string
+from libcpp.vector cimport vector
+
+
+cdef extern from "dgr/status.h" namespace "dgr" nogil:
+    cdef cppclass CStatus "dgr::Status":
+        int code
+        string message
+        bool ok()
+
+
+cdef extern from "dgr/engine.h" namespace "dgr" nogil:
+    cdef cppclass CEngineConfig "dgr::EngineConfig":
+        string model_path
+        int32_t layer_start
+        int32_t layer_end
+        uint32_t n_ctx
+        uint32_t n_slots
+        int32_t n_threads
+        uint32_t n_ubatch
+        bool flash_attn
+        string type_k
+        string type_v
+        bool use_mmap
+        bool mtp
+
+    cdef cppclass CEngineInfo "dgr::EngineInfo":
+        string arch
+        string desc
+        int32_t n_layer
+        int32_t layer_start
+        int32_t layer_end
+        int32_t n_embd
+        int32_t n_embd_boundary
+        int32_t n_vocab
+        int32_t n_ctx_train
+        uint32_t n_ctx
+        uint32_t n_ctx_alloc
+        uint32_t n_slots
+        uint32_t n_ubatch
+        int32_t n_threads
+        bool flash_attn
+        string type_k
+        string type_v
+        int32_t hash_layer_count
+        bool needs_token_ids
+        uint64_t n_params
+        uint64_t weight_bytes
+        uint64_t kv_bytes
+        uint64_t compute_bytes
+        int32_t token_bos
+        int32_t token_eos
+        bool add_bos
+
+    cdef cppclass CEngine "dgr::Engine":
+        @staticmethod
+        CStatus Load(const CEngineConfig & cfg, unique_ptr[CEngine] * out)
+        const CEngineInfo & info()
+        bool is_first()
+        bool is_last()
+        CStatus Tokenize(const string & text, bool add_special, bool parse_special,
+                         vector[int32_t] * out)
+        CStatus Detokenize(const int32_t * tokens, size_t n, bool remove_special,
+                           bool unparse_special, string * out)
+        bool IsEog(int32_t token)
+        int32_t OutputWidth()
+        CStatus Forward(int32_t slot, const int32_t * pos, const int32_t * tokens,
+                        const float * boundary, int32_t n_tokens, const uint8_t * want,
+                        float * out, size_t out_capacity, int32_t * n_out_rows)
+        CStatus Release(int32_t slot)
+        int32_t NextPos(int32_t slot)
+        void RefreshMemory()
+
+    bool HasLayerRanges()

@@ -1,0 +1,206 @@
+"""``dgr.Engine``: the public Python face of the compiled range engine."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import errors
+from ._core import Engine as _CoreEngine
+from .identity import model_identity
+
+__all__ = ["Engine", "NUMERIC_SETTINGS"]
+
+# The settings that decide numerics: every stage of a route and any reference must agree on
+# all of them for results to be bit-identical (see shared/design/LLAMA_CPP_NOTES.md §6).
+NUMERIC_SETTINGS = ("n_ctx", "n_slots", "n_threads", "n_ubatch", "flash_attn", "type_k", "type_v")
+
+
+class Engine(_CoreEngine):
+    """Layers ``[a, b)`` of a GGUF model, computed by the patched llama.cpp on the CPU.
+
+    Parameters
+    ----------
+    model : str or os.PathLike
+        Path of a ``.gguf`` file.
+    layers : (int, int), optional
+        The owned layer range ``[a, b)`` in absolute indices; ``None`` for the whole model.
+        The first stage (``a == 0``) takes token ids; later stages take the boundary (the
+        residual stream entering layer ``a``). The last stage (``b == n_layer``) returns
+        logits; earlier stages return the boundary after layer ``b - 1``.
+    n_ctx : int
+        Context tokens per slot.
+    n_slots : int
+        Concurrent sequences; each has its own KV stream.
+    n_threads : int
+        CPU threads for every step (prompt and decode alike).
+    n_ubatch : int
+        Tokens per compute chunk (``n_batch == n_ubatch``); longer inputs are chunked.
+    flash_attn : bool
+        Flash attention on or off (never "auto").
+    type_k, type_v : str
+        KV cache types (``"f16"``, ``"f32"``, ``"bf16"``, ``"q8_0"``, ...).
+    use_mmap : bool
+        Map the file instead of reading it (does not change numerics).
+
+    Raises
+    ------
+    dgr.errors.ModelNotFound, dgr.errors.InvalidModel
+        The file is missing, not GGUF, or truncated.
+    dgr.errors.InvalidLayerRange, dgr.errors.UnsupportedArchitecture
+        The range is empty or outside ``[0, n_layer)``, or the architecture has no stage graph.
+    dgr.errors.InvalidArgument
+        A setting is out of range.
+    """
+
+    def __init__(self, model: str | os.PathLike, layers: tuple[int, int] | None = None, *,
+                 n_ctx: int = 1024, n_slots: int = 1, n_threads: int = 1, n_ubatch: int = 64,
+                 flash_attn: bool = True, type_k: str = "f16", type_v: str = "f16",
+                 use_mmap: bool = True, mtp: bool = False):
+        self.model_path = os.fspath(model)
+        self.settings = {"n_ctx": n_ctx, "n_slots": n_slots, "n_threads": n_threads,
+                         "n_ubatch": n_ubatch, "flash_attn": bool(flash_attn),
+                         "type_k": type_k, "type_v": type_v}
+        info = self._info()
+        self.n_layer: int = info["n_layer"]
+        self.layers: tuple[int, int] = (info["layer_start"], info["layer_end"])
+        self.n_embd: int = info["n_embd"]
+        self.arch: str = info["arch"]
+        self._identity: str | None = None
+
+    def __new__(cls, model: str | os.PathLike, layers: tuple[int, int] | None = None, **kw: Any):
+        if layers is None:
+            a, b = 0, -1
+        else:
+            try:
+                a, b = (int(x) for x in layers)
+            except (TypeError, ValueError):
+                raise errors.InvalidLayerRange(
+                    f"layers must be a pair (start, end), got {layers!r}") from None
+            if b < 0:
+                raise errors.InvalidLayerRange(f"layer range end must be >= 0, got {b}")
+        for name in ("n_ctx", "n_slots", "n_threads", "n_ubatch"):
+            if name in kw and (not isinstance(kw[name], (int, np.integer)) or kw[name] < 1):
+                raise errors.InvalidArgument(f"{name} must be a positive integer, got {kw[name]!r}")
+        return super().__new__(cls, os.fspath(model), a, b, **kw)
+
+    # -- facts ------------------------------------------------------------------------
+
+    @property
+    def identity(self) -> str:
+        """Content hash of the model file (``sha256:...``), computed once and cached."""
+        if self._identity is None:
+            self._identity = model_identity(self.model_path)
+        return self._identity
+
+    def describe(self) -> dict[str, Any]:
+        """What this engine serves: architecture, sizes, range, settings, memory, identity."""
+        info = self._info()
+        info.update(
+            model=self.model_path,
+            identity=self.identity,
+            vocab_size=info["n_vocab"],
+            layers=list(self.layers),
+            is_first=self.is_first,
+            is_last=self.is_last,
+            boundary_width=info["n_embd_boundary"],
+            boundary_dtype="float32",
+            settings=dict(self.settings),
+        )
+        return info
+
+    def __repr__(self) -> str:
+        a, b = self.layers
+        return (f"<dgr.Engine {self.arch} layers [{a}, {b}) of {self.n_layer} "
+                f"{os.path.basename(self.model_path)!r}>")
+
+    # -- compute ----------------------------------------------------------------------
+
+    def forward(self, slot: int, positions: int | Sequence[int] | np.ndarray,
+                tokens: Sequence[int] | np.ndarray | None = None,
+                boundary: np.ndarray | None = None, *,
+                logits: str | Sequence[bool] | np.ndarray = "last",
+                out: np.ndarray | None = None) -> np.ndarray:
+        """Run tokens (first stage) or a boundary (later stages) through the owned layers.
+
+        Parameters
+        ----------
+        slot : int
+            Sequence slot in ``[0, n_slots)``.
+        positions : int or int array
+            Absolute positions of the rows, contiguous and continuing the slot; an int is the
+            first position.
+        tokens : int array, optional
+            Token ids; required on the first stage (and on stages that route by token id).
+        boundary : float32 array ``[n_tokens, boundary_width]``, optional
+            Required on non-first stages.
+        logits : "last", "all" or a boolean mask
+            Last stage only: which rows return logits.
+        out : float32 array, optional
+            Reused output buffer (C-contiguous, enough rows).
+
+        Returns
+        -------
+        numpy.ndarray
+            float32 ``[rows, n_vocab]`` logits on the last stage, else the boundary
+            ``[n_tokens, boundary_width]``. The array is the caller's (no aliasing of engine
+            memory).
+
+        Raises
+        ------
+        dgr.errors.InvalidToken, dgr.errors.InvalidPosition, dgr.errors.ContextFull,
+        dgr.errors.UnknownSlot, dgr.errors.InvalidBoundary, dgr.errors.MissingTokenIds
+        """
+        tok = None
+        if tokens is not None:
+            tok = np.ascontiguousarray(tokens, dtype=np.int32)
+            if tok.ndim != 1:
+                raise errors.InvalidArgument(f"tokens must be 1-D, got shape {tok.shape}")
+        bnd = None
+        if boundary is not None:
+            if not isinstance(boundary, np.ndarray) or boundary.dtype != np.float32:
+                raise errors.InvalidBoundary(
+                    f"boundary must be a float32 numpy array, got "
+                    f"{getattr(boundary, 'dtype', type(boundary).__name__)}")
+            if boundary.ndim != 2 or boundary.shape[1] != self.n_embd_boundary:
+                raise errors.InvalidBoundary(
+                    f"boundary must have shape [n_tokens, {self.n_embd_boundary}], "
+                    f"got {list(boundary.shape)}")
+            bnd = np.ascontiguousarray(boundary)
+            if self.is_first:
+                raise errors.InvalidBoundary(
+                    f"stage [{self.layers[0]}, {self.layers[1]}) is the first stage: it takes "
+                    "token ids, not a boundary")
+        n = len(tok) if tok is not None else (len(bnd) if bnd is not None else 0)
+        if tok is not None and bnd is not None and len(tok) != len(bnd):
+            raise errors.InvalidBoundary(
+                f"boundary has {len(bnd)} rows but {len(tok)} token ids were given")
+        if isinstance(positions, (int, np.integer)):
+            pos = np.arange(int(positions), int(positions) + n, dtype=np.int32)
+        else:
+            pos = np.ascontiguousarray(positions, dtype=np.int32)
+            if pos.ndim != 1:
+                raise errors.InvalidPosition(f"positions must be 1-D, got shape {pos.shape}")
+            if n and len(pos) != n:
+                what = "boundary rows" if tok is None else "tokens"
+                raise errors.InvalidPosition(f"{len(pos)} positions for {n} {what}")
+        if len(pos) == 0:
+            raise errors.InvalidArgument("forward needs at least one token")
+        want = None
+        if self.is_last:
+            if isinstance(logits, str):
+                if logits == "all":
+                    want = np.ones(len(pos), dtype=np.uint8)
+                elif logits != "last":
+                    raise errors.InvalidArgument(
+                        f"logits must be 'last', 'all' or a mask, got {logits!r}")
+            else:
+                want = np.ascontiguousarray(logits, dtype=np.bool_).view(np.uint8)
+                if want.shape != (len(pos),):
+                    raise errors.InvalidArgument(
+                        f"logits mask must have one entry per token ({len(pos)}), "
+                        f"got shape {want.shape}")
+        return self._forward(int(slot), pos, tok, bnd, want, out)
+

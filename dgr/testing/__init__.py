@@ -1,0 +1,1 @@
+"""Test support shipped with dgr: model fixtures and helpers for the project's tests."""

@@ -1,0 +1,465 @@
+"""Fetch, patch and build the pinned llama.cpp into an out-of-tree cache.
+
+The one pin is ``vendor-manifest.json`` at the repository root: the llama.cpp commit, the
+PyPI sdist that vendors exactly that tree (with its sha256), the ordered patch stack (a
+sha256 per patch) and the cmake options. Everything this module writes lives in a workspace
+under ``$DGR_CACHE`` (default ``~/.cache/dgr``) keyed by a hash of the manifest, the patches,
+the cmake options (``CMAKE_ARGS`` included) and the compiler, so a rebuild with the same
+inputs costs nothing and a change of any input gets a fresh workspace.
+
+Only the standard library is used: ``setup.py`` imports this module before any dependency
+is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import VendorError
+
+__all__ = ["Vendor", "cache_root", "repo_root", "main"]
+
+STAMP_VERSION = 1
+
+
+def repo_root() -> Path:
+    """The source checkout holding ``vendor-manifest.json`` and ``patches/``."""
+    return Path(__file__).resolve().parent.parent
+
+
+def cache_root() -> Path:
+    """``$DGR_CACHE`` or ``~/.cache/dgr``."""
+    env = os.environ.get("DGR_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "dgr"
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _say(msg: str) -> None:
+    print(f"[dgr.vendor] {msg}", file=sys.stderr, flush=True)
+
+
+def _compiler_id() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "c++"
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+        first = out.splitlines()[0] if out else cxx
+    except (OSError, subprocess.SubprocessError):
+        first = cxx
+    return f"{cxx}: {first}"
+
+
+@dataclass(frozen=True)
+class Patch:
+    file: str
+    sha256: str
+
+
+class Vendor:
+    """One manifest's workspace: paths, key, and the fetch/patch/build steps.
+
+    Parameters
+    ----------
+    root : Path, optional
+        Repository root holding the manifest and ``patches/``.
+    cache : Path, optional
+        Cache root; defaults to :func:`cache_root`.
+    """
+
+    def __init__(self, root: Path | None = None, cache: Path | None = None):
+        self.root = Path(root) if root else repo_root()
+        self.cache = Path(cache) if cache else cache_root()
+        manifest_path = self.root / "vendor-manifest.json"
+        try:
+            self.manifest = json.loads(manifest_path.read_text())
+        except (OSError, ValueError) as e:
+            raise VendorError(f"cannot read {manifest_path}: {e}") from e
+        self.llama = self.manifest["llama_cpp"]
+        self.source = self.llama["source"]
+        self.commit = self.llama["commit"]
+        self.patches = [Patch(p["file"], p["sha256"]) for p in self.manifest.get("patches", [])]
+        self.cmake_options = list(self.manifest["cmake"]["options"])
+        self.extra_cmake_args = shlex.split(os.environ.get("CMAKE_ARGS", ""))
+        self.targets = list(self.manifest["cmake"]["targets"])
+        self.known_tools = list(self.manifest["cmake"].get("tools", []))
+
+    # -- identity -------------------------------------------------------------------
+
+    @property
+    def patch_dir(self) -> Path:
+        return self.root / "patches"
+
+    def patch_stack_hash(self) -> str:
+        """sha256 over the ordered patch contents (what a lane's identity records)."""
+        h = hashlib.sha256()
+        for p in self.patches:
+            h.update(p.file.encode() + b"\0")
+            path = self.patch_dir / p.file
+            h.update(path.read_bytes() if path.exists() else b"<missing>")
+            h.update(b"\0")
+        return h.hexdigest()
+
+    def key(self) -> str:
+        h = hashlib.sha256()
+        h.update(json.dumps(self.manifest, sort_keys=True).encode())
+        h.update(self.patch_stack_hash().encode())
+        h.update(json.dumps(self.extra_cmake_args).encode())
+        h.update(_compiler_id().encode())
+        return h.hexdigest()[:16]
+
+    @property
+    def workspace(self) -> Path:
+        return self.cache / f"llama.cpp-{self.key()}"
+
+    @property
+    def src(self) -> Path:
+        return self.workspace / "src"
+
+    @property
+    def build_dir(self) -> Path:
+        return self.workspace / "build"
+
+    @property
+    def archive(self) -> Path:
+        return self.cache / "downloads" / self.source["filename"]
+
+    def _stamp(self, name: str) -> Path:
+        return self.workspace / f"{name}.stamp.json"
+
+    def _read_stamp(self, name: str) -> dict | None:
+        try:
+            return json.loads(self._stamp(name).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _write_stamp(self, name: str, data: dict) -> None:
+        data = {"stamp_version": STAMP_VERSION, "key": self.key(), "time": time.time(), **data}
+        tmp = self._stamp(name).with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2))
+        tmp.replace(self._stamp(name))
+
+    # -- fetch ----------------------------------------------------------------------
+
+    def _download(self) -> None:
+        dest = self.archive
+        if dest.exists() and _sha256_file(dest) == self.source["sha256"]:
+            return
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        spec = f"{self.source['package']}=={self.source['version']}"
+        _say(f"downloading {spec} (source distribution) with pip")
+        # Run pip outside any build-isolation overlay (setup.py may be running inside one).
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE")}
+        with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+            base = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                    "--disable-pip-version-check", "-d", tmp, spec]
+            # pip prepares the sdist's metadata; without isolation that needs its build backend
+            # (scikit-build-core) installed, so fall back to pip's isolated preparation.
+            for extra in (["--no-build-isolation"], []):
+                proc = subprocess.run(base + extra, capture_output=True, text=True, env=env)
+                got = Path(tmp) / self.source["filename"]
+                if got.exists():
+                    got.replace(dest)
+                    return
+            raise VendorError(
+                f"pip download of {spec} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}"
+            )
+
+    def fetch(self) -> Path:
+        """Download the pinned sdist, check its sha256, unpack the llama.cpp subtree."""
+        if self.src.exists() and self._read_stamp("fetch"):
+            return self.src
+        self._download()
+        digest = _sha256_file(self.archive)
+        if digest != self.source["sha256"]:
+            raise VendorError(
+                f"{self.archive} has sha256 {digest}, the manifest pins {self.source['sha256']}: "
+                "refusing to unpack (delete the file to download it again)"
+            )
+        self.workspace.mkdir(parents=True, exist_ok=True)
+        if self.src.exists():
+            shutil.rmtree(self.src)
+        prefix = self.source["subpath"].rstrip("/") + "/"
+        tmp = Path(tempfile.mkdtemp(prefix="src-", dir=self.workspace))
+        _say(f"unpacking llama.cpp {self.commit[:12]} into {self.src}")
+        with tarfile.open(self.archive, "r:gz") as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+            if not members:
+                raise VendorError(f"{self.archive} has no {prefix!r} subtree")
+            for i, m in enumerate(members):
+                m.name = m.name[len(prefix):]
+                if not m.name or m.name.startswith("/") or ".." in Path(m.name).parts:
+                    continue
+                tar.extract(m, tmp, filter="data")
+                if (i + 1) % 2000 == 0 or i + 1 == len(members):
+                    _say(f"  unpacked {i + 1}/{len(members)} files")
+        # The sdist keeps a .git *file* pointing at a parent repository that is not there.
+        gitfile = tmp / ".git"
+        if gitfile.is_file():
+            gitfile.unlink()
+        tmp.replace(self.src)
+        for name in ("patch", "build"):
+            self._stamp(name).unlink(missing_ok=True)
+        self._write_stamp("fetch", {"commit": self.commit, "archive_sha256": digest})
+        return self.src
+
+    # -- patch ----------------------------------------------------------------------
+
+    def check_patches(self) -> list[str]:
+        """Problems with the patch stack: missing files, sha256 mismatches, unlisted files."""
+        problems = []
+        listed = set()
+        for p in self.patches:
+            listed.add(p.file)
+            path = self.patch_dir / p.file
+            if not path.exists():
+                problems.append(f"{p.file}: listed in the manifest but missing from patches/")
+            elif _sha256_file(path) != p.sha256:
+                problems.append(
+                    f"{p.file}: sha256 {_sha256_file(path)} differs from the manifest's {p.sha256} "
+                    "(run `python -m dgr.vendor pin` after editing a patch)"
+                )
+        for path in sorted(self.patch_dir.glob("[0-9][0-9][0-9][0-9]-*.patch")):
+            if path.name not in listed:
+                problems.append(f"{path.name}: in patches/ but not listed in vendor-manifest.json")
+        return problems
+
+    def patch(self) -> Path:
+        """Apply ``patches/NNNN-*.patch`` in manifest order; stop at the first that fails."""
+        stamp = self._read_stamp("patch")
+        if stamp and stamp.get("patches") == [p.file for p in self.patches]:
+            return self.src
+        # Patch only a freshly unpacked tree, so an interrupted run never leaves half a stack.
+        self._stamp("fetch").unlink(missing_ok=True)
+        self.fetch()
+        problems = self.check_patches()
+        if problems:
+            raise VendorError("patch stack does not match the manifest:\n  " + "\n  ".join(problems))
+        git = shutil.which("git")
+        for i, p in enumerate(self.patches, 1):
+            path = self.patch_dir / p.file
+            _say(f"applying patch {i}/{len(self.patches)}: {p.file}")
+            if git:
+                cmd = [git, "apply", "--whitespace=nowarn", "-p1", str(path)]
+            else:
+                cmd = ["patch", "-p1", "--forward", "--batch", "-i", str(path)]
+            proc = subprocess.run(cmd, cwd=self.src, capture_output=True, text=True)
+            if proc.returncode != 0:
+                # a half-patched tree must not be reused
+                self._stamp("fetch").unlink(missing_ok=True)
+                raise VendorError(
+                    f"patch {p.file} does not apply to llama.cpp {self.commit[:12]}:\n"
+                    f"{(proc.stderr or proc.stdout)[-2000:]}"
+                )
+        self._write_stamp("patch", {"patches": [p.file for p in self.patches],
+                                    "patch_stack_hash": self.patch_stack_hash()})
+        return self.src
+
+    # -- build ----------------------------------------------------------------------
+
+    def _cmake(self) -> str:
+        cmake = shutil.which("cmake")
+        if cmake is None:
+            raise VendorError("cmake not found: `pip install cmake ninja` or install it from your OS")
+        return cmake
+
+    def configure(self) -> None:
+        cmake = self._cmake()
+        gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+        cmd = [cmake, "-S", str(self.src), "-B", str(self.build_dir), *gen,
+               *self.cmake_options, *self.extra_cmake_args]
+        _say("configuring: " + " ".join(shlex.quote(c) for c in cmd[1:]))
+        self._run(cmd, "cmake configure")
+
+    def _run(self, cmd: list[str], what: str) -> None:
+        """Run a build step, echoing ninja/make progress lines; keep the tail for errors."""
+        tail: list[str] = []
+        last = 0.0
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                errors="replace")
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            tail.append(line)
+            del tail[:-60]
+            m = re.match(r"^\[(\d+)/(\d+)\]", line)
+            now = time.monotonic()
+            if m and (now - last > 5 or m.group(1) == m.group(2)):
+                _say(f"  {what}: {m.group(1)}/{m.group(2)} steps")
+                last = now
+        if proc.wait() != 0:
+            raise VendorError(f"{what} failed (exit {proc.returncode}):\n{''.join(tail)}")
+
+    def jobs(self) -> int:
+        return int(os.environ.get("DGR_BUILD_JOBS") or os.cpu_count() or 2)
+
+    def build(self, tools: list[str] | None = None) -> Path:
+        """Build the static libraries (and ``tools``); reuse a current build."""
+        tools = list(tools or [])
+        unknown = [t for t in tools if t not in self.known_tools]
+        if unknown:
+            raise VendorError(f"unknown tool(s) {unknown}; known: {self.known_tools}")
+        stamp = self._read_stamp("build")
+        have_tools = set(stamp.get("tools", [])) if stamp else set()
+        if stamp and set(tools) <= have_tools and all(self.tool_path(t).exists() for t in tools):
+            return self.build_dir
+        self.patch()
+        if not (self.build_dir / "CMakeCache.txt").exists():
+            self.configure()
+        targets = self.targets + [t for t in tools if t not in self.targets]
+        t0 = time.monotonic()
+        _say(f"building {', '.join(targets)} with {self.jobs()} jobs (a cold build of libllama "
+             "takes a few minutes on 2 cores)")
+        self._run([self._cmake(), "--build", str(self.build_dir), "-j", str(self.jobs()),
+                   "--target", *targets], "build")
+        _say(f"built in {time.monotonic() - t0:.0f} s")
+        missing = [str(p) for p in self.libraries() if not p.exists()]
+        if missing:
+            raise VendorError(f"build finished but libraries are missing: {missing}")
+        self._write_stamp("build", {"targets": self.targets, "tools": sorted(have_tools | set(tools)),
+                                    "cmake_options": self.cmake_options,
+                                    "cmake_args": self.extra_cmake_args,
+                                    "compiler": _compiler_id()})
+        return self.build_dir
+
+    def is_built(self) -> bool:
+        return self._read_stamp("build") is not None and all(p.exists() for p in self.libraries())
+
+    def libraries(self) -> list[Path]:
+        """Static archives to link, dependents before their dependencies."""
+        b = self.build_dir
+        libs = [b / "src" / "libllama.a", b / "ggml" / "src" / "libggml.a"]
+        # backend archives (ggml-cpu, ggml-rpc, ggml-cuda, ...) sit between ggml and ggml-base
+        backends = sorted(p for p in (b / "ggml" / "src").rglob("libggml-*.a")
+                          if p.name != "libggml-base.a")
+        return libs + backends + [b / "ggml" / "src" / "libggml-base.a"]
+
+    def include_dirs(self) -> list[Path]:
+        return [self.src / "include", self.src / "ggml" / "include", self.src / "src"]
+
+    def tool_path(self, name: str) -> Path:
+        return self.build_dir / "bin" / name
+
+    def gguf_py(self) -> Path:
+        """The pinned tree's gguf-py (its constants match the pinned loader)."""
+        return self.src / "gguf-py"
+
+    def link_args(self) -> list[str]:
+        """System libraries the static archives need (read from the cmake cache)."""
+        args = ["-lpthread", "-ldl", "-lm"]
+        cache = self.build_dir / "CMakeCache.txt"
+        text = cache.read_text(errors="replace") if cache.exists() else ""
+        if re.search(r"^GGML_OPENMP:BOOL=ON", text, re.M) and "OpenMP_CXX_FLAGS" in text:
+            args.insert(0, "-fopenmp")
+        return args
+
+    # -- reports --------------------------------------------------------------------
+
+    def status(self) -> dict:
+        return {
+            "commit": self.commit,
+            "source": f"{self.source['package']}=={self.source['version']} ({self.source['subpath']})",
+            "patches": [p.file for p in self.patches],
+            "patch_stack_hash": self.patch_stack_hash(),
+            "key": self.key(),
+            "cache": str(self.workspace),
+            "fetched": self._read_stamp("fetch") is not None,
+            "patched": self._read_stamp("patch") is not None,
+            "built": self.is_built(),
+            "tools": (self._read_stamp("build") or {}).get("tools", []),
+            "current": self.is_built() and not self.check_patches(),
+        }
+
+    def verify(self) -> list[str]:
+        """Everything that does not match the pin; empty when all is well."""
+        problems = self.check_patches()
+        if self.archive.exists():
+            digest = _sha256_file(self.archive)
+            if digest != self.source["sha256"]:
+                problems.append(f"{self.archive}: sha256 {digest} != {self.source['sha256']}")
+        else:
+            problems.append(f"{self.archive}: not downloaded (run `python -m dgr.vendor fetch`)")
+        if not self.is_built():
+            problems.append(f"{self.workspace}: not built (run `python -m dgr.vendor build`)")
+        return problems
+
+    def pin(self) -> list[Patch]:
+        """Rewrite the manifest's patch list from ``patches/NNNN-*.patch`` (sorted)."""
+        files = sorted(self.patch_dir.glob("[0-9][0-9][0-9][0-9]-*.patch"))
+        self.manifest["patches"] = [{"file": f.name, "sha256": _sha256_file(f)} for f in files]
+        path = self.root / "vendor-manifest.json"
+        path.write_text(json.dumps(self.manifest, indent=2) + "\n")
+        self.patches = [Patch(p["file"], p["sha256"]) for p in self.manifest["patches"]]
+        return self.patches
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m dgr.vendor",
+        description="Fetch, patch and build the llama.cpp pinned by vendor-manifest.json into "
+                    "$DGR_CACHE (default ~/.cache/dgr). Each step runs the ones before it when "
+                    "needed and reuses what is current.",
+    )
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("fetch", help="download the pinned sdist with pip, check sha256, unpack llama.cpp")
+    sub.add_parser("patch", help="apply patches/NNNN-*.patch in manifest order")
+    b = sub.add_parser("build", help="build static PIC libraries (CMAKE_ARGS passes through)")
+    b.add_argument("--tools", default="",
+                   help="comma-separated upstream programs to build too, e.g. "
+                        "llama-completion,llama-simple,llama-bench,ggml-rpc-server")
+    sub.add_parser("verify", help="check the archive, patches and build against the manifest")
+    sub.add_parser("status", help="print commit, patch-stack hash, cache path and build state")
+    sub.add_parser("pin", help="rewrite the manifest's patch list (sha256) from patches/")
+    sub.add_parser("path", help="print the workspace path (for scripts)")
+    args = parser.parse_args(argv)
+    try:
+        v = Vendor()
+        if args.cmd == "fetch":
+            print(v.fetch())
+        elif args.cmd == "patch":
+            print(v.patch())
+        elif args.cmd == "build":
+            tools = [t for t in args.tools.split(",") if t]
+            print(v.build(tools))
+        elif args.cmd == "verify":
+            problems = v.verify()
+            for p in problems:
+                print(f"FAIL {p}")
+            if problems:
+                return 1
+            print(f"OK llama.cpp {v.commit} with {len(v.patches)} patches, built at {v.workspace}")
+        elif args.cmd == "status":
+            st = v.status()
+            width = max(map(len, st))
+            for k, val in st.items():
+                print(f"{k:<{width}}  {val}")
+        elif args.cmd == "pin":
+            for p in v.pin():
+                print(f"{p.sha256}  {p.file}")
+        elif args.cmd == "path":
+            print(v.workspace)
+    except VendorError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Build dgr: fetch + patch + build the pinned llama.cpp, then compile cpp/ and dgr/_core/.
+
+``pip install -e .`` runs everything. The llama.cpp build lives out of tree under
+``$DGR_CACHE`` (default ``~/.cache/dgr``) keyed by manifest, patches, cmake options and compiler,
+so a second install reuses it. ``CMAKE_ARGS`` passes through to cmake (e.g. a CUDA build).
+"""
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+def _load_vendor():
+    # Import dgr/vendor.py (stdlib only) without importing the dgr package itself.
+    pkg = importlib.util.spec_from_file_location("dgr", ROOT / "dgr" / "__init__.py",
+                                                 submodule_search_locations=[str(ROOT / "dgr")])
+    mod = importlib.util.module_from_spec(pkg)
+    sys.modules.setdefault("dgr", mod)
+    from dgr import vendor  # noqa: E402  (loads dgr.errors and dgr.vendor only)
+    return vendor
+
+
+class BuildExt(build_ext):
+    """Runs the vendor pipeline before compiling, and points the extension at its outputs."""
+
+    def build_extensions(self):
+        vendor = _load_vendor()
+        v = vendor.Vendor(ROOT)
+        v.build()
+        llama_h = (v.src / "include" / "llama.h").read_text()
+        has_ranges = "llama_model_layer_start" in llama_h
+        import numpy
+
+        for ext in self.extensions:
+            ext.include_dirs += [str(ROOT / "cpp" / "include"), numpy.get_include(),
+                                 *map(str, v.include_dirs())]
+            # static archives: dependents before their dependencies
+            ext.extra_objects += [str(p) for p in v.libraries()]
+            ext.extra_link_args += v.link_args()
+            ext.define_macros += [("DGR_LAYER_RANGE", "1" if has_ranges else "0"),
+                                  ("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
+            ext.extra_compile_args += ["-std=c++17", "-O2", "-fvisibility=hidden"]
+            if "-fopenmp" in v.link_args():
+                ext.extra_compile_args.append("-fopenmp")
+        # keep the Python build honest about what it compiled against
+        (Path(self.build_temp)).mkdir(parents=True, exist_ok=True)
+        super().build_extensions()
+
+
+def _extensions():
+    from Cython.Build import cythonize
+
+    ext = Extension(
+        "dgr._core._core",
+        sources=["dgr/_core/_core.pyx", "cpp/src/engine.cpp"],
+        language="c++",
+        depends=["cpp/include/dgr/engine.h", "cpp/include/dgr/status.h",
+                 "dgr/_core/includes/engine.pxd", "vendor-manifest.json"],
+    )
+    return cythonize([ext], language_level=3,
+                     compiler_directives={"embedsignature": True},
+                     annotate=bool(os.environ.get("DGR_CYTHON_ANNOTATE")))
+
+
+setup(ext_modules=_extensions(), cmdclass={"build_ext": BuildExt})

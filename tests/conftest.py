@@ -1,0 +1,35 @@
+"""Shared fixtures: generated tiny models, the registry's real model, upstream tools."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A 4-layer random-weight llama GGUF (tied embeddings), written once per session."""
+    from dgr.testing.fixtures import write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama.gguf")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct Q4_1 from the model registry (fetched and verified if missing)."""
+    from dgr import models
+
+    return models.path(models.DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def llama_tool():
+    """Path of an upstream program built from the same patched tree (built on first use)."""
+    from dgr.vendor import Vendor
+
+    v = Vendor()
+
+    def get(name: str):
+        v.build(tools=[name])
+        return v.tool_path(name)
+
+    return get

@@ -1,0 +1,57 @@
+"""Sampling and layer-split helpers (no engine needed)."""
+
+import numpy as np
+import pytest
+
+from dgr import errors
+from dgr.chain import parse_splits, split_layers
+from dgr.sampling import Sampler, SamplingParams
+
+
+def test_greedy_is_argmax_lowest_id_on_ties():
+    row = np.array([0.1, 3.0, 3.0, -1.0], dtype=np.float32)
+    assert Sampler()(row) == 1
+
+
+def test_seeded_sampling_is_reproducible_and_respects_top_k():
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((50, 100)).astype(np.float32)
+    p = SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=7)
+    a = [Sampler(p)(r) for r in rows]
+    s1, s2 = Sampler(p), Sampler(p)
+    seq1 = [s1(r) for r in rows]
+    seq2 = [s2(r) for r in rows]
+    assert seq1 == seq2
+    for r, t in zip(rows, seq1):
+        assert t in set(np.argsort(-r)[:5])
+    assert len(set(a)) > 1
+
+
+def test_top_p_tiny_keeps_only_the_best():
+    row = np.array([0.0, 5.0, 1.0], dtype=np.float32)
+    s = Sampler(SamplingParams(temperature=1.0, top_p=0.01, seed=1))
+    assert {s(row) for _ in range(20)} == {1}
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_k=-2), dict(top_p=0.0),
+                                 dict(top_p=1.5), dict(temperature=float("nan"))])
+def test_bad_sampling_params(bad):
+    with pytest.raises(errors.InvalidArgument):
+        SamplingParams(**bad)
+
+
+def test_split_layers_even_and_contiguous():
+    assert split_layers(30, 3) == [(0, 10), (10, 20), (20, 30)]
+    assert split_layers(30, 4) == [(0, 8), (8, 16), (16, 23), (23, 30)]
+    assert split_layers(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    with pytest.raises(errors.InvalidLayerRange):
+        split_layers(4, 5)
+    with pytest.raises(errors.InvalidLayerRange):
+        split_layers(4, 0)
+
+
+def test_parse_splits():
+    assert parse_splits([20, 10], 30) == [(0, 10), (10, 20), (20, 30)]
+    for bad in ([0], [30], [10, 10], [-1]):
+        with pytest.raises(errors.InvalidLayerRange):
+            parse_splits(bad, 30)

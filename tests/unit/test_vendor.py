@@ -1,0 +1,181 @@
+"""The vendor pipeline on a fake pinned archive: sha256 check, ordered patches, stamps, keys."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import shutil
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from dgr import errors
+from dgr.vendor import Vendor, main
+
+SUB = "pkg-1.0/vendor/llama.cpp"
+
+
+def _tarball(files: dict[str, str]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f"{SUB}/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        # something outside the subtree that must not be unpacked
+        info = tarfile.TarInfo("pkg-1.0/setup.py")
+        info.size = 3
+        tar.addfile(info, io.BytesIO(b"x=1"))
+    return buf.getvalue()
+
+
+PATCH_OK = """\
+--- a/hello.txt
++++ b/hello.txt
+@@ -1 +1 @@
+-hello
++hello, patched
+"""
+
+PATCH_BAD = """\
+--- a/hello.txt
++++ b/hello.txt
+@@ -1 +1 @@
+-this line is not there
++nope
+"""
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    root = tmp_path / "repo"
+    (root / "patches").mkdir(parents=True)
+    archive = _tarball({"hello.txt": "hello\n", ".git": "gitdir: ../../x\n"})
+    manifest = {
+        "manifest_version": 1,
+        "llama_cpp": {"commit": "0" * 40, "source": {
+            "kind": "pypi-sdist", "package": "pkg", "version": "1.0",
+            "filename": "pkg-1.0.tar.gz", "sha256": hashlib.sha256(archive).hexdigest(),
+            "subpath": SUB}},
+        "patches": [],
+        "cmake": {"options": ["-DX=1"], "targets": ["llama"], "tools": ["llama-simple"]},
+    }
+    (root / "vendor-manifest.json").write_text(json.dumps(manifest))
+    cache = tmp_path / "cache"
+    (cache / "downloads").mkdir(parents=True)
+    (cache / "downloads" / "pkg-1.0.tar.gz").write_bytes(archive)
+    monkeypatch.delenv("CMAKE_ARGS", raising=False)
+    return root, cache
+
+
+def _add_patch(root: Path, name: str, text: str) -> None:
+    (root / "patches" / name).write_text(text)
+    Vendor(root, root.parent / "cache").pin()
+
+
+def test_fetch_unpacks_only_the_subtree_and_drops_the_git_file(fake):
+    root, cache = fake
+    v = Vendor(root, cache)
+    src = v.fetch()
+    assert (src / "hello.txt").read_text() == "hello\n"
+    assert not (src / ".git").exists()
+    assert not (src / "setup.py").exists()
+    assert str(src).startswith(str(cache))
+
+
+def test_fetch_refuses_an_archive_with_the_wrong_sha256(fake, monkeypatch):
+    root, cache = fake
+    (cache / "downloads" / "pkg-1.0.tar.gz").write_bytes(_tarball({"hello.txt": "evil\n"}))
+    v = Vendor(root, cache)
+    # a download that "succeeds" with the wrong bytes (no network in unit tests)
+    monkeypatch.setattr(Vendor, "_download", lambda self: None)
+    with pytest.raises(errors.VendorError, match="refusing to unpack"):
+        v.fetch()
+    assert not v.src.exists()
+
+
+def test_patches_apply_in_order(fake):
+    root, cache = fake
+    _add_patch(root, "0001-hello.patch", PATCH_OK)
+    v = Vendor(root, cache)
+    v.patch()
+    assert (v.src / "hello.txt").read_text() == "hello, patched\n"
+    # a second call reuses the stamped tree (does not apply twice)
+    v.patch()
+    assert (v.src / "hello.txt").read_text() == "hello, patched\n"
+
+
+def test_a_patch_that_does_not_apply_stops_with_its_name(fake):
+    root, cache = fake
+    _add_patch(root, "0001-hello.patch", PATCH_OK)
+    _add_patch(root, "0002-broken.patch", PATCH_BAD)
+    v = Vendor(root, cache)
+    with pytest.raises(errors.VendorError, match="0002-broken.patch"):
+        v.patch()
+    assert not v.is_built()
+
+
+def test_edited_patch_is_caught_by_its_sha256(fake):
+    root, cache = fake
+    _add_patch(root, "0001-hello.patch", PATCH_OK)
+    (root / "patches" / "0001-hello.patch").write_text(PATCH_OK.replace("patched", "edited"))
+    v = Vendor(root, cache)
+    assert any("0001-hello.patch" in p and "sha256" in p for p in v.check_patches())
+    with pytest.raises(errors.VendorError, match="0001-hello.patch"):
+        v.patch()
+
+
+def test_unlisted_patch_is_reported(fake):
+    root, cache = fake
+    (root / "patches" / "0009-stray.patch").write_text(PATCH_OK)
+    assert any("0009-stray.patch" in p for p in Vendor(root, cache).check_patches())
+
+
+def test_key_changes_with_patches_and_cmake_args(fake, monkeypatch):
+    root, cache = fake
+    k0 = Vendor(root, cache).key()
+    _add_patch(root, "0001-hello.patch", PATCH_OK)
+    k1 = Vendor(root, cache).key()
+    monkeypatch.setenv("CMAKE_ARGS", "-DGGML_CUDA=ON")
+    k2 = Vendor(root, cache).key()
+    assert len({k0, k1, k2}) == 3
+    assert Vendor(root, cache).workspace.name == f"llama.cpp-{k2}"
+
+
+def test_dgr_cache_env_moves_the_workspace(fake, monkeypatch, tmp_path):
+    root, _ = fake
+    monkeypatch.setenv("DGR_CACHE", str(tmp_path / "elsewhere"))
+    assert Vendor(root).workspace.parent == tmp_path / "elsewhere"
+
+
+def test_unknown_tool_is_refused(fake):
+    root, cache = fake
+    with pytest.raises(errors.VendorError, match="unknown tool"):
+        Vendor(root, cache).build(tools=["rm-rf"])
+
+
+def test_status_and_verify_report_state(fake):
+    root, cache = fake
+    v = Vendor(root, cache)
+    st = v.status()
+    assert st["commit"] == "0" * 40 and st["cache"] == str(v.workspace)
+    assert st["built"] is False and st["current"] is False
+    problems = v.verify()
+    assert any("not built" in p for p in problems)
+
+
+def test_real_manifest_is_consistent():
+    """The repository's own manifest: pinned commit, sha256, every patch listed and matching."""
+    v = Vendor()
+    assert v.commit == "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
+    assert v.source["sha256"] == "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+    assert v.check_patches() == []
+
+
+def test_cli_status_runs(capsys):
+    assert main(["status"]) == 0
+    out = capsys.readouterr().out
+    assert "0c1e57098bba43ac29e6e3b677cdceebdd22334f" in out and "patch_stack_hash" in out
