@@ -1,0 +1,116 @@
+"""asv benchmarks of dgr.wire: encode/decode time, throughput and bytes per token per codec."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from dgr import wire
+
+# "raw" is the parity codec; "+zstd" adds zstd level 3 over the codec bytes.
+CODECS = [f"{c}{z}" for c in wire.CODECS for z in ("", "+zstd")]
+TOKENS = [1, 16, 512]
+WIDTHS = [576, 16384]  # SmolLM2-135M n_embd; DeepSeek V4 hyper-connection width (4 x 4096)
+SEED = 0
+
+
+def _random_boundary(tokens: int, width: int) -> np.ndarray:
+    """Seeded N(0, 1) float32 data: random data, not a real boundary (those come later)."""
+    return np.random.default_rng(SEED).standard_normal((tokens, width), dtype=np.float32)
+
+
+def _split(codec: str) -> tuple[str, bool]:
+    name, _, z = codec.partition("+")
+    return name, z == "zstd"
+
+
+def _header(tokens: int) -> wire.Forward:
+    return wire.Forward(
+        model="bench", session="bench", epoch=1, first_pos=0, n_tokens=tokens, layer=1,
+        tokens=list(range(tokens)),
+    )
+
+
+class Encode:
+    """encode(): header + codec + optional zstd + checksum + the one copy into the frame."""
+
+    params = (CODECS, TOKENS, WIDTHS)
+    param_names = ["codec", "tokens", "width"]
+
+    def setup(self, codec: str, tokens: int, width: int) -> None:
+        self.array = _random_boundary(tokens, width)
+        self.header = _header(tokens)
+        self.codec, self.compress = _split(codec)
+        self.buf = bytearray()
+
+    def time_encode(self, codec: str, tokens: int, width: int) -> None:
+        wire.encode(self.header, self.array, codec=self.codec, compress=self.compress)
+
+    def time_encode_into(self, codec: str, tokens: int, width: int) -> None:
+        wire.encode_into(self.header, self.array, self.buf, codec=self.codec, compress=self.compress)
+
+    def peakmem_encode(self, codec: str, tokens: int, width: int) -> None:
+        wire.encode(self.header, self.array, codec=self.codec, compress=self.compress)
+
+
+class Decode:
+    """decode(): full validation, checksums, zstd and codec back to float32 (raw: a view)."""
+
+    params = (CODECS, TOKENS, WIDTHS)
+    param_names = ["codec", "tokens", "width"]
+
+    def setup(self, codec: str, tokens: int, width: int) -> None:
+        name, compress = _split(codec)
+        self.frame = wire.encode(_header(tokens), _random_boundary(tokens, width), codec=name, compress=compress)
+
+    def time_decode(self, codec: str, tokens: int, width: int) -> None:
+        wire.decode(self.frame)
+
+    def peakmem_decode(self, codec: str, tokens: int, width: int) -> None:
+        wire.decode(self.frame)
+
+
+class RandomDataRates:
+    """Throughput and wire size per codec on random data (real boundaries compress better)."""
+
+    params = (CODECS, WIDTHS)
+    param_names = ["codec", "width"]
+    tokens = 16
+
+    def setup(self, codec: str, width: int) -> None:
+        self.array = _random_boundary(self.tokens, width)
+        self.header = _header(self.tokens)
+        self.codec, self.compress = _split(codec)
+
+    def _best_seconds(self, fn, repeat: int = 20) -> float:
+        best = float("inf")
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    def track_random_data_encode_decode_mbps(self, codec: str, width: int) -> float:
+        """f32 MB (1e6 bytes) per second through encode + decode, random data."""
+
+        def roundtrip() -> None:
+            wire.decode(wire.encode(self.header, self.array, codec=self.codec, compress=self.compress))
+
+        return self.array.nbytes / self._best_seconds(roundtrip) / 1e6
+
+    track_random_data_encode_decode_mbps.unit = "MB/s"
+
+    def track_random_data_wire_bytes_per_token(self, codec: str, width: int) -> float:
+        """Frame bytes per token (header amortised over 16 tokens), random data."""
+        frame = wire.encode(self.header, self.array, codec=self.codec, compress=self.compress)
+        return len(frame) / self.tokens
+
+    track_random_data_wire_bytes_per_token.unit = "bytes/token"
+
+    def track_random_data_compression_ratio(self, codec: str, width: int) -> float:
+        """f32 bytes / frame bytes, random data."""
+        frame = wire.encode(self.header, self.array, codec=self.codec, compress=self.compress)
+        return self.array.nbytes / len(frame)
+
+    track_random_data_compression_ratio.unit = "ratio"

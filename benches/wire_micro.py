@@ -1,0 +1,55 @@
+"""Median encode+decode time of one raw f32 token of width 16384, checksums included."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import timeit
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+
+from dgr import wire  # noqa: E402
+
+GOAL_US = 20.0
+
+
+def main() -> int:
+    """Print the medians (microseconds) and exit 1 when encode+decode misses the goal."""
+    array = np.random.default_rng(0).standard_normal((1, 16384), dtype=np.float32)
+    header = wire.Forward(model="bench", session="s", epoch=1, first_pos=0, n_tokens=1, layer=1)
+    frame = wire.encode(header, array)
+    buf = bytearray()
+
+    def roundtrip() -> None:
+        wire.decode(wire.encode(header, array))
+
+    def roundtrip_into() -> None:
+        wire.encode_into(header, array, buf)
+        wire.decode(buf)
+
+    cases = {
+        "encode": lambda: wire.encode(header, array),
+        "decode": lambda: wire.decode(frame),
+        "encode+decode": roundtrip,
+        "encode_into+decode": roundtrip_into,
+    }
+    # Short batches: a batch the scheduler preempts (the machine is shared) is an outlier
+    # the median ignores, instead of inflating every long batch a little.
+    number, repeat = 10, 3000
+    medians = {}
+    for name, fn in cases.items():
+        times = timeit.repeat(fn, number=number, repeat=repeat)
+        medians[name] = statistics.median(times) / number * 1e6
+        best = min(times) / number * 1e6
+        print(f"{name:>20}: median {medians[name]:6.2f} us  (best {best:6.2f} us)")
+    ok = medians["encode+decode"] < GOAL_US
+    print(f"1 x 16384 raw encode+decode median {medians['encode+decode']:.2f} us; "
+          f"goal < {GOAL_US:.0f} us: {'met' if ok else 'MISSED'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

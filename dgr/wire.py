@@ -1,0 +1,753 @@
+"""Typed, validated, cheap frames for boundaries, results and errors (spec: docs/wire.md)."""
+
+from __future__ import annotations
+
+import re
+import struct
+import threading
+from typing import Annotated, Any, Union
+
+import msgspec
+import numpy as np
+import xxhash
+import zstandard
+
+from .errors import (
+    DgrError,
+    FrameChecksumError,
+    FrameError,
+    FrameTooLarge,
+    FrameTruncated,
+    FrameVersionError,
+    InvalidArgument,
+    InvalidBoundary,
+    UnknownCodec,
+    from_code,
+)
+
+__all__ = [
+    "MAGIC",
+    "FORMAT_VERSION",
+    "SCHEMA_VERSION",
+    "PREFIX_SIZE",
+    "PAYLOAD_ALIGN",
+    "MAX_PAYLOAD",
+    "MAX_HEADER",
+    "DEFAULT_LEVEL",
+    "CODECS",
+    "COMPRESSIONS",
+    "WANTS",
+    "RESULT_KINDS",
+    "Sampling",
+    "Forward",
+    "Result",
+    "ErrorReply",
+    "Message",
+    "Frame",
+    "encode",
+    "encode_into",
+    "decode",
+    "payload_size",
+]
+
+# --- constants (docs/wire.md, "Prefix") -----------------------------------------
+
+MAGIC = b"DGRF"
+#: Incompatible changes (prefix, payload layouts, checksum, field meaning) bump this.
+FORMAT_VERSION = 1
+#: Compatible changes (a field appended with a default) bump this.
+SCHEMA_VERSION = 1
+#: magic[4] version:u8 flags:u8 reserved:u16 header_len:u32 header_sum:u32, little endian.
+_PREFIX = struct.Struct("<4sBBHII")
+PREFIX_SIZE = _PREFIX.size  # 16
+#: The payload starts at the first multiple of this after the header (cache line, AVX-512).
+PAYLOAD_ALIGN = 64
+_KNOWN_FLAGS = 0  # no flag bits are defined in format version 1
+#: Default receiver limits (bytes); both are per-call keywords of ``decode``.
+MAX_PAYLOAD = 256 << 20
+MAX_HEADER = 1 << 20
+
+CODECS = ("raw", "f16", "bf16", "q8")
+COMPRESSIONS = ("none", "zstd")
+WANTS = ("boundary", "logits", "token", "token+logits")
+RESULT_KINDS = ("none", "boundary", "logits")
+_DTYPES = ("f32",)
+#: zstd level used when ``compress=True`` and no level is given.
+DEFAULT_LEVEL = 3
+
+_I32_MAX = 2**31 - 1
+_I64_MAX = 2**63 - 1
+_F32 = np.dtype("<f4")
+_F16 = np.dtype("<f2")
+_U16 = np.dtype("<u2")
+_U32 = np.dtype("<u4")
+_I8 = np.dtype("i1")
+_ZPAD = bytes(PAYLOAD_ALIGN)
+
+# --- messages (docs/wire.md, "Header") ------------------------------------------
+# Append-only: a new field goes at the END of its struct, with a default, and bumps
+# SCHEMA_VERSION; anything else bumps FORMAT_VERSION. array_like: encoded as a msgpack
+# array [tag, field0, field1, ...]; receivers ignore trailing items they do not know.
+
+_NonNeg32 = Annotated[int, msgspec.Meta(ge=0, le=_I32_MAX)]
+_Positive32 = Annotated[int, msgspec.Meta(ge=1, le=_I32_MAX)]
+_NonNeg63 = Annotated[int, msgspec.Meta(ge=0, le=_I64_MAX)]
+_UInt64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack itself caps ints at 2**64 - 1
+_Schema = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class Sampling(msgspec.Struct, frozen=True, array_like=True, kw_only=True):
+    """How the last stage picks a token (``Forward.sampling``; ``None`` there means greedy).
+
+    ``greedy`` overrides the rest; ``top_k=0`` and ``top_p=1.0`` switch those filters off.
+    """
+
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+    top_k: _NonNeg32 = 0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    seed: _UInt64 = 0
+    greedy: bool = False
+
+
+class Forward(msgspec.Struct, tag=1, array_like=True, frozen=True, kw_only=True):
+    """A step request: run layers from ``layer`` on ``n_tokens`` tokens of ``session``.
+
+    The optional array is the boundary ``[n_tokens, width]`` (``width = streams * n_embd``);
+    ``width == 0`` means no boundary (first stage: ``tokens`` only). ``encode`` fills
+    ``width``, ``dtype``, ``codec``, ``compression``, ``payload_len`` and ``checksum``.
+    ``rows`` picks the batch rows whose logits or token the receiver returns (``None``:
+    the last row).
+    """
+
+    schema: _Schema = SCHEMA_VERSION
+    model: str
+    session: str
+    epoch: _NonNeg63
+    first_pos: _NonNeg32
+    n_tokens: _Positive32
+    layer: _NonNeg32
+    width: _NonNeg32 = 0
+    streams: _Positive32 = 1
+    dtype: str = "f32"
+    codec: str = "raw"
+    compression: str = "none"
+    payload_len: _NonNeg63 = 0
+    checksum: _UInt64 = 0
+    positions: Union[list[_NonNeg32], None] = None
+    tokens: Union[list[_NonNeg32], None] = None
+    want: str = "boundary"
+    rows: Union[list[_NonNeg32], None] = None
+    sampling: Union[Sampling, None] = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The array shape this header announces (``(n_tokens, 0)`` when it has none)."""
+        return (self.n_tokens, self.width)
+
+
+class Result(msgspec.Struct, tag=2, array_like=True, frozen=True, kw_only=True):
+    """The reply to a ``Forward``: a boundary for the next stage, logits rows and/or tokens.
+
+    ``kind`` names the array: ``"boundary"`` (``[n_tokens, width]``, ``layer`` = the next
+    layer to run), ``"logits"`` (``[len(rows), n_vocab]``) or ``"none"``. ``tokens`` are
+    the sampled token ids, one per wanted row. ``encode`` fills ``rows``/``cols`` and the
+    payload fields.
+    """
+
+    schema: _Schema = SCHEMA_VERSION
+    session: str
+    epoch: _NonNeg63
+    first_pos: _NonNeg32
+    n_tokens: _NonNeg32
+    kind: str = "none"
+    layer: _NonNeg32 = 0
+    rows: _NonNeg32 = 0
+    cols: _NonNeg32 = 0
+    streams: _Positive32 = 1
+    dtype: str = "f32"
+    codec: str = "raw"
+    compression: str = "none"
+    payload_len: _NonNeg63 = 0
+    checksum: _UInt64 = 0
+    tokens: Union[list[_NonNeg32], None] = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The array shape this header announces (``(0, 0)`` when it has none)."""
+        return (self.rows, self.cols)
+
+
+class ErrorReply(msgspec.Struct, tag=3, array_like=True, frozen=True, kw_only=True):
+    """A failed step: ``code`` is a ``dgr.errors`` code; never carries a payload."""
+
+    schema: _Schema = SCHEMA_VERSION
+    code: _NonNeg32
+    message: str
+    session: str = ""
+    epoch: _NonNeg63 = 0
+    retry_after: Union[Annotated[float, msgspec.Meta(ge=0.0)], None] = None
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, *, session: str = "", epoch: int = 0) -> ErrorReply:
+        """Describe ``exc``; a non-dgr exception becomes code ``DgrError.code`` (100)."""
+        code = exc.code if isinstance(exc, DgrError) else DgrError.code
+        retry = getattr(exc, "retry_after", None)
+        msg = str(exc) or type(exc).__name__
+        return cls(code=code, message=msg, session=session, epoch=epoch, retry_after=retry)
+
+    def to_exception(self) -> DgrError:
+        """The ``dgr.errors`` exception registered for ``code`` (``DgrError`` when unknown)."""
+        exc = from_code(self.code, self.message)
+        if self.retry_after is not None and hasattr(exc, "retry_after"):
+            exc.retry_after = self.retry_after
+        return exc
+
+
+Message = Union[Forward, Result, ErrorReply]
+_BY_TAG = {1: Forward, 2: Result, 3: ErrorReply}
+
+
+class Frame(msgspec.Struct, frozen=True, eq=False):
+    """A decoded frame: the validated header and its array (``None`` when it has none).
+
+    For the raw codec without compression ``array`` is a read-only view over the buffer
+    given to ``decode`` (keep that buffer alive and unmodified while you use it).
+    """
+
+    header: Message
+    array: Any = None
+
+
+# --- module-level codecs and contexts -------------------------------------------
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Message)
+_tls = threading.local()  # zstd contexts are not thread-safe: one set per thread
+
+
+def _cctx(level: int) -> zstandard.ZstdCompressor:
+    cache = getattr(_tls, "cctx", None)
+    if cache is None:
+        cache = _tls.cctx = {}
+    ctx = cache.get(level)
+    if ctx is None:
+        try:
+            ctx = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+        except (zstandard.ZstdError, TypeError, ValueError, OverflowError) as e:
+            raise InvalidArgument(f"invalid zstd level {level!r}: {e}") from None
+        cache[level] = ctx
+    return ctx
+
+
+def _dctx() -> zstandard.ZstdDecompressor:
+    ctx = getattr(_tls, "dctx", None)
+    if ctx is None:
+        ctx = _tls.dctx = zstandard.ZstdDecompressor()
+    return ctx
+
+
+def payload_size(codec: str, rows: int, cols: int) -> int:
+    """Bytes of the uncompressed payload of a ``[rows, cols]`` array in ``codec``.
+
+    Raises
+    ------
+    UnknownCodec
+        ``codec`` is not one of ``CODECS``.
+    """
+    if codec == "raw":
+        return 4 * rows * cols
+    if codec == "f16" or codec == "bf16":
+        return 2 * rows * cols
+    if codec == "q8":
+        return rows * (4 + cols)
+    raise UnknownCodec(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
+
+
+def _enc_f16(a: np.ndarray) -> np.ndarray:
+    with np.errstate(over="raise", invalid="ignore"):
+        try:
+            return a.astype(_F16)
+        except FloatingPointError:
+            raise InvalidBoundary(
+                "a finite value exceeds the f16 range (|x| > 65504); use raw or bf16"
+            ) from None
+
+
+def _enc_bf16(a: np.ndarray) -> np.ndarray:
+    u = a.view(_U32)
+    # Round to nearest, ties to even, on the upper 16 bits (uint32 arithmetic wraps).
+    out = ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(_U16)
+    nan = np.isnan(a)
+    if nan.any():  # rounding may carry a NaN's payload into the sign or exponent
+        out[nan] = ((u[nan] >> 16) & 0x8000) | 0x7FC0
+    return out
+
+
+def _enc_q8(a: np.ndarray) -> bytes:
+    amax = np.max(np.abs(a), axis=1)
+    if not np.isfinite(amax).all():
+        raise InvalidBoundary("q8 needs finite values: a row holds inf or NaN; use raw")
+    scale = (amax / np.float32(127.0)).astype(_F32)  # may round to a subnormal or 0
+    col = scale[:, None]
+    # Divide (not multiply by 1/scale, which overflows for subnormal scales); rows whose
+    # scale underflowed to 0 encode as 0.
+    q = np.divide(a, col, out=np.zeros(a.shape, _F32), where=col > 0)
+    np.rint(q, out=q)
+    np.clip(q, -127, 127, out=q)
+    return b"".join((scale, q.astype(_I8)))
+
+
+def _encode_payload(a: np.ndarray, codec: str) -> Any:
+    """The codec bytes of ``a`` as one buffer object (no copy for raw)."""
+    if codec == "raw":
+        return a
+    if codec == "f16":
+        return _enc_f16(a)
+    if codec == "bf16":
+        return _enc_bf16(a)
+    if codec == "q8":
+        return _enc_q8(a)
+    raise UnknownCodec(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
+
+
+def _decode_payload(buf: Any, offset: int, codec: str, rows: int, cols: int) -> np.ndarray:
+    n = rows * cols
+    if codec == "raw":  # a view: read-only because decode's buffer is
+        return np.ndarray((rows, cols), _F32, buf, offset)
+    if codec == "f16":
+        arr = np.frombuffer(buf, _F16, n, offset).astype(_F32).reshape(rows, cols)
+    elif codec == "bf16":
+        u = np.frombuffer(buf, _U16, n, offset).astype(_U32)
+        arr = (u << 16).view(_F32).reshape(rows, cols)
+    else:  # q8
+        scale = np.frombuffer(buf, _F32, rows, offset)
+        if not (scale >= 0).all() or not np.isfinite(scale).all():
+            raise FrameError("q8 payload holds a negative or non-finite row scale")
+        q = np.frombuffer(buf, _I8, n, offset + 4 * rows).reshape(rows, cols)
+        arr = q.astype(_F32)
+        with np.errstate(over="ignore"):  # only a lying sender's scale can overflow
+            arr *= scale[:, None]
+    arr.flags.writeable = False
+    return arr
+
+
+# --- header semantics, shared by encode and decode ------------------------------
+
+
+def _check_forward(h: Forward) -> str | None:
+    n = h.n_tokens
+    if n < 1:
+        return f"Forward.n_tokens must be >= 1 (zero-token steps are rejected), got {n}"
+    if h.width % h.streams:
+        return f"Forward.width {h.width} is not a multiple of Forward.streams {h.streams}"
+    if h.positions is not None:
+        if len(h.positions) != n:
+            return f"Forward.positions has {len(h.positions)} entries but n_tokens is {n}"
+        if h.positions[0] != h.first_pos:
+            return f"Forward.positions[0] is {h.positions[0]} but first_pos is {h.first_pos}"
+    elif h.first_pos + n - 1 > _I32_MAX:
+        return f"Forward.first_pos {h.first_pos} + n_tokens {n} overflows int32 positions"
+    if h.tokens is not None and len(h.tokens) != n:
+        return f"Forward.tokens has {len(h.tokens)} ids but n_tokens is {n}"
+    if h.width == 0 and h.tokens is None:
+        return "Forward carries neither a boundary (width is 0) nor token ids"
+    if h.want not in WANTS:
+        return f"unknown Forward.want {h.want!r} (known: {', '.join(WANTS)})"
+    if h.rows is not None:
+        if not h.rows:
+            return "Forward.rows is empty (use None for the last row)"
+        if max(h.rows) >= n:
+            return f"Forward.rows names row {max(h.rows)} but n_tokens is {n}"
+    return None
+
+
+def _check_result(h: Result) -> str | None:
+    if h.kind not in RESULT_KINDS:
+        return f"unknown Result.kind {h.kind!r} (known: {', '.join(RESULT_KINDS)})"
+    if h.kind == "none":
+        if h.rows or h.cols:
+            return f"Result.kind is 'none' but rows x cols is {h.rows} x {h.cols}"
+    else:
+        if not h.rows or not h.cols:
+            return f"Result.kind is {h.kind!r} but rows x cols is {h.rows} x {h.cols}"
+        if h.kind == "boundary" and h.cols % h.streams:
+            return f"Result.cols {h.cols} is not a multiple of Result.streams {h.streams}"
+    return None
+
+
+_PATH = re.compile(r"`\$\[(\d+)\](?:\[(\d+)\])?`")
+
+
+def _explain(msg: str, hbytes: Any) -> str:
+    """Name the field behind msgspec's ``$[i]`` path (cold path, best effort)."""
+    m = _PATH.search(msg)
+    if m is None:
+        return msg
+    try:
+        raw = msgspec.msgpack.decode(hbytes)
+        cls = _BY_TAG[raw[0]]
+        name = f"{cls.__name__}.{cls.__struct_fields__[int(m.group(1)) - 1]}"
+        if m.group(2) is not None and name == "Forward.sampling":
+            name += f".{Sampling.__struct_fields__[int(m.group(2))]}"
+    except Exception:  # noqa: BLE001 - only decorates an error message
+        return msg
+    return f"{msg} ({name})"
+
+
+# --- encode ---------------------------------------------------------------------
+
+
+def _prepare(
+    header: Message, array: Any, codec: str, compress: bool, level: int | None
+) -> tuple[Message, Any]:
+    """Validate, encode the payload and fill the header's payload fields."""
+    cls = type(header)
+    if array is None:
+        if cls is Forward:
+            if header.width:
+                raise InvalidBoundary(f"Forward.width is {header.width} but no array was given")
+        elif cls is Result:
+            if header.rows or header.cols:
+                raise InvalidBoundary(
+                    f"Result.rows x cols is {header.rows} x {header.cols} but no array was given"
+                )
+        elif cls is not ErrorReply:
+            raise InvalidArgument(f"cannot encode {cls.__name__}: not a dgr wire message")
+        err = _check_forward(header) if cls is Forward else _check_result(header) if cls is Result else None
+        if err:
+            raise InvalidArgument(err)
+        if cls is ErrorReply:
+            return header, b""
+        return (
+            msgspec.structs.replace(
+                header, dtype="f32", codec="raw", compression="none", payload_len=0, checksum=_EMPTY_SUM
+            ),
+            b"",
+        )
+
+    if type(array) is not np.ndarray:
+        raise InvalidBoundary(f"array must be a numpy.ndarray, got {type(array).__name__}")
+    dt = array.dtype
+    if dt is not _F32 and dt != _F32:
+        if dt.kind != "f" or dt.itemsize != 4:
+            raise InvalidBoundary(f"array dtype must be float32, got {dt}")
+        array = array.astype(_F32)  # big-endian float32: the wire is little endian
+    if array.ndim != 2:
+        raise InvalidBoundary(f"array must be 2-D [rows, width], got shape {array.shape}")
+    rows, cols = array.shape
+    if cls is Forward:
+        if rows != header.n_tokens:
+            raise InvalidBoundary(f"array has {rows} rows but Forward.n_tokens is {header.n_tokens}")
+        if header.width and header.width != cols:
+            raise InvalidBoundary(f"array has width {cols} but Forward.width is {header.width}")
+        if cols == 0:
+            raise InvalidBoundary("array has width 0")
+    elif cls is Result:
+        if header.kind == "none":
+            raise InvalidArgument("Result.kind must be 'boundary' or 'logits' when an array is sent")
+        if rows == 0 or cols == 0:
+            raise InvalidBoundary(f"array shape {array.shape} is empty")
+    else:
+        raise InvalidArgument(f"{cls.__name__} carries no array")
+
+    payload = array if codec == "raw" else _encode_payload(array, codec)
+    comp = "none"
+    cctx = None
+    if compress:
+        cctx = _cctx(DEFAULT_LEVEL if level is None else level)
+        comp = "zstd"
+    try:  # the raw codec compresses or hashes (and later copies) the caller's array itself
+        if cctx is not None:
+            payload = cctx.compress(payload)
+        csum = xxhash.xxh3_64_intdigest(payload)
+    except zstandard.ZstdError as e:
+        raise InvalidArgument(f"zstd compression failed: {e}") from None
+    except (BufferError, ValueError, TypeError):
+        raise InvalidBoundary("array must be C-contiguous for the raw codec") from None
+    plen = payload.nbytes if type(payload) is np.ndarray else len(payload)
+    if cls is Forward:
+        header = msgspec.structs.replace(
+            header, width=cols, dtype="f32", codec=codec, compression=comp, payload_len=plen, checksum=csum
+        )
+        err = _check_forward(header)
+    else:
+        header = msgspec.structs.replace(
+            header, rows=rows, cols=cols, dtype="f32", codec=codec, compression=comp,
+            payload_len=plen, checksum=csum,
+        )
+        err = _check_result(header)
+    if err:
+        raise InvalidArgument(err)
+    return header, payload
+
+
+_EMPTY_SUM = xxhash.xxh3_64_intdigest(b"")
+
+
+def _head(header: Message) -> tuple[bytes, bytes]:
+    """(prefix, header bytes + zero padding up to the payload offset)."""
+    try:
+        hb = _ENCODER.encode(header)
+    except (OverflowError, TypeError, msgspec.EncodeError) as e:
+        raise InvalidArgument(f"cannot encode {type(header).__name__}: {e}") from None
+    hlen = len(hb)
+    pad = -(PREFIX_SIZE + hlen) % PAYLOAD_ALIGN
+    if pad:
+        hb += _ZPAD[:pad]
+    hsum = xxhash.xxh3_64_intdigest(hb) & 0xFFFFFFFF
+    return _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, 0, hlen, hsum), hb
+
+
+def encode(
+    header: Message,
+    array: np.ndarray | None = None,
+    *,
+    codec: str = "raw",
+    compress: bool = False,
+    level: int | None = None,
+) -> bytes:
+    """Encode one frame.
+
+    Parameters
+    ----------
+    header
+        A ``Forward``, ``Result`` or ``ErrorReply``; its payload fields (``width`` or
+        ``rows``/``cols``, ``dtype``, ``codec``, ``compression``, ``payload_len``,
+        ``checksum``) are filled from ``array``, whatever they held.
+    array
+        float32 ``[rows, width]``, C-contiguous (it is copied once, into the frame), or None.
+    codec
+        ``"raw"`` (bit-exact), ``"f16"``, ``"bf16"`` or ``"q8"`` (see docs/wire.md).
+    compress, level
+        zstd-compress the codec bytes at ``level`` (default 3). Ignored without an array.
+
+    Returns
+    -------
+    bytes
+        The frame; ``decode`` accepts it.
+
+    Raises
+    ------
+    UnknownCodec
+        ``codec`` is not one of ``CODECS``.
+    InvalidBoundary
+        The array's type, dtype, rank, layout or shape does not fit the header, or a lossy
+        codec cannot represent its values.
+    InvalidArgument
+        The header is inconsistent (e.g. ``tokens`` length differs from ``n_tokens``).
+    """
+    header, payload = _prepare(header, array, codec, compress, level)
+    prefix, hb = _head(header)
+    return b"".join((prefix, hb, payload))
+
+
+def encode_into(
+    header: Message,
+    array: np.ndarray | None,
+    buf: bytearray,
+    offset: int = 0,
+    *,
+    codec: str = "raw",
+    compress: bool = False,
+    level: int | None = None,
+) -> int:
+    """Encode one frame into ``buf`` at ``offset``, like ``msgspec`` ``encode_into``.
+
+    ``buf`` is resized to exactly ``offset`` + the frame length (reuse it across calls to
+    avoid allocations); the frame's payload alignment is relative to ``offset``.
+
+    Returns
+    -------
+    int
+        The frame length in bytes.
+
+    Raises
+    ------
+    UnknownCodec, InvalidBoundary, InvalidArgument
+        As ``encode``; also InvalidArgument when ``offset`` lies outside ``buf``.
+    """
+    if type(buf) is not bytearray:
+        raise InvalidArgument(f"buf must be a bytearray, got {type(buf).__name__}")
+    if not 0 <= offset <= len(buf):
+        raise InvalidArgument(f"offset {offset} outside buf of {len(buf)} bytes")
+    header, payload = _prepare(header, array, codec, compress, level)
+    prefix, hb = _head(header)
+    start = offset + PREFIX_SIZE + len(hb)
+    end = start + (payload.nbytes if type(payload) is np.ndarray else len(payload))
+    n = len(buf)
+    if n < end:
+        buf.extend(bytes(end - n))
+    elif n > end:
+        del buf[end:]
+    with memoryview(buf) as out:  # memoryview slices copy straight in (bytearray's do not)
+        out[offset : offset + PREFIX_SIZE] = prefix
+        out[offset + PREFIX_SIZE : start] = hb
+        out[start:end] = memoryview(payload).cast("B") if type(payload) is np.ndarray else payload
+    return end - offset
+
+
+# --- decode ---------------------------------------------------------------------
+
+
+def decode(buf: Any, *, max_payload: int = MAX_PAYLOAD, max_header: int = MAX_HEADER) -> Frame:
+    """Validate and decode one frame.
+
+    Everything is checked (prefix, header checksum and schema, sizes against each other
+    and against the limits, payload checksum, zstd declared size) before any allocation
+    that depends on the frame's claims.
+
+    Parameters
+    ----------
+    buf
+        The whole frame: ``bytes``, ``bytearray``, ``memoryview`` or another C-contiguous
+        buffer, exactly one frame long.
+    max_payload
+        Largest payload accepted, both as sent and once decompressed/decoded (bytes).
+    max_header
+        Largest msgpack header accepted (bytes).
+
+    Returns
+    -------
+    Frame
+        ``header`` and ``array`` (float32 ``[rows, cols]``, read-only; a view over
+        ``buf`` for the raw codec without compression).
+
+    Raises
+    ------
+    FrameTruncated
+        ``buf`` is shorter than its prefix, header or payload claim.
+    FrameTooLarge
+        The header or payload exceeds ``max_header`` / ``max_payload``.
+    FrameChecksumError
+        The header or payload checksum does not match.
+    FrameVersionError
+        The format version is newer than ``FORMAT_VERSION`` or unknown flags are set.
+    UnknownCodec
+        The dtype, codec or compression is unknown.
+    FrameError
+        Anything else that is wrong with the frame. Nothing else escapes.
+    """
+    try:
+        return _decode(buf, max_payload, max_header)
+    except FrameError:
+        raise
+    except Exception as e:  # backstop: decode's contract is FrameError or a Frame
+        raise FrameError(f"undecodable frame ({type(e).__name__}: {e})") from None
+
+
+def _decode(buf: Any, max_payload: int, max_header: int) -> Frame:
+    if type(buf) is not bytes:
+        try:
+            buf = memoryview(buf).cast("B").toreadonly()  # arrays over it are read-only
+        except TypeError as e:
+            raise FrameError(f"frame must be a C-contiguous bytes-like object: {e}") from None
+    size = len(buf)
+    if size < PREFIX_SIZE:
+        raise FrameTruncated(f"frame truncated: {size} bytes, the prefix alone needs {PREFIX_SIZE}")
+    magic, version, flags, reserved, hlen, hsum = _PREFIX.unpack_from(buf)
+    if magic != MAGIC:
+        raise FrameError(f"not a dgr frame: magic {magic!r}, expected {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        if version > FORMAT_VERSION:
+            raise FrameVersionError(
+                f"frame format version {version} is newer than supported {FORMAT_VERSION}"
+            )
+        raise FrameError(f"frame format version {version} is invalid (first is 1)")
+    if flags & ~_KNOWN_FLAGS:
+        raise FrameVersionError(f"frame sets unknown flag bits 0x{flags & ~_KNOWN_FLAGS:02x}")
+    if reserved:
+        raise FrameError(f"reserved prefix field is 0x{reserved:04x}, must be 0")
+    if hlen > max_header:
+        raise FrameTooLarge(f"header length {hlen} exceeds max_header {max_header}")
+    poff = (PREFIX_SIZE + hlen + PAYLOAD_ALIGN - 1) & -PAYLOAD_ALIGN
+    if poff > size:
+        raise FrameTruncated(
+            f"frame truncated: header_len {hlen} puts the payload at byte {poff} "
+            f"but the frame has {size} bytes"
+        )
+    mv = buf if type(buf) is memoryview else memoryview(buf)
+    got = xxhash.xxh3_64_intdigest(mv[PREFIX_SIZE:poff]) & 0xFFFFFFFF
+    if got != hsum:
+        raise FrameChecksumError(
+            f"header checksum mismatch: prefix says 0x{hsum:08x}, header bytes hash to 0x{got:08x}"
+        )
+    hbytes = mv[PREFIX_SIZE : PREFIX_SIZE + hlen]
+    try:
+        h = _DECODER.decode(hbytes)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise FrameError(f"invalid frame header: {_explain(str(e), hbytes)}") from None
+    cls = type(h)
+    if cls is ErrorReply:
+        if size != poff:
+            raise FrameError(f"ErrorReply carries {size - poff} payload bytes, must carry none")
+        return Frame(h, None)
+
+    err = _check_forward(h) if cls is Forward else _check_result(h)
+    if err:
+        raise FrameError(err)
+    codec = h.codec
+    comp = h.compression
+    if h.dtype != "f32":
+        raise UnknownCodec(f"unknown dtype {h.dtype!r} (known: {', '.join(_DTYPES)})")
+    if comp != "none" and comp != "zstd":
+        raise UnknownCodec(f"unknown compression {comp!r} (known: {', '.join(COMPRESSIONS)})")
+    if codec not in CODECS:
+        raise UnknownCodec(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
+    if cls is Forward:
+        rows, cols = h.n_tokens, h.width
+    else:
+        rows, cols = h.rows, h.cols
+    plen = h.payload_len
+    if cols == 0:  # no array
+        if codec != "raw" or comp != "none" or plen:
+            raise FrameError(
+                f"{cls.__name__} without an array must have codec 'raw', compression 'none' "
+                f"and payload_len 0, got {codec!r}, {comp!r}, {plen}"
+            )
+    expect = 4 * rows * cols if codec == "raw" else payload_size(codec, rows, cols)
+    if expect > max_payload or 4 * rows * cols > max_payload:
+        raise FrameTooLarge(
+            f"{rows} x {cols} {codec} payload is {expect} bytes ({4 * rows * cols} as f32), "
+            f"above max_payload {max_payload}"
+        )
+    if plen > max_payload:
+        raise FrameTooLarge(f"payload_len {plen} exceeds max_payload {max_payload}")
+    if comp == "none":
+        if plen != expect:
+            raise FrameError(
+                f"payload_len {plen} disagrees with the {rows} x {cols} {codec} payload size {expect}"
+            )
+    elif plen == 0:
+        raise FrameError("zstd payload is empty")
+    end = poff + plen
+    if size != end:
+        if size < end:
+            raise FrameTruncated(
+                f"frame truncated: payload_len {plen} at byte {poff} ends at {end} "
+                f"but the frame has {size} bytes"
+            )
+        raise FrameError(f"{size - end} trailing bytes after the payload")
+    got = xxhash.xxh3_64_intdigest(mv[poff:])
+    if got != h.checksum:
+        raise FrameChecksumError(
+            f"payload checksum mismatch: header says 0x{h.checksum:016x}, "
+            f"payload hashes to 0x{got:016x}"
+        )
+    if cols == 0:
+        return Frame(h, None)
+    if comp == "none":
+        return Frame(h, _decode_payload(buf, poff, codec, rows, cols))
+    data = mv[poff:]
+    try:
+        declared = zstandard.frame_content_size(data)
+    except zstandard.ZstdError as e:
+        raise FrameError(f"zstd payload has no valid frame header: {e}") from None
+    if declared != -1 and declared != expect:
+        raise FrameError(f"zstd payload declares {declared} decoded bytes, expected {expect}")
+    try:
+        out = _dctx().decompress(data, max_output_size=expect, allow_extra_data=False)
+    except zstandard.ZstdError as e:
+        raise FrameError(f"zstd payload is corrupt: {e}") from None
+    if len(out) != expect:
+        raise FrameError(f"zstd payload decoded to {len(out)} bytes, expected {expect}")
+    return Frame(h, _decode_payload(out, 0, codec, rows, cols))
