@@ -283,28 +283,52 @@ class Vendor:
 
     def configure(self) -> None:
         cmake = self._cmake()
-        gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+        ninja = shutil.which("ninja")
+        gen = ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"] if ninja else []
+        cache = self.build_dir / "CMakeCache.txt"
+        if cache.exists():
+            was_ninja = re.search(r"^CMAKE_GENERATOR:\w+=Ninja$",
+                                  cache.read_text(errors="replace"), re.M) is not None
+            if was_ninja != bool(ninja):
+                shutil.rmtree(self.build_dir)  # the generator changed: start the build dir over
         cmd = [cmake, "-S", str(self.src), "-B", str(self.build_dir), *gen,
                *self.cmake_options, *self.extra_cmake_args]
         _say("configuring: " + " ".join(shlex.quote(c) for c in cmd[1:]))
         self._run(cmd, "cmake configure")
 
+    def _configured(self) -> bool:
+        """A usable cmake cache: it exists and the programs it recorded are still there.
+
+        ``pip install`` configures inside a temporary build environment whose cmake and ninja
+        vanish afterwards; a later build (say of ``--tools``) must then configure again with the
+        programs on PATH. Objects already built stay valid, so this costs seconds.
+        """
+        cache = self.build_dir / "CMakeCache.txt"
+        if not cache.exists():
+            return False
+        text = cache.read_text(errors="replace")
+        for var in ("CMAKE_MAKE_PROGRAM", "CMAKE_COMMAND"):
+            m = re.search(rf"^{var}:\w+=(.*)$", text, re.M)
+            if m and m.group(1).strip() and not Path(m.group(1).strip()).exists():
+                return False
+        return True
+
     def _run(self, cmd: list[str], what: str) -> None:
         """Run a build step, echoing ninja/make progress lines; keep the tail for errors."""
         tail: list[str] = []
         last = 0.0
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                errors="replace")
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            tail.append(line)
-            del tail[:-60]
-            m = re.match(r"^\[(\d+)/(\d+)\]", line)
-            now = time.monotonic()
-            if m and (now - last > 5 or m.group(1) == m.group(2)):
-                _say(f"  {what}: {m.group(1)}/{m.group(2)} steps")
-                last = now
-        if proc.wait() != 0:
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              errors="replace") as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                tail.append(line)
+                del tail[:-60]
+                m = re.match(r"^\[(\d+)/(\d+)\]", line)
+                now = time.monotonic()
+                if m and (now - last > 5 or m.group(1) == m.group(2)):
+                    _say(f"  {what}: {m.group(1)}/{m.group(2)} steps")
+                    last = now
+        if proc.returncode != 0:
             raise VendorError(f"{what} failed (exit {proc.returncode}):\n{''.join(tail)}")
 
     def jobs(self) -> int:
@@ -321,7 +345,7 @@ class Vendor:
         if stamp and set(tools) <= have_tools and all(self.tool_path(t).exists() for t in tools):
             return self.build_dir
         self.patch()
-        if not (self.build_dir / "CMakeCache.txt").exists():
+        if not self._configured():
             self.configure()
         targets = self.targets + [t for t in tools if t not in self.targets]
         t0 = time.monotonic()
