@@ -1,0 +1,1 @@
+"""Generated protobuf/gRPC code for proto/dgr.proto (python -m dgr.transport.codegen)."""

@@ -1,0 +1,137 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EngineSettings(_message.Message):
+    __slots__ = ("n_ctx", "n_slots", "n_threads", "n_ubatch", "flash_attn", "type_k", "type_v")
+    N_CTX_FIELD_NUMBER: _ClassVar[int]
+    N_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    N_THREADS_FIELD_NUMBER: _ClassVar[int]
+    N_UBATCH_FIELD_NUMBER: _ClassVar[int]
+    FLASH_ATTN_FIELD_NUMBER: _ClassVar[int]
+    TYPE_K_FIELD_NUMBER: _ClassVar[int]
+    TYPE_V_FIELD_NUMBER: _ClassVar[int]
+    n_ctx: int
+    n_slots: int
+    n_threads: int
+    n_ubatch: int
+    flash_attn: bool
+    type_k: str
+    type_v: str
+    def __init__(self, n_ctx: _Optional[int] = ..., n_slots: _Optional[int] = ..., n_threads: _Optional[int] = ..., n_ubatch: _Optional[int] = ..., flash_attn: _Optional[bool] = ..., type_k: _Optional[str] = ..., type_v: _Optional[str] = ...) -> None: ...
+
+class DescribeReply(_message.Message):
+    __slots__ = ("model_identity", "model_name", "arch", "n_layer", "layer_start", "layer_end", "is_first", "is_last", "needs_token_ids", "boundary_width", "boundary_dtype", "n_vocab", "settings", "eog_tokens", "add_bos", "free_slots", "sessions", "free_context", "queue_depth", "recent_tokens_per_s", "recent_step_ms", "draining", "dgr_version", "wire_format_version", "wire_schema_version", "weight_bytes", "kv_bytes", "steps_total", "errors_total", "uptime_s")
+    MODEL_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    ARCH_FIELD_NUMBER: _ClassVar[int]
+    N_LAYER_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    IS_FIRST_FIELD_NUMBER: _ClassVar[int]
+    IS_LAST_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARY_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARY_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    N_VOCAB_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    EOG_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADD_BOS_FIELD_NUMBER: _ClassVar[int]
+    FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    FREE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    RECENT_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    RECENT_STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    DGR_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WIRE_FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WIRE_SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    model_identity: str
+    model_name: str
+    arch: str
+    n_layer: int
+    layer_start: int
+    layer_end: int
+    is_first: bool
+    is_last: bool
+    needs_token_ids: bool
+    boundary_width: int
+    boundary_dtype: str
+    n_vocab: int
+    settings: EngineSettings
+    eog_tokens: _containers.RepeatedScalarFieldContainer[int]
+    add_bos: bool
+    free_slots: int
+    sessions: int
+    free_context: int
+    queue_depth: int
+    recent_tokens_per_s: float
+    recent_step_ms: float
+    draining: bool
+    dgr_version: str
+    wire_format_version: int
+    wire_schema_version: int
+    weight_bytes: int
+    kv_bytes: int
+    steps_total: int
+    errors_total: int
+    uptime_s: float
+    def __init__(self, model_identity: _Optional[str] = ..., model_name: _Optional[str] = ..., arch: _Optional[str] = ..., n_layer: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., needs_token_ids: _Optional[bool] = ..., boundary_width: _Optional[int] = ..., boundary_dtype: _Optional[str] = ..., n_vocab: _Optional[int] = ..., settings: _Optional[_Union[EngineSettings, _Mapping]] = ..., eog_tokens: _Optional[_Iterable[int]] = ..., add_bos: _Optional[bool] = ..., free_slots: _Optional[int] = ..., sessions: _Optional[int] = ..., free_context: _Optional[int] = ..., queue_depth: _Optional[int] = ..., recent_tokens_per_s: _Optional[float] = ..., recent_step_ms: _Optional[float] = ..., draining: _Optional[bool] = ..., dgr_version: _Optional[str] = ..., wire_format_version: _Optional[int] = ..., wire_schema_version: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., steps_total: _Optional[int] = ..., errors_total: _Optional[int] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    def __init__(self, session: _Optional[str] = ...) -> None: ...
+
+class ReleaseReply(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("text", "add_special", "parse_special")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_FIELD_NUMBER: _ClassVar[int]
+    PARSE_SPECIAL_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    add_special: bool
+    parse_special: bool
+    def __init__(self, text: _Optional[str] = ..., add_special: _Optional[bool] = ..., parse_special: _Optional[bool] = ...) -> None: ...
+
+class TokenizeReply(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DetokenizeRequest(_message.Message):
+    __slots__ = ("tokens", "remove_special", "unparse_special")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_SPECIAL_FIELD_NUMBER: _ClassVar[int]
+    UNPARSE_SPECIAL_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    remove_special: bool
+    unparse_special: bool
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., remove_special: _Optional[bool] = ..., unparse_special: _Optional[bool] = ...) -> None: ...
+
+class DetokenizeReply(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,283 @@
+"""Worker-side session state: (session, epoch) -> engine slot, positions, TTL and eviction."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from .errors import (
+    CacheMiss,
+    ContextFull,
+    InvalidArgument,
+    ResourceExhausted,
+    SessionError,
+    StaleEpoch,
+    UnknownSession,
+)
+
+__all__ = ["SessionTable", "Lease", "SessionInfo", "SlotEngine"]
+
+
+class SlotEngine(Protocol):
+    """What the table needs of an engine: dropping a slot's state.
+
+    ``release`` must take effect after any compute already started on that slot and before
+    any compute started later (the worker queues it on the engine's compute thread).
+    """
+
+    def release(self, slot: int) -> None: ...
+
+
+@dataclass
+class SessionInfo:
+    """One session's state on this worker (read-only outside the table)."""
+
+    session: str
+    epoch: int
+    slot: int
+    next_pos: int = 0
+    last_used: float = 0.0
+    created: float = 0.0
+    busy: bool = False
+    steps: int = 0
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Permission to run one step of ``session`` on ``slot`` (see ``SessionTable.acquire``)."""
+
+    session: str
+    epoch: int
+    slot: int
+    first_pos: int
+    n_tokens: int
+    new: bool  # the step starts a fresh (session, epoch): the slot was just cleared
+
+
+#: event callback: (event, session, epoch, slot, detail)
+Listener = Callable[[str, str, int, int, str], None]
+
+
+class SessionTable:
+    """Maps route sessions to the sequence slots of one engine; never computes on a gap.
+
+    Rules (for a step of ``n`` tokens of ``(session, epoch)`` starting at ``first_pos``):
+
+    - a new session, or a higher epoch of a known one: its old state is dropped and the step
+      must start at position 0 (otherwise ``UnknownSession`` for a new session, ``CacheMiss``
+      for a higher epoch);
+    - a lower epoch: ``StaleEpoch``;
+    - the current epoch: ``first_pos`` must be the next expected position (``CacheMiss``);
+    - ``first_pos + n`` must fit in the slot's context (``ContextFull``);
+    - a new session needs a free slot: idle sessions past ``ttl`` are expired first, then the
+      least recently used session idle for at least ``evict_after`` is evicted; when none
+      qualifies, ``ResourceExhausted`` with ``retry_after`` (seconds until one would).
+
+    The table is not thread-safe: the worker calls it from its event loop only. Compute
+    happens between ``acquire`` and ``commit``/``abort``; a session is ``busy`` meanwhile and
+    a second step for it is refused.
+
+    Parameters
+    ----------
+    engine : object with ``release(slot)``
+        The engine whose slots are managed.
+    n_slots, n_ctx : int
+        Slots and context tokens per slot (the engine's).
+    ttl : float
+        Seconds after which an idle session expires.
+    evict_after : float
+        Minimum idle seconds before a session may be evicted to make room (LRU first).
+    clock : callable
+        Monotonic clock (tests inject a fake one).
+    listener : callable, optional
+        Called as ``listener(event, session, epoch, slot, detail)`` for ``open``, ``epoch``,
+        ``release``, ``expire``, ``evict``, ``abort`` (the worker logs them).
+    """
+
+    def __init__(self, engine: SlotEngine, n_slots: int, n_ctx: int, *, ttl: float = 600.0,
+                 evict_after: float = 5.0, clock: Callable[[], float] = time.monotonic,
+                 listener: Listener | None = None):
+        if n_slots < 1 or n_ctx < 1:
+            raise InvalidArgument(f"n_slots and n_ctx must be >= 1, got {n_slots}, {n_ctx}")
+        if ttl <= 0 or evict_after < 0:
+            raise InvalidArgument(f"ttl must be > 0 and evict_after >= 0, got {ttl}, {evict_after}")
+        self.engine = engine
+        self.n_slots = n_slots
+        self.n_ctx = n_ctx
+        self.ttl = ttl
+        self.evict_after = evict_after
+        self._clock = clock
+        self._listener = listener
+        self._sessions: dict[str, SessionInfo] = {}
+        self._free: list[int] = list(range(n_slots - 1, -1, -1))  # pop() gives slot 0 first
+        self.closed = False  # set while draining: no new sessions or epochs
+
+    # -- facts ---------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __contains__(self, session: str) -> bool:
+        return session in self._sessions
+
+    def get(self, session: str) -> SessionInfo | None:
+        return self._sessions.get(session)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def free_context(self) -> int:
+        """Context tokens not yet used, over all slots."""
+        return self.n_slots * self.n_ctx - sum(s.next_pos for s in self._sessions.values())
+
+    @property
+    def busy(self) -> int:
+        return sum(1 for s in self._sessions.values() if s.busy)
+
+    # -- steps ---------------------------------------------------------------------------
+
+    def acquire(self, session: str, epoch: int, first_pos: int, n_tokens: int) -> Lease:
+        """Check a step against the session's state and reserve its slot.
+
+        Returns
+        -------
+        Lease
+            Pass it to ``commit`` after a successful compute, or to ``abort`` after a failed
+            one.
+
+        Raises
+        ------
+        StaleEpoch, CacheMiss, UnknownSession, ContextFull, ResourceExhausted
+            As described in the class docstring; the table is unchanged except for expired or
+            evicted idle sessions.
+        SessionError
+            The session already has a step in flight.
+        dgr.errors.WorkerDraining
+            Not raised here: the worker checks draining itself (``closed`` only blocks new
+            sessions and epochs, with ``SessionError``).
+        """
+        if n_tokens < 1:
+            raise InvalidArgument(f"a step needs at least one token, got {n_tokens}")
+        now = self._clock()
+        s = self._sessions.get(session)
+        if s is not None and s.busy:
+            raise SessionError(f"session {session!r} already has a step in flight; send the "
+                               "next step after its reply")
+        if s is not None and epoch < s.epoch:
+            raise StaleEpoch(f"session {session!r} epoch {epoch} is stale: this worker serves "
+                             f"epoch {s.epoch}")
+        if s is not None and epoch == s.epoch:
+            if first_pos != s.next_pos:
+                raise CacheMiss(f"session {session!r} epoch {epoch}: step starts at position "
+                                f"{first_pos} but this worker's cache continues at "
+                                f"{s.next_pos}; re-prefill under a new epoch")
+            self._check_ctx(session, first_pos, n_tokens)
+            s.busy = True
+            s.last_used = now
+            return Lease(session, epoch, s.slot, first_pos, n_tokens, new=False)
+        # a new session or a higher epoch: the step must start a sequence
+        if first_pos != 0:
+            if s is None:
+                raise UnknownSession(f"session {session!r} is unknown to this worker (expired, "
+                                     f"evicted or the worker restarted); step at position "
+                                     f"{first_pos} needs its cache: re-prefill from 0")
+            raise CacheMiss(f"session {session!r} moves to epoch {epoch} (from {s.epoch}) with a "
+                            f"step at position {first_pos}; a new epoch starts at position 0")
+        self._check_ctx(session, first_pos, n_tokens)
+        if self.closed:
+            raise SessionError("this worker takes no new sessions or epochs (draining)")
+        if s is not None:  # higher epoch: reuse the slot, drop its state
+            self.engine.release(s.slot)
+            self._emit("epoch", session, epoch, s.slot, f"from epoch {s.epoch}")
+            s.epoch, s.next_pos, s.busy, s.last_used = epoch, 0, True, now
+            return Lease(session, epoch, s.slot, 0, n_tokens, new=True)
+        slot = self._take_slot(now)
+        self.engine.release(slot)  # whatever a previous owner left there
+        self._sessions[session] = SessionInfo(session, epoch, slot, 0, now, now, busy=True)
+        self._emit("open", session, epoch, slot, "")
+        return Lease(session, epoch, slot, 0, n_tokens, new=True)
+
+    def commit(self, lease: Lease) -> None:
+        """The step of ``lease`` computed: the session now continues after it."""
+        s = self._sessions.get(lease.session)
+        if s is None or s.epoch != lease.epoch or s.slot != lease.slot:
+            return  # released while computing (drain, explicit release): nothing to record
+        s.next_pos = lease.first_pos + lease.n_tokens
+        s.busy = False
+        s.steps += 1
+        s.last_used = self._clock()
+
+    def abort(self, lease: Lease, reason: str = "") -> None:
+        """The step of ``lease`` failed in compute: drop the session (its cache is suspect)."""
+        s = self._sessions.get(lease.session)
+        if s is None or s.epoch != lease.epoch or s.slot != lease.slot:
+            return
+        self._drop(s, "abort", reason)
+
+    # -- housekeeping --------------------------------------------------------------------
+
+    def release(self, session: str) -> bool:
+        """Drop a session now (explicit release). False when it was unknown."""
+        s = self._sessions.get(session)
+        if s is None:
+            return False
+        self._drop(s, "release", "")
+        return True
+
+    def expire(self) -> int:
+        """Drop idle sessions older than ``ttl``; returns how many."""
+        now = self._clock()
+        old = [s for s in self._sessions.values() if not s.busy and now - s.last_used >= self.ttl]
+        for s in old:
+            self._drop(s, "expire", f"idle {now - s.last_used:.0f} s")
+        return len(old)
+
+    def clear(self) -> None:
+        """Drop every idle session (shutdown)."""
+        for s in [s for s in self._sessions.values() if not s.busy]:
+            self._drop(s, "release", "shutdown")
+
+    def snapshot(self) -> list[SessionInfo]:
+        return [SessionInfo(**vars(s)) for s in self._sessions.values()]
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _check_ctx(self, session: str, first_pos: int, n_tokens: int) -> None:
+        if first_pos + n_tokens > self.n_ctx:
+            raise ContextFull(f"session {session!r}: positions {first_pos}..{first_pos + n_tokens - 1} "
+                              f"do not fit the context of {self.n_ctx} tokens per session")
+
+    def _take_slot(self, now: float) -> int:
+        if not self._free:
+            self.expire()
+        if self._free:
+            return self._free.pop()
+        idle = [s for s in self._sessions.values() if not s.busy]
+        ready = [s for s in idle if now - s.last_used >= self.evict_after]
+        if ready:
+            victim = min(ready, key=lambda s: s.last_used)
+            self._drop(victim, "evict", f"idle {now - victim.last_used:.1f} s, least recently used")
+            return self._free.pop()
+        if idle:
+            wait = max(min(self.evict_after - (now - s.last_used) for s in idle), 0.0)
+            why = f"the least recently used idle session may be evicted in {wait:.2f} s"
+        else:
+            wait = 0.1
+            why = "every session has a step in flight"
+        raise ResourceExhausted(f"all {self.n_slots} slots are in use; {why}",
+                                retry_after=round(max(wait, 0.01), 3))
+
+    def _drop(self, s: SessionInfo, event: str, detail: str) -> None:
+        del self._sessions[s.session]
+        # With a step in flight this must run after it: the worker's engine adapter queues
+        # release() behind compute on the engine's single thread, so it does.
+        self.engine.release(s.slot)
+        self._free.append(s.slot)
+        self._emit(event, s.session, s.epoch, s.slot, detail)
+
+    def _emit(self, event: str, session: str, epoch: int, slot: int, detail: str) -> None:
+        if self._listener is not None:
+            self._listener(event, session, epoch, slot, detail)

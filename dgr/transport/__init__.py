@@ -1,0 +1,1 @@
+"""gRPC transport of dgr: the shard service (server side) and its client, over grpcio."""
