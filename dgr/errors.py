@@ -36,6 +36,11 @@ __all__ = [
     "StepDeadlineExceeded",
     "VendorError",
     "ModelFetchError",
+    "ArtifactError",
+    "ArtifactMissing",
+    "ArtifactMismatch",
+    "ArtifactTruncated",
+    "InvalidManifest",
 ]
 
 
@@ -264,6 +269,43 @@ class ModelFetchError(DgrError, RuntimeError):
     """A registry model could not be downloaded or verified."""
 
     code = 51
+
+
+class ArtifactError(DgrError, RuntimeError):
+    """Model artifacts do not match their manifest (``problems`` lists every finding)."""
+
+    code = 52
+
+    def __init__(self, message: str = "", problems: list | None = None):
+        super().__init__(message)
+        self.problems = list(problems or [])
+
+
+class ArtifactMissing(ArtifactError, FileNotFoundError):
+    """A file the manifest lists (e.g. one split of a split model) is not there."""
+
+    code = 53
+
+    def __str__(self) -> str:  # FileNotFoundError would format (errno, strerror)
+        return str(self.args[0]) if self.args else ""
+
+
+class ArtifactMismatch(ArtifactError, ValueError):
+    """A file, header or tensor whose bytes differ from the manifest's hashes."""
+
+    code = 54
+
+
+class ArtifactTruncated(ArtifactMismatch):
+    """A file shorter than the manifest says (tensors cut off)."""
+
+    code = 55
+
+
+class InvalidManifest(ArtifactError, ValueError):
+    """A manifest that cannot be read, has an unknown schema, or does not describe this model."""
+
+    code = 56
 
 
 def _by_code() -> dict[int, type[DgrError]]:

@@ -1,4 +1,14 @@
-"""Model identity: a content hash of the GGUF a process serves, cached by path, size and mtime."""
+"""Model identity: a content hash of the GGUF model a process serves, cached by path and mtime."""
+
+The identity names the model, not the artifact layout a worker happens to hold:
+
+- a one-file model: ``sha256:<hex>`` of the file's bytes (what ``sha256sum`` prints);
+- a split model (``name-0000k-of-0000N.gguf``): ``sha256:<hex>`` of the text made of each
+  file's sha256 hex digest followed by a newline, in split order; i.e.
+  ``sha256sum name-*-of-*.gguf | cut -c1-64 | sha256sum``;
+- a dgr slice: the identity of the model it was cut from (``dgr.slice.source_identity``),
+  which the slice's tensors are checked against by ``dgr.artifacts.verify``.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +17,12 @@ import json
 import os
 import threading
 from pathlib import Path
+from typing import Sequence
 
 from .vendor import cache_root
 
-__all__ = ["model_identity"]
+__all__ = ["model_identity", "split_identity", "file_sha256", "remember_file_sha256",
+           "remember_verified"]
 
 _lock = threading.Lock()
 
@@ -27,31 +39,126 @@ def _file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def model_identity(path: str | os.PathLike) -> str:
-    """``sha256:<hex>`` of the model file's bytes (metadata and tensor data).
-
-    Hashing a large model takes a while, so the result is cached under ``$DGR_CACHE`` keyed by
-    the resolved path, size and modification time: a worker restart does not rehash.
-    """
-    p = Path(path).resolve()
+def _key(p: Path) -> str:
     st = p.stat()
-    key = f"{p}|{st.st_size}|{st.st_mtime_ns}"
+    return f"{p}|{st.st_size}|{st.st_mtime_ns}"
+
+
+def _load() -> dict[str, str]:
+    try:
+        table = json.loads(_cache_file().read_text())
+        return table if isinstance(table, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _store(updates: dict[str, str], drop_prefixes: Sequence[str] = ()) -> None:
+    """Merge entries into the cache file (atomically replaced); best effort."""
     cache = _cache_file()
+    table = _load()
+    table = {k: v for k, v in table.items() if not any(k.startswith(d) for d in drop_prefixes)}
+    table.update(updates)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_text(json.dumps(table, indent=0))
+        tmp.replace(cache)
+    except OSError:
+        pass  # a read-only cache only costs a rehash next time
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """sha256 hex digest of one file, cached under ``$DGR_CACHE`` by path, size and mtime."""
+    p = Path(path).resolve()
+    key = _key(p)
     with _lock:
-        try:
-            table = json.loads(cache.read_text())
-        except (OSError, ValueError):
-            table = {}
-        if key in table:
-            return table[key]
-        ident = "sha256:" + _file_sha256(p)
-        table = {k: v for k, v in table.items() if not k.startswith(f"{p}|")}
-        table[key] = ident
-        try:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(table, indent=0))
-            tmp.replace(cache)
-        except OSError:
-            pass  # a read-only cache only costs a rehash next time
-        return ident
+        hit = _load().get(key)
+        if hit and hit.startswith("sha256:"):
+            return hit[7:]
+    hexd = _file_sha256(p)
+    with _lock:
+        _store({key: "sha256:" + hexd}, drop_prefixes=(f"{p}|",))
+    return hexd
+
+
+def remember_file_sha256(path: str | os.PathLike, hexdigest: str) -> None:
+    """Cache a digest computed elsewhere (``dgr.artifacts.build_manifest`` hashes every file)."""
+    p = Path(path).resolve()
+    with _lock:
+        _store({_key(p): "sha256:" + hexdigest}, drop_prefixes=(f"{p}|",))
+
+
+def split_identity(file_sha256s: Sequence[str]) -> str:
+    """Identity of a split model from its files' sha256 hex digests in split order."""
+    text = "".join(f"{h}\n" for h in file_sha256s)
+    return "sha256:" + hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def _verified_key(files: Sequence[Path]) -> str:
+    return "verified:" + ";".join(_key(f) for f in files)
+
+
+def remember_verified(files: Sequence[str | os.PathLike], identity: str) -> None:
+    """Record that ``files`` (as they are now: size and mtime) were verified to be ``identity``.
+
+    ``dgr.artifacts.verify`` calls this after a successful check against a manifest, so that
+    ``model_identity`` of the same, unchanged files answers without hashing them.
+    """
+    paths = [Path(f).resolve() for f in files]
+    with _lock:
+        _store({_verified_key(paths): identity},
+               drop_prefixes=(f"verified:{paths[0]}|",))
+
+
+def model_identity(path: str | os.PathLike, *, manifest=None) -> str:
+    """The identity of the model at ``path`` (see the module docstring for the definition).
+
+    ``path`` is a one-file model, any file of a split model, or a dgr slice. Hashing a large
+    model takes a while, so per-file digests are cached under ``$DGR_CACHE`` keyed by the
+    resolved path, size and modification time, and files verified against a manifest are
+    remembered: a worker restart does not rehash.
+
+    Parameters
+    ----------
+    manifest : str, os.PathLike or dgr.artifacts.Manifest, optional
+        Take the identity from this manifest after verifying ``path`` against it (resumable,
+        and free when an earlier verification of the unchanged files is on record).
+
+    Raises
+    ------
+    dgr.errors.ArtifactMissing
+        A split of a split model is missing.
+    dgr.errors.ArtifactMismatch, dgr.errors.InvalidManifest
+        With ``manifest``: the files do not match it.
+    """
+    from . import gguf_io
+    from .errors import ArtifactMissing, InvalidModel
+
+    p = Path(path).resolve()
+    if manifest is not None:
+        from .artifacts import verify_for_worker
+
+        return verify_for_worker(manifest, p, None)
+    try:
+        head = gguf_io.read_header(p, decode_arrays=False)
+    except InvalidModel:
+        head = None  # not GGUF: still a file with a content hash
+    if head is not None and head.slice_range is not None:
+        src = head.kv.get("dgr.slice.source_identity")
+        if isinstance(src, str) and src.startswith("sha256:"):
+            return src
+        raise InvalidModel(f"{p} is a dgr slice without a valid dgr.slice.source_identity")
+    files = [p]
+    if head is not None and head.split_count > 1:
+        files = [f.resolve() for f in gguf_io.model_files(p)]
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise ArtifactMissing(f"split model {files[0].name} is missing "
+                                  f"{', '.join(missing)} (in {files[0].parent})")
+    with _lock:
+        hit = _load().get(_verified_key(files))
+    if hit:
+        return hit
+    if len(files) == 1:
+        return "sha256:" + file_sha256(p)
+    return split_identity([file_sha256(f) for f in files])

@@ -1,0 +1,601 @@
+"""dgr.artifacts and dgr.gguf_io on tiny generated GGUFs (no engine): manifests, verification
+and its journal, precise failure reports, split models, slices, identity."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dgr import artifacts, errors, gguf_io, identity
+from dgr.artifacts import Manifest, build_manifest, verify, verify_for_worker, write_manifest
+from dgr.testing.fixtures import TinyLlama, write_tiny_llama
+
+CS = 16 << 10  # 16 KiB chunks: the 616 KiB tiny model has 39 of them
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    """Journals and the identity cache go to a per-test directory (the vendor tree stays)."""
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(identity, "_cache_file", lambda: cache / "identity-cache.json")
+    monkeypatch.setattr(artifacts, "_cache_dir", lambda: cache / "artifacts")
+    return cache
+
+
+def _env(**kw) -> dict:
+    """Environment of a child verifier: its caches in this test's directory too."""
+    return {**os.environ, **kw}
+
+
+@pytest.fixture
+def tiny(tmp_path, tiny_llama) -> Path:
+    d = tmp_path / "models"
+    d.mkdir()
+    return Path(shutil.copy(tiny_llama, d / "tiny.gguf"))
+
+
+@pytest.fixture
+def tiny_manifest(tiny) -> Path:
+    out = tiny.parent / "tiny.manifest.json"
+    write_manifest(build_manifest(tiny, chunk_size=CS), out)
+    return out
+
+
+@pytest.fixture
+def split3(tiny) -> list[Path]:
+    return gguf_io.split_gguf(tiny, 3, tiny.parent, "tiny")
+
+
+def _sha(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _flip(path, offset) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+# ---- gguf_io -------------------------------------------------------------------------------
+
+
+def test_type_table_matches_pinned_gguf_py():
+    gguf = gguf_io.gguf_module()
+    theirs = {int(t): (t.name, *gguf.GGML_QUANT_SIZES[t]) for t in gguf.GGMLQuantizationType}
+    assert gguf_io.GGML_TYPES == theirs
+
+
+def test_read_header_agrees_with_gguf_py(tiny):
+    gguf = gguf_io.gguf_module()
+    r = gguf.GGUFReader(str(tiny))
+    h = gguf_io.read_header(tiny)
+    assert [t.name for t in h.tensors] == [t.name for t in r.tensors]
+    for a, b in zip(h.tensors, r.tensors):
+        assert (a.offset, a.nbytes, a.shape) == (int(b.data_offset), int(b.n_bytes),
+                                                tuple(int(x) for x in b.shape))
+    assert h.kv["general.architecture"] == "llama" and h.kv["llama.block_count"] == 4
+    assert h.kv["tokenizer.ggml.tokens"][:2] == ["tok_0", "tok_1"]
+    assert set(h.kv) == set(r.fields) - {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"}
+    fast = gguf_io.read_header(tiny, decode_arrays=False)
+    assert isinstance(fast.kv["tokenizer.ggml.tokens"], gguf_io.SkippedArray)
+    assert fast.kv_raw == h.kv_raw and fast.tensors == h.tensors
+
+
+def test_read_header_rejects_bad_files(tmp_path, tiny):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGML" + bytes(100))
+    with pytest.raises(errors.InvalidModel, match="bad magic"):
+        gguf_io.read_header(bad)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny.read_bytes()[:3000])
+    with pytest.raises(errors.InvalidModel, match="truncated"):
+        gguf_io.read_header(cut)
+    with pytest.raises(errors.ModelNotFound):
+        gguf_io.read_header(tmp_path / "nope.gguf")
+
+
+def test_split_gguf_layout_and_discovery(tiny, split3):
+    assert [p.name for p in split3] == [f"tiny-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    heads = [gguf_io.read_header(p) for p in split3]
+    assert [h.split_no for h in heads] == [0, 1, 2] and {h.split_count for h in heads} == {3}
+    assert "general.architecture" in heads[0].kv and "general.architecture" not in heads[1].kv
+    src = gguf_io.read_header(tiny)
+    assert [t.name for h in heads for t in h.tensors] == [t.name for t in src.tensors]
+    data = tiny.read_bytes()
+    for h, p in zip(heads, split3):
+        raw = p.read_bytes()
+        for t in h.tensors:
+            s = src.by_name[t.name]
+            assert raw[t.offset:t.offset + t.nbytes] == data[s.offset:s.offset + s.nbytes]
+    for p in split3:  # any split finds all of them
+        assert gguf_io.model_files(p) == split3
+    gguf = gguf_io.gguf_module()  # an independent reader accepts every split
+    assert sum(len(gguf.GGUFReader(str(p)).tensors) for p in split3) == len(src.tensors)
+
+
+# ---- roles and needed tensors --------------------------------------------------------------
+
+
+def test_tensor_roles():
+    assert artifacts.tensor_role("blk.12.attn_q.weight") == (12, "layer")
+    assert artifacts.tensor_role("token_embd.weight") == (None, "input")
+    assert artifacts.tensor_role("token_embd_norm.weight") == (None, "input")
+    assert artifacts.tensor_role("output.weight") == (None, "output")
+    assert artifacts.tensor_role("output_norm.bias") == (None, "output")
+    assert artifacts.tensor_role("rope_freqs.weight") == (None, "shared")
+
+
+def test_needed_tensors_by_stage():
+    names = ["token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight",
+             *[f"blk.{i}.w" for i in range(5)]]   # blk.4 is an MTP layer past n_layer = 4
+    ts = [(n, *artifacts.tensor_role(n)) for n in names]
+    need = lambda a, b, tied=False: artifacts.needed_tensor_names(ts, a, b, 4, tied)  # noqa: E731
+    assert need(0, 1) == {"token_embd.weight", "rope_freqs.weight", "blk.0.w"}
+    assert need(1, 3) == {"rope_freqs.weight", "blk.1.w", "blk.2.w"}
+    assert need(3, 4) == {"output_norm.weight", "output.weight", "rope_freqs.weight",
+                          "blk.3.w", "blk.4.w"}
+    assert "token_embd.weight" in need(3, 4, tied=True)
+    assert need(0, 4) == set(names)
+
+
+# ---- manifests ------------------------------------------------------------------------------
+
+
+def test_manifest_fields(tiny):
+    m = build_manifest(tiny, chunk_size=CS)
+    raw = tiny.read_bytes()
+    assert m["schema"] == artifacts.SCHEMA
+    assert m["identity"] == "sha256:" + _sha(tiny) and m["identity_rule"] == "file-sha256"
+    (f,) = m["files"]
+    assert f["name"] == "tiny.gguf" and f["size"] == len(raw) and f["sha256"] == _sha(tiny)
+    assert len(f["chunks"]) == -(-len(raw) // CS)
+    assert f["chunks"][1] == hashlib.sha256(raw[CS:2 * CS]).hexdigest()
+    assert f["chunks"][-1] == hashlib.sha256(raw[(len(f["chunks"]) - 1) * CS:]).hexdigest()
+    assert f["header_sha256"] == hashlib.sha256(raw[:f["data_offset"]]).hexdigest()
+    assert m["model"] | {"metadata_sha256": None} == {
+        "arch": "llama", "block_count": 4, "n_layer": 4, "tied_embeddings": True,
+        "n_tensors": 38, "gguf_version": 3, "metadata_sha256": None}
+    by = {t["name"]: t for t in m["tensors"]}
+    q = by["blk.2.attn_q.weight"]
+    assert (q["layer"], q["role"], q["type"], q["shape"], q["file"]) == (
+        2, "layer", "F32", [64, 64], "tiny.gguf")
+    assert q["hash"] == hashlib.sha256(raw[q["offset"]:q["offset"] + q["size"]]).hexdigest()
+    assert by["token_embd.weight"]["role"] == "input" and by["token_embd.weight"]["layer"] is None
+    # deterministic: same bytes, same manifest text
+    assert write_manifest(m, None) == write_manifest(build_manifest(tiny, chunk_size=CS), None)
+
+
+def test_manifest_xxh3_tensor_hashes(tiny):
+    import xxhash
+
+    m = build_manifest(tiny, chunk_size=CS, tensor_hash="xxh3_128")
+    raw = tiny.read_bytes()
+    t = m["tensors"][5]
+    assert m["hashes"]["tensor"] == "xxh3_128"
+    assert t["hash"] == xxhash.xxh3_128(raw[t["offset"]:t["offset"] + t["size"]]).hexdigest()
+
+
+def test_split_manifest_is_one_model(tiny, split3):
+    m = build_manifest(split3[1], chunk_size=CS)      # any split finds the others
+    assert m == build_manifest(split3, chunk_size=CS)  # as does giving them all
+    assert [f["name"] for f in m["files"]] == [p.name for p in split3]
+    assert [f["split"] for f in m["files"]] == [0, 1, 2]
+    text = "".join(_sha(p) + "\n" for p in split3)    # sha256sum ... | cut -c1-64 | sha256sum
+    assert m["identity"] == "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+    assert m["identity_rule"] == "split-file-sha256s"
+    single = build_manifest(tiny, chunk_size=CS)
+    assert m["model"] == single["model"]              # same metadata, same tensors
+    assert ({t["name"]: t["hash"] for t in m["tensors"]}
+            == {t["name"]: t["hash"] for t in single["tensors"]})
+
+
+def test_manifest_names_a_missing_split(split3):
+    split3[2].unlink()
+    with pytest.raises(errors.ArtifactMissing, match="tiny-00003-of-00003.gguf"):
+        build_manifest(split3[0], chunk_size=CS)
+
+
+def test_manifest_rejects_files_of_different_models(tiny, split3, tmp_path):
+    other = write_tiny_llama(tmp_path / "other-00002-of-00003.gguf")
+    with pytest.raises(errors.InvalidModel):
+        build_manifest([split3[0], other], chunk_size=CS)
+
+
+def test_invalid_manifests(tmp_path, tiny_manifest):
+    p = tmp_path / "m.json"
+    p.write_text("{not json")
+    with pytest.raises(errors.InvalidManifest, match="not JSON"):
+        Manifest.load(p)
+    p.write_text(json.dumps({"schema": "something/9"}))
+    with pytest.raises(errors.InvalidManifest, match="schema"):
+        Manifest.load(p)
+    data = json.loads(tiny_manifest.read_text())
+    data["files"][0]["chunks"].pop()
+    p.write_text(json.dumps(data))
+    with pytest.raises(errors.InvalidManifest, match="chunk hashes"):
+        Manifest.load(p)
+    with pytest.raises(errors.InvalidManifest, match="cannot read"):
+        Manifest.load(tmp_path / "absent.json")
+
+
+# ---- verification ---------------------------------------------------------------------------
+
+
+def test_verify_ok_then_journal_makes_it_free(tiny, tiny_manifest, tmp_path):
+    j = tmp_path / "j.json"
+    r = verify(tiny_manifest, journal=j)
+    assert r.ok and r.bytes_read == r.bytes_planned == tiny.stat().st_size
+    assert r.bytes_journal == 0
+    r2 = verify(tiny_manifest, journal=j)
+    assert r2.ok and r2.bytes_read == 0 and r2.bytes_journal == r2.bytes_planned
+    r3 = verify(tiny_manifest, journal=j, fresh=True)
+    assert r3.ok and r3.bytes_read == r3.bytes_planned
+
+
+def test_verify_threads_and_default_journal(tiny, tiny_manifest):
+    r = verify(tiny_manifest, threads=4)
+    assert r.ok and r.bytes_read == tiny.stat().st_size
+    assert Path(r.journal).parent == artifacts._cache_dir()
+    assert verify(tiny_manifest, threads=4).bytes_read == 0
+
+
+def test_range_verify_reads_headers_and_the_range_chunks_only(tiny, tiny_manifest):
+    m = Manifest.load(tiny_manifest)
+    r = verify(m, layers=(1, 2), journal=False)
+    assert r.ok
+    f = m.files[0]
+    want = set(range((f["data_offset"] - 1) // CS + 1))
+    for name in m.needed((1, 2)):
+        t = m.tensors_by_name[name]
+        want |= set(range(t["offset"] // CS, (t["offset"] + t["size"] - 1) // CS + 1))
+    expect = sum(min(CS, f["size"] - k * CS) for k in want)
+    assert r.bytes_read == r.bytes_planned == expect < f["size"] // 2
+    assert m.needed((1, 2)) == {n for n in m.tensors_by_name if n.startswith("blk.1.")}
+    # the last stage of a tied model also checks token_embd (its head)
+    assert {"token_embd.weight", "output_norm.weight"} <= m.needed((3, 4))
+    with pytest.raises(errors.InvalidLayerRange):
+        verify(m, layers=(2, 9), journal=False)
+
+
+def test_flipped_byte_names_the_tensor(tiny, tiny_manifest):
+    m = Manifest.load(tiny_manifest)
+    t = m.tensors_by_name["blk.2.ffn_up.weight"]
+    _flip(tiny, t["offset"] + t["size"] // 2)
+    r = verify(tiny_manifest, journal=False)
+    assert not r.ok
+    assert [(p.kind, p.file, p.what) for p in r.problems] == [
+        ("different", "tiny.gguf", "tensor blk.2.ffn_up.weight")]
+    assert "layer 2" in str(r.problems[0])
+    # a range that does not hold the tensor does not see it; one that does, does
+    assert verify(tiny_manifest, layers=(0, 1), journal=False).ok
+    assert not verify(tiny_manifest, layers=(2, 3), journal=False).ok
+
+
+def test_flipped_header_byte_is_reported_as_header(tiny, tiny_manifest):
+    _flip(tiny, 200)  # inside the metadata
+    r = verify(tiny_manifest, layers=(1, 2), journal=False)  # headers are checked for any range
+    assert [(p.kind, p.what) for p in r.problems] == [("different", "header")]
+
+
+def test_flipped_padding_byte_is_reported_as_padding(tmp_path):
+    import numpy as np
+
+    gguf = gguf_io.gguf_module()
+    path = tmp_path / "odd.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_tensor("blk.0.a.weight", np.ones(5, dtype=np.float32))   # 20 bytes + 12 of padding
+    w.add_tensor("blk.0.b.weight", np.ones(8, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    mpath = tmp_path / "odd.json"
+    write_manifest(build_manifest(path, chunk_size=CS), mpath)
+    a = gguf_io.read_header(path).by_name["blk.0.a.weight"]
+    _flip(path, a.offset + a.nbytes + 3)
+    r = verify(mpath, journal=False)
+    assert [(p.kind, p.what) for p in r.problems] == [("different", "chunk 0")]
+    assert "outside any tensor (padding)" in r.problems[0].detail
+
+
+def test_truncated_file_is_reported_with_the_first_tensor_cut(tiny, tiny_manifest):
+    m = Manifest.load(tiny_manifest)
+    t = m.tensors_by_name["blk.3.ffn_gate.weight"]
+    with open(tiny, "r+b") as f:
+        f.truncate(t["offset"] + 10)
+    r = verify(tiny_manifest, journal=False)
+    (p,) = r.problems
+    assert (p.kind, p.file) == ("truncated", "tiny.gguf")
+    assert f"{t['offset'] + 10} of {m.files[0]['size']} bytes" in p.detail
+    assert "from blk.3.ffn_gate.weight" in p.detail
+    with pytest.raises(errors.ArtifactTruncated, match="blk.3.ffn_gate.weight") as ei:
+        verify_for_worker(tiny_manifest, tiny, (0, 4), journal=False)
+    assert ei.value.problems == r.problems
+
+
+def test_oversized_file(tiny, tiny_manifest):
+    with open(tiny, "ab") as f:
+        f.write(b"x")
+    r = verify(tiny_manifest, journal=False)
+    assert [p.kind for p in r.problems] == ["oversized"]
+
+
+def test_split_model_verify_and_a_missing_split(tiny, split3, tmp_path):
+    mpath = tmp_path / "split.manifest.json"
+    write_manifest(build_manifest(split3[0], chunk_size=CS), mpath)
+    j = tmp_path / "j.json"
+    assert verify(mpath, dir=tiny.parent, journal=j).ok
+    split3[1].rename(tmp_path / "elsewhere.gguf")
+    r = verify(mpath, dir=tiny.parent, journal=j)
+    assert [(p.kind, p.file) for p in r.problems] == [("missing", "tiny-00002-of-00003.gguf")]
+    with pytest.raises(errors.ArtifactMissing, match="tiny-00002-of-00003.gguf: missing"):
+        verify_for_worker(mpath, split3[0], (0, 4), journal=j)
+    # flip a tensor byte in the third split: named by file and tensor
+    (tmp_path / "elsewhere.gguf").rename(split3[1])
+    h = gguf_io.read_header(split3[2])
+    t = h.tensors[1]
+    _flip(split3[2], t.offset)
+    r = verify(mpath, dir=tiny.parent, journal=j)
+    assert [(p.kind, p.file, p.what) for p in r.problems] == [
+        ("different", "tiny-00003-of-00003.gguf", f"tensor {t.name}")]
+
+
+def test_modified_file_loses_its_journal_entry(tiny, tiny_manifest, tmp_path):
+    j = tmp_path / "j.json"
+    assert verify(tiny_manifest, journal=j).ok
+    m = Manifest.load(tiny_manifest)
+    t = m.tensors_by_name["blk.0.attn_k.weight"]
+    _flip(tiny, t["offset"])
+    r = verify(tiny_manifest, journal=j)   # stat changed: everything is hashed again
+    assert r.bytes_journal == 0 and [p.what for p in r.problems] == ["tensor blk.0.attn_k.weight"]
+
+
+def test_corrupt_journal_is_ignored(tiny, tiny_manifest, tmp_path):
+    j = tmp_path / "j.json"
+    j.write_text("{garbage")
+    r = verify(tiny_manifest, journal=j)
+    assert r.ok and r.bytes_read == r.bytes_planned
+    assert json.loads(j.read_text())["schema"] == artifacts.JOURNAL_SCHEMA
+
+
+def _verify_cmd(manifest, journal, *extra):
+    return [sys.executable, "-m", "dgr.artifacts", "verify", str(manifest), "--journal",
+            str(journal), "--threads", "1", "--quiet", *extra]
+
+
+def test_killed_verification_resumes_with_what_is_left(tiny, tiny_manifest, tmp_path):
+    j = tmp_path / "j.json"
+    env = _env(DGR_CACHE=str(tmp_path / "cache"), **{artifacts._KILL_ENV: "7"})
+    # the child SIGKILLs itself right after chunk 7 is journaled
+    proc = subprocess.run(_verify_cmd(tiny_manifest, j), env=env, capture_output=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+    entry = next(iter(json.loads(j.read_text())["files"].values()))
+    assert entry["chunks"] == "0-6"
+    size = tiny.stat().st_size
+    before = artifacts.COUNTERS["bytes_read"]
+    r = verify(tiny_manifest, journal=j, threads=1)
+    assert r.ok
+    assert r.bytes_journal == 7 * CS
+    assert r.bytes_read == size - 7 * CS == artifacts.COUNTERS["bytes_read"] - before
+
+
+def test_verification_killed_from_outside_resumes(tiny, tiny_manifest, tmp_path):
+    j = tmp_path / "j.json"
+    # ~2 s for 39 chunks
+    env = _env(DGR_CACHE=str(tmp_path / "cache"), **{artifacts._DELAY_ENV: "0.05"})
+    proc = subprocess.Popen(_verify_cmd(tiny_manifest, j), env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        done = set()
+        deadline = time.monotonic() + 60
+        while len(done) < 5 and time.monotonic() < deadline:
+            try:
+                entry = next(iter(json.loads(j.read_text())["files"].values()))
+                done = artifacts._unranges(entry["chunks"])
+            except (OSError, ValueError, StopIteration):
+                pass
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    entry = next(iter(json.loads(j.read_text())["files"].values()))
+    done = artifacts._unranges(entry["chunks"])
+    n = len(json.loads(tiny_manifest.read_text())["files"][0]["chunks"])
+    assert 5 <= len(done) < n
+    r = verify(tiny_manifest, journal=j, threads=1)
+    assert r.ok and r.bytes_journal == len(done) * CS
+    assert r.bytes_read == tiny.stat().st_size - len(done) * CS
+
+
+def test_cli_verify_reports_and_exit_codes(tiny, tiny_manifest, tmp_path, capsys):
+    assert artifacts.main(["verify", str(tiny_manifest), "--no-journal", "--json",
+                           "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and out["bytes_read"] == tiny.stat().st_size
+    t = Manifest.load(tiny_manifest).tensors_by_name["blk.1.attn_v.weight"]
+    _flip(tiny, t["offset"] + 3)
+    assert artifacts.main(["verify", str(tiny_manifest), "--no-journal", "--range", "0:2"]) == 1
+    err = capsys.readouterr().err
+    assert "FAILED" in err and "tiny.gguf: tensor blk.1.attn_v.weight different" in err
+    assert artifacts.main(["verify", str(tmp_path / "none.json")]) == 2
+
+
+def test_cli_manifest_and_registration(tiny, tmp_path, capsys):
+    out = tmp_path / "m.json"
+    assert artifacts.main(["manifest", str(tiny), "--out", str(out), "--chunk-size", "16KiB",
+                           "--quiet"]) == 0
+    assert Manifest.load(out).chunk_size == CS
+    assert artifacts.main(["manifest", str(tiny), "--tensor-hash", "xxh3_128", "--quiet"]) == 0
+    assert json.loads(capsys.readouterr().out)["hashes"]["tensor"] == "xxh3_128"
+    # the two lines dgr/cli.py uses to register the command
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m dgr")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    artifacts.add_subparser(sub)
+    args = ap.parse_args(["artifacts", "verify", str(out), "--dir", str(tiny.parent),
+                          "--no-journal", "--quiet"])
+    assert args.func(args) == 0
+
+
+# ---- worker contract and identity -----------------------------------------------------------
+
+
+def test_verify_for_worker_contract(tiny, tiny_manifest, monkeypatch):
+    ident = verify_for_worker(tiny_manifest, tiny, (1, 3))
+    assert ident == "sha256:" + _sha(tiny)
+    # the worker then reports the identity without hashing the model
+    monkeypatch.setattr(identity, "_file_sha256", lambda p: pytest.fail("rehashed"))
+    assert identity.model_identity(tiny) == ident
+    with pytest.raises(errors.InvalidLayerRange):
+        verify_for_worker(tiny_manifest, tiny, (3, 7))
+    other = write_tiny_llama(tiny.parent / "other.gguf", TinyLlama(seed=5))
+    with pytest.raises(errors.ArtifactMismatch, match="not a file of the manifest"):
+        verify_for_worker(tiny_manifest, other, (0, 4))
+
+
+def test_model_identity_definitions(tiny, split3, tmp_path):
+    assert identity.model_identity(tiny) == "sha256:" + _sha(tiny)
+    text = "".join(_sha(p) + "\n" for p in split3)
+    want = "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+    for p in split3:
+        assert identity.model_identity(p) == want
+    s = artifacts.slice_model(tiny, (1, 3), tmp_path / "s.gguf")
+    assert identity.model_identity(s["path"]) == "sha256:" + _sha(tiny)
+    split3[2].unlink()
+    with pytest.raises(errors.ArtifactMissing, match="tiny-00003-of-00003.gguf"):
+        identity.model_identity(split3[0])
+
+
+def test_model_identity_from_a_manifest(tiny, tiny_manifest, monkeypatch):
+    assert identity.model_identity(tiny, manifest=tiny_manifest) == "sha256:" + _sha(tiny)
+    monkeypatch.setattr(identity, "_file_sha256", lambda p: pytest.fail("rehashed"))
+    assert identity.model_identity(tiny, manifest=tiny_manifest) == "sha256:" + _sha(tiny)
+    _flip(tiny, 100)
+    with pytest.raises(errors.ArtifactMismatch, match="header"):
+        identity.model_identity(tiny, manifest=tiny_manifest)
+
+
+def test_precheck(tiny, split3, tmp_path):
+    s = Path(artifacts.slice_model(tiny, (1, 3), tmp_path / "s.gguf")["path"])
+    assert artifacts.precheck(s, (1, 3))["slice"] == (1, 3)
+    assert artifacts.precheck(s, (2, 3))["layers"] == (2, 3)
+    for bad in [(0, 3), (1, 4), None]:
+        with pytest.raises(errors.InvalidLayerRange, match=r"holding layers \[1, 3\)"):
+            artifacts.precheck(s, bad)
+    info = artifacts.precheck(split3[2], (0, 4))
+    assert info["load_path"] == split3[0] and info["files"] == split3 and info["slice"] is None
+    split3[1].unlink()
+    with pytest.raises(errors.ArtifactMissing, match="tiny-00002-of-00003.gguf"):
+        artifacts.precheck(split3[0])
+
+
+# ---- slices -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layers", [(0, 1), (1, 3), (3, 4), (0, 4)])
+@pytest.mark.parametrize("tied", [True, False])
+def test_slice_contents(tmp_path, layers, tied):
+    src = write_tiny_llama(tmp_path / "m.gguf", TinyLlama(tied=tied))
+    out = tmp_path / "s.gguf"
+    info = artifacts.slice_model(src, layers, out)
+    h, s = gguf_io.read_header(src), gguf_io.read_header(out)
+    a, b = layers
+    names = [t.name for t in s.tensors]
+    want = [t.name for t in h.tensors
+            if (t.name.startswith("blk.") and a <= int(t.name.split(".")[1]) < b)
+            or (t.name == "token_embd.weight" and (a == 0 or (b == 4 and tied)))
+            or (t.name.startswith("output") and b == 4)]
+    assert names == want                                  # source order, names unchanged
+    src_raw, out_raw = src.read_bytes(), out.read_bytes()
+    for t in s.tensors:
+        o = h.by_name[t.name]
+        assert (t.shape, t.ggml_type) == (o.shape, o.ggml_type)
+        assert out_raw[t.offset:t.offset + t.nbytes] == src_raw[o.offset:o.offset + o.nbytes]
+    # full metadata, byte for byte, plus the range and the source
+    assert {k: v for k, v in s.kv_raw.items() if not k.startswith("dgr.slice.")} == h.kv_raw
+    assert s.kv["llama.block_count"] == 4 and s.slice_range == (a, b)
+    assert s.kv_types["dgr.slice.layer_start"] == gguf_io.T_U32
+    assert s.kv["dgr.slice.source_identity"] == "sha256:" + _sha(src)
+    assert info["size"] == out.stat().st_size and info["tensors"] == len(want)
+    assert info["needed_bytes"] <= info["size"] <= info["needed_bytes"] * 1.03
+    gguf = gguf_io.gguf_module()   # an independent reader agrees
+    r = gguf.GGUFReader(str(out))
+    assert [t.name for t in r.tensors] == names
+    assert int(r.fields["dgr.slice.layer_end"].parts[-1][0]) == b
+
+
+def test_slice_of_split_model_and_of_a_slice(tiny, split3, tmp_path):
+    whole = gguf_io.read_header(artifacts.slice_model(tiny, (1, 3), tmp_path / "a.gguf")["path"])
+    part = gguf_io.read_header(
+        artifacts.slice_model(split3[1], (1, 3), tmp_path / "b.gguf")["path"])
+    assert [t.info_bytes for t in part.tensors] == [t.info_bytes for t in whole.tensors]
+    assert not any(k.startswith("split.") for k in part.kv)
+    assert part.kv["dgr.slice.source_identity"] == identity.model_identity(split3[0])
+    assert ((tmp_path / "a.gguf").read_bytes()[whole.data_offset:]
+            == (tmp_path / "b.gguf").read_bytes()[part.data_offset:])
+    again = artifacts.slice_model(tmp_path / "a.gguf", (2, 3), tmp_path / "c.gguf")
+    c = gguf_io.read_header(again["path"])
+    assert c.slice_range == (2, 3) and c.kv["dgr.slice.source_identity"] == "sha256:" + _sha(tiny)
+    with pytest.raises(errors.InvalidLayerRange):
+        artifacts.slice_model(tmp_path / "a.gguf", (0, 2), tmp_path / "d.gguf")
+    with pytest.raises(errors.InvalidLayerRange):
+        artifacts.slice_model(tiny, (3, 3), tmp_path / "d.gguf")
+
+
+def test_slice_checked_against_a_manifest(tiny, tiny_manifest, tmp_path):
+    info = artifacts.slice_model(tiny, (0, 2), tmp_path / "s.gguf", manifest=tiny_manifest)
+    assert info["source"] == Manifest.load(tiny_manifest).identity
+    t = gguf_io.read_header(tiny).by_name["blk.1.ffn_down.weight"]
+    _flip(tiny, t.offset + 1)
+    out = tmp_path / "bad.gguf"
+    with pytest.raises(errors.ArtifactMismatch, match="blk.1.ffn_down.weight"):
+        artifacts.slice_model(tiny, (0, 2), out, manifest=tiny_manifest)
+    assert not out.exists() and not list(tmp_path.glob(".bad.gguf*"))
+
+
+def test_verify_a_slice(tiny, tiny_manifest, tmp_path):
+    s = Path(artifacts.slice_model(tiny, (1, 3), tmp_path / "s.gguf")["path"])
+    j = tmp_path / "j.json"
+    r = verify(tiny_manifest, model=s, journal=j)
+    assert r.ok and r.mode == "slice" and r.bytes_read == r.bytes_planned > 0
+    assert verify(tiny_manifest, model=s, journal=j).bytes_read == 0
+    assert verify_for_worker(tiny_manifest, s, (2, 3), journal=j) == "sha256:" + _sha(tiny)
+    with pytest.raises(errors.InvalidLayerRange, match=r"holds layers \[1, 3\)"):
+        verify_for_worker(tiny_manifest, s, (0, 2), journal=j)
+    t = gguf_io.read_header(s).by_name["blk.2.attn_output.weight"]
+    _flip(s, t.offset + 7)
+    r = verify(tiny_manifest, model=s, journal=j, layers=(2, 3))
+    assert [(p.kind, p.what) for p in r.problems] == [
+        ("different", "tensor blk.2.attn_output.weight")]
+    assert verify(tiny_manifest, model=s, journal=j, layers=(1, 2)).ok   # not in that range
+    other = write_tiny_llama(tmp_path / "o.gguf", TinyLlama(seed=3))
+    so = artifacts.slice_model(other, (1, 3), tmp_path / "so.gguf")["path"]
+    with pytest.raises(errors.ArtifactMismatch, match="a slice of sha256:"):
+        verify_for_worker(tiny_manifest, so, (1, 3), journal=j)
+
+
+def test_killed_slice_verification_resumes_per_tensor(tiny, tiny_manifest, tmp_path):
+    s = artifacts.slice_model(tiny, (0, 2), tmp_path / "s.gguf")["path"]
+    j = tmp_path / "j.json"
+    env = _env(DGR_CACHE=str(tmp_path / "cache"), **{artifacts._KILL_ENV: "4"})
+    proc = subprocess.run(_verify_cmd(tiny_manifest, j, "--model", s), env=env,
+                          capture_output=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+    r = verify(tiny_manifest, model=s, journal=j)
+    done = next(iter(json.loads(j.read_text())["files"].values()))["tensors"]
+    assert r.ok and len(done) == len(gguf_io.read_header(s).tensors)
+    assert 0 < r.bytes_journal and r.bytes_read == r.bytes_planned - r.bytes_journal
