@@ -1,4 +1,4 @@
-"""Model identity: a content hash of the GGUF model a process serves, cached by path and mtime."""
+"""Model identity: a content hash of the GGUF model a process serves, cached by path and mtime.
 
 The identity names the model, not the artifact layout a worker happens to hold:
 
