@@ -9,6 +9,10 @@ __version__ = "0.1.0"
 # Heavy or compiled parts load on first use, so `python -m dgr.vendor` works before any build.
 _LAZY = {
     "Engine": ("dgr.engine", "Engine"),
+    "Route": ("dgr.route", "Route"),
+    "RouteSession": ("dgr.route", "RouteSession"),
+    "AsyncRoute": ("dgr.route", "AsyncRoute"),
+    "AsyncRouteSession": ("dgr.route", "AsyncRouteSession"),
 }
 
 

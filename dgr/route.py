@@ -1,0 +1,750 @@
+"""The route driver: ``dgr.Route`` / ``dgr.RouteSession`` (sync) over ``AsyncRoute`` (asyncio).
+
+A route is an ordered list of shard workers that together cover every layer of one model with
+identical numeric settings. The driver tokenizes (through the first worker, or a local
+tokenizer), prefills in chunks of at most ``n_ubatch`` tokens, relays each step's boundary
+from stage to stage, has the last stage sample (or return logits), and streams tokens. It
+keeps the token history and the step composition, so when a worker loses the session (cache
+miss, unknown session, restart, deadline) it raises the epoch, replays the history exactly as
+it was first computed and carries on: the generation's tokens are the same as without the
+failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Iterator, Sequence
+
+import numpy as np
+
+from . import errors, wire
+from .sampling import SamplingParams
+from .transport.client import (DEFAULT_STEP_TIMEOUT, DEFAULT_TIMEOUT, ShardClient, StepStream)
+from .transport.common import StageInfo
+
+__all__ = ["AsyncRoute", "AsyncRouteSession", "Route", "RouteSession", "Generation",
+           "StageStats", "check_route", "parse_endpoints", "generate_local"]
+
+# Failures the driver repairs by re-prefilling under a new epoch (after reconnecting).
+_RECOVERABLE = (errors.CacheMiss, errors.UnknownSession, errors.StepDeadlineExceeded,
+                errors.ResourceExhausted, errors.WorkerUnavailable)
+
+
+def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
+    """``"h:p,h:p"`` or a list of ``"h:p"`` -> a list of endpoints."""
+    if isinstance(endpoints, str):
+        endpoints = endpoints.split(",")
+    out = [e.strip() for e in endpoints if e and e.strip()]
+    if not out:
+        raise errors.RouteError("a route needs at least one endpoint")
+    return out
+
+
+def check_route(stages: Sequence[StageInfo]) -> list[StageInfo]:
+    """Order stages by layer and check they form one route; returns them in route order.
+
+    Raises
+    ------
+    dgr.errors.ModelMismatch
+        Stages serve different models, numeric settings or wire formats.
+    dgr.errors.RouteError
+        The layer ranges leave a gap, overlap, or do not reach both ends.
+    dgr.errors.WorkerDraining
+        A stage is shutting down.
+    """
+    from .engine import NUMERIC_SETTINGS
+
+    if not stages:
+        raise errors.RouteError("a route needs at least one stage")
+    ref = stages[0]
+    for s in stages[1:]:
+        if s.model_identity != ref.model_identity:
+            raise errors.ModelMismatch(
+                f"{s.endpoint} serves model {s.model_identity}, but {ref.endpoint} serves "
+                f"{ref.model_identity}")
+        diff = [k for k in NUMERIC_SETTINGS if s.settings.get(k) != ref.settings.get(k)]
+        if diff:
+            pairs = ", ".join(f"{k}={s.settings.get(k)!r} vs {ref.settings.get(k)!r}"
+                              for k in diff)
+            raise errors.ModelMismatch(
+                f"{s.endpoint} and {ref.endpoint} use different numeric settings ({pairs}); "
+                "every stage of a route must use the same ones")
+        if s.wire_format_version != ref.wire_format_version:
+            raise errors.ModelMismatch(
+                f"{s.endpoint} speaks wire format {s.wire_format_version}, {ref.endpoint} "
+                f"{ref.wire_format_version}")
+    for s in stages:
+        if s.wire_format_version != wire.FORMAT_VERSION:
+            raise errors.ModelMismatch(f"{s.endpoint} speaks wire format "
+                                       f"{s.wire_format_version}; this driver speaks "
+                                       f"{wire.FORMAT_VERSION}")
+        if s.draining:
+            raise errors.WorkerDraining(f"{s.endpoint} is draining (shutting down)")
+    order = sorted(stages, key=lambda s: s.layers)
+    n = ref.n_layer
+
+    def name(s: StageInfo) -> str:
+        return f"{s.endpoint} [{s.layers[0]}, {s.layers[1]})"
+
+    if order[0].layers[0] != 0:
+        raise errors.RouteError(f"layers [0, {order[0].layers[0]}) are not covered: the first "
+                                f"stage is {name(order[0])}")
+    for a, b in zip(order, order[1:]):
+        if a.layers[1] < b.layers[0]:
+            raise errors.RouteError(f"layers [{a.layers[1]}, {b.layers[0]}) are not covered: "
+                                    f"gap between {name(a)} and {name(b)}")
+        if a.layers[1] > b.layers[0]:
+            raise errors.RouteError(f"layers [{b.layers[0]}, {min(a.layers[1], b.layers[1])}) "
+                                    f"are served twice: {name(a)} overlaps {name(b)}")
+    if order[-1].layers[1] != n:
+        raise errors.RouteError(f"layers [{order[-1].layers[1]}, {n}) are not covered: the "
+                                f"last stage is {name(order[-1])}")
+    return order
+
+
+def _wire_sampling(p: SamplingParams | None) -> wire.Sampling | None:
+    if p is None or p.greedy:
+        return None
+    return wire.Sampling(temperature=float(p.temperature), top_k=int(p.top_k),
+                         top_p=float(p.top_p), seed=int(p.seed))
+
+
+@dataclass
+class StageStats:
+    """Per-stage timings seen by the driver (decode steps are single-token steps)."""
+
+    endpoint: str
+    layers: tuple[int, int]
+    steps: int = 0
+    decode_steps: int = 0
+    decode_rtt_s: float = 0.0  # time from sending the frame to having the reply, decode steps
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    @property
+    def decode_rtt_ms(self) -> float:
+        return 1e3 * self.decode_rtt_s / self.decode_steps if self.decode_steps else 0.0
+
+
+@dataclass
+class Generation:
+    """The outcome of ``complete``: tokens, text, why it stopped, and timings."""
+
+    tokens: list[int]
+    text: str
+    stop_reason: str              # "eos", "length" or "stop"
+    prompt_tokens: int
+    time_to_first_token_s: float
+    decode_s: float               # from the first token to the last
+    recoveries: int = 0           # re-prefills after a failure
+    logits: list[np.ndarray] | None = None
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = len(self.tokens) - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+
+class _RemoteTokenizer:
+    def __init__(self, client: ShardClient):
+        self.client = client
+
+    async def tokenize(self, text, add_special, parse_special):
+        return await self.client.tokenize(text, add_special, parse_special)
+
+    async def detokenize(self, tokens):
+        return await self.client.detokenize(tokens)
+
+
+class _LocalTokenizer:
+    def __init__(self, tok):
+        self.tok = tok
+
+    async def tokenize(self, text, add_special, parse_special):
+        return np.asarray(self.tok.tokenize(text, add_special, parse_special), dtype=np.int32)
+
+    async def detokenize(self, tokens):
+        return self.tok.detokenize(tokens)
+
+
+class AsyncRoute:
+    """A route over running workers, asyncio API (``Route`` is the blocking one).
+
+    Parameters
+    ----------
+    endpoints : str or sequence of str
+        ``host:port`` of each stage, in any order (they are ordered by layer range).
+    timeout : float
+        Deadline of control calls (describe, release, tokenize), seconds.
+    step_timeout : float
+        Deadline of one step on one stage, seconds.
+    connect_timeout : float
+        How long recovery waits for a stage to come back (a restarted worker loads its range
+        first), seconds.
+    codec : str
+        Boundary codec on the wire (``"raw"``: bit-exact, the default; ``"f16"``, ``"bf16"``,
+        ``"q8"`` are lossy, opt-in). ``compress`` adds zstd.
+    tokenizer : object, optional
+        Anything with ``tokenize(text, add_special, parse_special)`` and
+        ``detokenize(tokens)`` (e.g. a local ``dgr.Engine`` of the same model). Default: the
+        first worker's tokenizer, over its control RPCs.
+    max_retries : int
+        Recoveries (re-prefill under a new epoch) attempted for one step.
+    """
+
+    def __init__(self, endpoints: str | Sequence[str], *, timeout: float = DEFAULT_TIMEOUT,
+                 step_timeout: float = DEFAULT_STEP_TIMEOUT, connect_timeout: float = 30.0,
+                 codec: str = "raw", compress: bool = False, tokenizer: Any = None,
+                 max_retries: int = 3):
+        if codec not in wire.CODECS:
+            raise errors.UnknownCodec(f"unknown codec {codec!r} (known: {', '.join(wire.CODECS)})")
+        self.endpoints = parse_endpoints(endpoints)
+        self.timeout = timeout
+        self.step_timeout = step_timeout
+        self.connect_timeout = connect_timeout
+        self.codec = codec
+        self.compress = compress
+        self.max_retries = max_retries
+        self._tokenizer_arg = tokenizer
+        self.clients: list[ShardClient] = []
+        self.stages: list[StageInfo] = []
+        self.tokenizer: Any = None
+
+    # -- setup ---------------------------------------------------------------------------
+
+    async def connect(self) -> AsyncRoute:
+        """Describe every stage and check that together they form one route.
+
+        Raises
+        ------
+        dgr.errors.WorkerUnavailable
+            A stage cannot be reached.
+        dgr.errors.ModelMismatch, dgr.errors.RouteError, dgr.errors.WorkerDraining
+            See ``check_route``.
+        """
+        if not self.clients:
+            self.clients = [ShardClient(e, timeout=self.timeout) for e in self.endpoints]
+        infos = await asyncio.gather(*(c.describe() for c in self.clients))
+        order = check_route(infos)
+        by_ep = {c.endpoint: c for c in self.clients}
+        self.stages = order
+        self.clients = [by_ep[s.endpoint] for s in order]
+        tok = self._tokenizer_arg
+        self.tokenizer = _LocalTokenizer(tok) if tok is not None else _RemoteTokenizer(
+            self.clients[0])
+        return self
+
+    async def __aenter__(self) -> AsyncRoute:
+        return await self.connect()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        clients, self.clients = self.clients, []
+        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+
+    # -- facts ---------------------------------------------------------------------------
+
+    @property
+    def identity(self) -> str:
+        """Model identity plus numeric settings: what every frame of this route names."""
+        return self.stages[0].identity
+
+    @property
+    def n_ubatch(self) -> int:
+        return int(self.stages[0].settings["n_ubatch"])
+
+    @property
+    def eog_tokens(self) -> frozenset:
+        return self.stages[-1].eog_tokens
+
+    @property
+    def settings(self) -> dict:
+        return dict(self.stages[0].settings)
+
+    async def describe(self) -> list[StageInfo]:
+        """Fresh describe records of every stage, in route order."""
+        return list(await asyncio.gather(*(c.describe() for c in self.clients)))
+
+    # -- use -----------------------------------------------------------------------------
+
+    def session(self, session_id: str | None = None) -> AsyncRouteSession:
+        """A new route session (its id names it on every worker)."""
+        if not self.stages:
+            raise errors.RouteError("connect() the route first")
+        return AsyncRouteSession(self, session_id or uuid.uuid4().hex)
+
+    async def tokenize(self, text: str, add_special: bool = True,
+                       parse_special: bool = False) -> np.ndarray:
+        return await self.tokenizer.tokenize(text, add_special, parse_special)
+
+    async def detokenize(self, tokens: Sequence[int]) -> str:
+        return await self.tokenizer.detokenize(tokens)
+
+    async def complete(self, prompt: str | Sequence[int], **kw) -> Generation:
+        """Generate in a fresh session and release it; see ``AsyncRouteSession.complete``."""
+        s = self.session()
+        try:
+            return await s.complete(prompt, **kw)
+        finally:
+            await s.close()
+
+
+class AsyncRouteSession:
+    """One route session: its streams, epoch, token history and step composition."""
+
+    def __init__(self, route: AsyncRoute, session_id: str):
+        self.route = route
+        self.id = session_id
+        self.epoch = 0
+        #: tokens whose state every stage holds under the current epoch
+        self.history: list[int] = []
+        #: (first_pos, n_tokens) of each step that built ``history`` (replayed on recovery)
+        self.steps: list[tuple[int, int]] = []
+        #: logits rows that sampled each token (only with ``logits=True``)
+        self.logits: list[np.ndarray] = []
+        self.recoveries = 0
+        self.stats = [StageStats(s.endpoint, s.layers) for s in route.stages]
+        self._streams: list[StepStream | None] = [None] * len(route.stages)
+
+    # -- one step through every stage -----------------------------------------------------
+
+    async def _forward(self, toks: list[int], pos: int, want: str,
+                       sampling: wire.Sampling | None) -> wire.Frame:
+        r = self.route
+        n = len(toks)
+        x = None
+        last = len(r.stages) - 1
+        for i, st in enumerate(r.stages):
+            is_last = i == last
+            h = wire.Forward(model=st.identity, session=self.id, epoch=self.epoch,
+                             first_pos=pos, n_tokens=n, layer=st.layers[0],
+                             tokens=toks if (i == 0 or st.needs_token_ids) else None,
+                             want=want if is_last else "boundary",
+                             sampling=sampling if is_last else None)
+            if x is None:
+                data = wire.encode(h)
+            else:
+                data = wire.encode(h, x, codec=r.codec, compress=r.compress)
+            stream = self._streams[i]
+            if stream is None or stream.broken:
+                stream = self._streams[i] = r.clients[i].stream()
+            t0 = time.perf_counter()
+            reply = await stream.step(data, r.step_timeout)
+            dt = time.perf_counter() - t0
+            f = wire.decode(reply)
+            rh = f.header
+            stat = self.stats[i]
+            stat.steps += 1
+            stat.bytes_sent += len(data)
+            stat.bytes_received += len(reply)
+            if n == 1:
+                stat.decode_steps += 1
+                stat.decode_rtt_s += dt
+            if type(rh) is wire.ErrorReply:
+                raise rh.to_exception()
+            if type(rh) is not wire.Result or rh.session != self.id or rh.epoch != self.epoch \
+                    or rh.first_pos != pos:
+                raise errors.FrameError(f"{st.endpoint} answered with an unexpected frame {rh!r}")
+            if not is_last:
+                if rh.kind != "boundary" or f.array is None or f.array.shape[0] != n \
+                        or rh.layer != r.stages[i + 1].layers[0]:
+                    raise errors.FrameError(
+                        f"{st.endpoint} returned {rh.kind} [{rh.rows}, {rh.cols}] ending at "
+                        f"layer {rh.layer}; the next stage needs a boundary of {n} rows "
+                        f"starting at layer {r.stages[i + 1].layers[0]}")
+                x = f.array
+        return f
+
+    async def _run(self, toks: list[int], want: str, sampling: wire.Sampling | None
+                   ) -> wire.Frame:
+        """One step at the end of ``history``, repaired by re-prefill when a stage lost it."""
+        pos = len(self.history)
+        err: BaseException | None = None
+        for attempt in range(self.route.max_retries + 1):
+            try:
+                if err is not None:
+                    await self._recover(err)
+                f = await self._forward(toks, pos, want, sampling)
+            except errors.WorkerDraining:
+                raise
+            except _RECOVERABLE as e:
+                err = e
+                continue
+            except errors.SessionError as e:
+                if type(e) is not errors.SessionError:  # stale epoch and the like: not ours
+                    raise
+                err = e  # a step of ours is still in flight there (after a deadline)
+                continue
+            self.history.extend(toks)
+            self.steps.append((pos, len(toks)))
+            return f
+        assert err is not None
+        raise err
+
+    async def _recover(self, err: BaseException) -> None:
+        """Reconnect broken stages, raise the epoch and replay the history."""
+        r = self.route
+        if isinstance(err, errors.ResourceExhausted):
+            await asyncio.sleep(min(max(err.retry_after or 0.1, 0.01), 5.0))
+        elif type(err) is errors.SessionError:
+            await asyncio.sleep(0.05)
+        for i, s in enumerate(self._streams):
+            if s is not None and s.broken:
+                self._streams[i] = None
+                await r.clients[i].wait_ready(r.connect_timeout)
+                info = await r.clients[i].describe()
+                if info.identity != r.stages[i].identity or info.layers != r.stages[i].layers:
+                    raise errors.RouteError(
+                        f"{info.endpoint} came back serving {info.identity} layers "
+                        f"{list(info.layers)}, not the route's stage {list(r.stages[i].layers)}")
+        self.recoveries += 1
+        self.epoch += 1
+        hist, steps = self.history, self.steps
+        for p, n in steps:  # the same chunks as the first time: bit-identical caches
+            await self._forward(hist[p:p + n], p, "boundary", None)
+
+    # -- public --------------------------------------------------------------------------
+
+    async def reset(self) -> None:
+        """Start over: the next step begins a new epoch at position 0."""
+        self.epoch += 1
+        self.history, self.steps, self.logits = [], [], []
+
+    async def prefill(self, tokens: Sequence[int], *, sample: bool = True,
+                      sampling: SamplingParams | None = None, logits: bool = False
+                      ) -> int | None:
+        """Append ``tokens`` in chunks of at most ``n_ubatch``; returns the next token sampled
+        from the last row (None with ``sample=False``)."""
+        toks = [int(t) for t in np.asarray(tokens, dtype=np.int64).reshape(-1)]
+        if not toks:
+            raise errors.InvalidArgument("prefill needs at least one token")
+        if self.epoch == 0:
+            self.epoch = 1
+        ub = self.route.n_ubatch
+        want = ("token+logits" if logits else "token") if sample else (
+            "logits" if logits else "boundary")
+        ws = _wire_sampling(sampling)
+        f = None
+        for a in range(0, len(toks), ub):
+            chunk = toks[a:a + ub]
+            end = a + ub >= len(toks)
+            f = await self._run(chunk, want if end else "boundary", ws if end else None)
+        return self._take(f, logits) if sample else None
+
+    def _take(self, f: wire.Frame, logits: bool) -> int:
+        if logits:
+            self.logits.append(np.array(f.array[-1]))
+        return int(f.header.tokens[-1])
+
+    async def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 64,
+                       sampling: SamplingParams | None = None, stop: Sequence[str] = (),
+                       stop_on_eog: bool = True, logits: bool = False,
+                       add_special: bool = True, parse_special: bool = True
+                       ) -> AsyncIterator[int]:
+        """Prefill ``prompt`` (from position 0, new epoch) and yield sampled tokens.
+
+        Stops after ``max_tokens``, at an end-of-generation token (not yielded) or once the
+        text contains one of ``stop`` (the token completing it is yielded). ``logits=True``
+        (parity mode) also keeps, in ``self.logits``, the last-row logits that sampled each
+        token, computed exactly as a whole-model ``Engine.forward(..., logits="last")``.
+
+        Raises
+        ------
+        dgr.errors.DgrError
+            A failure recovery could not repair (``WorkerDraining``, ``StaleEpoch``,
+            ``ModelMismatch``, ``WorkerUnavailable`` after ``connect_timeout``, ...).
+        """
+        r = self.route
+        if isinstance(prompt, str):
+            prompt = await r.tokenize(prompt, add_special, parse_special)
+        prompt = [int(t) for t in np.asarray(prompt).reshape(-1)]
+        if not prompt:
+            raise errors.InvalidArgument("the prompt has no tokens")
+        if max_tokens < 1:
+            return
+        await self.reset()
+        self.stop_reason = "length"
+        want = "token+logits" if logits else "token"
+        ws = _wire_sampling(sampling)
+        eog = r.eog_tokens if stop_on_eog else frozenset()
+        stops = [s for s in stop if s]
+        out: list[int] = []
+        tok = await self.prefill(prompt, sampling=sampling, logits=logits)
+        for i in range(max_tokens):
+            if tok in eog:
+                self.stop_reason = "eos"
+                return
+            out.append(tok)
+            yield tok
+            if stops:
+                text = await r.detokenize(out)
+                if any(s in text for s in stops):
+                    self.stop_reason = "stop"
+                    return
+            if i + 1 == max_tokens:
+                return
+            f = await self._run([tok], want, ws)
+            tok = self._take(f, logits)
+
+    async def complete(self, prompt: str | Sequence[int], *, max_tokens: int = 64,
+                       sampling: SamplingParams | None = None, stop: Sequence[str] = (),
+                       stop_on_eog: bool = True, logits: bool = False,
+                       add_special: bool = True, parse_special: bool = True) -> Generation:
+        """Run ``generate`` to the end and return tokens, text and timings."""
+        r = self.route
+        if isinstance(prompt, str):
+            prompt = await r.tokenize(prompt, add_special, parse_special)
+        n_prompt = len(prompt)
+        t0 = time.perf_counter()
+        t_first = None
+        toks: list[int] = []
+        rec0 = self.recoveries
+        async for t in self.generate(prompt, max_tokens=max_tokens, sampling=sampling,
+                                     stop=stop, stop_on_eog=stop_on_eog, logits=logits):
+            if t_first is None:
+                t_first = time.perf_counter()
+            toks.append(t)
+        t1 = time.perf_counter()
+        text = await r.detokenize(toks) if toks else ""
+        if self.stop_reason == "stop":
+            cut = min((text.find(s) for s in stop if s and s in text), default=-1)
+            if cut >= 0:
+                text = text[:cut]
+        return Generation(tokens=toks, text=text, stop_reason=self.stop_reason,
+                          prompt_tokens=n_prompt, time_to_first_token_s=(t_first or t1) - t0,
+                          decode_s=t1 - (t_first or t1), recoveries=self.recoveries - rec0,
+                          logits=list(self.logits) if logits else None)
+
+    async def release(self) -> None:
+        """Free this session's slot on every stage now (ignores stages that are gone)."""
+        await asyncio.gather(*(c.release(self.id) for c in self.route.clients),
+                             return_exceptions=True)
+
+    async def close(self) -> None:
+        """Release the session and close its streams."""
+        streams, self._streams = self._streams, [None] * len(self._streams)
+        await asyncio.gather(*(s.close() for s in streams if s is not None),
+                             return_exceptions=True)
+        await self.release()
+
+
+# --- the blocking API -----------------------------------------------------------------------
+
+
+class _LoopThread:
+    """A private event loop in a daemon thread; blocking calls submit coroutines to it."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="dgr-route",
+                                       daemon=True)
+        self.thread.start()
+
+    def run(self, coro):
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result()
+        except BaseException:
+            fut.cancel()
+            raise
+
+    def iterate(self, agen) -> Iterator:
+        try:
+            while True:
+                try:
+                    yield self.run(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            if self.loop.is_running():
+                self.run(agen.aclose())
+
+    def close(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(5)
+        if not self.loop.is_running():
+            self.loop.close()
+
+
+class Route:
+    """A route over running workers (blocking API; ``AsyncRoute`` is the asyncio one).
+
+    ``Route(endpoints)`` connects: it describes every stage and checks the route. Parameters
+    are those of ``AsyncRoute``. Use it as a context manager, or ``close()`` it.
+
+    Examples
+    --------
+    >>> with dgr.Route("127.0.0.1:7001,127.0.0.1:7002") as route:      # doctest: +SKIP
+    ...     for tok in route.session().generate("Hello", max_tokens=8):
+    ...         print(tok)
+
+    Raises
+    ------
+    dgr.errors.WorkerUnavailable, dgr.errors.ModelMismatch, dgr.errors.RouteError
+        A stage is unreachable, or the stages do not form one route.
+    """
+
+    def __init__(self, endpoints: str | Sequence[str], **kw):
+        self._loop = _LoopThread()
+        try:
+            self._r = self._loop.run(self._make(endpoints, kw))
+        except BaseException:
+            self._loop.close()
+            raise
+
+    @staticmethod
+    async def _make(endpoints, kw) -> AsyncRoute:
+        r = AsyncRoute(endpoints, **kw)
+        try:
+            return await r.connect()
+        except BaseException:
+            await r.close()
+            raise
+
+    @property
+    def aroute(self) -> AsyncRoute:
+        return self._r
+
+    @property
+    def stages(self) -> list[StageInfo]:
+        return self._r.stages
+
+    @property
+    def identity(self) -> str:
+        return self._r.identity
+
+    @property
+    def settings(self) -> dict:
+        return self._r.settings
+
+    @property
+    def eog_tokens(self) -> frozenset:
+        return self._r.eog_tokens
+
+    def describe(self) -> list[StageInfo]:
+        return self._loop.run(self._r.describe())
+
+    def session(self, session_id: str | None = None) -> RouteSession:
+        return RouteSession(self, self._r.session(session_id))
+
+    def tokenize(self, text: str, add_special: bool = True,
+                 parse_special: bool = False) -> np.ndarray:
+        return self._loop.run(self._r.tokenize(text, add_special, parse_special))
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self._loop.run(self._r.detokenize(tokens))
+
+    def complete(self, prompt: str | Sequence[int], **kw) -> Generation:
+        return self._loop.run(self._r.complete(prompt, **kw))
+
+    def close(self) -> None:
+        if self._loop.loop.is_running():
+            self._loop.run(self._r.close())
+        self._loop.close()
+
+    def __enter__(self) -> Route:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class RouteSession:
+    """A route session, blocking API (see ``AsyncRouteSession``)."""
+
+    def __init__(self, route: Route, inner: AsyncRouteSession):
+        self.route = route
+        self.inner = inner
+
+    @property
+    def id(self) -> str:
+        return self.inner.id
+
+    @property
+    def epoch(self) -> int:
+        return self.inner.epoch
+
+    @property
+    def history(self) -> list[int]:
+        return self.inner.history
+
+    @property
+    def logits(self) -> list[np.ndarray]:
+        return self.inner.logits
+
+    @property
+    def stats(self) -> list[StageStats]:
+        return self.inner.stats
+
+    @property
+    def recoveries(self) -> int:
+        return self.inner.recoveries
+
+    @property
+    def stop_reason(self) -> str:
+        return getattr(self.inner, "stop_reason", "")
+
+    def generate(self, prompt: str | Sequence[int], **kw) -> Iterator[int]:
+        """Yield sampled tokens; arguments as ``AsyncRouteSession.generate``."""
+        return self.route._loop.iterate(self.inner.generate(prompt, **kw))
+
+    def complete(self, prompt: str | Sequence[int], **kw) -> Generation:
+        return self.route._loop.run(self.inner.complete(prompt, **kw))
+
+    def prefill(self, tokens: Sequence[int], **kw) -> int | None:
+        return self.route._loop.run(self.inner.prefill(tokens, **kw))
+
+    def release(self) -> None:
+        self.route._loop.run(self.inner.release())
+
+    def close(self) -> None:
+        self.route._loop.run(self.inner.close())
+
+    def __enter__(self) -> RouteSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# --- the in-process reference ----------------------------------------------------------------
+
+
+def generate_local(engine, prompt: Sequence[int], *, max_tokens: int = 64,
+                   sampling: SamplingParams | None = None, stop_on_eog: bool = True,
+                   logits: bool = False, slot: int = 0) -> tuple[list[int], list[np.ndarray]]:
+    """What a route computes, in one process: the reference for parity.
+
+    Same chunking (the engine splits the prompt into ``n_ubatch`` chunks as the driver does),
+    same rows (last row only) and the same position-keyed sampling as the last stage.
+    Returns the tokens and, with ``logits=True``, the logits row that sampled each.
+    """
+    from .worker import sample_rows
+
+    ws = _wire_sampling(sampling)
+    prompt = np.ascontiguousarray(prompt, dtype=np.int32)
+    engine.release(slot)
+    row = engine.forward(slot, 0, prompt)
+    pos = len(prompt)
+    toks: list[int] = []
+    rows: list[np.ndarray] = []
+    for i in range(max_tokens):
+        t = sample_rows(row, [pos], ws)[0]
+        if stop_on_eog and engine.is_eog(t):
+            break
+        toks.append(t)
+        if logits:
+            rows.append(np.array(row[-1]))
+        if i + 1 == max_tokens:
+            break
+        row = engine.forward(slot, pos, np.array([t], dtype=np.int32))
+        pos += 1
+    engine.release(slot)
+    return toks, rows

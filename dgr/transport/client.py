@@ -1,0 +1,199 @@
+"""Client of the shard service over grpc.aio: control calls and per-session step streams."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import Sequence
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from .. import errors
+from .._proto import dgr_pb2, dgr_pb2_grpc
+from .common import MAX_MESSAGE, STEP_METHOD, StageInfo, channel_options
+from .status import from_rpc_error
+
+__all__ = ["ShardClient", "StepStream", "DEFAULT_TIMEOUT", "DEFAULT_STEP_TIMEOUT",
+           "DEFAULT_STREAM_TIMEOUT"]
+
+#: Deadline of a control call (describe, release, tokenize, health), seconds.
+DEFAULT_TIMEOUT = 10.0
+#: Deadline of one step on a stream (a prefill chunk on a slow machine included), seconds.
+DEFAULT_STEP_TIMEOUT = 60.0
+#: Deadline of a whole step stream; the route driver opens a new one when it ends.
+DEFAULT_STREAM_TIMEOUT = 6 * 3600.0
+
+if sys.version_info >= (3, 11):
+    _timeout = asyncio.timeout
+else:  # pragma: no cover - Python 3.10
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def _timeout(delay):
+        task = asyncio.current_task()
+        handle = asyncio.get_running_loop().call_later(delay, task.cancel)
+        try:
+            yield
+        except asyncio.CancelledError:
+            raise TimeoutError from None
+        finally:
+            handle.cancel()
+
+
+class StepStream:
+    """One open Step stream: ``step(frame)`` sends a request frame and returns the reply frame.
+
+    Replies come in request order, one each; after a failure (deadline, broken connection) the
+    stream is closed and ``broken`` is true: open a new one.
+    """
+
+    def __init__(self, client: ShardClient, timeout: float):
+        self.client = client
+        self._call = client._step_method(timeout=timeout)
+        self.broken = False
+
+    async def step(self, frame: bytes, timeout: float = DEFAULT_STEP_TIMEOUT) -> bytes:
+        """Send one frame and wait for its reply.
+
+        Raises
+        ------
+        dgr.errors.WorkerUnavailable, dgr.errors.WorkerDraining
+            The stream or the worker went away (or refused the stream).
+        dgr.errors.StepDeadlineExceeded
+            No reply within ``timeout`` seconds (the stream is cancelled).
+        """
+        if self.broken:
+            raise errors.WorkerUnavailable(f"{self.client.endpoint}: this step stream is closed")
+        call = self._call
+        try:
+            async with _timeout(timeout):
+                await call.write(frame)
+                reply = await call.read()
+        except TimeoutError:
+            self._break()
+            raise errors.StepDeadlineExceeded(
+                f"{self.client.endpoint}: no reply within {timeout:g} s") from None
+        except grpc.RpcError as e:
+            self._break()
+            raise from_rpc_error(e, self.client.endpoint) from None
+        except (asyncio.InvalidStateError, grpc.aio.UsageError):
+            self._break()
+            raise await self._ended() from None
+        if reply is grpc.aio.EOF:
+            self._break()
+            raise await self._ended()
+        return reply
+
+    async def _ended(self) -> errors.DgrError:
+        call = self._call
+        try:
+            code = await call.code()
+            details = await call.details()
+            md = await call.trailing_metadata()
+        except Exception:  # noqa: BLE001
+            return errors.WorkerUnavailable(f"{self.client.endpoint}: the step stream ended")
+        if code == grpc.StatusCode.OK:
+            return errors.WorkerUnavailable(f"{self.client.endpoint}: the worker closed the "
+                                            "step stream")
+        from .status import from_status
+
+        exc = from_status(code, details, md)
+        if isinstance(exc, errors.WorkerUnavailable):
+            exc.args = (f"{self.client.endpoint}: {exc.args[0] if exc.args else code.name}",)
+        return exc
+
+    def _break(self) -> None:
+        self.broken = True
+        self._call.cancel()
+
+    async def close(self) -> None:
+        """Half-close and let the worker end the stream (cancels it if that fails)."""
+        if self.broken:
+            return
+        self.broken = True
+        try:
+            await self._call.done_writing()
+        except Exception:  # noqa: BLE001 - closing a dead stream is fine
+            pass
+        self._call.cancel()
+
+
+class ShardClient:
+    """Calls to one worker. Create it (and use it) inside the event loop that will run it.
+
+    Parameters
+    ----------
+    endpoint : str
+        ``host:port`` of the worker.
+    timeout : float
+        Deadline of control calls (seconds).
+    max_message : int
+        Largest gRPC message sent or accepted (bytes).
+    """
+
+    def __init__(self, endpoint: str, *, timeout: float = DEFAULT_TIMEOUT,
+                 max_message: int = MAX_MESSAGE):
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(endpoint, options=channel_options(max_message))
+        self._stub = dgr_pb2_grpc.ShardStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._step_method = self._channel.stream_stream(STEP_METHOD)  # raw bytes both ways
+
+    async def _unary(self, what: str, fn, request, timeout: float | None):
+        try:
+            return await fn(request, timeout=self.timeout if timeout is None else timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, f"{self.endpoint} {what}") from None
+
+    async def wait_ready(self, timeout: float) -> None:
+        """Wait until the channel is connected.
+
+        Raises
+        ------
+        dgr.errors.WorkerUnavailable
+            Not connected within ``timeout`` seconds.
+        """
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), timeout)
+        except (asyncio.TimeoutError, TimeoutError):
+            raise errors.WorkerUnavailable(
+                f"{self.endpoint}: not reachable within {timeout:g} s") from None
+
+    async def describe(self, timeout: float | None = None) -> StageInfo:
+        """The worker's describe record (identity, settings, range, capacity, load)."""
+        r = await self._unary("describe", self._stub.Describe, dgr_pb2.DescribeRequest(), timeout)
+        return StageInfo.from_proto(self.endpoint, r)
+
+    async def release(self, session: str, timeout: float | None = None) -> bool:
+        r = await self._unary("release", self._stub.Release,
+                              dgr_pb2.ReleaseRequest(session=session), timeout)
+        return r.released
+
+    async def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False,
+                       timeout: float | None = None) -> np.ndarray:
+        r = await self._unary("tokenize", self._stub.Tokenize, dgr_pb2.TokenizeRequest(
+            text=text, add_special=add_special, parse_special=parse_special), timeout)
+        return np.asarray(r.tokens, dtype=np.int32)
+
+    async def detokenize(self, tokens: Sequence[int], remove_special: bool = False,
+                         unparse_special: bool = False, timeout: float | None = None) -> str:
+        r = await self._unary("detokenize", self._stub.Detokenize, dgr_pb2.DetokenizeRequest(
+            tokens=[int(t) for t in tokens], remove_special=remove_special,
+            unparse_special=unparse_special), timeout)
+        return r.text
+
+    async def health(self, service: str = "", timeout: float | None = None) -> str:
+        """``"SERVING"``, ``"NOT_SERVING"``, ... (standard gRPC health checking)."""
+        r = await self._unary("health", self._health.Check,
+                              health_pb2.HealthCheckRequest(service=service), timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+
+    def stream(self, timeout: float = DEFAULT_STREAM_TIMEOUT) -> StepStream:
+        """Open a Step stream (its whole life is bounded by ``timeout`` seconds)."""
+        return StepStream(self, timeout)
+
+    async def close(self) -> None:
+        await self._channel.close()

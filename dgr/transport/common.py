@@ -1,0 +1,149 @@
+"""What the server and the client of the shard service share: names, limits, options, records."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import wire
+
+__all__ = [
+    "SERVICE", "STEP_METHOD", "HEALTH_SERVICE", "MAX_MESSAGE", "server_options",
+    "channel_options", "settings_tag", "stage_identity", "StageInfo",
+]
+
+SERVICE = "dgr.v1.Shard"
+#: The data-plane method: a bidirectional stream of raw dgr.wire frames (see proto/dgr.proto).
+STEP_METHOD = f"/{SERVICE}/Step"
+#: Service name under which the worker reports health (besides the overall "").
+HEALTH_SERVICE = SERVICE
+
+#: Largest gRPC message either side accepts: the wire's own payload and header limits plus
+#: the prefix and padding, so gRPC never refuses a frame the wire format would accept.
+MAX_MESSAGE = wire.MAX_PAYLOAD + wire.MAX_HEADER + 4096
+
+# Keepalive: the client pings an idle connection every 20 s and gives up after 10 s without
+# an answer (a dead worker is noticed without a step deadline); the server accepts pings that
+# often, even without calls in flight, and pings its clients every 60 s.
+_CLIENT_KEEPALIVE_MS = 20_000
+
+
+def server_options(max_message: int = MAX_MESSAGE) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_receive_message_length", max_message),
+        ("grpc.max_send_message_length", max_message),
+        ("grpc.keepalive_time_ms", 60_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", _CLIENT_KEEPALIVE_MS // 2),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.so_reuseport", 0),  # a second worker on the same port must fail, not share it
+    ]
+
+
+def channel_options(max_message: int = MAX_MESSAGE) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_receive_message_length", max_message),
+        ("grpc.max_send_message_length", max_message),
+        ("grpc.keepalive_time_ms", _CLIENT_KEEPALIVE_MS),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        # reconnect quickly to a worker restarted under the same address
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 2_000),
+        ("grpc.enable_retries", 0),  # the route driver decides what to retry
+    ]
+
+
+_TAGS = (("n_ctx", "ctx"), ("n_slots", "slots"), ("n_threads", "t"), ("n_ubatch", "ub"),
+         ("flash_attn", "fa"), ("type_k", "k"), ("type_v", "v"))
+
+
+def settings_tag(settings: dict) -> str:
+    """A short, stable spelling of the numeric engine settings, e.g. ``ctx1024.slots4.t1...``."""
+    parts = []
+    for key, short in _TAGS:
+        v = settings[key]
+        parts.append(f"{short}{int(v) if isinstance(v, bool) else v}")
+    return ".".join(parts)
+
+
+def stage_identity(model_identity: str, settings: dict) -> str:
+    """What a Forward frame's ``model`` field names: the model file and the numeric settings.
+
+    Two stages compute compatible numbers only when both agree, so a frame built for another
+    model *or* other settings is refused with ``ModelMismatch``.
+    """
+    return f"{model_identity}+{settings_tag(settings)}"
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """A worker's describe record, as plain Python (``ShardClient.describe`` returns it)."""
+
+    endpoint: str
+    model_identity: str
+    model_name: str
+    arch: str
+    n_layer: int
+    layers: tuple[int, int]
+    is_first: bool
+    is_last: bool
+    needs_token_ids: bool
+    boundary_width: int
+    boundary_dtype: str
+    n_vocab: int
+    settings: dict
+    eog_tokens: frozenset
+    add_bos: bool
+    free_slots: int
+    sessions: int
+    free_context: int
+    queue_depth: int
+    recent_tokens_per_s: float
+    recent_step_ms: float
+    draining: bool
+    dgr_version: str
+    wire_format_version: int
+    wire_schema_version: int
+    weight_bytes: int
+    kv_bytes: int
+    steps_total: int
+    errors_total: int
+    uptime_s: float
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def identity(self) -> str:
+        """The stage identity frames must carry (model and numeric settings)."""
+        return stage_identity(self.model_identity, self.settings)
+
+    @classmethod
+    def from_proto(cls, endpoint: str, r) -> StageInfo:
+        s = r.settings
+        settings = {"n_ctx": s.n_ctx, "n_slots": s.n_slots, "n_threads": s.n_threads,
+                    "n_ubatch": s.n_ubatch, "flash_attn": s.flash_attn, "type_k": s.type_k,
+                    "type_v": s.type_v}
+        return cls(
+            endpoint=endpoint, model_identity=r.model_identity, model_name=r.model_name,
+            arch=r.arch, n_layer=r.n_layer, layers=(r.layer_start, r.layer_end),
+            is_first=r.is_first, is_last=r.is_last, needs_token_ids=r.needs_token_ids,
+            boundary_width=r.boundary_width, boundary_dtype=r.boundary_dtype,
+            n_vocab=r.n_vocab, settings=settings, eog_tokens=frozenset(r.eog_tokens),
+            add_bos=r.add_bos, free_slots=r.free_slots, sessions=r.sessions,
+            free_context=r.free_context, queue_depth=r.queue_depth,
+            recent_tokens_per_s=r.recent_tokens_per_s, recent_step_ms=r.recent_step_ms,
+            draining=r.draining, dgr_version=r.dgr_version,
+            wire_format_version=r.wire_format_version,
+            wire_schema_version=r.wire_schema_version, weight_bytes=r.weight_bytes,
+            kv_bytes=r.kv_bytes, steps_total=r.steps_total, errors_total=r.errors_total,
+            uptime_s=r.uptime_s)
+
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "extra"}
+        d["layers"] = list(self.layers)
+        d["eog_tokens"] = sorted(self.eog_tokens)
+        d["identity"] = self.identity
+        return d

@@ -1,0 +1,165 @@
+"""The shard service over grpc.aio: control RPCs in protobuf, steps as raw frames, health."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol, Sequence
+
+import grpc
+from grpc_health.v1 import health as _health
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from .. import errors
+from .._proto import dgr_pb2, dgr_pb2_grpc
+from .common import HEALTH_SERVICE, MAX_MESSAGE, SERVICE, server_options
+from .status import to_status
+
+__all__ = ["StageBackend", "ShardServer"]
+
+log = logging.getLogger("dgr.transport")
+
+
+class StageBackend(Protocol):
+    """What a worker gives the server: the state machine behind each RPC."""
+
+    def describe(self) -> dict[str, Any]:
+        """Fields of ``DescribeReply`` (``settings`` as a dict of ``EngineSettings`` fields)."""
+
+    def release(self, session: str) -> bool: ...
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> Sequence[int]: ...
+
+    def detokenize(self, tokens: Sequence[int], remove_special: bool,
+                   unparse_special: bool) -> str: ...
+
+    def open_stream(self, peer: str) -> None:
+        """Called when a Step stream opens; raise (e.g. ``WorkerDraining``) to refuse it."""
+
+    async def step(self, frame: bytes) -> bytes:
+        """One request frame in, one reply frame (``Result`` or ``ErrorReply``) out; never
+        raises for a bad request (that is an ``ErrorReply``)."""
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    status, details, md = to_status(exc)
+    context.set_trailing_metadata(md)
+    await context.abort(status, details)
+
+
+class _Servicer(dgr_pb2_grpc.ShardServicer):
+    def __init__(self, backend: StageBackend):
+        self.b = backend
+
+    async def Describe(self, request, context):
+        try:
+            d = dict(self.b.describe())
+            d["settings"] = dgr_pb2.EngineSettings(**d["settings"])
+            return dgr_pb2.DescribeReply(**d)
+        except Exception as e:  # noqa: BLE001 - every failure leaves as a mapped status
+            await _abort(context, e)
+
+    async def Release(self, request, context):
+        try:
+            return dgr_pb2.ReleaseReply(released=self.b.release(request.session))
+        except Exception as e:  # noqa: BLE001
+            await _abort(context, e)
+
+    async def Tokenize(self, request, context):
+        try:
+            toks = self.b.tokenize(request.text, request.add_special, request.parse_special)
+            return dgr_pb2.TokenizeReply(tokens=[int(t) for t in toks])
+        except Exception as e:  # noqa: BLE001
+            await _abort(context, e)
+
+    async def Detokenize(self, request, context):
+        try:
+            text = self.b.detokenize(list(request.tokens), request.remove_special,
+                                     request.unparse_special)
+            return dgr_pb2.DetokenizeReply(text=text)
+        except Exception as e:  # noqa: BLE001
+            await _abort(context, e)
+
+    async def Step(self, request_iterator, context):
+        # Raw bytes both ways (no (de)serializer on the method): one reply frame per request
+        # frame. read()/write() measured faster than iterating request_iterator.
+        try:
+            self.b.open_stream(context.peer())
+        except Exception as e:  # noqa: BLE001
+            await _abort(context, e)
+            return
+        step = self.b.step
+        while True:
+            data = await context.read()
+            if data is grpc.aio.EOF:
+                return
+            await context.write(await step(data))
+
+
+class ShardServer:
+    """A gRPC server for one stage backend: the Shard service, raw-frame steps and health.
+
+    Parameters
+    ----------
+    backend : StageBackend
+        The worker's logic.
+    listen : str
+        ``host:port`` to bind (port 0 picks a free one; ``port`` tells which). Loopback by
+        default.
+    max_message : int
+        Largest gRPC message accepted or sent (bytes).
+    maximum_concurrent_rpcs : int, optional
+        Beyond this many concurrent RPCs (open step streams count) gRPC answers
+        RESOURCE_EXHAUSTED.
+    """
+
+    def __init__(self, backend: StageBackend, listen: str = "127.0.0.1:0", *,
+                 max_message: int = MAX_MESSAGE, maximum_concurrent_rpcs: int | None = None):
+        self.backend = backend
+        self.listen = listen
+        self.port: int | None = None
+        self._server = grpc.aio.server(options=server_options(max_message),
+                                       maximum_concurrent_rpcs=maximum_concurrent_rpcs)
+        servicer = _Servicer(backend)
+        dgr_pb2_grpc.add_ShardServicer_to_server(servicer, self._server)
+        # The Step method is not in the generated service (its messages are not protobuf):
+        # a generic handler without (de)serializers hands the frame bytes through untouched.
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            SERVICE, {"Step": grpc.stream_stream_rpc_method_handler(servicer.Step)}),))
+        self.health = _health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+
+    @property
+    def address(self) -> str:
+        host = self.listen.rsplit(":", 1)[0]
+        return f"{host}:{self.port}"
+
+    async def start(self) -> int:
+        """Bind and start serving; returns the bound port.
+
+        Raises
+        ------
+        dgr.errors.InvalidArgument
+            The address cannot be bound (in use, not local, malformed).
+        """
+        try:
+            self.port = self._server.add_insecure_port(self.listen)
+        except RuntimeError as e:
+            raise errors.InvalidArgument(f"cannot listen on {self.listen}: {e}") from None
+        if not self.port:
+            raise errors.InvalidArgument(f"cannot listen on {self.listen}")
+        await self._server.start()
+        await self.set_serving(True)
+        return self.port
+
+    async def set_serving(self, serving: bool) -> None:
+        st = (health_pb2.HealthCheckResponse.SERVING if serving
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("", HEALTH_SERVICE):
+            await self.health.set(name, st)
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        """Stop: new RPCs are refused, open ones get ``grace`` seconds, then are cancelled."""
+        await self._server.stop(grace)
+
+    async def wait_for_termination(self, timeout: float | None = None) -> bool:
+        return await self._server.wait_for_termination(timeout)

@@ -1,0 +1,460 @@
+"""``python -m dgr.worker``: a shard worker serving one layer range of a GGUF model over gRPC."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import logging
+import os
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import __version__, errors, wire
+from .session import Lease, SessionTable
+from .transport.common import MAX_MESSAGE, settings_tag, stage_identity
+from .transport.server import ShardServer
+
+__all__ = ["Worker", "sample_rows", "main"]
+
+log = logging.getLogger("dgr.worker")
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(seed: int, pos: int) -> int:
+    """splitmix64 of (seed, position): an independent, reproducible stream per position."""
+    z = (seed + _GOLDEN * (pos + 1)) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def sample_rows(logits: np.ndarray, positions: Sequence[int], sampling) -> list[int]:
+    """Sample one token per logits row; ``positions[i]`` is the position the token will take.
+
+    Greedy (``sampling`` None, ``greedy`` or temperature 0) is the argmax. Otherwise each row
+    is drawn with ``dgr.sampling.Sampler`` seeded by ``(seed, position)``: a token depends on
+    its position, not on how many draws came before, so a re-prefill after a failover, or a
+    reference computed elsewhere, draws the same tokens.
+    """
+    from .sampling import Sampler, SamplingParams
+
+    if sampling is None or getattr(sampling, "greedy", False) or sampling.temperature == 0:
+        return [int(np.argmax(r)) for r in logits]
+    out = []
+    for row, pos in zip(logits, positions):
+        p = SamplingParams(temperature=float(sampling.temperature), top_k=int(sampling.top_k),
+                           top_p=float(sampling.top_p), seed=_mix(int(sampling.seed), int(pos)))
+        out.append(Sampler(p)(row))
+    return out
+
+
+class _Window:
+    """Tokens and compute time of recent steps (throughput over the last ``span`` seconds)."""
+
+    def __init__(self, span: float = 10.0):
+        self.span = span
+        self.items: collections.deque = collections.deque()
+        self.decode_ms = 0.0  # EWMA of single-token step compute time
+
+    def add(self, n: int, seconds: float) -> None:
+        now = time.monotonic()
+        self.items.append((now, n, seconds))
+        if n == 1:
+            self.decode_ms = seconds * 1e3 if not self.decode_ms else (
+                0.8 * self.decode_ms + 0.2 * seconds * 1e3)
+        while self.items and now - self.items[0][0] > self.span:
+            self.items.popleft()
+
+    def tokens_per_s(self) -> float:
+        if not self.items:
+            return 0.0
+        busy = sum(s for _, _, s in self.items)
+        return sum(n for _, n, _ in self.items) / busy if busy > 0 else 0.0
+
+
+class _QueuedRelease:
+    """The session table's view of the engine: ``release`` runs in order with compute."""
+
+    def __init__(self, worker: Worker):
+        self.w = worker
+
+    def release(self, slot: int) -> None:
+        w = self.w
+        if w.inline:
+            w.engine.release(slot)
+        else:
+            w.executor.submit(w.engine.release, slot).add_done_callback(_log_failure)
+
+
+def _log_failure(fut) -> None:
+    if fut.exception() is not None:  # pragma: no cover - release of a valid slot cannot fail
+        log.error("slot release failed: %s", fut.exception())
+
+
+class Worker:
+    """The stage backend of one worker: validates frames, keeps sessions, runs the engine.
+
+    Parameters
+    ----------
+    engine : dgr.Engine
+        The loaded range.
+    ttl, evict_after : float
+        Session idle expiry and minimum idle time before LRU eviction (seconds).
+    inline : bool
+        Compute on the event loop thread instead of the engine's compute thread (saves a
+        thread handoff per step; health and describe then wait for the running step).
+    name : str
+        Label for log lines (the listen address once known).
+    """
+
+    def __init__(self, engine, *, ttl: float = 600.0, evict_after: float = 5.0,
+                 inline: bool = False, name: str = "", max_message: int = MAX_MESSAGE):
+        self.engine = engine
+        self.inline = inline
+        self.name = name
+        self.max_payload = max_message
+        info = engine.describe()
+        self.info = info
+        self.settings = dict(engine.settings)
+        self.model_identity = info["identity"]
+        self.identity = stage_identity(self.model_identity, self.settings)
+        self.layers = tuple(engine.layers)
+        self.n_layer = info["n_layer"]
+        self.is_first, self.is_last = bool(engine.is_first), bool(engine.is_last)
+        self.width = int(engine.n_embd_boundary)
+        self.eog_tokens = [t for t in range(engine.n_vocab) if engine.is_eog(t)]
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="dgr-compute")
+        self.table = SessionTable(_QueuedRelease(self), engine.n_slots, self.settings["n_ctx"],
+                                  ttl=ttl, evict_after=evict_after, listener=self._event)
+        self.draining = False
+        self.inflight = 0
+        self.steps_total = 0
+        self.errors_total = 0
+        self.streams_open = 0
+        self.window = _Window()
+        self.started = time.monotonic()
+
+    # -- logging -------------------------------------------------------------------------
+
+    def _event(self, event: str, session: str, epoch: int, slot: int, detail: str) -> None:
+        log.info("%s session=%s epoch=%d slot=%d%s", event, session, epoch, slot,
+                 f" ({detail})" if detail else "")
+
+    # -- control plane -------------------------------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        s = self.settings
+        return dict(
+            model_identity=self.model_identity,
+            model_name=os.path.basename(self.info["model"]),
+            arch=self.info["arch"], n_layer=self.n_layer,
+            layer_start=self.layers[0], layer_end=self.layers[1],
+            is_first=self.is_first, is_last=self.is_last,
+            needs_token_ids=bool(self.engine.needs_token_ids),
+            boundary_width=self.width, boundary_dtype="f32", n_vocab=int(self.engine.n_vocab),
+            settings=dict(n_ctx=s["n_ctx"], n_slots=s["n_slots"], n_threads=s["n_threads"],
+                          n_ubatch=s["n_ubatch"], flash_attn=bool(s["flash_attn"]),
+                          type_k=s["type_k"], type_v=s["type_v"]),
+            eog_tokens=self.eog_tokens, add_bos=bool(self.info["add_bos"]),
+            free_slots=self.table.free_slots, sessions=len(self.table),
+            free_context=max(self.table.free_context, 0), queue_depth=self.inflight,
+            recent_tokens_per_s=self.window.tokens_per_s(),
+            recent_step_ms=self.window.decode_ms, draining=self.draining,
+            dgr_version=__version__, wire_format_version=wire.FORMAT_VERSION,
+            wire_schema_version=wire.SCHEMA_VERSION,
+            weight_bytes=int(self.info["weight_bytes"]), kv_bytes=int(self.info["kv_bytes"]),
+            steps_total=self.steps_total, errors_total=self.errors_total,
+            uptime_s=time.monotonic() - self.started,
+        )
+
+    def release(self, session: str) -> bool:
+        return self.table.release(session)
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool):
+        return self.engine.tokenize(text, add_special, parse_special)
+
+    def detokenize(self, tokens, remove_special: bool, unparse_special: bool) -> str:
+        return self.engine.detokenize(tokens, remove_special, unparse_special)
+
+    def open_stream(self, peer: str) -> None:
+        if self.draining:
+            raise errors.WorkerDraining("this worker is draining and takes no new streams")
+
+    # -- data plane ----------------------------------------------------------------------
+
+    def _error(self, exc: BaseException, session: str = "", epoch: int = 0) -> bytes:
+        self.errors_total += 1
+        if isinstance(exc, (errors.SessionError, errors.ModelMismatch, errors.RouteError)):
+            log.info("refused session=%s epoch=%d: %s: %s", session or "-", epoch,
+                     type(exc).__name__, exc)
+        elif not isinstance(exc, errors.DgrError):
+            log.exception("step failed", exc_info=exc)
+        return wire.encode(wire.ErrorReply.from_exception(exc, session=session, epoch=epoch))
+
+    def _check(self, h, array) -> None:
+        if type(h) is not wire.Forward:
+            raise errors.FrameError(f"a Step stream takes Forward frames, got {type(h).__name__}")
+        if h.model != self.identity:
+            theirs, _, their_tag = h.model.partition("+")
+            if theirs == self.model_identity:
+                raise errors.ModelMismatch(
+                    f"frame was built for numeric settings {their_tag or '(none)'}; this worker "
+                    f"runs {settings_tag(self.settings)}")
+            raise errors.ModelMismatch(
+                f"frame is for model {theirs or '(none)'}; this worker serves "
+                f"{self.model_identity} layers [{self.layers[0]}, {self.layers[1]})")
+        if h.layer != self.layers[0]:
+            raise errors.RouteError(
+                f"frame starts at layer {h.layer}; this worker serves layers "
+                f"[{self.layers[0]}, {self.layers[1]})")
+        if self.is_first:
+            if array is not None:
+                raise errors.InvalidBoundary(
+                    "this worker is the first stage: it takes token ids, not a boundary")
+        else:
+            if array is None:
+                raise errors.InvalidBoundary(
+                    f"this stage starts at layer {self.layers[0]}: the frame needs a boundary "
+                    f"[{h.n_tokens}, {self.width}]")
+            if array.shape[1] != self.width:
+                raise errors.InvalidBoundary(
+                    f"boundary width {array.shape[1]} differs from this stage's {self.width}")
+            if self.engine.needs_token_ids and h.tokens is None:
+                raise errors.MissingTokenIds(
+                    f"layers [{self.layers[0]}, {self.layers[1]}) route by token id: send the "
+                    "token ids with the boundary")
+        if not self.is_last and h.want != "boundary":
+            raise errors.InvalidArgument(
+                f"want={h.want!r} asks for the last stage's output; this stage ends at layer "
+                f"{self.layers[1]} of {self.n_layer} and returns a boundary")
+
+    async def step(self, data: bytes) -> bytes:
+        if self.draining:
+            return self._error(errors.WorkerDraining(
+                "this worker is draining (shutting down): the step was not run"))
+        try:
+            frame = wire.decode(data, max_payload=self.max_payload)
+        except errors.FrameError as e:
+            return self._error(e)
+        h = frame.header
+        session, epoch = getattr(h, "session", ""), getattr(h, "epoch", 0)
+        try:
+            self._check(h, frame.array)
+            lease = self.table.acquire(h.session, h.epoch, h.first_pos, h.n_tokens)
+        except Exception as e:  # noqa: BLE001 - every refusal is an ErrorReply
+            return self._error(e, session, epoch)
+        self.inflight += 1
+        try:
+            if self.inline:
+                reply, seconds = self._compute(lease, h, frame.array)
+            else:
+                loop = asyncio.get_running_loop()
+                reply, seconds = await loop.run_in_executor(self.executor, self._compute, lease,
+                                                            h, frame.array)
+        except BaseException as e:
+            self.table.abort(lease, f"{type(e).__name__}: {e}")
+            if not isinstance(e, Exception):
+                raise
+            return self._error(e, session, epoch)
+        finally:
+            self.inflight -= 1
+        self.table.commit(lease)
+        self.steps_total += 1
+        self.window.add(h.n_tokens, seconds)
+        return reply
+
+    def _compute(self, lease: Lease, h: wire.Forward, array) -> tuple[bytes, float]:
+        """Run one step on the engine (compute thread): (reply frame, compute seconds)."""
+        eng = self.engine
+        n = h.n_tokens
+        tokens = None
+        if h.tokens is not None and (self.is_first or eng.needs_token_ids):
+            tokens = np.asarray(h.tokens, dtype=np.int32)
+        positions = (np.asarray(h.positions, dtype=np.int32) if h.positions is not None
+                     else h.first_pos)
+        t0 = time.perf_counter()
+        if not self.is_last:
+            out = eng.forward(lease.slot, positions, tokens, boundary=array)
+            dt = time.perf_counter() - t0
+            res = wire.Result(session=h.session, epoch=h.epoch, first_pos=h.first_pos,
+                              n_tokens=n, kind="boundary", layer=self.layers[1])
+            codec = h.codec if array is not None else "raw"
+            return wire.encode(res, out, codec=codec, compress=h.compression == "zstd"), dt
+        want = h.want
+        if want == "boundary":  # the last stage has no boundary: run, return nothing
+            rows: list[int] = []
+            mask: Any = np.zeros(n, dtype=bool)
+        elif h.rows is None:
+            rows, mask = [n - 1], "last"
+        else:
+            rows = sorted(set(h.rows))
+            mask = np.zeros(n, dtype=bool)
+            mask[rows] = True
+        logits = eng.forward(lease.slot, positions, tokens, boundary=array, logits=mask)
+        dt = time.perf_counter() - t0
+        toks = None
+        if want.startswith("token"):
+            first = h.first_pos
+            pos = [(h.positions[r] if h.positions is not None else first + r) + 1 for r in rows]
+            toks = sample_rows(logits, pos, h.sampling)
+        if want in ("logits", "token+logits"):
+            res = wire.Result(session=h.session, epoch=h.epoch, first_pos=h.first_pos,
+                              n_tokens=n, kind="logits", tokens=toks)
+            return wire.encode(res, np.ascontiguousarray(logits)), dt
+        res = wire.Result(session=h.session, epoch=h.epoch, first_pos=h.first_pos, n_tokens=n,
+                          tokens=toks)
+        return wire.encode(res), dt
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def housekeeping(self, period: float) -> None:
+        while True:
+            await asyncio.sleep(period)
+            self.table.expire()
+
+    async def drain(self, server: ShardServer, timeout: float) -> None:
+        """Stop taking work, let in-flight steps finish (up to ``timeout`` s), stop serving."""
+        if self.draining:
+            return
+        self.draining = True
+        self.table.closed = True
+        log.info("draining: health NOT_SERVING, %d step(s) in flight", self.inflight)
+        await server.set_serving(False)
+        deadline = time.monotonic() + timeout
+        while self.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        if self.inflight:
+            log.warning("drain timeout: %d step(s) still running", self.inflight)
+        await server.stop(grace=0.5)
+        self.table.clear()
+        self.executor.shutdown(wait=True)
+        log.info("drained; %d steps served", self.steps_total)
+
+
+# --- command line -----------------------------------------------------------------------
+
+
+def _parse_layers(text: str | None) -> tuple[int, int] | None:
+    if text in (None, "", "all"):
+        return None
+    try:
+        a, b = text.split(":")
+        return int(a), int(b)
+    except ValueError:
+        raise SystemExit(f"--layers must look like A:B (e.g. 0:10), got {text!r}") from None
+
+
+async def _serve(args) -> int:
+    from .engine import Engine
+
+    model = args.model
+    if model is None:
+        from . import models
+
+        model = str(models.path(models.DEFAULT_MODEL))
+    t0 = time.monotonic()
+    log.info("loading %s layers %s", model, args.layers or "all")
+    engine = await asyncio.get_running_loop().run_in_executor(None, lambda: Engine(
+        model, layers=_parse_layers(args.layers), n_ctx=args.ctx, n_slots=args.slots,
+        n_threads=args.threads, n_ubatch=args.ubatch, flash_attn=args.flash_attn == "on",
+        type_k=args.type_k, type_v=args.type_v))
+    worker = Worker(engine, ttl=args.ttl, evict_after=args.evict_after,
+                    inline=args.inline_compute)
+    server = ShardServer(worker, args.listen, maximum_concurrent_rpcs=args.max_streams)
+    await server.start()
+    addr = server.address
+    worker.name = addr
+    a, b = worker.layers
+    log.info("serving %s layers [%d, %d) of %d, %s, %d slots, loaded in %.1f s", engine.arch, a,
+             b, worker.n_layer, settings_tag(worker.settings), engine.n_slots,
+             time.monotonic() - t0)
+    print(f"LISTENING {addr}", flush=True)
+
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+
+    def on_signal(signame: str) -> None:
+        log.info("%s received", signame)
+        loop.create_task(_drain_then(done, worker, server, args.drain_timeout))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig.name)
+    tasks = [loop.create_task(worker.housekeeping(min(args.ttl / 4, 5.0)))]
+    if args.parent_pid:
+        tasks.append(loop.create_task(_watch_parent(args.parent_pid, on_signal)))
+    await done.wait()
+    for t in tasks:
+        t.cancel()
+    return 0
+
+
+async def _drain_then(done: asyncio.Event, worker: Worker, server: ShardServer,
+                      timeout: float) -> None:
+    try:
+        await worker.drain(server, timeout)
+    finally:
+        done.set()
+
+
+async def _watch_parent(pid: int, on_signal) -> None:
+    while os.getppid() == pid:
+        await asyncio.sleep(0.5)
+    on_signal("parent exit")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dgr.worker",
+        description="Serve layers [A, B) of a GGUF model as a dgr shard worker (gRPC). Prints "
+                    "'LISTENING host:port' on stdout once it serves; logs to stderr; SIGTERM "
+                    "drains (health NOT_SERVING, in-flight steps finish, new work refused) and "
+                    "exits 0.")
+    p.add_argument("--model", help="GGUF path (default: the registry's default model)")
+    p.add_argument("--layers", help="owned range A:B (default: the whole model)")
+    p.add_argument("--listen", default="127.0.0.1:0",
+                   help="host:port to bind (default 127.0.0.1:0: loopback, a free port)")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
+    p.add_argument("--ubatch", type=int, default=64, help="tokens per compute chunk (default 64)")
+    p.add_argument("--ctx", type=int, default=1024, help="context tokens per slot (default 1024)")
+    p.add_argument("--slots", type=int, default=4, help="concurrent sessions (default 4)")
+    p.add_argument("--flash-attn", choices=["on", "off"], default="on")
+    p.add_argument("--type-k", default="f16")
+    p.add_argument("--type-v", default="f16")
+    p.add_argument("--ttl", type=float, default=600.0,
+                   help="seconds after which an idle session expires (default 600)")
+    p.add_argument("--evict-after", type=float, default=5.0,
+                   help="idle seconds before a session may be evicted for a new one (default 5)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM waits for in-flight steps (default 30)")
+    p.add_argument("--max-streams", type=int, default=None,
+                   help="refuse RPCs beyond this many concurrent ones (default: no limit)")
+    p.add_argument("--inline-compute", action="store_true",
+                   help="compute on the event loop thread (one thread handoff less per step; "
+                        "control RPCs wait for the running step)")
+    p.add_argument("--parent-pid", type=int, default=0,
+                   help="drain and exit when this process is no longer our parent")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="[dgr.worker %(process)d] %(message)s")
+    try:
+        return asyncio.run(_serve(args))
+    except errors.DgrError as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
