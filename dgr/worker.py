@@ -20,7 +20,7 @@ from .session import Lease, SessionTable
 from .transport.common import MAX_MESSAGE, settings_tag, stage_identity
 from .transport.server import ShardServer
 
-__all__ = ["Worker", "sample_rows", "main"]
+__all__ = ["Worker", "ThreadedWorker", "WorkerProcess", "LocalCluster", "sample_rows", "main"]
 
 log = logging.getLogger("dgr.worker")
 
@@ -184,10 +184,6 @@ class Worker:
     def detokenize(self, tokens, remove_special: bool, unparse_special: bool) -> str:
         return self.engine.detokenize(tokens, remove_special, unparse_special)
 
-    def open_stream(self, peer: str) -> None:
-        if self.draining:
-            raise errors.WorkerDraining("this worker is draining and takes no new streams")
-
     # -- data plane ----------------------------------------------------------------------
 
     def _error(self, exc: BaseException, session: str = "", epoch: int = 0) -> bytes:
@@ -337,6 +333,264 @@ class Worker:
         self.table.clear()
         self.executor.shutdown(wait=True)
         log.info("drained; %d steps served", self.steps_total)
+
+
+# --- running workers: in this process (a thread) or as child processes ----------------------
+
+
+class ThreadedWorker:
+    """Serve an engine from a background thread of this process (tests, embedding).
+
+    Parameters are ``Worker``'s plus ``listen``; ``address`` is the bound ``host:port``.
+    """
+
+    def __init__(self, engine, listen: str = "127.0.0.1:0", **worker_kw):
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="dgr-worker",
+                                        daemon=True)
+        self._thread.start()
+        self.worker = Worker(engine, **worker_kw)
+
+        async def start() -> ShardServer:
+            srv = ShardServer(self.worker, listen)
+            await srv.start()
+            return srv
+
+        try:
+            self.server = self._run(start())
+        except BaseException:
+            self._close_loop()
+            raise
+        self.address = self.server.address
+        self.worker.name = self.address
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def drain(self, timeout: float = 10.0) -> None:
+        """What SIGTERM does to a worker process: refuse new work, finish, stop serving."""
+        self._run(self.worker.drain(self.server, timeout))
+
+    def stop(self) -> None:
+        if self.loop.is_running():
+            self._run(self.server.stop(None))  # a no-op after drain()
+            self.worker.executor.shutdown(wait=True)
+        self._close_loop()
+
+    def _close_loop(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(5)
+        if not self.loop.is_running() and not self.loop.is_closed():
+            self.loop.close()
+
+    def __enter__(self) -> ThreadedWorker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class WorkerProcess:
+    """A ``python -m dgr.worker`` child process.
+
+    ``start()`` launches it, ``wait_listening()`` waits for its ``LISTENING host:port`` line,
+    ``stop()`` sends SIGTERM and waits (then SIGKILL), ``kill()`` kills it. Its stderr (the
+    session log) goes to ``log_path``.
+
+    Parameters
+    ----------
+    model : str
+        GGUF path.
+    layers : (int, int), optional
+        The range to serve (None: the whole model).
+    listen : str
+        ``host:port`` (port 0: any free port; ``endpoint`` tells which once listening).
+    settings : dict
+        Engine settings (``n_ctx``, ``n_slots``, ``n_threads``, ``n_ubatch``, ``flash_attn``,
+        ``type_k``, ``type_v``); missing ones take the worker's defaults.
+    args : sequence of str
+        More command-line arguments for the worker.
+    log_path : str, optional
+        Where stderr goes (default: a temporary file).
+    """
+
+    _FLAGS = {"n_ctx": "--ctx", "n_slots": "--slots", "n_threads": "--threads",
+              "n_ubatch": "--ubatch", "type_k": "--type-k", "type_v": "--type-v"}
+
+    def __init__(self, model: str, layers: tuple[int, int] | None = None, *,
+                 listen: str = "127.0.0.1:0", settings: dict | None = None,
+                 args: Sequence[str] = (), log_path: str | None = None):
+        self.model = str(model)
+        self.layers = layers
+        self.listen = listen
+        self.settings = dict(settings or {})
+        self.args = list(args)
+        self.log_path = log_path
+        self.proc = None
+        self.endpoint: str | None = None
+        self.returncode: int | None = None
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "dgr.worker", "--model", self.model, "--listen",
+               self.listen, "--parent-pid", str(os.getpid())]
+        if self.layers is not None:
+            cmd += ["--layers", f"{self.layers[0]}:{self.layers[1]}"]
+        for k, v in self.settings.items():
+            if k == "flash_attn":
+                cmd += ["--flash-attn", "on" if v else "off"]
+            elif k in self._FLAGS:
+                cmd += [self._FLAGS[k], str(v)]
+            else:
+                raise errors.InvalidArgument(f"unknown engine setting {k!r}")
+        return cmd + self.args
+
+    def start(self) -> WorkerProcess:
+        import subprocess
+        import tempfile
+
+        if self.log_path is None:
+            fd, self.log_path = tempfile.mkstemp(prefix="dgr-worker-", suffix=".log")
+            os.close(fd)
+        log_file = open(self.log_path, "ab")
+        try:
+            self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.PIPE, stderr=log_file,
+                                         start_new_session=True)
+        finally:
+            log_file.close()
+        self.returncode = None
+        return self
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                lines = f.read().decode("utf-8", "replace").splitlines()
+        except (OSError, TypeError):
+            return ""
+        return "\n".join(lines[-n:])
+
+    def wait_listening(self, timeout: float = 120.0) -> str:
+        """Wait for the ``LISTENING`` line; returns the endpoint.
+
+        Raises
+        ------
+        dgr.errors.WorkerUnavailable
+            The worker exited or did not listen in time (the message has its log's tail).
+        """
+        import selectors
+
+        if self.endpoint is not None and self.proc is not None:
+            return self.endpoint
+        deadline = time.monotonic() + timeout
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        buf = b""
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise errors.WorkerUnavailable(
+                        f"worker {self.layers} did not listen within {timeout:g} s:\n"
+                        f"{self.log_tail()}")
+                if sel.select(min(left, 0.2)):
+                    chunk = os.read(self.proc.stdout.fileno(), 4096)
+                    if not chunk:
+                        self.proc.wait()
+                        raise errors.WorkerUnavailable(
+                            f"worker {self.layers} exited with status {self.proc.returncode} "
+                            f"before listening:\n{self.log_tail()}")
+                    buf += chunk
+                    for line in buf.decode("utf-8", "replace").splitlines():
+                        if line.startswith("LISTENING "):
+                            self.endpoint = line.split()[1]
+                            return self.endpoint
+        finally:
+            sel.close()
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM (drain), wait up to ``timeout``, then SIGKILL; returns the exit status."""
+        import subprocess
+
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self._reap()
+
+    def kill(self) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        return self._reap()
+
+    def _reap(self) -> int:
+        self.returncode = self.proc.returncode
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return self.returncode
+
+    def restart(self, timeout: float = 120.0) -> str:
+        """Start it again under the same address (the bound port, once known)."""
+        if self.endpoint is not None:
+            self.listen = self.endpoint
+        self.endpoint = None
+        self.start()
+        return self.wait_listening(timeout)
+
+
+class LocalCluster:
+    """Worker processes for a list of layer ranges on loopback; reaps them on exit.
+
+    ``progress(i, n, message)`` is called as each worker starts listening.
+    """
+
+    def __init__(self, model: str, ranges: Sequence[tuple[int, int] | None], *,
+                 settings: dict | None = None, args: Sequence[str] = (),
+                 host: str = "127.0.0.1"):
+        self.workers = [WorkerProcess(model, r, listen=f"{host}:0", settings=settings,
+                                      args=args) for r in ranges]
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [w.endpoint for w in self.workers]
+
+    def start(self, timeout: float = 120.0, progress=None) -> list[str]:
+        try:
+            for w in self.workers:  # all load at once
+                w.start()
+            for i, w in enumerate(self.workers):
+                w.wait_listening(timeout)
+                if progress is not None:
+                    r = w.layers
+                    what = "all layers" if r is None else f"layers [{r[0]}, {r[1]})"
+                    progress(i, len(self.workers), f"worker {i + 1}/{len(self.workers)} "
+                                                   f"{what} listening on {w.endpoint}")
+        except BaseException:
+            self.stop()
+            raise
+        return self.endpoints
+
+    def stop(self, timeout: float = 30.0) -> list[int]:
+        for w in self.workers:
+            if w.proc is not None and w.proc.poll() is None:
+                w.proc.terminate()
+        return [w.stop(timeout) for w in self.workers]
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 # --- command line -----------------------------------------------------------------------

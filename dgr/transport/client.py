@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from .. import errors
 from .._proto import dgr_pb2, dgr_pb2_grpc
 from .common import MAX_MESSAGE, STEP_METHOD, StageInfo, channel_options
-from .status import from_rpc_error
+from .status import from_rpc_error, from_status
 
 __all__ = ["ShardClient", "StepStream", "DEFAULT_TIMEOUT", "DEFAULT_STEP_TIMEOUT",
            "DEFAULT_STREAM_TIMEOUT"]
@@ -69,21 +69,23 @@ class StepStream:
         call = self._call
         try:
             async with _timeout(timeout):
-                await call.write(frame)
-                reply = await call.read()
-        except TimeoutError:
+                try:
+                    await call.write(frame)
+                    reply = await call.read()
+                except (grpc.RpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
+                    # the call ended: its final status says why (a failed write alone may
+                    # only say "internal error")
+                    self.broken = True
+                    raise await self._ended() from None
+                if reply is grpc.aio.EOF:
+                    self.broken = True
+                    raise await self._ended()
+        except TimeoutError as e:
+            if isinstance(e, errors.DgrError):  # StepDeadlineExceeded is a TimeoutError too
+                raise
             self._break()
             raise errors.StepDeadlineExceeded(
                 f"{self.client.endpoint}: no reply within {timeout:g} s") from None
-        except grpc.RpcError as e:
-            self._break()
-            raise from_rpc_error(e, self.client.endpoint) from None
-        except (asyncio.InvalidStateError, grpc.aio.UsageError):
-            self._break()
-            raise await self._ended() from None
-        if reply is grpc.aio.EOF:
-            self._break()
-            raise await self._ended()
         return reply
 
     async def _ended(self) -> errors.DgrError:
@@ -97,8 +99,6 @@ class StepStream:
         if code == grpc.StatusCode.OK:
             return errors.WorkerUnavailable(f"{self.client.endpoint}: the worker closed the "
                                             "step stream")
-        from .status import from_status
-
         exc = from_status(code, details, md)
         if isinstance(exc, errors.WorkerUnavailable):
             exc.args = (f"{self.client.endpoint}: {exc.args[0] if exc.args else code.name}",)
@@ -106,7 +106,7 @@ class StepStream:
 
     def _break(self) -> None:
         self.broken = True
-        self._call.cancel()
+        self._call.cancel()  # a late reply must never be read as the next step's
 
     async def close(self) -> None:
         """Half-close and let the worker end the stream (cancels it if that fails)."""

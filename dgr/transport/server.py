@@ -32,9 +32,6 @@ class StageBackend(Protocol):
     def detokenize(self, tokens: Sequence[int], remove_special: bool,
                    unparse_special: bool) -> str: ...
 
-    def open_stream(self, peer: str) -> None:
-        """Called when a Step stream opens; raise (e.g. ``WorkerDraining``) to refuse it."""
-
     async def step(self, frame: bytes) -> bytes:
         """One request frame in, one reply frame (``Result`` or ``ErrorReply``) out; never
         raises for a bad request (that is an ``ErrorReply``)."""
@@ -81,12 +78,9 @@ class _Servicer(dgr_pb2_grpc.ShardServicer):
 
     async def Step(self, request_iterator, context):
         # Raw bytes both ways (no (de)serializer on the method): one reply frame per request
-        # frame. read()/write() measured faster than iterating request_iterator.
-        try:
-            self.b.open_stream(context.peer())
-        except Exception as e:  # noqa: BLE001
-            await _abort(context, e)
-            return
+        # frame. read()/write() measured faster than iterating request_iterator. Refusals
+        # (draining included) are ErrorReply frames: aborting a stream before its first
+        # message races with the client's write and may reach it as INTERNAL.
         step = self.b.step
         while True:
             data = await context.read()

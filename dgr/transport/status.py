@@ -117,6 +117,9 @@ def from_status(status: grpc.StatusCode, details: str | None,
     msg = details or status.name
     if code is not None and code in E.BY_CODE:
         exc = E.BY_CODE[code](msg)
+    elif status == S.RESOURCE_EXHAUSTED and "larger than max" in msg:
+        # gRPC's own message size limit: retrying will not help
+        exc = E.FrameTooLarge(msg)
     else:
         exc = CANONICAL.get(status, E.DgrError)(msg)
     if retry is not None and hasattr(exc, "retry_after"):

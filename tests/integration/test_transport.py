@@ -1,0 +1,371 @@
+"""The shard service in this process on loopback (port 0): real engine, real gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import grpc
+import numpy as np
+import pytest
+
+import dgr
+from dgr import errors, wire
+from dgr._core import HAS_LAYER_RANGES
+from dgr.route import AsyncRoute, Route, check_route, generate_local
+from dgr.sampling import SamplingParams
+from dgr.transport.client import ShardClient
+from dgr.transport.common import StageInfo, stage_identity
+from dgr.transport.server import ShardServer
+from dgr.worker import ThreadedWorker
+
+SETTINGS = dict(n_ctx=64, n_slots=2, n_threads=1, n_ubatch=8)
+PROMPT = list(range(3, 23))  # 20 tokens: three prefill chunks of <= 8
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    return dgr.Engine(tiny_llama, **SETTINGS)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    return dgr.Engine(tiny_llama, **SETTINGS)
+
+
+@pytest.fixture(scope="module")
+def served(engine):
+    with ThreadedWorker(engine, evict_after=3600.0) as tw:
+        yield tw
+
+
+@pytest.fixture
+def route(served):
+    with Route(served.address, step_timeout=30) as r:
+        yield r
+    for s in list(served.worker.table.snapshot()):
+        served.worker.table.release(s.session)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def with_client(address, fn):
+    c = ShardClient(address)
+    try:
+        return await fn(c)
+    finally:
+        await c.close()
+
+
+# -- control plane ------------------------------------------------------------------------
+
+
+def test_describe_health_tokenizer(served, engine):
+    async def go(c):
+        return (await c.describe(), await c.health(), await c.health("dgr.v1.Shard"),
+                await c.tokenize("tok_1 tok_2"), await c.detokenize([5, 6]))
+
+    info, h1, h2, toks, text = run(with_client(served.address, go))
+    assert info.layers == (0, 4) and info.n_layer == 4 and info.is_first and info.is_last
+    assert info.model_identity == engine.identity and info.identity == stage_identity(
+        engine.identity, engine.settings)
+    assert info.settings == {**SETTINGS, "flash_attn": True, "type_k": "f16", "type_v": "f16"}
+    assert info.boundary_width == 64 and info.boundary_dtype == "f32" and info.n_vocab == 128
+    assert info.free_slots == 2 and not info.draining and info.arch == "llama"
+    assert info.wire_format_version == wire.FORMAT_VERSION
+    assert h1 == h2 == "SERVING"
+    assert list(toks) == list(engine.tokenize("tok_1 tok_2"))
+    assert text == engine.detokenize([5, 6])
+
+
+def test_unary_error_travels_as_typed_status(served):
+    async def go(c):
+        with pytest.raises(errors.InvalidToken, match="outside the vocabulary"):
+            await c.detokenize([1000])
+
+    run(with_client(served.address, go))
+
+
+def test_unreachable_worker_is_worker_unavailable():
+    async def go(c):
+        with pytest.raises(errors.WorkerUnavailable, match="127.0.0.1:1"):
+            await c.describe(timeout=2)
+
+    run(with_client("127.0.0.1:1", go))
+
+
+# -- generation through the route ----------------------------------------------------------
+
+
+def test_greedy_route_equals_whole_model_bit_for_bit(route, reference):
+    s = route.session()
+    g = s.complete(PROMPT, max_tokens=12, logits=True, stop_on_eog=False)
+    ref, rows = generate_local(reference, PROMPT, max_tokens=12, logits=True, stop_on_eog=False)
+    assert g.tokens == ref and len(g.tokens) == 12
+    assert len(g.logits) == len(rows) == 12
+    for a, b in zip(g.logits, rows):
+        assert a.tobytes() == b.tobytes()
+    # three prefill chunks (8 + 8 + 4) and 11 decode steps
+    assert s.inner.steps[:3] == [(0, 8), (8, 8), (16, 4)] and len(s.inner.steps) == 14
+    s.close()
+
+
+def test_streamed_tokens_and_sampling(route, reference):
+    sp = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=7)
+    s = route.session()
+    toks = list(s.generate(PROMPT, max_tokens=10, sampling=sp, stop_on_eog=False))
+    ref, _ = generate_local(reference, PROMPT, max_tokens=10, sampling=sp, stop_on_eog=False)
+    assert toks == ref
+    other = list(s.generate(PROMPT, max_tokens=10, sampling=dataclasses.replace(sp, seed=8),
+                            stop_on_eog=False))
+    assert other != toks  # the seed matters
+    s.close()
+
+
+def test_stop_string(route):
+    s = route.session()
+    full = s.complete(PROMPT, max_tokens=6, stop_on_eog=False)
+    prefix = route.detokenize(full.tokens[:3])  # first complete after exactly 3 tokens
+    g = s.complete(PROMPT, max_tokens=6, stop_on_eog=False, stop=["never", prefix])
+    assert g.stop_reason == "stop" and g.tokens == full.tokens[:3]
+    assert g.text == ""  # the text ends before the stop string
+    s.close()
+
+
+def test_async_api_concurrent_sessions(served, reference):
+    async def go():
+        async with AsyncRoute(served.address) as r:
+            async def one(i):
+                s = r.session()
+                p = [t + i for t in PROMPT]
+                try:
+                    return p, await s.complete(p, max_tokens=6, stop_on_eog=False)
+                finally:
+                    await s.close()
+            return await asyncio.gather(one(0), one(1))
+
+    for p, g in run(go()):
+        assert g.tokens == generate_local(reference, p, max_tokens=6, stop_on_eog=False)[0]
+
+
+def test_recovery_after_the_worker_lost_the_session(route, served, reference):
+    s = route.session()
+    it = s.generate(PROMPT, max_tokens=10, stop_on_eog=False)
+    toks = [next(it) for _ in range(4)]
+    served.worker.table.release(s.id)  # as if the worker restarted or evicted it
+    toks += list(it)
+    ref, _ = generate_local(reference, PROMPT, max_tokens=10, stop_on_eog=False)
+    assert toks == ref and s.recoveries == 1 and s.epoch == 2
+    s.close()
+
+
+# -- raw frames: every refusal is an ErrorReply, and the stream keeps serving ---------------
+
+
+def fwd(ident, session, epoch, pos, toks, **kw):
+    return wire.encode(wire.Forward(model=ident, session=session, epoch=epoch, first_pos=pos,
+                                    n_tokens=len(toks), layer=kw.pop("layer", 0), tokens=toks,
+                                    want=kw.pop("want", "token"), **kw))
+
+
+def reply(data):
+    return wire.decode(data).header
+
+
+def test_session_errors_over_the_stream(served):
+    ident = stage_identity(served.worker.model_identity, served.worker.settings)
+
+    async def go(c):
+        st = c.stream()
+        ok = reply(await st.step(fwd(ident, "s1", 2, 0, [1, 2, 3])))
+        assert type(ok) is wire.Result and len(ok.tokens) == 1
+        cases = [
+            (fwd(ident, "s1", 1, 3, [4]), errors.StaleEpoch, "epoch 1 is stale"),
+            (fwd(ident, "s1", 2, 5, [4]), errors.CacheMiss, "continues at 3"),
+            (fwd(ident, "nobody", 1, 9, [4]), errors.UnknownSession, "unknown to this worker"),
+            (fwd("sha256:" + "0" * 64 + "+x", "s1", 2, 3, [4]), errors.ModelMismatch,
+             "this worker serves"),
+            (fwd(ident.split("+")[0] + "+ctx1.slots1", "s1", 2, 3, [4]), errors.ModelMismatch,
+             "numeric settings"),
+            (fwd(ident, "s1", 2, 3, [4], layer=2), errors.RouteError, "serves layers [0, 4)"),
+            (fwd(ident, "s1", 2, 3, [999]), errors.InvalidToken, "vocabulary"),
+            (b"DGRF garbage", errors.FrameTruncated, "frame truncated"),
+            (b"NOPE" + bytes(60), errors.FrameError, "not a dgr frame"),
+        ]
+        for frame, cls, msg in cases:
+            r = reply(await st.step(frame))
+            assert type(r) is wire.ErrorReply, (cls, r)
+            exc = r.to_exception()
+            assert type(exc) is cls and msg in str(exc), (cls, exc)
+        # the invalid token aborted s1 (its cache is suspect): it must be re-prefilled
+        r = reply(await st.step(fwd(ident, "s1", 2, 3, [4])))
+        assert r.to_exception().__class__ is errors.UnknownSession
+        r = reply(await st.step(fwd(ident, "s1", 3, 0, [1, 2, 3, 4])))
+        assert type(r) is wire.Result
+        assert (await c.release("s1")) is True
+        await st.close()
+
+    run(with_client(served.address, go))
+
+
+def test_full_worker(served):
+    ident = stage_identity(served.worker.model_identity, served.worker.settings)
+
+    async def go(c):
+        st = c.stream()
+        for name in ("f1", "f2"):
+            assert type(reply(await st.step(fwd(ident, name, 1, 0, [1])))) is wire.Result
+        r = reply(await st.step(fwd(ident, "f3", 1, 0, [1])))
+        exc = r.to_exception()
+        assert type(exc) is errors.ResourceExhausted and "all 2 slots are in use" in str(exc)
+        assert exc.retry_after is not None and exc.retry_after > 0
+        await c.release("f1")
+        assert type(reply(await st.step(fwd(ident, "f3", 1, 0, [1])))) is wire.Result
+        for name in ("f2", "f3"):
+            await c.release(name)
+        await st.close()
+
+    run(with_client(served.address, go))
+
+
+# -- transport alone: deadlines, limits, draining ------------------------------------------
+
+
+class SlowBackend:
+    def describe(self):
+        raise errors.EngineError("no engine here")
+
+    def release(self, session):
+        return False
+
+    def tokenize(self, text, add_special, parse_special):
+        return []
+
+    def detokenize(self, tokens, remove_special, unparse_special):
+        return ""
+
+    async def step(self, frame):
+        await asyncio.sleep(float(frame.decode()))
+        return frame
+
+
+def test_step_deadline_and_message_limit():
+    async def go():
+        srv = ShardServer(SlowBackend(), "127.0.0.1:0", max_message=1 << 16)
+        await srv.start()
+        c = ShardClient(srv.address)
+        try:
+            st = c.stream()
+            assert await st.step(b"0.0", timeout=5) == b"0.0"
+            with pytest.raises(errors.StepDeadlineExceeded, match="no reply within 0.2 s"):
+                await st.step(b"1.0", timeout=0.2)
+            assert st.broken
+            with pytest.raises(errors.EngineError, match="no engine here"):
+                await c.describe()
+            with pytest.raises(errors.FrameTooLarge):
+                await c.stream().step(b"0" * (1 << 17), timeout=5)
+        finally:
+            await c.close()
+            await srv.stop(None)
+
+    run(go())
+
+
+def test_drain_refuses_new_work(tiny_llama):
+    eng = dgr.Engine(tiny_llama, **SETTINGS)
+    tw = ThreadedWorker(eng)
+    ident = stage_identity(tw.worker.model_identity, tw.worker.settings)
+    try:
+        async def before(c):
+            st = c.stream()
+            assert type(reply(await st.step(fwd(ident, "d", 1, 0, [1])))) is wire.Result
+            return st
+
+        async def go(c):
+            st = await before(c)
+            tw.worker.draining = True  # the first thing drain() does
+            r = reply(await st.step(fwd(ident, "d", 1, 1, [2])))
+            assert type(r.to_exception()) is errors.WorkerDraining
+            r = reply(await c.stream().step(fwd(ident, "e", 1, 0, [1])))
+            assert type(r.to_exception()) is errors.WorkerDraining
+            tw.worker.draining = False
+            await tw.server.set_serving(False)
+            assert await c.health() == "NOT_SERVING"
+        run(with_client(tw.address, go))
+        tw.drain(5)
+        assert tw.worker.draining and len(tw.worker.table) == 0
+    finally:
+        tw.stop()
+
+
+# -- route checks -------------------------------------------------------------------------
+
+
+def info(ep, a, b, n=30, ident="sha256:m", **settings):
+    s = {"n_ctx": 1024, "n_slots": 4, "n_threads": 1, "n_ubatch": 64, "flash_attn": True,
+         "type_k": "f16", "type_v": "f16", **settings}
+    return StageInfo(
+        endpoint=ep, model_identity=ident, model_name="m", arch="llama", n_layer=n,
+        layers=(a, b), is_first=a == 0, is_last=b == n, needs_token_ids=False,
+        boundary_width=576, boundary_dtype="f32", n_vocab=100, settings=s,
+        eog_tokens=frozenset({2}), add_bos=False, free_slots=4, sessions=0, free_context=0,
+        queue_depth=0, recent_tokens_per_s=0.0, recent_step_ms=0.0, draining=False,
+        dgr_version="0", wire_format_version=wire.FORMAT_VERSION, wire_schema_version=1,
+        weight_bytes=0, kv_bytes=0, steps_total=0, errors_total=0, uptime_s=0.0)
+
+
+def test_check_route_orders_and_accepts_a_cover():
+    order = check_route([info("c", 20, 30), info("a", 0, 10), info("b", 10, 20)])
+    assert [s.endpoint for s in order] == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("stages,cls,msg", [
+    ([info("a", 0, 10), info("b", 12, 30)], errors.RouteError,
+     r"layers \[10, 12\) are not covered: gap between a \[0, 10\) and b \[12, 30\)"),
+    ([info("a", 0, 12), info("b", 10, 30)], errors.RouteError,
+     r"layers \[10, 12\) are served twice: a \[0, 12\) overlaps b \[10, 30\)"),
+    ([info("a", 2, 30)], errors.RouteError, r"layers \[0, 2\) are not covered"),
+    ([info("a", 0, 20)], errors.RouteError, r"layers \[20, 30\) are not covered"),
+    ([info("a", 0, 10), info("b", 10, 30, ident="sha256:other")], errors.ModelMismatch,
+     "b serves model sha256:other"),
+    ([info("a", 0, 10), info("b", 10, 30, n_threads=2)], errors.ModelMismatch,
+     "n_threads=2 vs 1"),
+])
+def test_check_route_rejects(stages, cls, msg):
+    with pytest.raises(cls, match=msg):
+        check_route(stages)
+
+
+def test_route_refuses_a_draining_stage():
+    s = dataclasses.replace(info("a", 0, 30), draining=True)
+    with pytest.raises(errors.WorkerDraining):
+        check_route([s])
+
+
+@pytest.mark.skipif(not HAS_LAYER_RANGES, reason="needs the llama.cpp layer-range patches (dgr._core.HAS_LAYER_RANGES)")
+def test_two_in_process_stages(tiny_llama, reference):
+    a = ThreadedWorker(dgr.Engine(tiny_llama, layers=(0, 2), **SETTINGS))
+    b = ThreadedWorker(dgr.Engine(tiny_llama, layers=(2, 4), **SETTINGS))
+    try:
+        with Route([b.address, a.address]) as r:
+            assert [s.layers for s in r.stages] == [(0, 2), (2, 4)]
+            g = r.complete(PROMPT, max_tokens=8, logits=True, stop_on_eog=False)
+        ref, rows = generate_local(reference, PROMPT, max_tokens=8, logits=True,
+                                   stop_on_eog=False)
+        assert g.tokens == ref
+        assert all(x.tobytes() == y.tobytes() for x, y in zip(g.logits, rows))
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_grpc_status_of_an_unknown_method(served):
+    async def go():
+        async with grpc.aio.insecure_channel(served.address) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await ch.unary_unary("/dgr.v1.Shard/Nope")(b"", timeout=5)
+            return ei.value.code()
+
+    assert run(go()) == grpc.StatusCode.UNIMPLEMENTED
