@@ -1,8 +1,10 @@
-"""``python -m dgr``: the command line (run the demo, and the tools built on the SDK)."""
+"""``python -m dgr``: the command line (the multi-stage demo, and generation over running workers)."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 import time
 
@@ -11,88 +13,277 @@ __all__ = ["main"]
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 
 
+def _say(msg: str) -> None:
+    print(f"[dgr] {msg}", file=sys.stderr, flush=True)
+
+
 def _engine_settings(args) -> dict:
-    return dict(n_ctx=args.ctx, n_threads=args.threads, n_ubatch=args.ubatch,
-                flash_attn=args.flash_attn == "on")
+    return dict(n_ctx=args.ctx, n_slots=args.slots, n_threads=args.threads,
+                n_ubatch=args.ubatch, flash_attn=args.flash_attn == "on")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="CPU threads per stage (default 1)")
     p.add_argument("--ubatch", type=int, default=64, help="tokens per compute chunk (default 64)")
     p.add_argument("--ctx", type=int, default=1024, help="context tokens per session (default 1024)")
+    p.add_argument("--slots", type=int, default=4, help="sessions per worker (default 4)")
     p.add_argument("--flash-attn", choices=["on", "off"], default="on")
+
+
+def _add_generation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("--no-chat", dest="chat", action="store_false",
+                   help="send the prompt raw instead of in the model's chat format")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--parity", action="store_true",
+                   help="also fetch the logits of every step and compare them bit for bit with "
+                        "the whole model (slower: the full vocabulary row travels per token)")
+    p.add_argument("--codec", default="raw", choices=["raw", "f16", "bf16", "q8"],
+                   help="boundary codec on the wire (raw = exact, the default)")
+    p.add_argument("--no-check", dest="check", action="store_false",
+                   help="skip the comparison with the whole model in this process")
+
+
+def _chat(args, text: str) -> str:
+    if args.chat:
+        return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+    return text
+
+
+def _sampling(args):
+    from .sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          seed=args.seed)
+
+
+def _stream(route, args, prompt_tokens, detok) -> tuple:
+    """Generate on ``route``, echoing text to stdout; returns (session, tokens, t0, t_first, t1)."""
+    session = route.session()
+    out: list[int] = []
+    shown = ""
+    t0 = time.perf_counter()
+    t_first = None
+    for tok in session.generate(prompt_tokens, max_tokens=args.max_tokens,
+                                sampling=_sampling(args), stop=args.stop, logits=args.parity):
+        if t_first is None:
+            t_first = time.perf_counter()
+        out.append(tok)
+        text = detok(out)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            sys.stdout.write(text[len(shown):])
+            sys.stdout.flush()
+            shown = text
+    t1 = time.perf_counter()
+    text = detok(out)
+    sys.stdout.write(text[len(shown):] + "\n")
+    sys.stdout.flush()
+    return session, out, t0, t_first or t1, t1
+
+
+def _report(route, session, args, prompt, tokens, t0, t_first, t1, whole) -> int:
+    """Compare with the whole model (when given), print throughput and the cost per seam."""
+    from .route import generate_local
+
+    n_dec = len(tokens) - 1
+    dec_s = t1 - t_first
+    route_tps = n_dec / dec_s if n_dec > 0 and dec_s > 0 else 0.0
+    _say(f"{len(tokens)} tokens ({session.stop_reason}); time to first token {t_first - t0:.3f} s; "
+         f"decode {route_tps:.1f} tokens/s over {len(route.stages)} stage(s)"
+         + (f"; {session.recoveries} recoveries" if session.recoveries else ""))
+    rc = 0
+    whole_tps = None
+    if whole is not None:
+        timing: dict = {}
+        ref, rows = generate_local(whole, prompt, max_tokens=args.max_tokens,
+                                   sampling=_sampling(args), logits=args.parity, timing=timing)
+        if args.stop:
+            ref = ref[:len(tokens)]
+        same = ref == tokens
+        line = f"matches the whole model (in-process dgr.Engine, same settings): " \
+               f"{'yes' if same else 'NO'}"
+        if args.parity:
+            n = min(len(rows), len(session.logits))
+            bits = n == len(rows) and all(a.tobytes() == b.tobytes()
+                                          for a, b in zip(rows, session.logits[:n]))
+            line += f"; logits bit-identical over {n} steps: {'yes' if bits else 'NO'}"
+            same = same and bits
+        _say(line)
+        if not same:
+            rc = 1
+        if timing.get("decode_steps"):
+            whole_tps = timing["decode_steps"] / timing["decode_s"]
+    # the cost of each hop: the driver's round trip minus the worker's own compute time
+    infos = route.describe()
+    rows = []
+    for st, info in zip(session.stats, infos):
+        bpt = (st.bytes_sent + st.bytes_received) / max(st.steps, 1)
+        rows.append((st, info, st.decode_rtt_ms, info.recent_step_ms, bpt))
+    _say("stage  layers      endpoint               rtt ms  compute ms  hop ms  bytes/step")
+    for i, (st, info, rtt, comp, bpt) in enumerate(rows):
+        a, b = st.layers
+        _say(f"{i:>5}  [{a:>2}, {b:>2})  {st.endpoint:<21} {rtt:7.3f}  {comp:10.3f}  "
+             f"{max(rtt - comp, 0):6.3f}  {bpt:10.0f}")
+    if rows and all(r[0].decode_steps for r in rows):
+        hop = [max(r[2] - r[3], 0.0) for r in rows]
+        n = len(rows)
+        msg = f"transport per token: {sum(hop):.3f} ms over {n} hop(s)"
+        if n > 1:
+            msg += (f"; per seam (a seam adds one hop): {sum(hop) / n:.3f} ms "
+                    f"(goal <= 0.3 ms)")
+        _say(msg)
+    if whole_tps:
+        _say(f"whole model in this process: decode {whole_tps:.1f} tokens/s; "
+             f"route/whole = {route_tps / whole_tps:.2f}")
+    return rc
+
+
+def _install_sigterm() -> None:
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, on_term)
 
 
 def _cmd_run(args) -> int:
     from . import errors, models
-    from .chain import LocalChain, generate, split_layers
+    from .chain import parse_splits, split_layers
     from .engine import Engine
-    from .sampling import SamplingParams
+    from .route import Route
+    from .worker import LocalCluster
 
+    _install_sigterm()
+    cluster = None
+    route = None
     try:
         model = args.model or str(models.path(models.DEFAULT_MODEL))
         settings = _engine_settings(args)
-        print(f"[dgr] loading {model}", file=sys.stderr)
+        _say(f"model {model}")
         whole = Engine(model, **settings)
-        ranges = split_layers(whole.n_layer, args.stages)
-        print(f"[dgr] {args.stages} stages over {whole.n_layer} layers: "
-              + " ".join(f"[{a},{b})" for a, b in ranges), file=sys.stderr)
-        chain = LocalChain(model, ranges, **settings) if args.stages > 1 else whole
-        text = args.prompt
-        if args.chat:
-            text = (f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")
-        prompt = chain.tokenize(text, add_special=True, parse_special=True)
-        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k,
-                                  top_p=args.top_p, seed=args.seed)
-        print(f"[dgr] prompt: {args.prompt!r} ({len(prompt)} tokens)\n", file=sys.stderr)
-        out: list[int] = []
-        t0 = time.perf_counter()
-        t_first = None
-        shown = ""
-        for tok in generate(chain, prompt, max_tokens=args.max_tokens, sampling=sampling):
-            if t_first is None:
-                t_first = time.perf_counter()
-            out.append(tok)
-            full = chain.detokenize(out)
-            sys.stdout.write(full[len(shown):])
-            sys.stdout.flush()
-            shown = full
-        t1 = time.perf_counter()
-        print()
-        ref = list(generate(whole, prompt, max_tokens=args.max_tokens, sampling=sampling))
-        same = ref == out
-        n_dec = max(len(out) - 1, 1)
-        print(f"\n[dgr] {len(out)} tokens; time to first token {(t_first or t1) - t0:.3f} s; "
-              f"decode {n_dec / max(t1 - (t_first or t1), 1e-9):.1f} tokens/s", file=sys.stderr)
-        print(f"[dgr] matches the whole model: {'yes' if same else 'NO'}", file=sys.stderr)
-        return 0 if same else 1
+        n_layer = whole.n_layer
+        if args.splits:
+            ranges = parse_splits([int(x) for x in args.splits.split(",")], n_layer)
+        else:
+            ranges = split_layers(n_layer, args.stages)
+        _say(f"{len(ranges)} stage(s) over {n_layer} layers: "
+             + " ".join(f"[{a},{b})" for a, b in ranges))
+        t0 = time.monotonic()
+        cluster = LocalCluster(model, [None if r == (0, n_layer) else r for r in ranges],
+                               settings=settings)
+
+        def progress(i, n, msg):
+            _say(f"{msg} ({time.monotonic() - t0:.1f} s)")
+
+        _say(f"starting {len(ranges)} worker process(es) on loopback ...")
+        endpoints = cluster.start(timeout=args.start_timeout, progress=progress)
+        route = Route(endpoints, tokenizer=whole, codec=args.codec)
+        prompt = whole.tokenize(_chat(args, args.prompt), True, True)
+        _say(f"route {','.join(endpoints)}")
+        _say(f"prompt: {args.prompt!r} ({len(prompt)} tokens)\n")
+        session, tokens, ts, tf, te = _stream(route, args, prompt, whole.detokenize)
+        rc = _report(route, session, args, list(prompt), tokens, ts, tf, te,
+                     whole if args.check else None)
+        session.close()
+        return rc
+    except KeyboardInterrupt:
+        _say("interrupted")
+        return 130
     except errors.DgrError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    finally:
+        if route is not None:
+            route.close()
+        if cluster is not None:
+            codes = cluster.stop()
+            _say(f"workers stopped (exit status {', '.join(map(str, codes))}); logs: "
+                 + " ".join(w.log_path for w in cluster.workers))
+
+
+def _cmd_generate(args) -> int:
+    from . import errors
+    from .route import Route
+
+    _install_sigterm()
+    route = None
+    try:
+        route = Route(args.route, codec=args.codec, timeout=args.timeout)
+        _say("route: " + " -> ".join(f"{s.endpoint} [{s.layers[0]},{s.layers[1]})"
+                                     for s in route.stages))
+        whole = None
+        if args.check:
+            whole = _local_reference(args, route)
+        prompt = route.tokenize(_chat(args, args.prompt), True, True)
+        _say(f"prompt: {args.prompt!r} ({len(prompt)} tokens)\n")
+        session, tokens, ts, tf, te = _stream(route, args, prompt, route.detokenize)
+        rc = _report(route, session, args, list(prompt), tokens, ts, tf, te, whole)
+        session.close()
+        return rc
+    except KeyboardInterrupt:
+        _say("interrupted")
+        return 130
+    except errors.DgrError as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if route is not None:
+            route.close()
+
+
+def _local_reference(args, route):
+    """A whole-model engine with the route's settings, when the model is here (else None)."""
+    from . import models
+    from .engine import Engine
+    from .identity import model_identity
+
+    path = args.model
+    if path is None:
+        try:
+            path = str(models.path(models.DEFAULT_MODEL, fetch_missing=False))
+        except Exception:  # noqa: BLE001 - no local copy: nothing to compare with
+            path = None
+    if path is None or not os.path.exists(path):
+        _say("no local copy of the model (--model PATH): not comparing with the whole model")
+        return None
+    if model_identity(path) != route.stages[0].model_identity:
+        _say(f"{path} is not the route's model: not comparing with the whole model")
+        return None
+    return Engine(path, **route.settings)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m dgr",
         description="dgr: a distributed GGUF runtime. One model is split into contiguous layer "
-                    "ranges, each served by a stage; a route runs a generation across them.")
+                    "ranges, each served by a worker; a route runs a generation across them.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser(
-        "run", help="demo: generate with the default model split into stages, and check the "
-                    "output against the whole model",
-        description="Generate with a model split into N stages and check that the output equals "
-                    "the whole model's. Fetches the default model on first use.")
+        "run", help="demo: start N local workers, generate across them, check against the whole "
+                    "model",
+        description="Start N shard workers on loopback (the model split evenly, or at --splits), "
+                    "stream a generation across them, then print whether it matches the whole "
+                    "model in this process, tokens/s, and the cost per seam. Fetches the default "
+                    "model on first use. The workers are stopped on exit and on Ctrl-C.")
     r.add_argument("--model", help="GGUF path (default: the registry's default model, SmolLM2-135M)")
-    r.add_argument("--stages", type=int, default=3, help="number of stages (default 3)")
-    r.add_argument("--prompt", default=DEFAULT_PROMPT)
-    r.add_argument("--no-chat", dest="chat", action="store_false",
-                   help="send the prompt raw instead of in the model's chat format")
-    r.add_argument("--max-tokens", type=int, default=64)
-    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    r.add_argument("--top-k", type=int, default=0)
-    r.add_argument("--top-p", type=float, default=1.0)
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--stages", type=int, default=3, help="number of workers (default 3)")
+    r.add_argument("--splits", help="interior split layers, e.g. 10,20 (overrides --stages)")
+    r.add_argument("--start-timeout", type=float, default=180.0,
+                   help="seconds to wait for the workers to listen")
+    _add_generation_args(r)
     _add_engine_args(r)
     r.set_defaults(func=_cmd_run)
+    g = sub.add_parser(
+        "generate", help="generate across workers that are already running",
+        description="Generate across running workers (python -m dgr.worker ...) and, when the "
+                    "model is available here, check the output against the whole model.")
+    g.add_argument("--route", required=True, help="comma-separated host:port of every stage")
+    g.add_argument("--model", help="local GGUF of the same model, for the check")
+    g.add_argument("--timeout", type=float, default=10.0, help="control call deadline (s)")
+    _add_generation_args(g)
+    g.set_defaults(func=_cmd_generate)
     args = ap.parse_args(argv)
     return args.func(args)
