@@ -233,15 +233,15 @@ class Worker:
                 f"{self.layers[1]} of {self.n_layer} and returns a boundary")
 
     async def step(self, data: bytes) -> bytes:
-        if self.draining:
-            return self._error(errors.WorkerDraining(
-                "this worker is draining (shutting down): the step was not run"))
         try:
             frame = wire.decode(data, max_payload=self.max_payload)
         except errors.FrameError as e:
             return self._error(e)
         h = frame.header
         session, epoch = getattr(h, "session", ""), getattr(h, "epoch", 0)
+        if self.draining:
+            return self._error(errors.WorkerDraining(
+                "this worker is draining (shutting down): the step was not run"), session, epoch)
         try:
             self._check(h, frame.array)
             lease = self.table.acquire(h.session, h.epoch, h.first_pos, h.n_tokens)
