@@ -1,0 +1,134 @@
+"""Decode throughput of a route of 1, 2 and 3 worker processes on loopback vs the whole model.
+
+Each stage is a ``python -m dgr.worker`` process with the same settings as the in-process
+whole model (one thread each, see common.SETTINGS). ``benches/seams.py`` prints the same
+measurements as a table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+
+from .common import SETTINGS, decode_tps, prompt_tokens, smollm2_path
+
+STAGES = [1, 2, 3]
+N_DECODE = 64
+N_PROMPT = 16
+
+
+def route_ranges(n_layer: int, n: int):
+    from dgr.chain import split_layers
+
+    return [None] if n == 1 else split_layers(n_layer, n)
+
+
+def start_cluster(path: str, n_stages: int, n_layer: int = 30, args=()):
+    """A LocalCluster of ``n_stages`` workers, started (raise NotImplementedError when the
+    build cannot serve partial ranges: asv then skips the benchmark)."""
+    from dgr._core import HAS_LAYER_RANGES
+    from dgr.worker import LocalCluster
+
+    if n_stages > 1 and not HAS_LAYER_RANGES:
+        raise NotImplementedError("partial layer ranges are not in this build")
+    # the engine's default n_slots (1), as the in-process whole model: same settings everywhere
+    settings = {"n_slots": 1, **SETTINGS}
+    c = LocalCluster(path, route_ranges(n_layer, n_stages), settings=settings, args=list(args))
+    c.start(timeout=180)
+    return c
+
+
+async def _route_decode(endpoints, n_decode: int, rounds: int, **route_kw) -> dict:
+    """Decode tokens/s over the route (asyncio API), median of ``rounds``; per-stage RTTs."""
+    from dgr.route import AsyncRoute
+
+    prompt = [int(t) for t in prompt_tokens(N_PROMPT, 49152)]
+    async with AsyncRoute(endpoints, **route_kw) as r:
+        s = r.session()
+        tps = []
+        for _ in range(rounds):
+            for st in s.stats:
+                st.decode_steps, st.decode_rtt_s = 0, 0.0
+            t_first = None
+            n = 0
+            async for _ in s.generate(prompt, max_tokens=n_decode + 1, stop_on_eog=False):
+                if t_first is None:
+                    t_first = time.perf_counter()
+                n += 1
+            tps.append((n - 1) / (time.perf_counter() - t_first))
+        infos = await r.describe()
+        await s.close()
+    return {
+        "tokens_per_s": statistics.median(tps),
+        "rtt_ms": [st.decode_rtt_ms for st in s.stats],
+        "compute_ms": [i.recent_step_ms for i in infos],
+    }
+
+
+def route_decode(endpoints, n_decode: int = N_DECODE, rounds: int = 1, **route_kw) -> dict:
+    return asyncio.run(_route_decode(endpoints, n_decode, rounds, **route_kw))
+
+
+def route_decode_sync(endpoints, n_decode: int = N_DECODE, rounds: int = 1) -> float:
+    """The same through the blocking API (one thread handoff per token)."""
+    from dgr.route import Route
+
+    prompt = [int(t) for t in prompt_tokens(N_PROMPT, 49152)]
+    tps = []
+    with Route(endpoints) as r:
+        s = r.session()
+        for _ in range(rounds):
+            t_first, n = None, 0
+            for _ in s.generate(prompt, max_tokens=n_decode + 1, stop_on_eog=False):
+                if t_first is None:
+                    t_first = time.perf_counter()
+                n += 1
+            tps.append((n - 1) / (time.perf_counter() - t_first))
+        s.close()
+    return statistics.median(tps)
+
+
+class RouteDecode:
+    """Decode tokens/s of a route of N stages, and its ratio to the whole model in-process."""
+
+    params = STAGES
+    param_names = ["stages"]
+    timeout = 600
+    repeat = 1
+    number = 1
+
+    def setup_cache(self):
+        import dgr
+
+        path = smollm2_path()
+        return {"path": path, "whole": decode_tps(dgr.Engine(path, **SETTINGS), N_DECODE)}
+
+    def setup(self, cache, stages):
+        self.cluster = start_cluster(cache["path"], stages)
+        self.m = route_decode(self.cluster.endpoints)
+
+    def teardown(self, cache, stages):
+        self.cluster.stop()
+
+    def track_decode_tokens_per_s(self, cache, stages):
+        return self.m["tokens_per_s"]
+
+    track_decode_tokens_per_s.unit = "tokens/s"
+
+    def track_ratio_to_whole_model(self, cache, stages):
+        return self.m["tokens_per_s"] / cache["whole"]
+
+    track_ratio_to_whole_model.unit = "ratio"
+
+    def track_added_ms_per_token(self, cache, stages):
+        return 1e3 / self.m["tokens_per_s"] - 1e3 / cache["whole"]
+
+    track_added_ms_per_token.unit = "ms"
+
+    def track_hop_ms_per_stage(self, cache, stages):
+        """Driver round trip minus the worker's compute, averaged over the stages."""
+        m = self.m
+        return statistics.mean(max(r - c, 0.0) for r, c in zip(m["rtt_ms"], m["compute_ms"]))
+
+    track_hop_ms_per_stage.unit = "ms"

@@ -1,0 +1,93 @@
+"""Print the cost of seams: decode tokens/s of 1, 2 and 3 loopback stages vs the whole model.
+
+    python benches/seams.py [--rounds 5] [--tokens 64] [--stages 1,2,3] [--inline-compute]
+
+Every stage is a worker process with one thread (as the in-process whole model); rounds of
+all configurations are interleaved and the median is reported, so a busy machine skews them
+alike. "added ms/token" is against the whole model in this process; "ms per seam" is what
+each seam adds over the 1-stage route, (t_k - t_1) / (k - 1); "hop ms" is the driver's round
+trip to a stage minus that stage's own compute, averaged over stages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from benchmarks.bench_route import route_decode, route_decode_sync, start_cluster  # noqa: E402
+from benchmarks.common import SETTINGS, decode_tps, smollm2_path  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=64, help="decode steps per round")
+    ap.add_argument("--stages", default="1,2,3")
+    ap.add_argument("--inline-compute", action="store_true",
+                    help="workers compute on their event loop thread (no handoff)")
+    ap.add_argument("--sync", action="store_true", help="also time the blocking API (1 stage)")
+    args = ap.parse_args(argv)
+
+    import dgr
+    from dgr._core import HAS_LAYER_RANGES
+
+    path = smollm2_path()
+    whole = dgr.Engine(path, **SETTINGS)
+    wargs = ["--inline-compute"] if args.inline_compute else []
+    clusters = {}
+    skipped = []
+    for n in (int(x) for x in args.stages.split(",")):
+        if n > 1 and not HAS_LAYER_RANGES:
+            skipped.append(n)
+            continue
+        print(f"starting {n} stage(s) ...", file=sys.stderr, flush=True)
+        clusters[n] = start_cluster(path, n, whole.n_layer, wargs)
+    try:
+        res = {"whole": [], **{n: [] for n in clusters}}
+        hops = {n: [] for n in clusters}
+        sync = []
+        for r in range(args.rounds):
+            res["whole"].append(decode_tps(whole, args.tokens))
+            for n, c in clusters.items():
+                m = route_decode(c.endpoints, args.tokens)
+                res[n].append(m["tokens_per_s"])
+                hops[n].append(statistics.mean(max(a - b, 0.0)
+                                               for a, b in zip(m["rtt_ms"], m["compute_ms"])))
+            if args.sync and 1 in clusters:
+                sync.append(route_decode_sync(clusters[1].endpoints, args.tokens))
+            print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    finally:
+        for c in clusters.values():
+            c.stop()
+
+    med = {k: statistics.median(v) for k, v in res.items()}
+    w = med["whole"]
+    print(f"\nSmolLM2-135M Q4_1, {SETTINGS}, {args.tokens} decode steps, median of "
+          f"{args.rounds} rounds{', workers --inline-compute' if args.inline_compute else ''}")
+    print(f"{'configuration':<30} {'tokens/s':>9} {'x whole':>8} {'ms/token':>9} "
+          f"{'added ms':>9} {'ms/seam':>8} {'hop ms':>7}")
+    print(f"{'whole model, in process':<30} {w:9.1f} {1.0:8.2f} {1e3 / w:9.3f} {0.0:9.3f} "
+          f"{'':>8} {'':>7}")
+    one = med.get(1)
+    for n in clusters:
+        t = med[n]
+        seam = "" if n == 1 or one is None else f"{(1e3 / t - 1e3 / one) / (n - 1):8.3f}"
+        print(f"{f'{n} stage(s), loopback gRPC':<30} {t:9.1f} {t / w:8.2f} {1e3 / t:9.3f} "
+              f"{1e3 / t - 1e3 / w:9.3f} {seam:>8} {statistics.median(hops[n]):7.3f}")
+    if sync:
+        t = statistics.median(sync)
+        print(f"{'1 stage, blocking API':<30} {t:9.1f} {t / w:8.2f} {1e3 / t:9.3f} "
+              f"{1e3 / t - 1e3 / w:9.3f}")
+    for n in skipped:
+        print(f"{f'{n} stages':<30} skipped: this build has no partial layer ranges "
+              "(dgr._core.HAS_LAYER_RANGES is False)")
+    print("goal: 3 stages >= 0.9 x whole; each seam <= 0.3 ms/token")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
