@@ -171,6 +171,13 @@ def _cmd_run(args) -> int:
             ranges = split_layers(n_layer, args.stages)
         _say(f"{len(ranges)} stage(s) over {n_layer} layers: "
              + " ".join(f"[{a},{b})" for a, b in ranges))
+        from ._core import HAS_LAYER_RANGES
+
+        if len(ranges) > 1 and not HAS_LAYER_RANGES:
+            raise errors.UnsupportedArchitecture(
+                "this build of dgr's core cannot load partial layer ranges yet (dgr._core."
+                "HAS_LAYER_RANGES is False): run with --stages 1, or rebuild with the "
+                "layer-range patches (pip install -e .)")
         t0 = time.monotonic()
         cluster = LocalCluster(model, [None if r == (0, n_layer) else r for r in ranges],
                                settings=settings)

@@ -510,14 +510,18 @@ class WorkerProcess:
         finally:
             sel.close()
 
-    def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM (drain), wait up to ``timeout``, then SIGKILL; returns the exit status."""
+    def stop(self, timeout: float = 30.0, *, signalled: bool = False) -> int:
+        """SIGTERM (drain), wait up to ``timeout``, then SIGKILL; returns the exit status.
+
+        ``signalled``: SIGTERM was already sent (do not send another).
+        """
         import subprocess
 
         if self.proc is None:
             return 0
         if self.proc.poll() is None:
-            self.proc.terminate()
+            if not signalled:
+                self.proc.terminate()
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -581,10 +585,14 @@ class LocalCluster:
         return self.endpoints
 
     def stop(self, timeout: float = 30.0) -> list[int]:
+        """SIGTERM every worker at once, then reap each; returns their exit statuses."""
+        sent = []
         for w in self.workers:
-            if w.proc is not None and w.proc.poll() is None:
+            live = w.proc is not None and w.proc.poll() is None
+            if live:
                 w.proc.terminate()
-        return [w.stop(timeout) for w in self.workers]
+            sent.append(live)
+        return [w.stop(timeout, signalled=s) for w, s in zip(self.workers, sent)]
 
     def __enter__(self) -> LocalCluster:
         return self
@@ -647,6 +655,11 @@ async def _serve(args) -> int:
     await done.wait()
     for t in tasks:
         t.cancel()
+    # drained: a repeated SIGTERM/SIGINT during interpreter shutdown must not turn exit 0
+    # into death by signal once the loop's handlers are gone
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, signal.SIG_IGN)
     return 0
 
 

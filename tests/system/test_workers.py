@@ -269,3 +269,36 @@ def test_sigterm_during_a_generation_drains_and_exits_zero(fresh, whole):
     assert 3 <= len(out) - 1 < 400
     log = victim.log_tail(50)
     assert "SIGTERM received" in log and "drained" in log
+
+
+# -- the command line ------------------------------------------------------------------------
+
+
+def test_cli_run_and_generate(cluster, smollm2):
+    import subprocess
+    import sys
+
+    stages = "3" if HAS_LAYER_RANGES else "1"
+    p = subprocess.run([sys.executable, "-m", "dgr", "run", "--stages", stages, "--max-tokens",
+                        "12", "--model", str(smollm2), "--parity"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "matches the whole model (in-process dgr.Engine, same settings): yes" in p.stderr
+    assert "logits bit-identical over" in p.stderr and "tokens/s" in p.stderr
+    assert "workers stopped (exit status " + ", ".join(["0"] * int(stages)) in p.stderr
+    assert p.stdout.strip()
+    g = subprocess.run([sys.executable, "-m", "dgr", "generate", "--route",
+                        ",".join(cluster.endpoints), "--max-tokens", "8", "--model",
+                        str(smollm2)], capture_output=True, text=True, timeout=300)
+    assert g.returncode == 0, g.stderr
+    assert "matches the whole model" in g.stderr and ": yes" in g.stderr
+
+
+@pytest.mark.skipif(HAS_LAYER_RANGES, reason="only meaningful without layer ranges")
+def test_cli_run_explains_missing_ranges(smollm2):
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "dgr", "run", "--model", str(smollm2)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--stages 1" in p.stderr

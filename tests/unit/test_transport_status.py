@@ -95,3 +95,10 @@ def test_garbage_trailer_is_ignored():
     exc = st.from_status(grpc.StatusCode.NOT_FOUND, "x", [("dgr-code", "nope"),
                                                            ("dgr-retry-after", "soon")])
     assert type(exc) is E.UnknownSession
+
+
+def test_committed_gencode_matches_the_proto():
+    pytest.importorskip("grpc_tools")
+    from dgr.transport import codegen
+
+    assert codegen.main(["--check"]) == 0
