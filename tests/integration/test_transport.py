@@ -369,3 +369,104 @@ def test_grpc_status_of_an_unknown_method(served):
             return ei.value.code()
 
     assert run(go()) == grpc.StatusCode.UNIMPLEMENTED
+
+
+# -- multi-stage relay and recovery, today, with a toy range engine -------------------------
+
+
+class ToyEngine:
+    """A toy 'model' with causal per-slot state, split into layer ranges like dgr.Engine.
+
+    Layer l maps each row to ``tanh(x + w_l * mean of this layer's inputs so far)``; the head
+    is the tied embedding. Row by row in float32, so any split computes the same bits as the
+    whole, and a cache that is not continued raises InvalidPosition as the real engine does.
+    """
+
+    N_LAYER, N_EMBD, N_VOCAB = 4, 8, 16
+
+    def __init__(self, layers=(0, 4), n_slots=2):
+        rng = np.random.default_rng(0)
+        self.emb = rng.standard_normal((self.N_VOCAB, self.N_EMBD)).astype(np.float32)
+        self.w = np.float32([0.5, -0.3, 0.8, 0.2])
+        self.layers = tuple(layers)
+        self.n_slots = n_slots
+        self.is_first, self.is_last = layers[0] == 0, layers[1] == self.N_LAYER
+        self.n_embd_boundary, self.n_vocab, self.needs_token_ids = self.N_EMBD, self.N_VOCAB, False
+        self.settings = {"n_ctx": 64, "n_slots": n_slots, "n_threads": 1, "n_ubatch": 4,
+                         "flash_attn": True, "type_k": "f16", "type_v": "f16"}
+        self.state = {}
+        self.calls = 0
+
+    def describe(self):
+        return {"identity": "sha256:toy", "model": "toy.gguf", "arch": "toy",
+                "n_layer": self.N_LAYER, "add_bos": False, "weight_bytes": 1, "kv_bytes": 1}
+
+    def is_eog(self, t):
+        return t == 0
+
+    def tokenize(self, text, add_special=True, parse_special=False):
+        return np.array([int(x) for x in text.split()], dtype=np.int32)
+
+    def detokenize(self, tokens, remove_special=False, unparse_special=False):
+        return " ".join(str(int(t)) for t in tokens)
+
+    def release(self, slot):
+        self.state.pop(slot, None)
+
+    def forward(self, slot, positions, tokens=None, boundary=None, *, logits="last"):
+        self.calls += 1
+        st = self.state.setdefault(slot, {"pos": 0, "sum": {}, "n": 0})
+        n = len(tokens) if boundary is None else len(boundary)
+        first = positions if isinstance(positions, int) else int(positions[0])
+        if first != st["pos"]:
+            raise errors.InvalidPosition(f"slot {slot} continues at {st['pos']}, not {first}")
+        x = (self.emb[np.asarray(tokens)] if self.is_first else np.array(boundary)).copy()
+        for i in range(n):
+            for layer in range(*self.layers):
+                s = st["sum"].get(layer, np.zeros(self.N_EMBD, np.float32)) + x[i]
+                st["sum"][layer] = s
+                x[i] = np.tanh(x[i] + self.w[layer] * s / np.float32(st["pos"] + i + 1))
+        st["pos"] += n
+        if not self.is_last:
+            return x
+        if isinstance(logits, str):
+            mask = np.zeros(n, bool)
+            mask[-1 if logits == "last" else slice(None)] = True
+        else:
+            mask = np.asarray(logits, bool)
+        return (x[mask] @ self.emb.T).astype(np.float32)
+
+
+def test_toy_whole_equals_toy_split():
+    whole, a, b = ToyEngine(), ToyEngine((0, 1)), ToyEngine((1, 4))
+    toks = np.array([3, 5, 7, 9, 2], dtype=np.int32)
+    ref = whole.forward(0, 0, toks, logits="all")
+    got = b.forward(0, 0, boundary=a.forward(0, 0, toks), logits="all")
+    assert ref.tobytes() == got.tobytes()
+
+
+def test_three_toy_stages_relay_and_recover():
+    stages = [ThreadedWorker(ToyEngine(r), evict_after=3600.0) for r in ((2, 4), (0, 1), (1, 2))]
+    try:
+        prompt = [3, 5, 7, 9, 2, 4, 6, 8, 1, 11]  # three chunks of n_ubatch 4
+        ref, rows = generate_local(ToyEngine(), prompt, max_tokens=12, logits=True,
+                                   stop_on_eog=False)
+        with Route([s.address for s in stages]) as r:
+            assert [st.layers for st in r.stages] == [(0, 1), (1, 2), (2, 4)]
+            assert r.tokenize("3 5").tolist() == [3, 5]
+            s = r.session()
+            g = s.complete(prompt, max_tokens=12, logits=True, stop_on_eog=False)
+            assert g.tokens == ref
+            assert all(x.tobytes() == y.tobytes() for x, y in zip(g.logits, rows))
+            # the middle stage loses the session mid-generation: re-prefill, same tokens
+            it = s.generate(prompt, max_tokens=12, stop_on_eog=False)
+            toks = [next(it) for _ in range(5)]
+            stages[2].worker.table.release(s.id)
+            toks += list(it)
+            assert toks == ref and s.recoveries == 1
+            # the replay repeated the original steps exactly: 3 prompt chunks + 4 decode steps
+            assert s.inner.steps[:3] == [(0, 4), (4, 4), (8, 2)]
+            s.close()
+    finally:
+        for s in stages:
+            s.stop()
