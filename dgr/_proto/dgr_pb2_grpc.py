@@ -26,7 +26,21 @@ if _version_not_supported:
 
 
 class ShardStub:
-    """Missing associated documentation comment in .proto file."""
+    """Data plane (not declared in the service: its messages are raw bytes, see above):
+    rpc Step(stream <dgr.wire Forward frame>) returns (stream <dgr.wire Result or ErrorReply frame>);
+    One reply frame per request frame, in order. A session error (stale epoch, cache miss,
+    unknown session, resource exhausted, draining, ...) is an ErrorReply frame carrying the
+    dgr error code, and the stream stays open; the stream itself ends with a gRPC status
+    (dgr.transport.status maps it) only when it cannot continue.
+    Step semantics (dgr.worker): a Forward must name the worker's stage identity
+    ("<model sha256>+<numeric settings tag>") and start at its first layer. A stage that is
+    not last answers a Result of kind "boundary" (in the request's codec; raw for token
+    input). The last stage answers by Forward.want: "token" (sampled ids, one per wanted
+    row, drawn with a generator seeded by (seed, position) so a replay draws the same),
+    "logits", "token+logits", or "boundary" meaning "compute, return nothing" (a prefill
+    chunk that is not the prompt's last).
+
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -57,7 +71,21 @@ class ShardStub:
 
 
 class ShardServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Data plane (not declared in the service: its messages are raw bytes, see above):
+    rpc Step(stream <dgr.wire Forward frame>) returns (stream <dgr.wire Result or ErrorReply frame>);
+    One reply frame per request frame, in order. A session error (stale epoch, cache miss,
+    unknown session, resource exhausted, draining, ...) is an ErrorReply frame carrying the
+    dgr error code, and the stream stays open; the stream itself ends with a gRPC status
+    (dgr.transport.status maps it) only when it cannot continue.
+    Step semantics (dgr.worker): a Forward must name the worker's stage identity
+    ("<model sha256>+<numeric settings tag>") and start at its first layer. A stage that is
+    not last answers a Result of kind "boundary" (in the request's codec; raw for token
+    input). The last stage answers by Forward.want: "token" (sampled ids, one per wanted
+    row, drawn with a generator seeded by (seed, position) so a replay draws the same),
+    "logits", "token+logits", or "boundary" meaning "compute, return nothing" (a prefill
+    chunk that is not the prompt's last).
+
+    """
 
     def Describe(self, request, context):
         """What this worker serves and how loaded it is (model identity, numeric engine settings,
@@ -82,12 +110,7 @@ class ShardServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Detokenize(self, request, context):
-        """Data plane, documented here but carried as raw bytes (see the header comment):
-        rpc Step(stream <dgr.wire Forward frame>) returns (stream <dgr.wire Result or ErrorReply frame>);
-        One reply frame per request frame, in order. A session error (stale epoch, cache miss,
-        unknown session, resource exhausted, ...) is an ErrorReply frame and the stream stays
-        open; the stream itself ends with a gRPC status only when it cannot continue.
-        """
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -124,7 +147,21 @@ def add_ShardServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Shard:
-    """Missing associated documentation comment in .proto file."""
+    """Data plane (not declared in the service: its messages are raw bytes, see above):
+    rpc Step(stream <dgr.wire Forward frame>) returns (stream <dgr.wire Result or ErrorReply frame>);
+    One reply frame per request frame, in order. A session error (stale epoch, cache miss,
+    unknown session, resource exhausted, draining, ...) is an ErrorReply frame carrying the
+    dgr error code, and the stream stays open; the stream itself ends with a gRPC status
+    (dgr.transport.status maps it) only when it cannot continue.
+    Step semantics (dgr.worker): a Forward must name the worker's stage identity
+    ("<model sha256>+<numeric settings tag>") and start at its first layer. A stage that is
+    not last answers a Result of kind "boundary" (in the request's codec; raw for token
+    input). The last stage answers by Forward.want: "token" (sampled ids, one per wanted
+    row, drawn with a generator seeded by (seed, position) so a replay draws the same),
+    "logits", "token+logits", or "boundary" meaning "compute, return nothing" (a prefill
+    chunk that is not the prompt's last).
+
+    """
 
     @staticmethod
     def Describe(request,
