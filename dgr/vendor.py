@@ -382,8 +382,33 @@ class Vendor:
         return self.build_dir / "bin" / name
 
     def gguf_py(self) -> Path:
-        """The pinned tree's gguf-py (its constants match the pinned loader)."""
-        return self.src / "gguf-py"
+        """The pinned tree's gguf-py (its constants match the pinned loader).
+
+        The patch stack does not touch gguf-py, so when this workspace is not unpacked yet
+        (a different patch set or CMAKE_ARGS) only the gguf-py subtree of the pinned archive is
+        extracted, into a directory keyed by the archive's sha256.
+        """
+        if (self.src / "gguf-py" / "gguf").is_dir():
+            return self.src / "gguf-py"
+        dest = self.cache / f"gguf-py-{self.source['sha256'][:12]}"
+        if (dest / "gguf").is_dir():
+            return dest
+        self._download()
+        if _sha256_file(self.archive) != self.source["sha256"]:
+            raise VendorError(f"{self.archive} does not match the pinned sha256")
+        prefix = self.source["subpath"].rstrip("/") + "/gguf-py/"
+        tmp = Path(tempfile.mkdtemp(prefix="gguf-py-", dir=self.cache))
+        with tarfile.open(self.archive, "r:gz") as tar:
+            for m in tar.getmembers():
+                if m.name.startswith(prefix) and ".." not in Path(m.name).parts:
+                    m.name = m.name[len(prefix):]
+                    if m.name:
+                        tar.extract(m, tmp, filter="data")
+        try:
+            tmp.replace(dest)
+        except OSError:  # another process got there first
+            shutil.rmtree(tmp, ignore_errors=True)
+        return dest
 
     def link_args(self) -> list[str]:
         """System libraries the static archives need (read from the cmake cache)."""
