@@ -68,18 +68,23 @@ def _stream(route, args, prompt_tokens, detok) -> tuple:
     out: list[int] = []
     shown = ""
     t0 = time.perf_counter()
-    t_first = None
+    t_first = t_last = None
+    last_shown = 0.0
     for tok in session.generate(prompt_tokens, max_tokens=args.max_tokens,
                                 sampling=_sampling(args), stop=args.stop, logits=args.parity):
+        now = t_last = time.perf_counter()
         if t_first is None:
-            t_first = time.perf_counter()
+            t_first = now
         out.append(tok)
+        if now - last_shown < 0.05:  # detokenizing may be an RPC: at most 20 times a second
+            continue
+        last_shown = now
         text = detok(out)
         if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
             sys.stdout.write(text[len(shown):])
             sys.stdout.flush()
             shown = text
-    t1 = time.perf_counter()
+    t1 = t_last if out else time.perf_counter()
     text = detok(out)
     sys.stdout.write(text[len(shown):] + "\n")
     sys.stdout.flush()

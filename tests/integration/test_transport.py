@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import grpc
 import numpy as np
@@ -470,3 +471,30 @@ def test_three_toy_stages_relay_and_recover():
     finally:
         for s in stages:
             s.stop()
+
+
+def test_route_waits_for_a_slot_when_the_worker_is_full():
+    tw = ThreadedWorker(ToyEngine(n_slots=1), evict_after=0.3)
+    try:
+        with Route(tw.address) as r:
+            a = r.session()
+            a.complete([3, 5, 7], max_tokens=2, stop_on_eog=False)  # a holds the only slot
+            b = r.session()
+            t0 = time.monotonic()
+            g = b.complete([3, 5, 7], max_tokens=2, stop_on_eog=False)  # evicts a, later
+            assert g.tokens and b.recoveries == 1 and time.monotonic() - t0 >= 0.2
+            with pytest.raises(errors.UnknownSession):  # a was evicted: its next step misses
+                asyncio.run(_step_raw(tw.address, a.id))
+            b.close()
+    finally:
+        tw.stop()
+
+
+async def _step_raw(address, session):
+    c = ShardClient(address)
+    try:
+        info = await c.describe()
+        r = reply(await c.stream().step(fwd(info.identity, session, 1, 4, [1])))
+        raise r.to_exception()
+    finally:
+        await c.close()
