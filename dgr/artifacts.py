@@ -926,8 +926,9 @@ def _verify_files(m: Manifest, base: Path, layers, jr: _Journal, rep: VerifyRepo
             rep.problems.append(Problem("changed", f["name"],
                                         detail="modified while being verified; run again"))
             bad.pop(f["name"], None)
+    needed = m.needed(layers) if layers is not None else None
     for name, ks in bad.items():
-        _localise(m, name, sorted(ks), open_files[name], reader, rep)
+        _localise(m, name, sorted(ks), open_files[name], reader, rep, needed)
     rep.bytes_read = reader.bytes
     for fd in open_files.values():
         os.close(fd)
@@ -935,37 +936,47 @@ def _verify_files(m: Manifest, base: Path, layers, jr: _Journal, rep: VerifyRepo
 
 
 def _localise(m: Manifest, name: str, ks: list[int], fd: int, reader: _Reader,
-              rep: VerifyReport) -> None:
-    """Name what a mismatching chunk holds that differs: header, tensors, or padding."""
+              rep: VerifyReport, needed: set[str] | None) -> None:
+    """Name what mismatching chunks hold that differs: the header, tensors, or padding.
+
+    With ``needed`` (a range check) only the header and the range's tensors count: a chunk
+    that also holds other tensors may differ there without touching what the range loads
+    (the range's tensors are then accepted on their own tensor hashes).
+    """
     cs = m.chunk_size
     f = next(x for x in m.files if x["name"] == name)
     alg = m.data["hashes"]["tensor"]
-    tensors = sorted((t for t in m.tensors if t["file"] == name), key=lambda t: t["offset"])
-    seen: set[str] = set()
-    for k in ks:
-        lo, hi = k * cs, min((k + 1) * cs, f["size"])
-        found = False
-        if lo < f["data_offset"] and "<header>" not in seen:
-            seen.add("<header>")
-            if reader.hash_range(fd, 0, f["data_offset"]) != f["header_sha256"]:
-                found = True
+    tensors = sorted((t for t in m.tensors if t["file"] == name
+                      and (needed is None or t["name"] in needed)), key=lambda t: t["offset"])
+    differs: dict[str, bool] = {}
+
+    def header_differs() -> bool:
+        if "<header>" not in differs:
+            differs["<header>"] = bad = (reader.hash_range(fd, 0, f["data_offset"])
+                                         != f["header_sha256"])
+            if bad:
                 rep.problems.append(Problem("different", name, "header", (
                     f"metadata or tensor infos in bytes 0..{f['data_offset']} differ")))
-        for t in tensors:
-            if t["offset"] >= hi or t["offset"] + t["size"] <= lo or t["name"] in seen:
-                continue
-            seen.add(t["name"])
-            if reader.hash_range(fd, t["offset"], t["offset"] + t["size"], alg) != t["hash"]:
-                found = True
-                rep.problems.append(Problem("different", name, f"tensor {t['name']}", (
-                    f"bytes {t['offset']}..{t['offset'] + t['size']}, layer {t['layer']}"
-                    if t["layer"] is not None else
-                    f"bytes {t['offset']}..{t['offset'] + t['size']}, {t['role']}")))
-        if not found:
-            rep.problems.append(Problem("different", name, f"chunk {k}", (
-                f"bytes {lo}..{hi} differ outside any tensor (padding)"
-                if not any(p.file == name and p.kind == "different" for p in rep.problems)
-                else f"bytes {lo}..{hi}")))
+        return differs["<header>"]
+
+    def tensor_differs(t: dict) -> bool:
+        if t["name"] not in differs:
+            lo, hi = t["offset"], t["offset"] + t["size"]
+            differs[t["name"]] = bad = reader.hash_range(fd, lo, hi, alg) != t["hash"]
+            if bad:
+                where = f"layer {t['layer']}" if t["layer"] is not None else t["role"]
+                rep.problems.append(Problem("different", name, f"tensor {t['name']}",
+                                            f"bytes {lo}..{hi}, {where}"))
+        return differs[t["name"]]
+
+    for k in ks:
+        lo, hi = k * cs, min((k + 1) * cs, f["size"])
+        found = [header_differs()] if lo < f["data_offset"] else []
+        found += [tensor_differs(t) for t in tensors
+                  if t["offset"] < hi and t["offset"] + t["size"] > lo]
+        if not any(found) and needed is None:
+            rep.problems.append(Problem("different", name, f"chunk {k}",
+                                        f"bytes {lo}..{hi} differ outside any tensor (padding)"))
 
 
 def _verify_slice(m: Manifest, path: Path, head: gguf_io.GGUFHeader, layers,

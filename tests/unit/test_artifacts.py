@@ -282,6 +282,18 @@ def test_flipped_byte_names_the_tensor(tiny, tiny_manifest):
     assert not verify(tiny_manifest, layers=(2, 3), journal=False).ok
 
 
+def test_range_check_ignores_differences_outside_the_range_in_a_shared_chunk(tiny, tmp_path):
+    mpath = tiny.parent / "one-chunk.json"
+    write_manifest(build_manifest(tiny, chunk_size=1 << 20), mpath)   # the file is one chunk
+    t = Manifest.load(mpath).tensors_by_name["blk.3.attn_q.weight"]
+    _flip(tiny, t["offset"])
+    assert verify(mpath, layers=(0, 2), journal=False).ok     # its tensors match their hashes
+    r = verify(mpath, layers=(2, 4), journal=False)
+    assert [p.what for p in r.problems] == ["tensor blk.3.attn_q.weight"]
+    assert [p.what for p in verify(mpath, journal=False).problems] == [
+        "tensor blk.3.attn_q.weight"]
+
+
 def test_flipped_header_byte_is_reported_as_header(tiny, tiny_manifest):
     _flip(tiny, 200)  # inside the metadata
     r = verify(tiny_manifest, layers=(1, 2), journal=False)  # headers are checked for any range
