@@ -106,6 +106,13 @@ def check_route(stages: Sequence[StageInfo]) -> list[StageInfo]:
     return order
 
 
+def _from_stage(reply: wire.ErrorReply, st: StageInfo) -> errors.DgrError:
+    """The stage's error, its message prefixed with the stage (same class, same retry hint)."""
+    exc = reply.to_exception()
+    exc.args = (f"{st.endpoint} [{st.layers[0]}, {st.layers[1]}): {reply.message}",)
+    return exc
+
+
 def _wire_sampling(p: SamplingParams | None) -> wire.Sampling | None:
     if p is None or p.greedy:
         return None
@@ -347,7 +354,7 @@ class AsyncRouteSession:
                 stat.decode_steps += 1
                 stat.decode_rtt_s += dt
             if type(rh) is wire.ErrorReply:
-                raise rh.to_exception()
+                raise _from_stage(rh, st)
             if type(rh) is not wire.Result or rh.session != self.id or rh.epoch != self.epoch \
                     or rh.first_pos != pos:
                 raise errors.FrameError(f"{st.endpoint} answered with an unexpected frame {rh!r}")

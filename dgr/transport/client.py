@@ -33,11 +33,19 @@ else:  # pragma: no cover - Python 3.10
     @asynccontextmanager
     async def _timeout(delay):
         task = asyncio.current_task()
-        handle = asyncio.get_running_loop().call_later(delay, task.cancel)
+        fired = []
+
+        def expire():
+            fired.append(True)
+            task.cancel()
+
+        handle = asyncio.get_running_loop().call_later(delay, expire)
         try:
             yield
         except asyncio.CancelledError:
-            raise TimeoutError from None
+            if fired:
+                raise TimeoutError from None
+            raise
         finally:
             handle.cancel()
 

@@ -498,3 +498,8 @@ async def _step_raw(address, session):
         raise r.to_exception()
     finally:
         await c.close()
+
+
+def test_route_errors_name_the_stage(route, served):
+    with pytest.raises(errors.InvalidToken, match=rf"{served.address} \[0, 4\): .*vocabulary"):
+        route.complete([1, 999], max_tokens=2)
