@@ -63,6 +63,7 @@ class _Window:
         self.span = span
         self.items: collections.deque = collections.deque()
         self.decode_ms = 0.0  # EWMA of single-token step compute time
+        self.started = time.monotonic()
 
     def add(self, n: int, seconds: float) -> None:
         now = time.monotonic()
@@ -74,10 +75,12 @@ class _Window:
             self.items.popleft()
 
     def tokens_per_s(self) -> float:
-        if not self.items:
-            return 0.0
-        busy = sum(s for _, _, s in self.items)
-        return sum(n for _, n, _ in self.items) / busy if busy > 0 else 0.0
+        """Tokens computed per second of wall time over the last ``span`` seconds (load)."""
+        now = time.monotonic()
+        while self.items and now - self.items[0][0] > self.span:
+            self.items.popleft()
+        span = min(self.span, max(now - self.started, 1e-3))
+        return sum(n for _, n, _ in self.items) / span
 
 
 class _QueuedRelease:
