@@ -352,9 +352,9 @@ def build_manifest(paths: Sequence[str | os.PathLike] | str | os.PathLike, *,
     bar = _Progress(sum(h.file_size for h in heads), "manifest", progress)
     files, tensors = [], []
     try:
-        with ThreadPoolExecutor(1) as pool:
+        with ThreadPoolExecutor(1) as file_pool, ThreadPoolExecutor(1) as tensor_pool:
             for i, h in enumerate(heads):
-                fe, te = _hash_file(h, chunk_size, tensor_hash, pool, bar)
+                fe, te = _hash_file(h, chunk_size, tensor_hash, (file_pool, tensor_pool), bar)
                 fe["split"] = i
                 files.append(fe)
                 tensors.extend(te)
@@ -377,48 +377,63 @@ def build_manifest(paths: Sequence[str | os.PathLike] | str | os.PathLike, *,
     }
 
 
-def _hash_file(h: gguf_io.GGUFHeader, chunk_size: int, tensor_alg: str, pool,
+def _hash_file(h: gguf_io.GGUFHeader, chunk_size: int, tensor_alg: str, pools,
                bar: "_Progress") -> tuple[dict, list[dict]]:
-    """One pass over a file: whole-file, per-chunk, header and per-tensor hashes."""
+    """One pass over a file: whole-file, per-chunk, header and per-tensor hashes.
+
+    The whole-file and the per-tensor digests each run in their own single-thread pool (FIFO,
+    so each digest sees its blocks in order) while this thread reads the next block and does
+    the chunk digests: hashlib releases the GIL on large buffers, so the three overlap.
+    """
+    file_pool, tensor_pool = pools
     size = h.file_size
     order = sorted(h.tensors, key=lambda t: t.offset)
     thash = {t.name: _hasher(tensor_alg) for t in order}
     file_h, head_h = hashlib.sha256(), hashlib.sha256()
     chunks: list[str] = []
-    buf = bytearray(_BLOCK)
-    ti = 0  # first tensor that may still overlap the read position
+    state = {"ti": 0}  # first tensor that may still overlap (touched by the tensor pool only)
+
+    def tensors_update(pos: int, view) -> None:
+        end = pos + len(view)
+        ti = state["ti"]
+        while ti < len(order) and order[ti].offset + order[ti].nbytes <= pos:
+            ti += 1
+        state["ti"] = ti
+        while ti < len(order) and order[ti].offset < end:
+            t = order[ti]
+            lo, hi = max(pos, t.offset), min(end, t.offset + t.nbytes)
+            if lo < hi:
+                thash[t.name].update(view[lo - pos:hi - pos])
+            ti += 1
+
+    bufs = [bytearray(_BLOCK), bytearray(_BLOCK)]
+    busy: list[list] = [[], []]
     with open(h.path, "rb") as f:
-        pos = 0
+        pos, i = 0, 0
         chunk_h = hashlib.sha256()
         while pos < size:
+            b = i & 1
+            for fut in busy[b]:  # the buffer is free once both digests consumed it
+                fut.result()
             n = min(_BLOCK, size - pos, chunk_size - pos % chunk_size)
-            view = memoryview(buf)[:n]
+            view = memoryview(bufs[b])[:n]
             got = f.readinto(view)
             if got != n:
                 raise ArtifactTruncated(f"{h.path.name} shrank while being hashed (at byte {pos})")
             _count(n)
-            # the whole-file digest runs in the pool thread while this one does the rest
-            # (hashlib releases the GIL on large buffers)
-            fut = pool.submit(file_h.update, view)
+            busy[b] = [file_pool.submit(file_h.update, view),
+                       tensor_pool.submit(tensors_update, pos, view)]
             chunk_h.update(view)
             end = pos + n
             if pos < h.data_offset:
                 head_h.update(view[:min(end, h.data_offset) - pos])
-            while ti < len(order) and order[ti].offset + order[ti].nbytes <= pos:
-                ti += 1
-            j = ti
-            while j < len(order) and order[j].offset < end:
-                t = order[j]
-                lo, hi = max(pos, t.offset), min(end, t.offset + t.nbytes)
-                if lo < hi:
-                    thash[t.name].update(view[lo - pos:hi - pos])
-                j += 1
-            fut.result()
-            pos = end
+            pos, i = end, i + 1
             bar.update(n, h.path.name)
             if pos % chunk_size == 0 or pos == size:
                 chunks.append(chunk_h.hexdigest())
                 chunk_h = hashlib.sha256()
+        for fut in busy[0] + busy[1]:
+            fut.result()
     fe = {"name": h.path.name, "split": 0, "size": size, "sha256": file_h.hexdigest(),
           "data_offset": h.data_offset, "header_sha256": head_h.hexdigest(), "chunks": chunks}
     te = []
