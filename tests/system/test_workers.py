@@ -302,3 +302,22 @@ def test_cli_run_explains_missing_ranges(smollm2):
     p = subprocess.run([sys.executable, "-m", "dgr", "run", "--model", str(smollm2)],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "--stages 1" in p.stderr
+
+
+def test_cli_ctrl_c_reaps_the_workers(smollm2):
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "dgr", "run", "--stages", "1", "--model",
+                          str(smollm2), "--max-tokens", "900", "--no-check", "--no-chat",
+                          "--prompt", "1, 2, 3, 4, 5, 6,"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.read(12)  # it is streaming
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, err
+    assert "interrupted" in err and "workers stopped (exit status 0)" in err
