@@ -161,6 +161,32 @@ def test_three_slices_generate_the_whole_models_tokens(tiny_llama, tmp_path):
     assert list(generate(chain, prompt, max_tokens=24, stop_on_eog=False)) == want
 
 
+@needs_ranges
+def test_deepseek4_slices_with_mtp_chain_to_the_whole_models_tokens(tmp_path):
+    from dgr.testing import fixtures
+
+    if not hasattr(fixtures, "write_tiny_deepseek4"):
+        pytest.skip("no tiny DeepSeek V4 fixture in this checkout")
+    model = fixtures.write_tiny_deepseek4(tmp_path / "ds4.gguf", fixtures.TinyDeepseek4(mtp=True))
+    m = build_manifest(model)
+    assert m["model"]["block_count"] == 7 and m["model"]["n_layer"] == 6
+    ranges = [(0, 2), (2, 4), (4, 6)]
+    paths = _slices(model, ranges, tmp_path)
+    last = {t.name for t in gguf_io.read_header(paths[-1], decode_arrays=False).tensors}
+    assert any(n.startswith("blk.6.") for n in last)          # the MTP block rides with the head
+    assert not any(n.startswith("blk.6.") for p in paths[:-1]
+                   for n in (t.name for t in gguf_io.read_header(p).tensors))
+    mpath = tmp_path / "ds4.json"
+    write_manifest(m, mpath)
+    for p, r in zip(paths, ranges):
+        assert verify_for_worker(mpath, p, r, journal=False) == m["identity"]
+    whole = dgr.Engine(model, **TINY)
+    chain = SliceChain(paths, ranges, **TINY)
+    prompt = np.array([7, 3, 9, 1, 2, 8, 5], dtype=np.int32)
+    assert (list(generate(chain, prompt, max_tokens=12, stop_on_eog=False))
+            == list(generate(whole, prompt, max_tokens=12, stop_on_eog=False)))
+
+
 # ---- SmolLM2 round trips (slow) ---------------------------------------------------------------
 
 
