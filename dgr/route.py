@@ -544,6 +544,21 @@ class AsyncRouteSession:
 # --- the blocking API -----------------------------------------------------------------------
 
 
+async def _aclose_soon(agen, patience: float = 5.0) -> None:
+    """Close an async generator whose interrupted step may still be unwinding."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            await agen.aclose()
+            return
+        except RuntimeError:  # "already running": its cancelled __anext__ has not ended yet
+            if time.monotonic() > deadline:
+                return
+            await asyncio.sleep(0.01)
+        except Exception:  # noqa: BLE001 - cleanup after an interruption: nothing to report
+            return
+
+
 class _LoopThread:
     """A private event loop in a daemon thread; blocking calls submit coroutines to it."""
 
@@ -570,7 +585,7 @@ class _LoopThread:
                     return
         finally:
             if self.loop.is_running():
-                self.run(agen.aclose())
+                self.run(_aclose_soon(agen))
 
     def close(self) -> None:
         if self.loop.is_running():
