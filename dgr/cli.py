@@ -297,5 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--timeout", type=float, default=10.0, help="control call deadline (s)")
     _add_generation_args(g)
     g.set_defaults(func=_cmd_generate)
+    from . import artifacts
+
+    artifacts.add_subparser(sub)
     args = ap.parse_args(argv)
     return args.func(args)

@@ -18,6 +18,21 @@ __all__ = ["Engine", "NUMERIC_SETTINGS"]
 NUMERIC_SETTINGS = ("n_ctx", "n_slots", "n_threads", "n_ubatch", "flash_attn", "type_k", "type_v")
 
 
+def _load_path(model, layers, a: int, b: int):
+    """The file llama.cpp must open, after the header-only checks llama.cpp cannot make.
+
+    A split model loads from its first split (and every split must be present); a dgr slice
+    serves only the layers it holds. Files that are missing or not GGUF at all are left to the
+    engine, which reports them with its own typed errors.
+    """
+    from .artifacts import precheck
+
+    try:
+        return precheck(model, None if layers is None else (a, b))["load_path"]
+    except (errors.ModelNotFound, errors.InvalidModel, OSError):
+        return model
+
+
 class Engine(_CoreEngine):
     """Layers ``[a, b)`` of a GGUF model, computed by the patched llama.cpp on the CPU.
 
@@ -84,7 +99,7 @@ class Engine(_CoreEngine):
         for name in ("n_ctx", "n_slots", "n_threads", "n_ubatch"):
             if name in kw and (not isinstance(kw[name], (int, np.integer)) or kw[name] < 1):
                 raise errors.InvalidArgument(f"{name} must be a positive integer, got {kw[name]!r}")
-        return super().__new__(cls, os.fspath(model), a, b, **kw)
+        return super().__new__(cls, os.fspath(_load_path(model, layers, a, b)), a, b, **kw)
 
     # -- facts ------------------------------------------------------------------------
 

@@ -24,12 +24,6 @@ from dgr.chain import generate, split_layers
 needs_ranges = pytest.mark.skipif(
     not HAS_LAYER_RANGES,
     reason="the built llama.cpp carries no layer-range patches: slices load only in range engines")
-# What the engine (cpp/) must do for slices: read dgr.slice.layer_start/end in its GGUF pre-check
-# and refuse a range outside them with InvalidLayerRange (today llama.cpp fails later, on the
-# first missing tensor, with InvalidModel).
-engine_slice_check = pytest.mark.xfail(
-    raises=(errors.InvalidModel, errors.UnsupportedArchitecture, AssertionError), strict=False,
-    reason="cpp/ does not yet read dgr.slice.layer_start/end (issue 10, engine side)")
 
 TINY = dict(n_ctx=256, n_threads=1, n_ubatch=8, flash_attn=True)
 SMOL = dict(n_ctx=1024, n_threads=1, n_ubatch=64, flash_attn=True)
@@ -110,7 +104,6 @@ def test_full_range_slice_loads_and_computes_like_the_model(tiny_llama, tmp_path
     assert sl.describe()["identity"] == whole.describe()["identity"]
 
 
-@engine_slice_check
 def test_engine_refuses_a_whole_model_load_of_a_slice(tiny_llama, tmp_path):
     s = artifacts.slice_model(tiny_llama, (1, 3), tmp_path / "s.gguf")["path"]
     with pytest.raises(errors.InvalidLayerRange, match=r"\[1, 3\)"):
@@ -118,7 +111,6 @@ def test_engine_refuses_a_whole_model_load_of_a_slice(tiny_llama, tmp_path):
 
 
 @needs_ranges
-@engine_slice_check
 @pytest.mark.parametrize("layers", [(0, 2), (2, 4), (0, 1), (3, 4)])
 def test_engine_refuses_layers_a_slice_does_not_hold(tiny_llama, tmp_path, layers):
     s = artifacts.slice_model(tiny_llama, (1, 3), tmp_path / "s.gguf")["path"]
