@@ -256,6 +256,12 @@ class StepDeadlineExceeded(DgrError, TimeoutError):
     code = 39
 
 
+class NoHealthyWorker(WorkerUnavailable):
+    """Recovery found no healthy worker for a layer range (the message names the range)."""
+
+    code = 40
+
+
 # --- build and artifacts ----------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ failure.
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 import time
 import uuid
@@ -22,6 +23,7 @@ from typing import Any, AsyncIterator, Iterator, Sequence
 import numpy as np
 
 from . import errors, wire
+from .provider import RouteProvider, StaticPool
 from .sampling import SamplingParams
 from .transport.client import (DEFAULT_STEP_TIMEOUT, DEFAULT_TIMEOUT, ShardClient, StepStream)
 from .transport.common import StageInfo
@@ -29,9 +31,27 @@ from .transport.common import StageInfo
 __all__ = ["AsyncRoute", "AsyncRouteSession", "Route", "RouteSession", "Generation",
            "StageStats", "check_route", "parse_endpoints", "generate_local"]
 
-# Failures the driver repairs by re-prefilling under a new epoch (after reconnecting).
-_RECOVERABLE = (errors.CacheMiss, errors.UnknownSession, errors.StepDeadlineExceeded,
-                errors.ResourceExhausted, errors.WorkerUnavailable)
+# Failures the driver repairs by re-prefilling under a new epoch (on the same route, or after
+# replacing the stage that failed). Everything else (bad request, model mismatch, a route that
+# does not fit, frame errors) is fatal and never retried.
+_RECOVERABLE = (errors.CacheMiss, errors.UnknownSession, errors.StaleEpoch,
+                errors.StepDeadlineExceeded, errors.ResourceExhausted, errors.WorkerUnavailable)
+# ... of which these mean the stage itself is suspect: ask the provider for a replacement.
+_STAGE_FAILED = (errors.StepDeadlineExceeded, errors.WorkerUnavailable)
+
+
+def retryable(exc: BaseException) -> bool:
+    """Whether the driver repairs ``exc`` by recovery (re-prefill, maybe on another worker)."""
+    if isinstance(exc, errors.NoHealthyWorker):
+        return False
+    return isinstance(exc, _RECOVERABLE) or type(exc) is errors.SessionError
+
+
+async def _release_quietly(client: ShardClient, session: str, timeout: float) -> None:
+    try:
+        await client.release(session, timeout=timeout)
+    except Exception:  # noqa: BLE001 - the old worker is gone: its TTL frees the session
+        pass
 
 
 def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
@@ -157,14 +177,27 @@ class Generation:
 
 
 class _RemoteTokenizer:
-    def __init__(self, client: ShardClient):
-        self.client = client
+    """The first stage's tokenizer; follows the route when that stage is replaced."""
+
+    def __init__(self, route: AsyncRoute):
+        self.route = route
+
+    async def _call(self, fn):
+        r = self.route
+        for attempt in range(r.max_retries + 1):
+            client = r.clients[0]
+            try:
+                return await fn(client)
+            except (errors.WorkerUnavailable, errors.StepDeadlineExceeded) as e:
+                if isinstance(e, errors.NoHealthyWorker) or attempt == r.max_retries:
+                    raise
+                await r.replace_stage(0, client, e)
 
     async def tokenize(self, text, add_special, parse_special):
-        return await self.client.tokenize(text, add_special, parse_special)
+        return await self._call(lambda c: c.tokenize(text, add_special, parse_special))
 
     async def detokenize(self, tokens):
-        return await self.client.detokenize(tokens)
+        return await self._call(lambda c: c.detokenize(tokens))
 
 
 class _LocalTokenizer:
@@ -201,25 +234,57 @@ class AsyncRoute:
         first worker's tokenizer, over its control RPCs.
     max_retries : int
         Recoveries (re-prefill under a new epoch) attempted for one step.
+    provider : dgr.provider.RouteProvider, optional
+        Where replacements for a failed stage come from (and where failures are reported).
+        Default: a ``StaticPool`` of ``endpoints`` plus ``spares``. Without ``endpoints`` the
+        first route comes from ``provider.route()``.
+    spares : sequence of str
+        More workers for the default pool (same ranges as the route's stages).
+    deadline_floor, deadline_factor : float
+        A step's deadline on a stage is ``max(deadline_floor, deadline_factor * p99)`` of
+        that stage's recent step times (per token for multi-token steps), at most
+        ``step_timeout``; ``step_timeout`` until 8 steps were measured.
+    probe_timeout : float
+        Deadline of the connect and describe that vet a replacement worker, seconds.
+    backoff : float
+        First pause between recovery attempts (doubles each time, at most 2 s), seconds.
     """
 
-    def __init__(self, endpoints: str | Sequence[str], *, timeout: float = DEFAULT_TIMEOUT,
+    def __init__(self, endpoints: str | Sequence[str] | None = None, *,
+                 timeout: float = DEFAULT_TIMEOUT,
                  step_timeout: float = DEFAULT_STEP_TIMEOUT, connect_timeout: float = 30.0,
                  codec: str = "raw", compress: bool = False, tokenizer: Any = None,
-                 max_retries: int = 3):
+                 max_retries: int = 3, provider: RouteProvider | None = None,
+                 spares: Sequence[str] = (), deadline_floor: float = 2.0,
+                 deadline_factor: float = 10.0, probe_timeout: float = 1.0,
+                 backoff: float = 0.05):
         if codec not in wire.CODECS:
             raise errors.UnknownCodec(f"unknown codec {codec!r} (known: {', '.join(wire.CODECS)})")
-        self.endpoints = parse_endpoints(endpoints)
+        if endpoints is None and provider is None:
+            raise errors.RouteError("a route needs endpoints or a provider")
+        self.endpoints = parse_endpoints(endpoints) if endpoints is not None else []
+        self.provider = provider if provider is not None else StaticPool(
+            self.endpoints + parse_endpoints(list(spares)) if spares else self.endpoints)
         self.timeout = timeout
         self.step_timeout = step_timeout
         self.connect_timeout = connect_timeout
         self.codec = codec
         self.compress = compress
         self.max_retries = max_retries
+        self.deadline_floor = deadline_floor
+        self.deadline_factor = deadline_factor
+        self.probe_timeout = probe_timeout
+        self.backoff = backoff
         self._tokenizer_arg = tokenizer
         self.clients: list[ShardClient] = []
         self.stages: list[StageInfo] = []
         self.tokenizer: Any = None
+        #: recent step seconds per token, per stage (sized deadlines)
+        self._times: list[collections.deque] = []
+        self._locks: list[asyncio.Lock] = []
+        self._retired: list[ShardClient] = []
+        #: stage replacements done by this route: (layers, old endpoint, new endpoint)
+        self.replacements: list[tuple[tuple[int, int], str, str]] = []
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -233,6 +298,8 @@ class AsyncRoute:
         dgr.errors.ModelMismatch, dgr.errors.RouteError, dgr.errors.WorkerDraining
             See ``check_route``.
         """
+        if not self.endpoints:
+            self.endpoints = parse_endpoints(await self.provider.route())
         if not self.clients:
             self.clients = [ShardClient(e, timeout=self.timeout) for e in self.endpoints]
         infos = await asyncio.gather(*(c.describe() for c in self.clients))
@@ -240,9 +307,10 @@ class AsyncRoute:
         by_ep = {c.endpoint: c for c in self.clients}
         self.stages = order
         self.clients = [by_ep[s.endpoint] for s in order]
+        self._times = [collections.deque(maxlen=64) for _ in order]
+        self._locks = [asyncio.Lock() for _ in order]
         tok = self._tokenizer_arg
-        self.tokenizer = _LocalTokenizer(tok) if tok is not None else _RemoteTokenizer(
-            self.clients[0])
+        self.tokenizer = _LocalTokenizer(tok) if tok is not None else _RemoteTokenizer(self)
         return self
 
     async def __aenter__(self) -> AsyncRoute:
@@ -252,8 +320,74 @@ class AsyncRoute:
         await self.close()
 
     async def close(self) -> None:
-        clients, self.clients = self.clients, []
+        clients, self.clients = self.clients + self._retired, []
+        self._retired = []
         await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+
+    # -- failure detection and replacement --------------------------------------------------
+
+    def deadline(self, i: int, n_tokens: int) -> float:
+        """Deadline of an ``n_tokens`` step on stage ``i``, sized from its recent steps."""
+        times = self._times[i] if i < len(self._times) else ()
+        if len(times) < 8:
+            return self.step_timeout
+        p99 = float(np.percentile(np.fromiter(times, float), 99))
+        return min(self.step_timeout,
+                   max(self.deadline_floor, self.deadline_factor * p99 * max(n_tokens, 1)))
+
+    def _measured(self, i: int, n_tokens: int, seconds: float) -> None:
+        if i < len(self._times):
+            self._times[i].append(seconds / max(n_tokens, 1))
+
+    async def replace_stage(self, i: int, failed: ShardClient, err: BaseException) -> bool:
+        """Replace stage ``i`` (whose client ``failed`` failed with ``err``) by a healthy
+        worker of the same range from the provider. Returns False when another session did it
+        already. Raises ``NoHealthyWorker`` naming the range when none answers within
+        ``connect_timeout``."""
+        async with self._locks[i]:
+            if self.clients[i] is not failed:
+                return False
+            st = self.stages[i]
+            self.provider.report_failure(st.endpoint, st.layers, err)
+            client, info = await self._find(st)
+            self.clients[i], self.stages[i] = client, info
+            self._retired.append(failed)
+            self.replacements.append((tuple(st.layers), st.endpoint, info.endpoint))
+            return True
+
+    async def _find(self, st: StageInfo) -> tuple[ShardClient, StageInfo]:
+        a, b = st.layers
+        deadline = time.monotonic() + self.connect_timeout
+        tried: dict[str, str] = {}
+        attempt = 0
+        while True:
+            for ep in await self.provider.candidates(st.layers):
+                c = ShardClient(ep, timeout=self.timeout)
+                try:
+                    await c.wait_ready(self.probe_timeout)
+                    info = await c.describe(timeout=self.probe_timeout)
+                    if info.identity != st.identity or tuple(info.layers) != tuple(st.layers):
+                        raise errors.ModelMismatch(
+                            f"{ep} serves {info.identity} layers {list(info.layers)}, not "
+                            f"{st.identity} layers [{a}, {b})")
+                    if info.draining:
+                        raise errors.WorkerDraining(f"{ep} is draining")
+                except errors.DgrError as e:
+                    tried[ep] = f"{type(e).__name__}: {e}"
+                    self.provider.report_failure(ep, st.layers, e)
+                    await c.close()
+                    continue
+                self.provider.report_success(ep, info.layers)
+                return c, info
+            left = deadline - time.monotonic()
+            if left <= 0:
+                why = "; ".join(f"{k}: {v}" for k, v in tried.items()) or \
+                    "the route provider has no worker for it"
+                raise errors.NoHealthyWorker(
+                    f"no healthy worker serves layers [{a}, {b}) within "
+                    f"{self.connect_timeout:g} s ({why})")
+            await asyncio.sleep(min(left, self.backoff * 2 ** min(attempt, 5), 1.0))
+            attempt += 1
 
     # -- facts ---------------------------------------------------------------------------
 
@@ -318,6 +452,7 @@ class AsyncRouteSession:
         self.recoveries = 0
         self.stats = [StageStats(s.endpoint, s.layers) for s in route.stages]
         self._streams: list[StepStream | None] = [None] * len(route.stages)
+        self._cleanup: set[asyncio.Task] = set()  # releases on replaced workers
 
     # -- one step through every stage -----------------------------------------------------
 
@@ -339,11 +474,20 @@ class AsyncRouteSession:
             else:
                 data = wire.encode(h, x, codec=r.codec, compress=r.compress)
             stream = self._streams[i]
+            if stream is not None and stream.client is not r.clients[i]:
+                self._forget(i)  # the stage was replaced (by another session's recovery)
+                stream = None
             if stream is None or stream.broken:
                 stream = self._streams[i] = r.clients[i].stream()
+                self.stats[i].endpoint = st.endpoint
             t0 = time.perf_counter()
-            reply = await stream.step(data, r.step_timeout)
+            try:
+                reply = await stream.step(data, r.deadline(i, n))
+            except errors.DgrError as e:
+                e.stage_index = i  # which stage failed: recovery replaces that one
+                raise
             dt = time.perf_counter() - t0
+            r._measured(i, n, dt)
             f = wire.decode(reply)
             rh = f.header
             stat = self.stats[i]
@@ -354,7 +498,9 @@ class AsyncRouteSession:
                 stat.decode_steps += 1
                 stat.decode_rtt_s += dt
             if type(rh) is wire.ErrorReply:
-                raise _from_stage(rh, st)
+                e = _from_stage(rh, st)
+                e.stage_index = i
+                raise e
             if type(rh) is not wire.Result or rh.session != self.id or rh.epoch != self.epoch \
                     or rh.first_pos != pos:
                 raise errors.FrameError(f"{st.endpoint} answered with an unexpected frame {rh!r}")
@@ -370,23 +516,19 @@ class AsyncRouteSession:
 
     async def _run(self, toks: list[int], want: str, sampling: wire.Sampling | None
                    ) -> wire.Frame:
-        """One step at the end of ``history``, repaired by re-prefill when a stage lost it."""
+        """One step at the end of ``history``, repaired by re-prefill when a stage lost it
+        (on a replacement worker when the stage itself failed)."""
         pos = len(self.history)
         err: BaseException | None = None
         for attempt in range(self.route.max_retries + 1):
             try:
                 if err is not None:
-                    await self._recover(err)
+                    await self._recover(err, attempt)
                 f = await self._forward(toks, pos, want, sampling)
-            except errors.WorkerDraining:
-                raise
-            except _RECOVERABLE as e:
-                err = e
-                continue
-            except errors.SessionError as e:
-                if type(e) is not errors.SessionError:  # stale epoch and the like: not ours
+            except errors.DgrError as e:
+                if not retryable(e):  # bad request, model mismatch, no healthy worker, ...
                     raise
-                err = e  # a step of ours is still in flight there (after a deadline)
+                err = e
                 continue
             self.history.extend(toks)
             self.steps.append((pos, len(toks)))
@@ -394,22 +536,36 @@ class AsyncRouteSession:
         assert err is not None
         raise err
 
-    async def _recover(self, err: BaseException) -> None:
-        """Reconnect broken stages, raise the epoch and replay the history."""
+    def _forget(self, i: int) -> None:
+        """Drop stage ``i``'s stream and free this session on its worker (in the background;
+        a worker that cannot be reached frees it by TTL)."""
+        s, self._streams[i] = self._streams[i], None
+        if s is None:
+            return
+        for coro in (s.close(), _release_quietly(s.client, self.id, self.route.probe_timeout)):
+            t = asyncio.ensure_future(coro)
+            self._cleanup.add(t)
+            t.add_done_callback(self._cleanup.discard)
+
+    async def _recover(self, err: BaseException, attempt: int = 1) -> None:
+        """Replace the failed stage if it failed (deadline, unavailable), raise the epoch and
+        replay the history."""
         r = self.route
+        i = getattr(err, "stage_index", None)
         if isinstance(err, errors.ResourceExhausted):
             await asyncio.sleep(min(max(err.retry_after or 0.1, 0.01), 5.0))
         elif type(err) is errors.SessionError:
             await asyncio.sleep(0.05)
-        for i, s in enumerate(self._streams):
-            if s is not None and s.broken:
-                self._streams[i] = None
-                await r.clients[i].wait_ready(r.connect_timeout)
-                info = await r.clients[i].describe()
-                if info.identity != r.stages[i].identity or info.layers != r.stages[i].layers:
-                    raise errors.RouteError(
-                        f"{info.endpoint} came back serving {info.identity} layers "
-                        f"{list(info.layers)}, not the route's stage {list(r.stages[i].layers)}")
+        elif attempt > 1:
+            await asyncio.sleep(min(r.backoff * 2 ** (attempt - 2), 2.0))
+        if i is not None and isinstance(err, _STAGE_FAILED):
+            s = self._streams[i]
+            failed = s.client if s is not None else r.clients[i]
+            await r.replace_stage(i, failed, err)
+            self._forget(i)
+        elif i is not None and isinstance(err, errors.StaleEpoch):
+            # the worker holds a newer epoch of this session id: free it, start over there
+            await _release_quietly(r.clients[i], self.id, r.probe_timeout)
         self.recoveries += 1
         self.epoch += 1
         hist, steps = self.history, self.steps

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from .. import errors
 from .._proto import dgr_pb2, dgr_pb2_grpc
 from .common import MAX_MESSAGE, STEP_METHOD, StageInfo, channel_options
-from .status import from_rpc_error, from_status
+from .status import CODE_KEY, from_rpc_error, from_status
 
 __all__ = ["ShardClient", "StepStream", "DEFAULT_TIMEOUT", "DEFAULT_STEP_TIMEOUT",
            "DEFAULT_STREAM_TIMEOUT"]
@@ -107,6 +107,10 @@ class StepStream:
         if code == grpc.StatusCode.OK:
             return errors.WorkerUnavailable(f"{self.client.endpoint}: the worker closed the "
                                             "step stream")
+        if code == grpc.StatusCode.INTERNAL and not any(k == CODE_KEY for k, _ in (md or ())):
+            # grpc core's own "internal error" (no dgr code): the stream's connection broke
+            return errors.WorkerUnavailable(f"{self.client.endpoint}: the step stream broke "
+                                            f"({details})")
         exc = from_status(code, details, md)
         if isinstance(exc, errors.WorkerUnavailable):
             exc.args = (f"{self.client.endpoint}: {exc.args[0] if exc.args else code.name}",)

@@ -1,0 +1,228 @@
+"""Route loss and recovery with real worker processes on loopback (tiny llama fixture).
+
+A stage that dies (SIGKILL), hangs (SIGSTOP) or comes back empty on its old address during a
+greedy generation: the driver detects it (gRPC status, sized deadline, cache miss), takes a
+spare from its route provider (or waits for the restarted worker), raises the epoch,
+re-prefills the whole history and carries on: the tokens are those of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+
+import dgr
+from dgr import errors
+from dgr._core import HAS_LAYER_RANGES
+from dgr.provider import StaticPool
+from dgr.route import AsyncRoute, Route, generate_local
+from dgr.worker import LocalCluster
+
+pytestmark = [pytest.mark.system,
+              pytest.mark.skipif(not HAS_LAYER_RANGES, reason="multi-stage routes need the "
+                                 "llama.cpp layer-range patches (dgr._core.HAS_LAYER_RANGES)")]
+
+SETTINGS = dict(n_ctx=160, n_slots=24, n_threads=1, n_ubatch=32, flash_attn=True)
+RANGES = [(0, 1), (1, 3), (3, 4)]
+N_TOKENS = 64
+
+
+def prompt(i: int) -> list[int]:
+    rng = random.Random(i)
+    return [rng.randrange(1, 128) for _ in range(12 + i % 9)]
+
+
+@pytest.fixture(scope="module")
+def whole(tiny_llama):
+    return dgr.Engine(tiny_llama, **{**SETTINGS, "n_slots": 1})
+
+
+@pytest.fixture(scope="module")
+def refs(whole):
+    """Uninterrupted greedy tokens of prompts 0..19 (the in-process whole model)."""
+    return [generate_local(whole, prompt(i), max_tokens=N_TOKENS, stop_on_eog=False)[0]
+            for i in range(20)]
+
+
+@pytest.fixture
+def cluster(tiny_llama):
+    """Workers for RANGES plus one spare for the middle range (index 3)."""
+    c = LocalCluster(str(tiny_llama), RANGES + [(1, 3)], settings=SETTINGS)
+    try:
+        c.start(timeout=60)
+        yield c
+    finally:
+        for w in c.workers:
+            if w.proc is not None and w.proc.poll() is None:
+                os.kill(w.proc.pid, signal.SIGCONT)  # a stopped one must be able to die
+        c.stop(timeout=10)
+
+
+def primaries(c):
+    return c.endpoints[:3]
+
+
+def test_uninterrupted_route_matches_the_whole_model(cluster, refs):
+    with Route(primaries(cluster), spares=[cluster.endpoints[3]]) as r:
+        assert r.complete(prompt(0), max_tokens=N_TOKENS, stop_on_eog=False).tokens == refs[0]
+        assert r.aroute.replacements == []
+
+
+def test_sigkill_of_the_middle_worker_completes_on_the_spare(cluster, refs):
+    victim, spare = cluster.workers[1], cluster.workers[3]
+    with Route(primaries(cluster), spares=[spare.endpoint], connect_timeout=10) as r:
+        s = r.session()
+        it = s.generate(prompt(1), max_tokens=N_TOKENS, stop_on_eog=False)
+        toks = [next(it) for _ in range(10)]
+        victim.kill()
+        toks += list(it)
+        assert s.recoveries == 1 and s.epoch == 2
+        assert r.aroute.replacements == [((1, 3), victim.endpoint, spare.endpoint)]
+        assert r.stages[1].endpoint == spare.endpoint
+        s.close()
+    assert toks == refs[1]
+
+
+def test_sigstop_hang_is_detected_by_the_deadline(cluster, refs):
+    victim, spare = cluster.workers[1], cluster.workers[3]
+    with Route(primaries(cluster), spares=[spare.endpoint], deadline_floor=0.5,
+               connect_timeout=10) as r:
+        s = r.session()
+        it = s.generate(prompt(2), max_tokens=N_TOKENS, stop_on_eog=False)
+        toks = [next(it) for _ in range(10)]
+        assert r.aroute.deadline(1, 1) < 5  # sized from measured steps, not step_timeout
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        toks.append(next(it))
+        detected = time.monotonic() - t0
+        toks += list(it)
+        assert s.recoveries == 1 and detected < 5, detected
+        assert r.aroute.replacements == [((1, 3), victim.endpoint, spare.endpoint)]
+        s.close()
+    assert toks == refs[2]
+
+
+def test_worker_restarted_on_its_old_address_gets_a_new_epoch(cluster, refs):
+    victim = cluster.workers[2]  # the last stage, no spare: the driver waits for it
+    with Route(primaries(cluster), connect_timeout=30) as r:
+        s = r.session()
+        it = s.generate(prompt(3), max_tokens=N_TOKENS, stop_on_eog=False)
+        toks = [next(it) for _ in range(10)]
+        old = victim.endpoint
+        victim.kill()
+        th = threading.Thread(target=victim.restart, args=(60,))
+        th.start()  # comes back while the driver is probing
+        toks += list(it)
+        th.join(60)
+        assert victim.endpoint == old
+        assert s.recoveries >= 1 and s.epoch >= 2
+        assert r.aroute.replacements[-1] == ((3, 4), old, old)
+        s.close()
+    assert toks == refs[3]
+
+
+def test_no_healthy_worker_names_the_range(cluster):
+    with Route(primaries(cluster), connect_timeout=1, probe_timeout=0.3) as r:
+        s = r.session()
+        it = s.generate(prompt(4), max_tokens=N_TOKENS, stop_on_eog=False)
+        next(it)
+        cluster.workers[1].kill()  # no spare given: the pool has only the dead one
+        t0 = time.monotonic()
+        with pytest.raises(errors.NoHealthyWorker, match=r"no healthy worker serves layers "
+                                                          r"\[1, 3\)"):
+            list(it)
+        assert time.monotonic() - t0 < 10
+
+
+def test_fatal_errors_are_not_retried():
+    from dgr.route import retryable
+
+    assert not retryable(errors.ModelMismatch("x"))
+    assert not retryable(errors.InvalidArgument("x"))
+    assert not retryable(errors.NoHealthyWorker("x"))
+    assert not retryable(errors.FrameError("x"))
+    assert retryable(errors.CacheMiss("x")) and retryable(errors.StepDeadlineExceeded("x"))
+    assert retryable(errors.WorkerUnavailable("x")) and retryable(errors.StaleEpoch("x"))
+
+
+# -- chaos: 20 sessions while workers are killed and restarted at random ---------------------
+
+CHAOS_SECONDS = 20.0
+
+
+def test_twenty_sessions_under_random_kills_and_restarts(tiny_llama, refs):
+    ranges = RANGES + RANGES  # two workers per range
+    c = LocalCluster(str(tiny_llama), ranges, settings=SETTINGS)
+    c.start(timeout=60)
+    stop = threading.Event()
+    kills = []
+
+    def chaos():
+        rng = random.Random(6)
+        while not stop.wait(rng.uniform(0.2, 0.8)):
+            w = rng.choice(c.workers)
+            if w.proc.poll() is not None:
+                continue
+            w.kill()
+            kills.append(w.endpoint)
+            if stop.wait(rng.uniform(0.1, 1.0)):
+                break
+            try:
+                w.restart(30)
+            except errors.DgrError:  # pragma: no cover - reported by the counts below
+                pass
+
+    outcome = {"ok": 0, "wrong": 0, "failed": 0, "hung": 0}
+    failures: list[str] = []
+
+    async def session_loop(route: AsyncRoute, i: int, until: float) -> None:
+        k = i
+        while time.monotonic() < until:
+            p = k % 20
+            s = route.session()
+            try:
+                g = await asyncio.wait_for(
+                    s.complete(prompt(p), max_tokens=N_TOKENS, stop_on_eog=False), 60)
+                outcome["ok" if g.tokens == refs[p] else "wrong"] += 1
+            except asyncio.TimeoutError:
+                outcome["hung"] += 1
+            except errors.DgrError as e:
+                outcome["failed"] += 1
+                failures.append(f"{type(e).__name__}: {e}")
+            finally:
+                await asyncio.wait_for(s.close(), 10)
+            k += 20
+
+    async def main():
+        route = AsyncRoute(c.endpoints[:3], spares=c.endpoints[3:], connect_timeout=5,
+                           probe_timeout=0.5, deadline_floor=1.0, max_retries=8)
+        await route.connect()
+        try:
+            until = time.monotonic() + CHAOS_SECONDS
+            await asyncio.gather(*(session_loop(route, i, until) for i in range(20)))
+            return len(route.replacements)
+        finally:
+            await route.close()
+
+    th = threading.Thread(target=chaos)
+    try:
+        th.start()
+        replaced = asyncio.run(main())
+    finally:
+        stop.set()
+        th.join(60)
+        c.stop(timeout=10)
+    print(f"\nchaos {CHAOS_SECONDS:g} s: {len(kills)} kills, {replaced} stage replacements, "
+          f"generations {outcome}")
+    for f in failures[:5]:
+        print("  failed:", f)
+    assert outcome["wrong"] == 0 and outcome["hung"] == 0, (outcome, failures[:5])
+    assert len(kills) >= 5 and outcome["ok"] >= 20
+    assert all("no healthy worker serves layers [" in f or "Unavailable" in f
+               or "Deadline" in f for f in failures), failures[:5]
