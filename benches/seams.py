@@ -42,6 +42,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", default="1,2,3")
     ap.add_argument("--inline-compute", action="store_true",
                     help="workers compute on their event loop thread (no handoff)")
+    ap.add_argument("--both", action="store_true",
+                    help="measure workers with and without --inline-compute, interleaved")
     ap.add_argument("--sync", action="store_true", help="also time the blocking API (1 stage)")
     args = ap.parse_args(argv)
 
@@ -50,15 +52,17 @@ def main(argv=None) -> int:
 
     path = smollm2_path()
     n_layer = dgr.Engine(path, **SETTINGS).n_layer  # the whole model runs in its own process
-    wargs = ["--inline-compute"] if args.inline_compute else []
+    modes = ["", "inline"] if args.both else ["inline" if args.inline_compute else ""]
     clusters = {}
     skipped = []
-    for n in (int(x) for x in args.stages.split(",")):
-        if n > 1 and not HAS_LAYER_RANGES:
-            skipped.append(n)
-            continue
-        print(f"starting {n} stage(s) ...", file=sys.stderr, flush=True)
-        clusters[n] = start_cluster(path, n, n_layer, wargs)
+    for mode in modes:
+        for n in (int(x) for x in args.stages.split(",")):
+            if n > 1 and not HAS_LAYER_RANGES:
+                skipped.append(n)
+                continue
+            print(f"starting {n} stage(s) {mode} ...", file=sys.stderr, flush=True)
+            clusters[(n, mode)] = start_cluster(path, n, n_layer,
+                                                ["--inline-compute"] if mode else [])
     try:
         res = {"whole": [], **{n: [] for n in clusters}}
         hops = {n: [] for n in clusters}
@@ -70,8 +74,8 @@ def main(argv=None) -> int:
                 res[n].append(m["tokens_per_s"])
                 hops[n].append(statistics.mean(max(a - b, 0.0)
                                                for a, b in zip(m["rtt_ms"], m["compute_ms"])))
-            if args.sync and 1 in clusters:
-                sync.append(route_decode_sync(clusters[1].endpoints, args.tokens))
+            if args.sync and (1, modes[0]) in clusters:
+                sync.append(route_decode_sync(clusters[(1, modes[0])].endpoints, args.tokens))
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     finally:
         for c in clusters.values():
@@ -80,22 +84,24 @@ def main(argv=None) -> int:
     med = {k: statistics.median(v) for k, v in res.items()}
     w = med["whole"]
     print(f"\nSmolLM2-135M Q4_1, {SETTINGS}, {args.tokens} decode steps, median of "
-          f"{args.rounds} rounds{', workers --inline-compute' if args.inline_compute else ''}")
+          f"{args.rounds} rounds; load average {os.getloadavg()[0]:.1f}")
     print(f"{'configuration':<30} {'tokens/s':>9} {'x whole':>8} {'ms/token':>9} "
           f"{'added ms':>9} {'ms/seam':>8} {'hop ms':>7}")
     print(f"{'whole model, one process':<30} {w:9.1f} {1.0:8.2f} {1e3 / w:9.3f} {0.0:9.3f} "
           f"{'':>8} {'':>7}")
-    one = med.get(1)
-    for n in clusters:
-        t = med[n]
+    for key in clusters:
+        n, mode = key
+        t = med[key]
+        one = med.get((1, mode))
         seam = "" if n == 1 or one is None else f"{(1e3 / t - 1e3 / one) / (n - 1):8.3f}"
-        print(f"{f'{n} stage(s), loopback gRPC':<30} {t:9.1f} {t / w:8.2f} {1e3 / t:9.3f} "
-              f"{1e3 / t - 1e3 / w:9.3f} {seam:>8} {statistics.median(hops[n]):7.3f}")
+        name = f"{n} stage(s), loopback{', inline' if mode else ''}"
+        print(f"{name:<30} {t:9.1f} {t / w:8.2f} {1e3 / t:9.3f} "
+              f"{1e3 / t - 1e3 / w:9.3f} {seam:>8} {statistics.median(hops[key]):7.3f}")
     if sync:
         t = statistics.median(sync)
         print(f"{'1 stage, blocking API':<30} {t:9.1f} {t / w:8.2f} {1e3 / t:9.3f} "
               f"{1e3 / t - 1e3 / w:9.3f}")
-    for n in skipped:
+    for n in sorted(set(skipped)):
         print(f"{f'{n} stages':<30} skipped: this build has no partial layer ranges "
               "(dgr._core.HAS_LAYER_RANGES is False)")
     print("goal: 3 stages >= 0.9 x whole; each seam <= 0.3 ms/token")
