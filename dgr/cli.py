@@ -300,5 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     from . import artifacts
 
     artifacts.add_subparser(sub)
+    from .certify import add_certify_parser
+
+    add_certify_parser(sub, _add_engine_args)  # certify, lanes
     args = ap.parse_args(argv)
     return args.func(args)

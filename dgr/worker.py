@@ -119,8 +119,10 @@ class Worker:
     """
 
     def __init__(self, engine, *, ttl: float = 600.0, evict_after: float = 5.0,
-                 inline: bool = False, name: str = "", max_message: int = MAX_MESSAGE):
+                 inline: bool = False, name: str = "", max_message: int = MAX_MESSAGE,
+                 cert_store: str | None = None):
         self.engine = engine
+        self.cert_store = cert_store  # certified lanes advertised in the capability record
         self.inline = inline
         self.name = name
         self.max_payload = max_message
@@ -144,6 +146,11 @@ class Worker:
         self.streams_open = 0
         self.window = _Window()
         self.started = time.monotonic()
+        # capability record (dgr.capability): hop latency of 1-token steps, health
+        self.hop_ms: collections.deque = collections.deque(maxlen=1024)
+        self.computing = 0
+        self.engine_restarts = 0
+        self.last_error, self.last_error_at = "", None
 
     # -- logging -------------------------------------------------------------------------
 
@@ -176,7 +183,23 @@ class Worker:
             weight_bytes=int(self.info["weight_bytes"]), kv_bytes=int(self.info["kv_bytes"]),
             steps_total=self.steps_total, errors_total=self.errors_total,
             uptime_s=time.monotonic() - self.started,
+            capability_json=self.capability_json(),
         )
+
+    def capability(self):
+        """The capability record (``dgr.capability.Capability``) with live figures."""
+        from .capability import record_for
+
+        return record_for(self.engine, worker=self, cert_store=self.cert_store)
+
+    def capability_json(self) -> bytes:
+        from .capability import encode
+
+        try:
+            return encode(self.capability())
+        except Exception:  # noqa: BLE001 - describe must answer even when the record cannot
+            log.exception("capability record failed")
+            return b""
 
     def release(self, session: str) -> bool:
         return self.table.release(session)
@@ -191,6 +214,7 @@ class Worker:
 
     def _error(self, exc: BaseException, session: str = "", epoch: int = 0) -> bytes:
         self.errors_total += 1
+        self.last_error, self.last_error_at = f"{type(exc).__name__}: {exc}", time.monotonic()
         if isinstance(exc, (errors.SessionError, errors.ModelMismatch, errors.RouteError)):
             log.info("refused session=%s epoch=%d: %s: %s", session or "-", epoch,
                      type(exc).__name__, exc)
@@ -236,6 +260,7 @@ class Worker:
                 f"{self.layers[1]} of {self.n_layer} and returns a boundary")
 
     async def step(self, data: bytes) -> bytes:
+        t_arrive = time.perf_counter()
         try:
             frame = wire.decode(data, max_payload=self.max_payload)
         except errors.FrameError as e:
@@ -253,11 +278,11 @@ class Worker:
         self.inflight += 1
         try:
             if self.inline:
-                reply, seconds = self._compute(lease, h, frame.array)
+                reply, seconds = self._counted_compute(lease, h, frame.array)
             else:
                 loop = asyncio.get_running_loop()
-                reply, seconds = await loop.run_in_executor(self.executor, self._compute, lease,
-                                                            h, frame.array)
+                reply, seconds = await loop.run_in_executor(
+                    self.executor, self._counted_compute, lease, h, frame.array)
         except BaseException as e:
             self.table.abort(lease, f"{type(e).__name__}: {e}")
             if not isinstance(e, Exception):
@@ -268,7 +293,16 @@ class Worker:
         self.table.commit(lease)
         self.steps_total += 1
         self.window.add(h.n_tokens, seconds)
+        if h.n_tokens == 1:
+            self.hop_ms.append((time.perf_counter() - t_arrive) * 1e3)
         return reply
+
+    def _counted_compute(self, lease: Lease, h: wire.Forward, array) -> tuple[bytes, float]:
+        self.computing += 1  # one compute thread: 0 or 1
+        try:
+            return self._compute(lease, h, array)
+        finally:
+            self.computing -= 1
 
     def _compute(self, lease: Lease, h: wire.Forward, array) -> tuple[bytes, float]:
         """Run one step on the engine (compute thread): (reply frame, compute seconds)."""
@@ -632,7 +666,7 @@ async def _serve(args) -> int:
         n_threads=args.threads, n_ubatch=args.ubatch, flash_attn=args.flash_attn == "on",
         type_k=args.type_k, type_v=args.type_v))
     worker = Worker(engine, ttl=args.ttl, evict_after=args.evict_after,
-                    inline=args.inline_compute)
+                    inline=args.inline_compute, cert_store=args.cert_store)
     server = ShardServer(worker, args.listen, maximum_concurrent_rpcs=args.max_streams)
     await server.start()
     addr = server.address
@@ -641,6 +675,12 @@ async def _serve(args) -> int:
     log.info("serving %s layers [%d, %d) of %d, %s, %d slots, loaded in %.1f s", engine.arch, a,
              b, worker.n_layer, settings_tag(worker.settings), engine.n_slots,
              time.monotonic() - t0)
+    metrics = None
+    if args.metrics_port is not None:
+        from .metrics import MetricsServer
+
+        metrics = MetricsServer(worker, args.metrics_host, args.metrics_port).start()
+        log.info("Prometheus metrics on http://%s/metrics", metrics.address)
     print(f"LISTENING {addr}", flush=True)
 
     loop = asyncio.get_running_loop()
@@ -658,6 +698,8 @@ async def _serve(args) -> int:
     await done.wait()
     for t in tasks:
         t.cancel()
+    if metrics is not None:
+        metrics.stop()
     # drained: a repeated SIGTERM/SIGINT during interpreter shutdown must not turn exit 0
     # into death by signal once the loop's handlers are gone
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -711,6 +753,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "control RPCs wait for the running step)")
     p.add_argument("--parent-pid", type=int, default=0,
                    help="drain and exit when this process is no longer our parent")
+    p.add_argument("--cert-store", default=os.environ.get("DGR_CERT_STORE"),
+                   help="certification store directory: advertise the lanes certified there "
+                        "that match this worker exactly (python -m dgr certify; default "
+                        "$DGR_CERT_STORE; unset: advertise none)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics over HTTP on this port (0: any free port)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address of the metrics endpoint (default 127.0.0.1)")
     p.add_argument("--log-level", default="INFO")
     return p
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\tdgr.proto\x12\x06\x64gr.v1\"\x11\n\x0f\x44\x65scribeRequest\"\x89\x01\n\x0e\x45ngineSettings\x12\r\n\x05n_ctx\x18\x01 \x01(\r\x12\x0f\n\x07n_slots\x18\x02 \x01(\r\x12\x11\n\tn_threads\x18\x03 \x01(\r\x12\x10\n\x08n_ubatch\x18\x04 \x01(\r\x12\x12\n\nflash_attn\x18\x05 \x01(\x08\x12\x0e\n\x06type_k\x18\x06 \x01(\t\x12\x0e\n\x06type_v\x18\x07 \x01(\t\"\x9a\x05\n\rDescribeReply\x12\x16\n\x0emodel_identity\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x0c\n\x04\x61rch\x18\x03 \x01(\t\x12\x0f\n\x07n_layer\x18\x04 \x01(\r\x12\x13\n\x0blayer_start\x18\x05 \x01(\r\x12\x11\n\tlayer_end\x18\x06 \x01(\r\x12\x10\n\x08is_first\x18\x07 \x01(\x08\x12\x0f\n\x07is_last\x18\x08 \x01(\x08\x12\x17\n\x0fneeds_token_ids\x18\t \x01(\x08\x12\x16\n\x0e\x62oundary_width\x18\n \x01(\r\x12\x16\n\x0e\x62oundary_dtype\x18\x0b \x01(\t\x12\x0f\n\x07n_vocab\x18\x0c \x01(\r\x12(\n\x08settings\x18\r \x01(\x0b\x32\x16.dgr.v1.EngineSettings\x12\x12\n\neog_tokens\x18\x0e \x03(\x05\x12\x0f\n\x07\x61\x64\x64_bos\x18\x0f \x01(\x08\x12\x12\n\nfree_slots\x18\x10 \x01(\r\x12\x10\n\x08sessions\x18\x11 \x01(\r\x12\x14\n\x0c\x66ree_context\x18\x12 \x01(\x04\x12\x13\n\x0bqueue_depth\x18\x13 \x01(\r\x12\x1b\n\x13recent_tokens_per_s\x18\x14 \x01(\x01\x12\x16\n\x0erecent_step_ms\x18\x15 \x01(\x01\x12\x10\n\x08\x64raining\x18\x16 \x01(\x08\x12\x13\n\x0b\x64gr_version\x18\x17 \x01(\t\x12\x1b\n\x13wire_format_version\x18\x18 \x01(\r\x12\x1b\n\x13wire_schema_version\x18\x19 \x01(\r\x12\x14\n\x0cweight_bytes\x18\x1a \x01(\x04\x12\x10\n\x08kv_bytes\x18\x1b \x01(\x04\x12\x13\n\x0bsteps_total\x18\x1c \x01(\x04\x12\x14\n\x0c\x65rrors_total\x18\x1d \x01(\x04\x12\x10\n\x08uptime_s\x18\x1e \x01(\x01\"!\n\x0eReleaseRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x08\"K\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x64\x64_special\x18\x02 \x01(\x08\x12\x15\n\rparse_special\x18\x03 \x01(\x08\"\x1f\n\rTokenizeReply\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\"T\n\x11\x44\x65tokenizeRequest\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x16\n\x0eremove_special\x18\x02 \x01(\x08\x12\x17\n\x0funparse_special\x18\x03 \x01(\x08\"\x1f\n\x0f\x44\x65tokenizeReply\x12\x0c\n\x04text\x18\x01 \x01(\t2\xfa\x01\n\x05Shard\x12:\n\x08\x44\x65scribe\x12\x17.dgr.v1.DescribeRequest\x1a\x15.dgr.v1.DescribeReply\x12\x37\n\x07Release\x12\x16.dgr.v1.ReleaseRequest\x1a\x14.dgr.v1.ReleaseReply\x12:\n\x08Tokenize\x12\x17.dgr.v1.TokenizeRequest\x1a\x15.dgr.v1.TokenizeReply\x12@\n\nDetokenize\x12\x19.dgr.v1.DetokenizeRequest\x1a\x17.dgr.v1.DetokenizeReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\tdgr.proto\x12\x06\x64gr.v1\"\x11\n\x0f\x44\x65scribeRequest\"\x89\x01\n\x0e\x45ngineSettings\x12\r\n\x05n_ctx\x18\x01 \x01(\r\x12\x0f\n\x07n_slots\x18\x02 \x01(\r\x12\x11\n\tn_threads\x18\x03 \x01(\r\x12\x10\n\x08n_ubatch\x18\x04 \x01(\r\x12\x12\n\nflash_attn\x18\x05 \x01(\x08\x12\x0e\n\x06type_k\x18\x06 \x01(\t\x12\x0e\n\x06type_v\x18\x07 \x01(\t\"\xb3\x05\n\rDescribeReply\x12\x16\n\x0emodel_identity\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x0c\n\x04\x61rch\x18\x03 \x01(\t\x12\x0f\n\x07n_layer\x18\x04 \x01(\r\x12\x13\n\x0blayer_start\x18\x05 \x01(\r\x12\x11\n\tlayer_end\x18\x06 \x01(\r\x12\x10\n\x08is_first\x18\x07 \x01(\x08\x12\x0f\n\x07is_last\x18\x08 \x01(\x08\x12\x17\n\x0fneeds_token_ids\x18\t \x01(\x08\x12\x16\n\x0e\x62oundary_width\x18\n \x01(\r\x12\x16\n\x0e\x62oundary_dtype\x18\x0b \x01(\t\x12\x0f\n\x07n_vocab\x18\x0c \x01(\r\x12(\n\x08settings\x18\r \x01(\x0b\x32\x16.dgr.v1.EngineSettings\x12\x12\n\neog_tokens\x18\x0e \x03(\x05\x12\x0f\n\x07\x61\x64\x64_bos\x18\x0f \x01(\x08\x12\x12\n\nfree_slots\x18\x10 \x01(\r\x12\x10\n\x08sessions\x18\x11 \x01(\r\x12\x14\n\x0c\x66ree_context\x18\x12 \x01(\x04\x12\x13\n\x0bqueue_depth\x18\x13 \x01(\r\x12\x1b\n\x13recent_tokens_per_s\x18\x14 \x01(\x01\x12\x16\n\x0erecent_step_ms\x18\x15 \x01(\x01\x12\x10\n\x08\x64raining\x18\x16 \x01(\x08\x12\x13\n\x0b\x64gr_version\x18\x17 \x01(\t\x12\x1b\n\x13wire_format_version\x18\x18 \x01(\r\x12\x1b\n\x13wire_schema_version\x18\x19 \x01(\r\x12\x14\n\x0cweight_bytes\x18\x1a \x01(\x04\x12\x10\n\x08kv_bytes\x18\x1b \x01(\x04\x12\x13\n\x0bsteps_total\x18\x1c \x01(\x04\x12\x14\n\x0c\x65rrors_total\x18\x1d \x01(\x04\x12\x10\n\x08uptime_s\x18\x1e \x01(\x01\x12\x17\n\x0f\x63\x61pability_json\x18\x1f \x01(\x0c\"!\n\x0eReleaseRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x08\"K\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x64\x64_special\x18\x02 \x01(\x08\x12\x15\n\rparse_special\x18\x03 \x01(\x08\"\x1f\n\rTokenizeReply\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\"T\n\x11\x44\x65tokenizeRequest\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x16\n\x0eremove_special\x18\x02 \x01(\x08\x12\x17\n\x0funparse_special\x18\x03 \x01(\x08\"\x1f\n\x0f\x44\x65tokenizeReply\x12\x0c\n\x04text\x18\x01 \x01(\t2\xfa\x01\n\x05Shard\x12:\n\x08\x44\x65scribe\x12\x17.dgr.v1.DescribeRequest\x1a\x15.dgr.v1.DescribeReply\x12\x37\n\x07Release\x12\x16.dgr.v1.ReleaseRequest\x1a\x14.dgr.v1.ReleaseReply\x12:\n\x08Tokenize\x12\x17.dgr.v1.TokenizeRequest\x1a\x15.dgr.v1.TokenizeReply\x12@\n\nDetokenize\x12\x19.dgr.v1.DetokenizeRequest\x1a\x17.dgr.v1.DetokenizeReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,19 +36,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENGINESETTINGS']._serialized_start=41
   _globals['_ENGINESETTINGS']._serialized_end=178
   _globals['_DESCRIBEREPLY']._serialized_start=181
-  _globals['_DESCRIBEREPLY']._serialized_end=847
-  _globals['_RELEASEREQUEST']._serialized_start=849
-  _globals['_RELEASEREQUEST']._serialized_end=882
-  _globals['_RELEASEREPLY']._serialized_start=884
-  _globals['_RELEASEREPLY']._serialized_end=916
-  _globals['_TOKENIZEREQUEST']._serialized_start=918
-  _globals['_TOKENIZEREQUEST']._serialized_end=993
-  _globals['_TOKENIZEREPLY']._serialized_start=995
-  _globals['_TOKENIZEREPLY']._serialized_end=1026
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1028
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1112
-  _globals['_DETOKENIZEREPLY']._serialized_start=1114
-  _globals['_DETOKENIZEREPLY']._serialized_end=1145
-  _globals['_SHARD']._serialized_start=1148
-  _globals['_SHARD']._serialized_end=1398
+  _globals['_DESCRIBEREPLY']._serialized_end=872
+  _globals['_RELEASEREQUEST']._serialized_start=874
+  _globals['_RELEASEREQUEST']._serialized_end=907
+  _globals['_RELEASEREPLY']._serialized_start=909
+  _globals['_RELEASEREPLY']._serialized_end=941
+  _globals['_TOKENIZEREQUEST']._serialized_start=943
+  _globals['_TOKENIZEREQUEST']._serialized_end=1018
+  _globals['_TOKENIZEREPLY']._serialized_start=1020
+  _globals['_TOKENIZEREPLY']._serialized_end=1051
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1053
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1137
+  _globals['_DETOKENIZEREPLY']._serialized_start=1139
+  _globals['_DETOKENIZEREPLY']._serialized_end=1170
+  _globals['_SHARD']._serialized_start=1173
+  _globals['_SHARD']._serialized_end=1423
 # @@protoc_insertion_point(module_scope)

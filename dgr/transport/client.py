@@ -179,6 +179,22 @@ class ShardClient:
         r = await self._unary("describe", self._stub.Describe, dgr_pb2.DescribeRequest(), timeout)
         return StageInfo.from_proto(self.endpoint, r)
 
+    async def capability(self, timeout: float | None = None):
+        """The worker's capability record (``dgr.capability.Capability``; docs/capability.md).
+
+        Raises
+        ------
+        dgr.errors.RouteError
+            The worker predates the record (its describe reply carries none).
+        """
+        from ..capability import decode
+
+        r = await self._unary("describe", self._stub.Describe, dgr_pb2.DescribeRequest(), timeout)
+        if not r.capability_json:
+            raise errors.RouteError(f"{self.endpoint}: this worker sends no capability record "
+                                    "(it predates dgr.capability)")
+        return decode(r.capability_json)
+
     async def release(self, session: str, timeout: float | None = None) -> bool:
         r = await self._unary("release", self._stub.Release,
                               dgr_pb2.ReleaseRequest(session=session), timeout)

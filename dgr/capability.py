@@ -1,0 +1,306 @@
+"""The capability record: what a worker tells an external tracker (docs/capability.md).
+
+A worker serves it as JSON in ``DescribeReply.capability_json``; ``ShardClient.capability()``
+decodes it; :func:`record_for` builds it in-process from an engine (and, when given, the
+live counters of a ``dgr.worker.Worker``). The record is *inputs*, not a routing decision:
+exact compatibility, range and capacity, queue and load, seam cost, health, and the certified
+lanes (``dgr.certify``) whose records match this worker exactly. A lane whose record does not
+match (another llama.cpp commit, patch stack, engine setting, model bytes, CPU ISA) is listed
+under ``uncertified`` with the reasons, never under ``lanes``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from typing import Any, Optional
+
+import msgspec
+
+from . import wire
+
+__all__ = ["SCHEMA", "Compatibility", "Capacity", "Load", "Seam", "Health", "LaneRef",
+           "Uncertified", "Capability", "build_info", "quantisation", "cpu_features",
+           "record_for", "encode", "decode", "BACKEND"]
+
+#: Version of this record's JSON form (bumped when a field changes meaning or goes away).
+SCHEMA = 1
+#: The compute backend of this build of the core (llama.cpp's CPU backend).
+BACKEND = "cpu"
+
+
+class Compatibility(msgspec.Struct, kw_only=True):
+    model_identity: str            # "sha256:<hex>" (dgr.identity)
+    model_name: str
+    arch: str
+    quantisation: str              # GGUF general.file_type name, e.g. "Q4_1"
+    backend: str
+    llama_cpp_commit: str
+    patch_stack_hash: str          # dgr.vendor.Vendor().patch_stack_hash()
+    dgr_version: str
+    wire_format_version: int
+    boundary_schema_version: int   # dgr.wire.SCHEMA_VERSION
+    boundary_width: int            # floats per token at the boundary (streams * n_embd)
+    boundary_dtype: str            # "f32" (what "raw" carries)
+    settings: dict[str, Any]       # the numeric engine settings (dgr.engine.NUMERIC_SETTINGS)
+    stage_identity: str            # what Forward.model must carry
+    cpu_isa: list[str]             # ISA flags that select compute kernels (certify compares them)
+
+
+class Capacity(msgspec.Struct, kw_only=True):
+    n_layer: int
+    layer_start: int               # owned range [layer_start, layer_end)
+    layer_end: int
+    is_first: bool
+    is_last: bool
+    slots_total: int
+    slots_free: int
+    context_tokens_total: int      # slots_total * n_ctx
+    context_tokens_free: int
+    memory_bytes: int              # weights + KV cache of the owned range
+    weight_bytes: int
+    kv_bytes: int
+    rss_bytes: int                 # resident set of the process (0 where unknown)
+
+
+class Load(msgspec.Struct, kw_only=True):
+    queue_depth: int               # steps admitted and waiting for the engine
+    in_flight_steps: int           # steps admitted and not yet answered (waiting + computing)
+    sessions: int
+    tokens_per_s: float            # tokens computed per wall second over the window
+    window_s: float
+
+
+class Seam(msgspec.Struct, kw_only=True):
+    accepts: str                   # "tokens" (first stage) or "boundary"
+    boundary_bytes_per_token: dict[str, int]  # incoming, per codec accepted (empty: tokens)
+    output_bytes_per_token: dict[str, int]    # outgoing boundary per codec (empty: last stage)
+    hop_latency_ms_p50: float      # frame arrival -> reply ready at this worker, 1-token steps
+    hop_latency_ms_p99: float
+    hop_samples: int
+    compute_ms_avg: float          # moving average of the engine's 1-token step time
+
+
+class Health(msgspec.Struct, kw_only=True):
+    uptime_s: float
+    draining: bool
+    steps_served: int
+    steps_failed: int              # refused or failed steps (ErrorReply frames)
+    engine_restarts: int           # engine reloads in this process (a process restart resets all)
+    last_error: str                # "" when none
+    last_error_age_s: float        # -1 when none
+
+
+class LaneRef(msgspec.Struct, kw_only=True):
+    lane_id: str
+    codec: str
+    stages: list[list[int]]
+    quantisation: str
+    certified_at: str
+    parity: dict[str, Any]         # the measured figures (see dgr.certify.Parity)
+    record: str                    # file name in the certification store
+
+
+class Uncertified(msgspec.Struct, kw_only=True):
+    lane_id: str
+    codec: str
+    stages: list[list[int]]
+    record: str
+    reasons: list[str]
+
+
+class Capability(msgspec.Struct, kw_only=True):
+    schema: int = SCHEMA
+    endpoint: str = ""
+    compatibility: Compatibility
+    capacity: Capacity
+    load: Load
+    seam: Seam
+    health: Health
+    cert_store: Optional[str] = None
+    lanes: list[LaneRef] = []
+    uncertified: list[Uncertified] = []
+
+
+def encode(rec: Capability) -> bytes:
+    return msgspec.json.encode(rec)
+
+
+def decode(data: bytes | str) -> Capability:
+    return msgspec.json.decode(data, type=Capability)
+
+
+# -- build and host facts -------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def _vendor_facts() -> tuple[str, str]:
+    try:
+        from .vendor import Vendor
+
+        v = Vendor()
+        return v.commit, v.patch_stack_hash()
+    except Exception:  # noqa: BLE001 - an installed copy without the pin: say so
+        return "unknown", "unknown"
+
+
+def build_info() -> dict[str, str]:
+    """The build this process computes with: backend, llama.cpp commit, patch-stack hash."""
+    commit, patches = _vendor_facts()
+    return {"backend": BACKEND, "llama_cpp_commit": commit, "patch_stack_hash": patches}
+
+
+# Flags that change which compute kernels ggml's CPU backend runs (hence the bits).
+_ISA_PREFIXES = ("sse", "ssse3", "avx", "fma", "f16c", "amx", "bmi", "vnni", "neon", "asimd",
+                 "sve", "dotprod", "i8mm", "fp16", "bf16")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_features() -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """(CPU model name, all /proc/cpuinfo flags, the kernel-selecting ISA subset)."""
+    model, flags = "", []
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "Model") and not model:
+                    model = val.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = val.split()
+    except OSError:
+        pass
+    isa = tuple(sorted(f for f in set(flags) if f.startswith(_ISA_PREFIXES)))
+    return model, tuple(sorted(set(flags))), isa
+
+
+_FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1",
+               10: "Q2_K", 11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S",
+               15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS",
+               20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS", 23: "IQ3_XXS", 24: "IQ1_S",
+               25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S", 29: "IQ2_M", 30: "IQ4_XS",
+               31: "IQ1_M", 32: "BF16", 36: "TQ1_0", 37: "TQ2_0", 38: "MXFP4"}
+
+
+@functools.lru_cache(maxsize=64)
+def _quantisation(path: str, size: int, mtime: int) -> str:
+    from . import gguf_io
+
+    try:
+        head = gguf_io.read_header(path, decode_arrays=False)
+    except Exception:  # noqa: BLE001
+        return "unknown"
+    ft = head.kv.get("general.file_type")
+    if isinstance(ft, int):
+        return _FILE_TYPES.get(ft, f"file_type_{ft}")
+    counts: dict[str, int] = {}
+    for t in head.tensors:
+        counts[t.type_name] = counts.get(t.type_name, 0) + t.nbytes
+    return max(counts, key=counts.get).upper() if counts else "unknown"
+
+
+def quantisation(path: str | os.PathLike) -> str:
+    """The model's quantisation: GGUF ``general.file_type`` (else the dominant tensor type)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return "unknown"
+    return _quantisation(os.fspath(path), st.st_size, st.st_mtime_ns)
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    k = min(len(s) - 1, max(0, int(round(q / 100.0 * (len(s) - 1)))))
+    return s[k]
+
+
+# -- the record -----------------------------------------------------------------------------
+
+def record_for(engine, *, worker=None, cert_store: str | os.PathLike | None = None,
+               endpoint: str = "") -> Capability:
+    """The capability record of ``engine`` (a ``dgr.Engine``), with ``worker``'s live figures.
+
+    Without ``worker`` the record describes an idle engine (all slots free, no load). With
+    ``cert_store`` the store's lanes are matched against this engine and build
+    (``dgr.certify.match``): matches go to ``lanes``, the others to ``uncertified``.
+    """
+    from . import __version__
+    from .transport.common import stage_identity
+
+    info = worker.info if worker is not None else engine.describe()
+    settings = dict(engine.settings)
+    bi = build_info()
+    _, _, isa = cpu_features()
+    width = int(engine.n_embd_boundary)
+    layers = tuple(int(x) for x in engine.layers)
+    is_first, is_last = bool(engine.is_first), bool(engine.is_last)
+    n_slots, n_ctx = int(settings["n_slots"]), int(settings["n_ctx"])
+    model_path = info["model"]
+    comp = Compatibility(
+        model_identity=info["identity"], model_name=os.path.basename(model_path),
+        arch=info["arch"], quantisation=quantisation(model_path), backend=bi["backend"],
+        llama_cpp_commit=bi["llama_cpp_commit"], patch_stack_hash=bi["patch_stack_hash"],
+        dgr_version=__version__, wire_format_version=wire.FORMAT_VERSION,
+        boundary_schema_version=wire.SCHEMA_VERSION, boundary_width=width,
+        boundary_dtype="f32", settings=settings,
+        stage_identity=stage_identity(info["identity"], settings), cpu_isa=list(isa))
+    weight, kv = int(info["weight_bytes"]), int(info["kv_bytes"])
+    if worker is not None:
+        table = worker.table
+        slots_free, sessions = int(table.free_slots), len(table)
+        ctx_free = max(int(table.free_context), 0)
+        inflight, computing = int(worker.inflight), int(getattr(worker, "computing", 0))
+        tps, span = worker.window.tokens_per_s(), worker.window.span
+        hops = list(getattr(worker, "hop_ms", ()))
+        health = Health(
+            uptime_s=time.monotonic() - worker.started, draining=bool(worker.draining),
+            steps_served=int(worker.steps_total), steps_failed=int(worker.errors_total),
+            engine_restarts=int(getattr(worker, "engine_restarts", 0)),
+            last_error=getattr(worker, "last_error", ""),
+            last_error_age_s=(time.monotonic() - worker.last_error_at
+                              if getattr(worker, "last_error_at", None) else -1.0))
+        compute_ms = float(worker.window.decode_ms)
+        endpoint = endpoint or worker.name
+    else:
+        slots_free, sessions, ctx_free = n_slots, 0, n_slots * n_ctx
+        inflight = computing = 0
+        tps, span, hops, compute_ms = 0.0, 10.0, [], 0.0
+        health = Health(uptime_s=0.0, draining=False, steps_served=0, steps_failed=0,
+                        engine_restarts=0, last_error="", last_error_age_s=-1.0)
+    cap = Capacity(
+        n_layer=int(info["n_layer"]), layer_start=layers[0], layer_end=layers[1],
+        is_first=is_first, is_last=is_last, slots_total=n_slots, slots_free=slots_free,
+        context_tokens_total=n_slots * n_ctx, context_tokens_free=ctx_free,
+        memory_bytes=weight + kv, weight_bytes=weight, kv_bytes=kv, rss_bytes=_rss_bytes())
+    load = Load(queue_depth=max(inflight - computing, 0), in_flight_steps=inflight,
+                sessions=sessions, tokens_per_s=float(tps), window_s=float(span))
+    per_codec = {c: wire.payload_size(c, 1, width) for c in wire.CODECS}
+    if is_last:
+        out: dict[str, int] = {}
+    elif is_first:  # a first stage answers token input with a raw boundary
+        out = {"raw": per_codec["raw"]}
+    else:
+        out = dict(per_codec)
+    seam = Seam(accepts="tokens" if is_first else "boundary",
+                boundary_bytes_per_token={} if is_first else dict(per_codec),
+                output_bytes_per_token=out,
+                hop_latency_ms_p50=_percentile(hops, 50), hop_latency_ms_p99=_percentile(hops, 99),
+                hop_samples=len(hops), compute_ms_avg=compute_ms)
+    rec = Capability(endpoint=endpoint, compatibility=comp, capacity=cap, load=load, seam=seam,
+                     health=health)
+    if cert_store is not None:
+        from . import certify
+
+        rec.cert_store = os.fspath(cert_store)
+        rec.lanes, rec.uncertified = certify.match(cert_store, comp, layers)
+    return rec

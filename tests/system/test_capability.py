@@ -1,0 +1,285 @@
+"""Tracker inputs: the capability record, certified lanes, Prometheus metrics (issue 9).
+
+A test worker over the tiny llama fixture; certification runs ``python -m dgr certify`` (real
+worker processes) into a temporary store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+import dgr
+from dgr import capability, certify, errors, wire
+from dgr.transport.client import ShardClient
+from dgr.transport.common import stage_identity
+from dgr.worker import ThreadedWorker
+
+SETTINGS = dict(n_ctx=128, n_slots=3, n_threads=1, n_ubatch=8)
+WIDTH = 64  # tiny llama n_embd
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def with_client(address, fn):
+    c = ShardClient(address)
+    try:
+        return await fn(c)
+    finally:
+        await c.close()
+
+
+def fwd(w, session, pos, n, *, epoch=1, codec="raw"):
+    """A Forward of ``n`` tokens at ``pos`` into stage ``w`` (a boundary of zeros)."""
+    h = wire.Forward(model=stage_identity(w.model_identity, w.settings), session=session,
+                     epoch=epoch, first_pos=pos, n_tokens=n, layer=w.layers[0], want="token")
+    return wire.encode(h, np.zeros((n, w.width), np.float32), codec=codec)
+
+
+class Gated:
+    """An engine whose forward waits for ``gate`` (holds steps in compute)."""
+
+    def __init__(self, engine):
+        self._e = engine
+        self.gate = threading.Event()
+
+    def forward(self, *a, **kw):
+        assert self.gate.wait(30)
+        return self._e.forward(*a, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._e, name)
+
+
+def wait_for(pred, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+@pytest.fixture(scope="module")
+def last_stage(tiny_llama):
+    with ThreadedWorker(dgr.Engine(tiny_llama, layers=(2, 4), **SETTINGS),
+                        evict_after=3600.0) as tw:
+        yield tw
+
+
+def test_record_fields_on_a_test_worker(last_stage):
+    w = last_stage.worker
+    rec = run(with_client(last_stage.address, lambda c: c.capability()))
+    assert isinstance(rec, capability.Capability) and rec.schema == capability.SCHEMA
+    c, cap = rec.compatibility, rec.capacity
+    assert c.model_identity == w.model_identity and c.model_identity.startswith("sha256:")
+    assert c.stage_identity == stage_identity(w.model_identity, w.settings)
+    assert c.settings == dict(w.engine.settings) and c.settings["n_slots"] == 3
+    assert (c.boundary_width, c.boundary_schema_version) == (WIDTH, wire.SCHEMA_VERSION)
+    assert c.quantisation == "F32" and c.backend == "cpu"
+    assert len(c.llama_cpp_commit) == 40 and len(c.patch_stack_hash) == 64
+    assert (cap.n_layer, cap.layer_start, cap.layer_end) == (4, 2, 4)
+    assert (cap.is_first, cap.is_last) == (False, True)
+    assert (cap.slots_total, cap.slots_free) == (3, 3)
+    assert (cap.context_tokens_total, cap.context_tokens_free) == (384, 384)
+    assert cap.memory_bytes == cap.weight_bytes + cap.kv_bytes > 0
+    # seam cost: payload_size per codec, [1, 64] floats
+    assert rec.seam.accepts == "boundary"
+    assert rec.seam.boundary_bytes_per_token == {"raw": 256, "f16": 128, "bf16": 128, "q8": 68}
+    assert rec.seam.output_bytes_per_token == {}  # the last stage sends tokens, not a boundary
+    assert rec.lanes == [] and rec.uncertified == [] and rec.cert_store is None
+    # JSON round trip (the documented form); the SDK's in-process record of the idle engine
+    assert capability.decode(capability.encode(rec)) == rec
+    idle = capability.record_for(w.engine)
+    assert idle.compatibility == c and idle.capacity.slots_free == 3 and idle.lanes == []
+
+    async def open_two(cl):
+        st = cl.stream()
+        for name in ("a", "b"):
+            r = wire.decode(await st.step(fwd(w, name, 0, 5))).header
+            assert type(r) is wire.Result
+        for i in range(4):  # single-token steps: hop latency samples
+            assert type(wire.decode(await st.step(fwd(w, "a", 5 + i, 1))).header) is wire.Result
+        bad = wire.decode(await st.step(fwd(w, "b", 0, 1, epoch=0))).header
+        assert type(bad) is wire.ErrorReply
+        rec2 = await cl.capability()
+        await st.close()
+        return rec2
+
+    rec = run(with_client(last_stage.address, open_two))
+    assert (rec.capacity.slots_free, rec.load.sessions) == (1, 2)
+    assert rec.capacity.context_tokens_free == 384 - 9 - 5
+    assert rec.health.steps_served == 6 and rec.health.steps_failed == 1
+    assert rec.health.last_error.startswith("StaleEpoch") and rec.health.last_error_age_s >= 0
+    assert rec.seam.hop_samples == 4
+    assert 0 < rec.seam.hop_latency_ms_p50 <= rec.seam.hop_latency_ms_p99
+    assert rec.load.tokens_per_s > 0 and rec.health.uptime_s > 0
+    for s in ("a", "b"):
+        w.release(s)
+    assert w.capability().capacity.slots_free == 3
+
+
+def test_queue_depth_under_load(last_stage):
+    w = last_stage.worker
+    gated = Gated(w.engine)
+    w.engine = gated
+    try:
+        async def load(cl):
+            streams = [cl.stream() for _ in range(3)]
+            steps = [asyncio.ensure_future(s.step(fwd(w, f"q{i}", 0, 2)))
+                     for i, s in enumerate(streams)]
+            deadline = time.monotonic() + 10
+            rec = await cl.capability()
+            while ((rec.load.in_flight_steps, rec.load.queue_depth) != (3, 2)
+                   and time.monotonic() < deadline):
+                await asyncio.sleep(0.01)
+                rec = await cl.capability()
+            gated.gate.set()
+            for f in steps:
+                assert type(wire.decode(await f).header) is wire.Result
+            after = await cl.capability()
+            for s in streams:
+                await s.close()
+            return rec, after
+
+        rec, after = run(with_client(last_stage.address, load))
+        assert (rec.load.in_flight_steps, rec.load.queue_depth) == (3, 2)  # one computes
+        assert (rec.capacity.slots_free, rec.load.sessions) == (0, 3)
+        assert (after.load.in_flight_steps, after.load.queue_depth) == (0, 0)
+    finally:
+        w.engine = gated._e
+        for i in range(3):
+            w.release(f"q{i}")
+
+
+def test_metrics_exposition(last_stage):
+    from dgr.metrics import MetricsServer
+
+    ms = MetricsServer(last_stage.worker, port=0, loop=last_stage.loop).start()
+    try:
+        with urllib.request.urlopen(f"http://{ms.address}/metrics", timeout=10) as r:
+            assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            text = r.read().decode()
+    finally:
+        ms.stop()
+    lines = dict(ln.rsplit(" ", 1) for ln in text.splitlines() if not ln.startswith("#"))
+    assert lines["dgr_worker_layer_start"] == "2.0" and lines["dgr_worker_layer_end"] == "4.0"
+    assert lines["dgr_worker_slots"] == "3.0" and lines["dgr_worker_slots_free"] == "3.0"
+    assert lines['dgr_worker_boundary_bytes_per_token{codec="q8",direction="in"}'] == "68.0"
+    assert lines["dgr_worker_queue_depth"] == "0.0"
+    assert "# TYPE dgr_worker_steps_total counter" in text
+    assert 'dgr_worker_hop_latency_seconds{quantile="0.99"}' in lines
+
+
+# -- certified lanes -------------------------------------------------------------------------
+
+CERT_SETTINGS = dict(n_ctx=128, n_slots=2, n_threads=1, n_ubatch=8)
+
+
+@pytest.fixture(scope="module")
+def store(tiny_llama, tmp_path_factory):
+    """A lane certified by ``python -m dgr certify`` (two worker processes, raw codec)."""
+    d = tmp_path_factory.mktemp("certs")
+    env = dict(os.environ, DGR_CERT_STORE=str(d))
+    r = subprocess.run([sys.executable, "-m", "dgr", "certify", "--model", str(tiny_llama),
+                        "--stages", "2", "--ctx", "128", "--slots", "2", "--ubatch", "8",
+                        "--max-tokens", "8"], capture_output=True, text=True, env=env,
+                       timeout=180)
+    assert r.returncode == 0, r.stderr
+    assert "logits bit-identical True" in r.stderr
+    files = os.listdir(d)
+    assert len(files) == 1 and r.stdout.strip() == str(d / files[0])
+    ls = subprocess.run([sys.executable, "-m", "dgr", "lanes"], capture_output=True, text=True,
+                        env=env, timeout=60)
+    assert ls.returncode == 0 and "1 record(s)" in ls.stdout and "this build" in ls.stdout
+    assert "stages=[0,2),[2,4)" in ls.stdout and "codec=raw" in ls.stdout
+    return d
+
+
+def lanes_of(model, store, layers=(0, 2), **changes):
+    eng = dgr.Engine(model, layers=layers, **{**CERT_SETTINGS, **changes})
+    with ThreadedWorker(eng, cert_store=str(store)) as tw:
+        return run(with_client(tw.address, lambda c: c.capability()))
+
+
+def test_certified_lane_is_advertised_only_while_it_matches(tiny_llama, store, monkeypatch):
+    (name, cert), = certify.load_store(store)
+    assert cert.parity.passed and cert.parity.logits_bit_identical
+    assert cert.lane.stages == [[0, 2], [2, 4]] and cert.lane.codec == "raw"
+    assert cert.cpu_isa and cert.certified_at and cert.lane.quantisation == "F32"
+    for layers in ((0, 2), (2, 4)):
+        rec = lanes_of(tiny_llama, store, layers)
+        assert [ln.lane_id for ln in rec.lanes] == [cert.lane_id] and rec.uncertified == []
+        assert rec.lanes[0].record == name and rec.lanes[0].parity["passed"]
+    # a range that is not a stage of the layout
+    rec = lanes_of(tiny_llama, store, (0, 4))
+    assert rec.lanes == [] and "not a stage" in rec.uncertified[0].reasons[0]
+    # one engine setting changed: uncertified, with the reason
+    rec = lanes_of(tiny_llama, store, n_ubatch=16)
+    assert rec.lanes == []
+    assert [u.lane_id for u in rec.uncertified] == [cert.lane_id]
+    assert rec.uncertified[0].reasons == ["setting n_ubatch=8 != 16"]
+    # another patch stack (or commit): uncertified; restoring it brings the lane back
+    commit, patches = capability._vendor_facts()
+    monkeypatch.setattr(capability, "_vendor_facts", lambda: (commit, "0" * 64))
+    rec = lanes_of(tiny_llama, store)
+    assert rec.lanes == [] and rec.uncertified[0].reasons[0].startswith("patch-stack hash")
+    monkeypatch.setattr(capability, "_vendor_facts", lambda: ("f" * 40, patches))
+    rec = lanes_of(tiny_llama, store)
+    assert rec.lanes == [] and rec.uncertified[0].reasons[0].startswith("llama.cpp commit")
+    monkeypatch.undo()
+    rec = lanes_of(tiny_llama, store)
+    assert [ln.lane_id for ln in rec.lanes] == [cert.lane_id]
+
+
+def test_worker_process_serves_lanes_and_metrics(tiny_llama, store):
+    from dgr.worker import WorkerProcess
+
+    w = WorkerProcess(tiny_llama, (2, 4), settings=CERT_SETTINGS,
+                      args=["--cert-store", str(store), "--metrics-port", "0"])
+    try:
+        ep = w.start().wait_listening(60)
+        rec = run(with_client(ep, lambda c: c.capability()))
+        assert [ln.codec for ln in rec.lanes] == ["raw"] and rec.endpoint == ep
+        with open(w.log_path) as f:
+            log = f.read()
+        url = log.split("Prometheus metrics on ", 1)[1].split()[0]
+        with urllib.request.urlopen(url, timeout=10) as r:
+            text = r.read().decode()
+        assert f'dgr_worker_certified_lane{{lane_id="{rec.lanes[0].lane_id}",codec="raw",' \
+               f'stages="0:2,2:4"}} 1.0' in text
+    finally:
+        assert w.stop() == 0
+
+
+def test_one_byte_different_model_advertises_nothing(tiny_llama, store, tmp_path):
+    other = tmp_path / "tiny-llama-1byte.gguf"
+    shutil.copyfile(tiny_llama, other)
+    with open(other, "r+b") as f:  # the last byte is tensor data
+        f.seek(-1, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([b[0] ^ 1]))
+    rec = lanes_of(other, store)
+    assert rec.lanes == []
+    (u,) = rec.uncertified
+    assert u.reasons == [f"model identity {certify.load_store(store)[0][1].lane.model_identity}"
+                         f" != {rec.compatibility.model_identity}"]
+
+
+def test_certify_refuses_an_unknown_codec(tiny_llama, tmp_path):
+    with pytest.raises(errors.UnknownCodec):
+        certify.certify(tiny_llama, [(0, 2), (2, 4)], codec="zip", store=tmp_path)
+    assert certify.load_store(tmp_path) == []
