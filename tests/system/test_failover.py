@@ -226,3 +226,44 @@ def test_twenty_sessions_under_random_kills_and_restarts(tiny_llama, refs):
     assert len(kills) >= 5 and outcome["ok"] >= 20
     assert all("no healthy worker serves layers [" in f or "Unavailable" in f
                or "Deadline" in f for f in failures), failures[:5]
+
+
+# -- a silently stalling link (the link emulator between the driver and a worker) -------------
+
+
+def test_silently_stalling_link_fails_over_to_the_spare(cluster, refs):
+    from dgr.testing.linkemu import LinkEmulator
+
+    spare = cluster.workers[3]
+    with LinkEmulator(cluster.endpoints[1]) as link:
+        eps = [cluster.endpoints[0], link.endpoint, cluster.endpoints[2]]
+        with Route(eps, spares=[spare.endpoint], deadline_floor=0.5, connect_timeout=10) as r:
+            s = r.session()
+            it = s.generate(prompt(5), max_tokens=N_TOKENS, stop_on_eog=False)
+            toks = [next(it) for _ in range(10)]
+            link.stall()  # connections stay open, bytes are held: no error, only silence
+            t0 = time.monotonic()
+            toks += list(it)
+            assert time.monotonic() - t0 < 8
+            assert s.recoveries == 1
+            assert r.aroute.replacements == [((1, 3), link.endpoint, spare.endpoint)]
+            s.close()
+        assert link.connections >= 1 and link.bytes[0] > 0
+    assert toks == refs[5]
+
+
+def test_link_emulator_delays_and_cuts(cluster, refs):
+    from dgr.testing.linkemu import LinkEmulator
+
+    with LinkEmulator(cluster.endpoints[1], delay_ms=5) as link:
+        eps = [cluster.endpoints[0], link.endpoint, cluster.endpoints[2]]
+        with Route(eps, spares=[cluster.endpoints[3]], connect_timeout=10) as r:
+            s = r.session()
+            it = s.generate(prompt(6), max_tokens=N_TOKENS, stop_on_eog=False)
+            toks = [next(it) for _ in range(10)]
+            assert s.stats[1].decode_rtt_ms >= 10  # 5 ms each way
+            link.cut()  # every connection reset: UNAVAILABLE, then the spare
+            toks += list(it)
+            assert s.recoveries >= 1
+            s.close()
+    assert toks == refs[6]

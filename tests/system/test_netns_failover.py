@@ -1,0 +1,82 @@
+"""Workers as separate hosts (network namespaces on a bridge): a host cut off mid-generation.
+
+Needs root and iproute2 (CI runs as root and installs iproute2); skipped elsewhere.
+The route driver runs on a host of its own; the middle worker's link goes down after ten
+tokens: no error reaches the driver, its sized deadline fires, the spare on another host
+takes over and the tokens are those of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import dgr
+from dgr._core import HAS_LAYER_RANGES
+from dgr.route import generate_local
+from dgr.testing.netns import Netns, NetnsWorker, available
+
+OK, WHY = available()
+pytestmark = [pytest.mark.system,
+              pytest.mark.skipif(not OK, reason=f"needs network namespaces: {WHY}"),
+              pytest.mark.skipif(not HAS_LAYER_RANGES, reason="multi-stage routes need the "
+                                 "llama.cpp layer-range patches (dgr._core.HAS_LAYER_RANGES)")]
+
+SETTINGS = dict(n_ctx=160, n_slots=4, n_threads=1, n_ubatch=32, flash_attn=True)
+PROMPT = [5, 17, 99, 3, 42, 8, 77, 11, 64, 2, 31, 120]
+N_TOKENS = 64
+
+# runs on host 0: generate ten tokens, say READY, wait for a line, finish, print the outcome
+DRIVER = r"""
+import json, sys
+from dgr.route import Route
+eps, spares, prompt, n = json.loads(sys.argv[1])
+with Route(eps, spares=spares, deadline_floor=0.5, connect_timeout=15, probe_timeout=0.5) as r:
+    s = r.session()
+    it = s.generate(prompt, max_tokens=n, stop_on_eog=False)
+    toks = [next(it) for _ in range(10)]
+    print("READY", flush=True)
+    sys.stdin.readline()
+    toks += list(it)
+    print(json.dumps(dict(tokens=toks, recoveries=s.recoveries,
+                          replacements=r.aroute.replacements)), flush=True)
+    s.close()
+"""
+
+
+def test_host_cut_off_mid_generation_completes_on_a_spare_host(tiny_llama):
+    whole = dgr.Engine(tiny_llama, **{**SETTINGS, "n_slots": 1})
+    ref = generate_local(whole, PROMPT, max_tokens=N_TOKENS, stop_on_eog=False)[0]
+    with Netns(5) as net:  # host 0: driver; 1, 2, 4: the route; 3: spare of [1, 3)
+        plan = {1: (0, 1), 2: (1, 3), 3: (1, 3), 4: (3, 4)}
+        workers = {i: NetnsWorker(net, i, str(tiny_llama), lr, settings=SETTINGS)
+                   for i, lr in plan.items()}
+        driver = None
+        try:
+            for w in workers.values():
+                w.start()
+            eps = {i: w.wait_listening(60) for i, w in workers.items()}
+            assert eps[2].startswith("10.213.0.4:")
+            arg = json.dumps([[eps[1], eps[2], eps[4]], [eps[3]], PROMPT, N_TOKENS])
+            driver = subprocess.Popen(net.exec_args(0) + [sys.executable, "-c", DRIVER, arg],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True)
+            assert driver.stdout.readline().strip() == "READY", driver.stderr.read()
+            net.cut(2)  # the middle worker's host drops off the network
+            driver.stdin.write("go\n")
+            driver.stdin.flush()
+            out, err = driver.communicate(timeout=60)
+            assert driver.returncode == 0, err
+            got = json.loads(out)
+        finally:
+            if driver is not None and driver.poll() is None:
+                driver.kill()
+                driver.wait()
+            for w in workers.values():
+                w.kill()
+    assert got["tokens"] == ref
+    assert got["recoveries"] == 1
+    assert got["replacements"] == [[[1, 3], eps[2], eps[3]]]
