@@ -283,3 +283,21 @@ def test_certify_refuses_an_unknown_codec(tiny_llama, tmp_path):
     with pytest.raises(errors.UnknownCodec):
         certify.certify(tiny_llama, [(0, 2), (2, 4)], codec="zip", store=tmp_path)
     assert certify.load_store(tmp_path) == []
+
+
+def test_a_lane_that_fails_parity_is_not_written(tiny_llama, tmp_path, monkeypatch):
+    import dgr.route
+
+    real = dgr.route.generate_local
+
+    def wrong(*a, **kw):  # a reference that disagrees in its last logits row
+        toks, rows = real(*a, **kw)
+        rows[-1] = rows[-1] + np.float32(1e-3)
+        return toks, rows
+
+    monkeypatch.setattr(dgr.route, "generate_local", wrong)
+    rec, path = certify.certify(tiny_llama, [(0, 2), (2, 4)], settings=CERT_SETTINGS,
+                                max_tokens=4, store=tmp_path)
+    assert path is None and not rec.parity.passed and rec.parity.tokens_match
+    assert not rec.parity.logits_bit_identical and 0 < rec.parity.max_abs_diff < 2e-3
+    assert certify.load_store(tmp_path) == []
