@@ -92,10 +92,11 @@ bool parse_type(const std::string & name, ggml_type * out) {
     return false;
 }
 
-// Architectures whose stage graph is adapted by the patch stack (a partial range needs it).
+// Architectures whose stage graph is adapted by the patch stack (a partial range needs it):
+// llama (patch 0005) and deepseek4 (patch 0006).
 bool arch_supports_ranges(const std::string & arch) {
 #if DGR_LAYER_RANGE
-    return arch == "llama";
+    return arch == "llama" || arch == "deepseek4";
 #else
     (void) arch;
     return false;
@@ -120,7 +121,8 @@ int64_t gguf_int(const gguf_context * g, const std::string & key, int64_t dflt) 
 
 struct GgufFacts {
     std::string arch;
-    int64_t n_layer = 0;
+    int64_t n_layer = 0;           // transformer layers, without NextN (MTP) blocks
+    int64_t n_layer_nextn = 0;     // NextN (MTP) blocks after them, counted in block_count
     int64_t hash_layer_count = 0;
 };
 
@@ -163,6 +165,18 @@ Status inspect_gguf(const std::string & path, GgufFacts * facts) {
         facts->hash_layer_count = gguf_int(g, facts->arch + ".hash_layer_count", 0);
         if (facts->n_layer <= 0) {
             s = Status(kInvalidModel, path + " has no " + facts->arch + ".block_count");
+        }
+        // block_count counts the NextN (MTP) blocks that follow the last layer; llama.cpp's
+        // n_layer (llama_hparams::n_layer(), and so every layer range) does not. deepseek4
+        // counts them only when the first one is really in the file
+        // (llama_model_deepseek4::load_arch_hparams).
+        const int64_t nextn = gguf_int(g, facts->arch + ".nextn_predict_layers", 0);
+        if (s.ok() && nextn > 0 && nextn < facts->n_layer) {
+            const std::string probe = "blk." + std::to_string(facts->n_layer - nextn) + ".nextn.eh_proj.weight";
+            if (facts->arch != "deepseek4" || gguf_find_tensor(g, probe.c_str()) >= 0) {
+                facts->n_layer -= nextn;
+                facts->n_layer_nextn = nextn;
+            }
         }
         // A file cut short: a tensor whose data ends past the end of this file.
         const size_t data_off = gguf_get_data_offset(g);
@@ -267,8 +281,10 @@ Status Engine::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * out) {
     mp.load_mode = cfg.use_mmap ? LLAMA_LOAD_MODE_AUTO : LLAMA_LOAD_MODE_NONE;
     mp.load_mtp = false;
 #if DGR_LAYER_RANGE
-    mp.layer_start = (int32_t) start;
-    mp.layer_end = (int32_t) end;
+    // the whole model keeps llama.cpp's default range (0, -1): upstream behaviour, whatever
+    // n_layer llama.cpp derives
+    mp.layer_start = partial ? (int32_t) start : 0;
+    mp.layer_end = partial ? (int32_t) end : -1;
 #endif
     m.model = llama_model_load_from_file(cfg.model_path.c_str(), mp);
     if (!m.model) {
@@ -289,6 +305,9 @@ Status Engine::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * out) {
     cp.type_v = tv;
     cp.kv_unified = false;  // one KV stream per slot: cell layout independent of other sessions
     cp.swa_full = true;
+    // Never true: dgr reads logits or the boundary, not pooled/normed embeddings, and on
+    // deepseek4 embeddings=true aborts in llama.cpp (t_embd is n_embd wide, its output rows
+    // n_embd_out = hc*n_embd: "tensor read out of bounds", ggml-backend.cpp).
     cp.embeddings = false;
     cp.no_perf = true;
     m.ctx = llama_init_from_model(m.model, cp);
@@ -304,6 +323,11 @@ Status Engine::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * out) {
     in.arch = facts.arch;
     if (llama_model_desc(m.model, buf, sizeof buf) > 0) in.desc = buf;
     in.n_layer = llama_model_n_layer(m.model);
+    if (partial && in.n_layer != n_layer) {
+        return Status(kInvalidModel, "llama.cpp counts " + std::to_string(in.n_layer) + " layers in " +
+                      cfg.model_path + " but its header says " + std::to_string(n_layer) +
+                      "; the layer range would be misread");
+    }
     in.layer_start = (int32_t) start;
     in.layer_end = (int32_t) end;
     in.n_embd = llama_model_n_embd(m.model);

@@ -1,0 +1,101 @@
+"""DeepSeek V4 over worker processes (python -m dgr.worker) and gRPC: hc boundaries, token-id sideband."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import dgr
+from dgr import errors, wire
+from dgr._core import HAS_LAYER_RANGES
+from dgr.route import Route, generate_local
+from dgr.testing.fixtures import TinyDeepseek4, write_tiny_deepseek4
+from dgr.transport.client import ShardClient
+from dgr.worker import LocalCluster
+
+pytestmark = [
+    pytest.mark.system,
+    pytest.mark.skipif(not HAS_LAYER_RANGES,
+                       reason="multi-stage routes need the llama.cpp layer-range patches: "
+                              "dgr._core.HAS_LAYER_RANGES is False in this build"),
+]
+
+CFG = TinyDeepseek4()  # 6 layers; hash-routed 0..2; compress ratios 0 0 4 128 0 4
+W = CFG.hc * CFG.n_embd
+# one thread everywhere: DeepSeek V4 decode depends on the thread count
+SETTINGS = dict(n_ctx=512, n_slots=2, n_threads=1, n_ubatch=64, flash_attn=True)
+# stage 0: no compressed layer; stage 1 starts inside the hash-routed prefix (needs the token
+# ids) and owns CSA + indexer + HCA; stage 2: past the prefix, a plain and a CSA layer
+RANGES = [(0, 1), (1, 4), (4, CFG.n_layer)]
+PROMPT = [int(t) for t in np.random.default_rng(11).integers(0, CFG.n_vocab, 300)]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_tiny_deepseek4(tmp_path_factory.mktemp("models") / "tiny-dsv4.gguf", CFG)
+
+
+@pytest.fixture(scope="module")
+def cluster(model):
+    c = LocalCluster(str(model), RANGES, settings=SETTINGS)
+    try:
+        c.start(timeout=120)
+        yield c
+    finally:
+        codes = c.stop()
+    assert codes == [0] * len(codes), [w.log_tail() for w in c.workers]
+
+
+def test_three_workers_match_the_whole_model(model, cluster, monkeypatch):
+    whole = dgr.Engine(model, **SETTINGS)
+    ref, rows = generate_local(whole, PROMPT, max_tokens=16, stop_on_eog=False, logits=True)
+    # what the route driver puts in each Forward header: token ids exactly for the receivers
+    # that need them (the first stage and the hash-routed one)
+    sent = set()
+    encode = wire.encode
+
+    def spy(header, *a, **kw):
+        if type(header) is wire.Forward:
+            sent.add((header.layer, header.tokens is not None))
+        return encode(header, *a, **kw)
+
+    monkeypatch.setattr(wire, "encode", spy)
+    with Route(cluster.endpoints) as r:
+        assert [s.layers for s in r.stages] == RANGES
+        assert [s.needs_token_ids for s in r.stages] == [True, True, False]
+        assert {s.boundary_width for s in r.stages} == {W}
+        g = r.session().complete(PROMPT, max_tokens=16, stop_on_eog=False, logits=True)
+    assert g.tokens == ref and len(ref) == 16
+    assert sent == {(0, True), (1, True), (4, False)}
+    assert len(g.logits) == len(rows)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(g.logits, rows))
+
+
+def test_worker_refuses_a_boundary_without_token_ids(cluster):
+    ep = cluster.endpoints[1]  # layers [1, 4): hash-routed
+
+    async def go():
+        c = ShardClient(ep)
+        try:
+            info = await c.describe()
+            st = c.stream()
+            x = np.zeros((3, W), np.float32)
+
+            def fwd(tokens, epoch):
+                return wire.encode(wire.Forward(
+                    model=info.identity, session="t", epoch=epoch, first_pos=0, n_tokens=3,
+                    layer=info.layers[0], tokens=tokens, want="boundary"), x)
+
+            bad = wire.decode(await st.step(fwd(None, 1))).header
+            good = wire.decode(await st.step(fwd([1, 2, 3], 2))).header
+            await c.release("t")
+            await st.close()
+            return bad, good
+        finally:
+            await c.close()
+
+    bad, good = asyncio.run(go())
+    assert type(bad) is wire.ErrorReply and isinstance(bad.to_exception(), errors.MissingTokenIds)
+    assert type(good) is wire.Result and good.kind == "boundary" and good.cols == W
