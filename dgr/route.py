@@ -769,7 +769,7 @@ class Route:
         A stage is unreachable, or the stages do not form one route.
     """
 
-    def __init__(self, endpoints: str | Sequence[str], **kw):
+    def __init__(self, endpoints: str | Sequence[str] | None = None, **kw):
         self._loop = _LoopThread()
         try:
             self._r = self._loop.run(self._make(endpoints, kw))

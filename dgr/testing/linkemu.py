@@ -279,6 +279,10 @@ async def _amain(args) -> int:
             break
         print(f"OK {cmd}", flush=True)
     await emu.aclose()
+    rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in rest:
+        t.cancel()
+    await asyncio.gather(*rest, return_exceptions=True)
     return 0
 
 

@@ -74,6 +74,21 @@ def test_uninterrupted_route_matches_the_whole_model(cluster, refs):
         assert r.aroute.replacements == []
 
 
+def test_route_from_the_provider_alone(cluster, refs):
+    pool = StaticPool(cluster.endpoints)  # the route is the provider's choice
+    with Route(provider=pool, connect_timeout=10) as r:
+        assert [s.endpoint for s in r.stages] == primaries(cluster)
+        s = r.session()
+        it = s.generate(prompt(7), max_tokens=N_TOKENS, stop_on_eog=False)
+        toks = [next(it) for _ in range(5)]
+        cluster.workers[1].kill()
+        toks += list(it)
+        s.close()
+        assert r.stages[1].endpoint == cluster.endpoints[3]
+    assert toks == refs[7]
+    assert pool.failures()[cluster.endpoints[1]] >= 1
+
+
 def test_sigkill_of_the_middle_worker_completes_on_the_spare(cluster, refs):
     victim, spare = cluster.workers[1], cluster.workers[3]
     with Route(primaries(cluster), spares=[spare.endpoint], connect_timeout=10) as r:
