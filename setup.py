@@ -44,12 +44,13 @@ class BuildExt(build_ext):
             ext.extra_objects += [str(p) for p in v.libraries()]
             ext.extra_link_args += v.link_args()
             ext.define_macros += [("DGR_LAYER_RANGE", "1" if has_ranges else "0"),
+                                  ("DGR_LLAMA_COMMIT", f'"{v.commit}"'),
+                                  ("DGR_PATCH_STACK_HASH", f'"{v.patch_stack_hash()}"'),
+                                  ("DGR_VENDOR_KEY", f'"{v.key()}"'),
                                   ("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
             ext.extra_compile_args += ["-std=c++17", "-O2", "-fvisibility=hidden"]
             if "-fopenmp" in v.link_args():
                 ext.extra_compile_args.append("-fopenmp")
-        # keep the Python build honest about what it compiled against
-        (Path(self.build_temp)).mkdir(parents=True, exist_ok=True)
         super().build_extensions()
 
 
@@ -61,6 +62,7 @@ def _extensions():
         sources=["dgr/_core/_core.pyx", "cpp/src/engine.cpp"],
         language="c++",
         depends=["cpp/include/dgr/engine.h", "cpp/include/dgr/status.h",
+                 "cpp/include/dgr/build_info.h",
                  "dgr/_core/includes/engine.pxd", "vendor-manifest.json"],
     )
     return cythonize([ext], language_level=3,

@@ -135,13 +135,11 @@ def decode(data: bytes | str) -> Capability:
 
 @functools.lru_cache(maxsize=1)
 def _vendor_facts() -> tuple[str, str]:
-    try:
-        from .vendor import Vendor
+    # What the compiled core was built against, not what patches/ holds now: a changed patch
+    # without a rebuild must not make a worker claim the new stack.
+    from ._core import BUILD_INFO
 
-        v = Vendor()
-        return v.commit, v.patch_stack_hash()
-    except Exception:  # noqa: BLE001 - an installed copy without the pin: say so
-        return "unknown", "unknown"
+    return BUILD_INFO["llama_cpp_commit"], BUILD_INFO["patch_stack_hash"]
 
 
 def build_info() -> dict[str, str]:

@@ -12,13 +12,21 @@ cimport numpy as cnp
 import numpy as np
 
 from dgr._core.includes.engine cimport (
-    CEngine, CEngineConfig, CEngineInfo, CStatus, HasLayerRanges,
+    DGR_LLAMA_COMMIT, DGR_PATCH_STACK_HASH, DGR_VENDOR_KEY, CEngine, CEngineConfig, CEngineInfo,
+    CStatus, HasLayerRanges,
 )
 from dgr import errors as _errors
 
 cnp.import_array()
 
 HAS_LAYER_RANGES = HasLayerRanges()
+#: what this binary was compiled against (baked in at build time by setup.py)
+BUILD_INFO = {
+    "llama_cpp_commit": DGR_LLAMA_COMMIT.decode(),
+    "patch_stack_hash": DGR_PATCH_STACK_HASH.decode(),
+    "vendor_key": DGR_VENDOR_KEY.decode(),
+    "layer_ranges": HAS_LAYER_RANGES,
+}
 
 
 cdef int check_status(const CStatus & st) except -1:

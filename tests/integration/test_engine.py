@@ -211,3 +211,14 @@ def test_unbuilt_core_import_error_says_how_to_build():
                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stderr
     assert "pip install -e ." in proc.stdout
+
+
+def test_build_info_names_the_pinned_stack():
+    """The compiled core reports the llama.cpp commit and patch stack it was built against."""
+    from dgr._core import BUILD_INFO
+    from dgr.vendor import Vendor
+
+    v = Vendor()
+    assert BUILD_INFO["llama_cpp_commit"] == v.commit
+    assert BUILD_INFO["patch_stack_hash"] == v.patch_stack_hash(), "rebuild: pip install -e ."
+    assert BUILD_INFO["vendor_key"] == v.key()

@@ -76,3 +76,9 @@ cdef extern from "dgr/engine.h" namespace "dgr" nogil:
         void RefreshMemory()
 
     bool HasLayerRanges()
+
+
+cdef extern from "dgr/build_info.h":
+    const char * DGR_LLAMA_COMMIT
+    const char * DGR_PATCH_STACK_HASH
+    const char * DGR_VENDOR_KEY
