@@ -41,9 +41,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=64, help="decode steps per round")
     ap.add_argument("--stages", default="1,2,3")
     ap.add_argument("--inline-compute", action="store_true",
-                    help="workers compute on their event loop thread (no handoff)")
+                    help="workers compute decode steps on their event loop thread "
+                         "(--inline-below-ms 50: no thread handoff)")
     ap.add_argument("--both", action="store_true",
-                    help="measure workers with and without --inline-compute, interleaved")
+                    help="measure workers with and without inline decode, interleaved")
     ap.add_argument("--sync", action="store_true", help="also time the blocking API (1 stage)")
     args = ap.parse_args(argv)
 
@@ -62,7 +63,7 @@ def main(argv=None) -> int:
                 continue
             print(f"starting {n} stage(s) {mode} ...", file=sys.stderr, flush=True)
             clusters[(n, mode)] = start_cluster(path, n, n_layer,
-                                                ["--inline-compute"] if mode else [])
+                                                ["--inline-below-ms", "50"] if mode else [])
     try:
         res = {"whole": [], **{n: [] for n in clusters}}
         hops = {n: [] for n in clusters}

@@ -94,7 +94,7 @@ class _QueuedRelease:
         if w.inline:
             w.engine.release(slot)
         else:
-            w.executor.submit(w.engine.release, slot).add_done_callback(_log_failure)
+            w._submit(w.engine.release, slot).add_done_callback(_log_failure)
 
 
 def _log_failure(fut) -> None:
@@ -114,14 +114,27 @@ class Worker:
     inline : bool
         Compute on the event loop thread instead of the engine's compute thread (saves a
         thread handoff per step; health and describe then wait for the running step).
+    inline_below_ms : float
+        Compute a single-token step on the event loop thread when recent single-token steps
+        took less than this (ms) and the compute thread is idle; everything else runs on the
+        compute thread. 0 (default): never. Bounds how long the loop can be blocked while
+        saving the handoff where a step is short (decode of a small range).
     name : str
         Label for log lines (the listen address once known).
     """
 
     def __init__(self, engine, *, ttl: float = 600.0, evict_after: float = 5.0,
                  inline: bool = False, name: str = "", max_message: int = MAX_MESSAGE,
-                 cert_store: str | None = None):
+                 cert_store: str | None = None, inline_below_ms: float = 0.0):
+        import threading
+
         self.engine = engine
+        self.inline_below_ms = float(inline_below_ms)
+        # work submitted to the compute thread and not finished: inline compute is allowed
+        # only at 0, so the engine is never used by two threads and releases keep their order
+        self._pending = 0
+        self._pending_lock = threading.Lock()
+        self.inline_steps = 0
         self.cert_store = cert_store  # certified lanes advertised in the capability record
         self.inline = inline
         self.name = name
@@ -277,12 +290,14 @@ class Worker:
             return self._error(e, session, epoch)
         self.inflight += 1
         try:
-            if self.inline:
+            if self.inline or (h.n_tokens == 1 and self.inline_below_ms > 0
+                               and 0 < self.window.decode_ms < self.inline_below_ms
+                               and not self._pending):
+                self.inline_steps += 1
                 reply, seconds = self._counted_compute(lease, h, frame.array)
             else:
-                loop = asyncio.get_running_loop()
-                reply, seconds = await loop.run_in_executor(
-                    self.executor, self._counted_compute, lease, h, frame.array)
+                reply, seconds = await asyncio.wrap_future(
+                    self._submit(self._counted_compute, lease, h, frame.array))
         except BaseException as e:
             self.table.abort(lease, f"{type(e).__name__}: {e}")
             if not isinstance(e, Exception):
@@ -296,6 +311,18 @@ class Worker:
         if h.n_tokens == 1:
             self.hop_ms.append((time.perf_counter() - t_arrive) * 1e3)
         return reply
+
+    def _submit(self, fn, *args):
+        """Run ``fn`` on the compute thread (FIFO), counted in ``_pending`` until it ends."""
+        with self._pending_lock:
+            self._pending += 1
+        fut = self.executor.submit(fn, *args)
+        fut.add_done_callback(self._finished)
+        return fut
+
+    def _finished(self, fut) -> None:
+        with self._pending_lock:
+            self._pending -= 1
 
     def _counted_compute(self, lease: Lease, h: wire.Forward, array) -> tuple[bytes, float]:
         self.computing += 1  # one compute thread: 0 or 1
@@ -666,7 +693,8 @@ async def _serve(args) -> int:
         n_threads=args.threads, n_ubatch=args.ubatch, flash_attn=args.flash_attn == "on",
         type_k=args.type_k, type_v=args.type_v))
     worker = Worker(engine, ttl=args.ttl, evict_after=args.evict_after,
-                    inline=args.inline_compute, cert_store=args.cert_store)
+                    inline=args.inline_compute, cert_store=args.cert_store,
+                    inline_below_ms=args.inline_below_ms)
     server = ShardServer(worker, args.listen, maximum_concurrent_rpcs=args.max_streams)
     await server.start()
     addr = server.address
@@ -751,6 +779,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inline-compute", action="store_true",
                    help="compute on the event loop thread (one thread handoff less per step; "
                         "control RPCs wait for the running step)")
+    p.add_argument("--inline-below-ms", type=float, default=0.0,
+                   help="compute single-token steps on the event loop thread while they take "
+                        "less than this many ms and the compute thread is idle (default 0: "
+                        "never; every step runs off the event loop)")
     p.add_argument("--parent-pid", type=int, default=0,
                    help="drain and exit when this process is no longer our parent")
     p.add_argument("--cert-store", default=os.environ.get("DGR_CERT_STORE"),

@@ -503,3 +503,18 @@ async def _step_raw(address, session):
 def test_route_errors_name_the_stage(route, served):
     with pytest.raises(errors.InvalidToken, match=rf"{served.address} \[0, 4\): .*vocabulary"):
         route.complete([1, 999], max_tokens=2)
+
+
+def test_inline_below_ms_keeps_results_and_order(tiny_llama, reference):
+    tw = ThreadedWorker(dgr.Engine(tiny_llama, **SETTINGS), inline_below_ms=10_000)
+    try:
+        with Route(tw.address) as r:
+            for _ in range(2):  # the second generation reuses the slot: release, then compute
+                g = r.complete(PROMPT, max_tokens=10, logits=True, stop_on_eog=False)
+                ref, rows = generate_local(reference, PROMPT, max_tokens=10, logits=True,
+                                           stop_on_eog=False)
+                assert g.tokens == ref
+                assert all(a.tobytes() == b.tobytes() for a, b in zip(g.logits, rows))
+        assert tw.worker.inline_steps >= 10  # decode steps ran on the loop thread
+    finally:
+        tw.stop()
