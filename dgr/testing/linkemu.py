@@ -5,7 +5,7 @@ come from this proxy: put it between the route driver and a worker (``listen`` -
 and point the driver at ``endpoint``.
 
 - ``delay_ms``: added to every byte, per direction (an RTT of R ms is ``delay_ms=R/2``).
-  Delivery times are kept to well under a millisecond: the last 2 ms are slept with a
+  Delivery times are kept to well under a millisecond: the last 4 ms are slept with a
   blocking ``time.sleep`` (the event loop's timers round up to whole milliseconds).
 - ``rate_bps``: bandwidth cap per direction (bytes per second; None: no cap).
 - ``stall()``: stop forwarding silently (connections stay open, bytes are held) until
@@ -36,6 +36,7 @@ import time
 __all__ = ["LinkEmulator", "main"]
 
 _CHUNK = 1 << 16
+_SPIN = 0.004  # the event loop's timers can be a few ms late on a busy machine
 
 
 class LinkEmulator:
@@ -225,11 +226,11 @@ class LinkEmulator:
 
 async def _until(t: float) -> None:
     left = t - time.monotonic()
-    if left > 0.002:
-        await asyncio.sleep(left - 0.002)
+    if left > _SPIN:
+        await asyncio.sleep(left - _SPIN)
         left = t - time.monotonic()
     if left > 0:
-        time.sleep(left)  # sub-millisecond precision (blocks the loop at most 2 ms)
+        time.sleep(left)  # sub-millisecond precision (blocks the loop at most _SPIN s)
 
 
 def _nodelay(w: asyncio.StreamWriter) -> None:
