@@ -185,7 +185,7 @@ def _cmd_run(args) -> int:
                 "layer-range patches (pip install -e .)")
         t0 = time.monotonic()
         cluster = LocalCluster(model, [None if r == (0, n_layer) else r for r in ranges],
-                               settings=settings)
+                               settings=settings, args=args.worker_arg)
 
         def progress(i, n, msg):
             _say(f"{msg} ({time.monotonic() - t0:.1f} s)")
@@ -285,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--splits", help="interior split layers, e.g. 10,20 (overrides --stages)")
     r.add_argument("--start-timeout", type=float, default=180.0,
                    help="seconds to wait for the workers to listen")
+    r.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for every worker, e.g. --worker-arg=--inline-below-ms=50 "
+                        "(repeatable; see python -m dgr.worker --help)")
     _add_generation_args(r)
     _add_engine_args(r)
     r.set_defaults(func=_cmd_run)
