@@ -143,6 +143,34 @@ def test_worker_restarted_on_its_old_address_gets_a_new_epoch(cluster, refs):
     assert toks == refs[3]
 
 
+def test_stale_epoch_answer_starts_over_under_a_new_epoch(cluster, refs):
+    from dgr import wire
+
+    with Route(primaries(cluster)) as r:
+        s = r.session("dup")
+        it = s.generate(prompt(8), max_tokens=N_TOKENS, stop_on_eog=False)
+        toks = [next(it) for _ in range(10)]
+
+        async def intrude():  # another writer of session "dup" at a far higher epoch
+            c = ShardClient(cluster.endpoints[0])
+            try:
+                info = await c.describe()
+                st = c.stream()
+                h = wire.Forward(model=info.identity, session="dup", epoch=100, first_pos=0,
+                                 n_tokens=2, layer=0, tokens=[1, 2], want="boundary")
+                reply = wire.decode(await st.step(wire.encode(h))).header
+                await st.close()
+                return reply
+            finally:
+                await c.close()
+
+        assert type(asyncio.run(intrude())) is wire.Result
+        toks += list(it)  # stage 0 answers StaleEpoch: released there, new epoch, replay
+        assert s.recoveries == 1 and r.aroute.replacements == []
+        s.close()
+    assert toks == refs[8]
+
+
 def test_no_healthy_worker_names_the_range(cluster):
     with Route(primaries(cluster), connect_timeout=1, probe_timeout=0.3) as r:
         s = r.session()
