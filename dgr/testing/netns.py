@@ -33,7 +33,14 @@ def available() -> tuple[bool, str]:
     p = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
     if p.returncode != 0:
         return False, f"`ip netns add` failed: {p.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    try:
+        for what in (["link", "add", "v0", "type", "veth", "peer", "name", "v1"],
+                     ["link", "add", "br0", "type", "bridge"]):
+            p = subprocess.run(["ip", "-n", name, *what], capture_output=True, text=True)
+            if p.returncode != 0:
+                return False, f"`ip {' '.join(what)}` failed: {p.stderr.strip()}"
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
     return True, ""
 
 
