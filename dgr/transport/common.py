@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,7 +116,7 @@ class StageInfo:
     uptime_s: float
     extra: dict = field(default_factory=dict)
 
-    @property
+    @functools.cached_property
     def identity(self) -> str:
         """The stage identity frames must carry (model and numeric settings)."""
         return stage_identity(self.model_identity, self.settings)
