@@ -169,8 +169,10 @@ class Vendor:
         # Run pip outside any build-isolation overlay (setup.py may be running inside one).
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE")}
         with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-            base = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                    "--disable-pip-version-check", "-d", tmp, spec]
+            # --no-binary names only this package: ":all:" would also force pip's isolated
+            # metadata step to build the sdist's build requirements (cmake!) from source.
+            base = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+                    self.source["package"], "--disable-pip-version-check", "-d", tmp, spec]
             # pip prepares the sdist's metadata; without isolation that needs its build backend
             # (scikit-build-core) installed, so fall back to pip's isolated preparation.
             for extra in (["--no-build-isolation"], []):
