@@ -114,3 +114,49 @@ class RandomDataRates:
         return self.array.nbytes / len(frame)
 
     track_random_data_compression_ratio.unit = "ratio"
+
+
+class RawRoundTrip:
+    """The parity codec's hot path: encode + decode of one token at width 16384, checksum on."""
+
+    def setup(self) -> None:
+        self.array = _random_boundary(1, 16384)
+        self.header = _header(1)
+
+    def time_raw_encode_decode_1x16384(self) -> None:
+        wire.decode(wire.encode(self.header, self.array))
+
+
+class RealBoundaries:
+    """Wire bytes per token and codec error on real SmolLM2 boundaries (after layer 15).
+
+    The boundaries come from ``dgr.Engine(layers=(0, 15))`` over a seeded 128-token prompt.
+    """
+
+    params = (CODECS,)
+    param_names = ["codec"]
+    timeout = 300
+
+    def setup_cache(self):
+        import dgr
+
+        from .common import SETTINGS, prompt_tokens, smollm2_path
+
+        eng = dgr.Engine(smollm2_path(), layers=(0, 15), **SETTINGS)
+        return np.ascontiguousarray(eng.forward(0, 0, prompt_tokens(128, eng.n_vocab)))
+
+    def setup(self, boundary, codec: str) -> None:
+        self.codec, self.compress = _split(codec)
+        self.frame = wire.encode(_header(len(boundary)), boundary, codec=self.codec,
+                                 compress=self.compress)
+
+    def track_real_boundary_wire_bytes_per_token(self, boundary, codec: str) -> float:
+        return len(self.frame) / len(boundary)
+
+    track_real_boundary_wire_bytes_per_token.unit = "bytes/token"
+
+    def track_real_boundary_max_abs_error(self, boundary, codec: str) -> float:
+        got = wire.decode(self.frame).array
+        return float(np.max(np.abs(got.astype(np.float64) - boundary)))
+
+    track_real_boundary_max_abs_error.unit = "abs"
