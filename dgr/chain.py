@@ -1,16 +1,17 @@
-"""In-process chains of range engines, layer splits, and the generation loop they share."""
+"""In-process chains of range engines, layer splits, and the reference generation loop."""
 
 from __future__ import annotations
 
 import os
-from typing import Iterator, Sequence
+import time
+from typing import Sequence
 
 import numpy as np
 
 from .errors import InvalidArgument, InvalidLayerRange
-from .sampling import Sampler, SamplingParams
+from .sampling import SamplingParams, sample_rows
 
-__all__ = ["split_layers", "parse_splits", "LocalChain", "generate"]
+__all__ = ["split_layers", "parse_splits", "LocalChain", "generate_local"]
 
 
 def split_layers(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
@@ -89,29 +90,41 @@ class LocalChain:
         return x
 
 
-def generate(model, prompt_tokens: Sequence[int], *, max_tokens: int = 64,
-             sampling: SamplingParams | None = None, slot: int = 0,
-             stop_on_eog: bool = True) -> Iterator[int]:
-    """Prefill ``prompt_tokens`` then yield sampled tokens one by one.
+def generate_local(engine, prompt: Sequence[int], *, max_tokens: int = 64,
+                   sampling: SamplingParams | None = None, stop_on_eog: bool = True,
+                   logits: bool = False, slot: int = 0, timing: dict | None = None
+                   ) -> tuple[list[int], list[np.ndarray]]:
+    """What a route computes, in one process: the reference for parity.
 
-    ``model`` is anything with ``forward``/``release``/``is_eog`` (an Engine, a LocalChain or a
-    route session). Stops after ``max_tokens`` or at an end-of-generation token (not yielded).
+    Same chunking (the engine splits the prompt into ``n_ubatch`` chunks as the driver does),
+    same rows (last row only) and the same position-keyed sampling as the last stage.
+    Returns the tokens and, with ``logits=True``, the logits row that sampled each (an
+    end-of-generation token that stopped it included, as ``AsyncRouteSession.logits``).
+    ``timing``, when given, receives ``prefill_s``, ``decode_s`` and ``decode_steps``.
     """
-    sampler = Sampler(sampling)
-    prompt = np.ascontiguousarray(prompt_tokens, dtype=np.int32)
-    if len(prompt) == 0:
-        raise InvalidArgument("the prompt has no tokens")
-    model.release(slot)
-    logits = model.forward(slot, 0, prompt)
+    prompt = np.ascontiguousarray(prompt, dtype=np.int32)
+    engine.release(slot)
+    t0 = time.perf_counter()
+    row = engine.forward(slot, 0, prompt)
+    t1 = time.perf_counter()
     pos = len(prompt)
-    buf = np.empty(1, dtype=np.int32)
+    toks: list[int] = []
+    rows: list[np.ndarray] = []
+    steps = 0
     for i in range(max_tokens):
-        t = sampler(logits[-1])
-        if stop_on_eog and model.is_eog(t):
-            return
-        yield t
+        t = sample_rows(row, [pos], sampling)[0]
+        if logits:
+            rows.append(np.array(row[-1]))
+        if stop_on_eog and engine.is_eog(t):
+            break
+        toks.append(t)
         if i + 1 == max_tokens:
-            return
-        buf[0] = t
-        logits = model.forward(slot, pos, buf)
+            break
+        row = engine.forward(slot, pos, np.array([t], dtype=np.int32))
         pos += 1
+        steps += 1
+    t2 = time.perf_counter()
+    engine.release(slot)
+    if timing is not None:
+        timing.update(prefill_s=t1 - t0, decode_s=t2 - t1, decode_steps=steps)
+    return toks, rows

@@ -17,13 +17,14 @@ import collections
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterator, Sequence
 
 import numpy as np
 
 from . import errors, wire
 from .provider import RouteProvider, StaticPool
+from .chain import generate_local  # noqa: F401  (the in-process reference; re-exported)
 from .sampling import SamplingParams
 from .transport.client import (DEFAULT_STEP_TIMEOUT, DEFAULT_TIMEOUT, ShardClient, StepStream)
 from .transport.common import StageInfo
@@ -900,49 +901,3 @@ class RouteSession:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-# --- the in-process reference ----------------------------------------------------------------
-
-
-def generate_local(engine, prompt: Sequence[int], *, max_tokens: int = 64,
-                   sampling: SamplingParams | None = None, stop_on_eog: bool = True,
-                   logits: bool = False, slot: int = 0, timing: dict | None = None
-                   ) -> tuple[list[int], list[np.ndarray]]:
-    """What a route computes, in one process: the reference for parity.
-
-    Same chunking (the engine splits the prompt into ``n_ubatch`` chunks as the driver does),
-    same rows (last row only) and the same position-keyed sampling as the last stage.
-    Returns the tokens and, with ``logits=True``, the logits row that sampled each (an
-    end-of-generation token that stopped it included, as ``AsyncRouteSession.logits``).
-    ``timing``, when given, receives ``prefill_s``, ``decode_s`` and ``decode_steps``.
-    """
-    from .worker import sample_rows
-
-    ws = _wire_sampling(sampling)
-    prompt = np.ascontiguousarray(prompt, dtype=np.int32)
-    engine.release(slot)
-    t0 = time.perf_counter()
-    row = engine.forward(slot, 0, prompt)
-    t1 = time.perf_counter()
-    pos = len(prompt)
-    toks: list[int] = []
-    rows: list[np.ndarray] = []
-    steps = 0
-    for i in range(max_tokens):
-        t = sample_rows(row, [pos], ws)[0]
-        if logits:
-            rows.append(np.array(row[-1]))
-        if stop_on_eog and engine.is_eog(t):
-            break
-        toks.append(t)
-        if i + 1 == max_tokens:
-            break
-        row = engine.forward(slot, pos, np.array([t], dtype=np.int32))
-        pos += 1
-        steps += 1
-    t2 = time.perf_counter()
-    engine.release(slot)
-    if timing is not None:
-        timing.update(prefill_s=t1 - t0, decode_s=t2 - t1, decode_steps=steps)
-    return toks, rows

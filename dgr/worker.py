@@ -16,44 +16,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import __version__, errors, wire
+from .sampling import sample_rows
 from .session import Lease, SessionTable
 from .transport.common import MAX_MESSAGE, settings_tag, stage_identity
 from .transport.server import ShardServer
 
-__all__ = ["Worker", "ThreadedWorker", "WorkerProcess", "LocalCluster", "sample_rows", "main"]
+__all__ = ["Worker", "ThreadedWorker", "WorkerProcess", "LocalCluster", "main"]
 
 log = logging.getLogger("dgr.worker")
-
-_GOLDEN = 0x9E3779B97F4A7C15
-_MASK64 = (1 << 64) - 1
-
-
-def _mix(seed: int, pos: int) -> int:
-    """splitmix64 of (seed, position): an independent, reproducible stream per position."""
-    z = (seed + _GOLDEN * (pos + 1)) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
-def sample_rows(logits: np.ndarray, positions: Sequence[int], sampling) -> list[int]:
-    """Sample one token per logits row; ``positions[i]`` is the position the token will take.
-
-    Greedy (``sampling`` None, ``greedy`` or temperature 0) is the argmax. Otherwise each row
-    is drawn with ``dgr.sampling.Sampler`` seeded by ``(seed, position)``: a token depends on
-    its position, not on how many draws came before, so a re-prefill after a failover, or a
-    reference computed elsewhere, draws the same tokens.
-    """
-    from .sampling import Sampler, SamplingParams
-
-    if sampling is None or getattr(sampling, "greedy", False) or sampling.temperature == 0:
-        return [int(np.argmax(r)) for r in logits]
-    out = []
-    for row, pos in zip(logits, positions):
-        p = SamplingParams(temperature=float(sampling.temperature), top_k=int(sampling.top_k),
-                           top_p=float(sampling.top_p), seed=_mix(int(sampling.seed), int(pos)))
-        out.append(Sampler(p)(row))
-    return out
 
 
 class _Window:

@@ -19,7 +19,7 @@ import dgr
 from dgr import artifacts, errors, gguf_io, identity
 from dgr._core import HAS_LAYER_RANGES
 from dgr.artifacts import Manifest, build_manifest, verify, verify_for_worker, write_manifest
-from dgr.chain import generate, split_layers
+from dgr.chain import generate_local, split_layers
 
 needs_ranges = pytest.mark.skipif(
     not HAS_LAYER_RANGES,
@@ -149,8 +149,8 @@ def test_three_slices_generate_the_whole_models_tokens(tiny_llama, tmp_path):
     chain = SliceChain(_slices(tiny_llama, ranges, tmp_path), ranges, **TINY)
     whole = dgr.Engine(tiny_llama, **TINY)
     prompt = np.array([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], dtype=np.int32)
-    want = list(generate(whole, prompt, max_tokens=24, stop_on_eog=False))
-    assert list(generate(chain, prompt, max_tokens=24, stop_on_eog=False)) == want
+    want = generate_local(whole, prompt, max_tokens=24, stop_on_eog=False)[0]
+    assert generate_local(chain, prompt, max_tokens=24, stop_on_eog=False)[0] == want
 
 
 @needs_ranges
@@ -175,8 +175,8 @@ def test_deepseek4_slices_with_mtp_chain_to_the_whole_models_tokens(tmp_path):
     whole = dgr.Engine(model, **TINY)
     chain = SliceChain(paths, ranges, **TINY)
     prompt = np.array([7, 3, 9, 1, 2, 8, 5], dtype=np.int32)
-    assert (list(generate(chain, prompt, max_tokens=12, stop_on_eog=False))
-            == list(generate(whole, prompt, max_tokens=12, stop_on_eog=False)))
+    assert (generate_local(chain, prompt, max_tokens=12, stop_on_eog=False)[0]
+            == generate_local(whole, prompt, max_tokens=12, stop_on_eog=False)[0])
 
 
 # ---- SmolLM2 round trips (slow) ---------------------------------------------------------------
@@ -318,9 +318,9 @@ def test_smollm2_three_slices_generate_the_whole_models_tokens(smollm2, tmp_path
     whole = dgr.Engine(smollm2, **SMOL)
     prompt = whole.tokenize("<|im_start|>user\nWhy is the sky blue?<|im_end|>\n"
                             "<|im_start|>assistant\n", True, True)
-    want = list(generate(whole, prompt, max_tokens=32))
+    want = generate_local(whole, prompt, max_tokens=32)[0]
     chain = SliceChain(paths, ranges, **SMOL)
-    assert list(generate(chain, prompt, max_tokens=32)) == want
+    assert generate_local(chain, prompt, max_tokens=32)[0] == want
     for p, r, st in zip(paths, ranges, chain.stages):
         full = dgr.Engine(smollm2, layers=r, **SMOL).describe()
         assert st.describe()["weight_bytes"] == full["weight_bytes"]
