@@ -58,8 +58,6 @@ class LocalChain:
         self.first, self.last = self.stages[0], self.stages[-1]
         self.n_layer = n_layer
         self.n_vocab = self.last.n_vocab
-        #: the boundary each seam carried in the last forward (for inspection and benchmarks)
-        self.last_boundaries: list[np.ndarray] = []
 
     def tokenize(self, text, add_special=True, parse_special=False):
         return self.first.tokenize(text, add_special, parse_special)
@@ -79,14 +77,11 @@ class LocalChain:
 
     def forward(self, slot, positions, tokens, *, logits="last", out=None):
         tok = np.ascontiguousarray(tokens, dtype=np.int32)
-        x = self.first.forward(slot, positions, tok)
-        seams = [x]
-        for st in self.stages[1:]:
+        x = None
+        for st in self.stages:
             kw = {"logits": logits, "out": out} if st is self.last else {}
-            x = st.forward(slot, positions, tok if st.needs_token_ids else None, boundary=x, **kw)
-            if st is not self.last:
-                seams.append(x)
-        self.last_boundaries = seams if len(self.stages) > 1 else []
+            tk = tok if (st.is_first or st.needs_token_ids) else None
+            x = st.forward(slot, positions, tk, boundary=x, **kw)
         return x
 
 

@@ -185,3 +185,12 @@ def test_boundary_errors(tiny_llama):
         m.forward(0, [0, 1, 2], boundary=np.zeros((2, 64), np.float32))
     # still serving
     assert m.forward(0, 0, boundary=np.zeros((2, 64), np.float32)).shape == (1, 128)
+
+
+def test_single_stage_chain_is_the_whole_model(tiny_llama):
+    """A one-stage LocalChain honours the same arguments as the engine it wraps."""
+    chain = LocalChain(tiny_llama, [(0, 4)], **TINY)
+    whole = dgr.Engine(tiny_llama, **TINY)
+    got = chain.forward(0, 0, [1, 2, 3], logits="all")
+    assert got.shape == (3, 128)
+    assert got.tobytes() == whole.forward(0, 0, [1, 2, 3], logits="all").tobytes()
