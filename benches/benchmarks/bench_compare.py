@@ -1,0 +1,96 @@
+"""dgr routes of 2-4 loopback stages vs the whole model and vs llama.cpp RPC (SmolLM2).
+
+The numbers of ``benches/compare.py`` (the same functions), one interleaved round measured
+once in ``setup_cache``: every ``track_`` reads a ratio or a value out of it.
+``track_dgr<k>_over_whole_<metric>_ratio`` is dgr with k stages over ``dgr.Engine`` in one
+process, ``track_rpc<k>_over_whole_<metric>_ratio`` llama.cpp RPC with k servers over the
+same whole model, ``track_dgr<k>_over_rpc<k>_<metric>_ratio`` the two distributed runtimes.
+The RPC ones are NaN when llama-bench / ggml-rpc-server are not built
+(``python -m dgr.vendor build --tools llama-bench,ggml-rpc-server``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+STAGES = (2, 3, 4)
+ROUNDS = 1
+METRICS = {"decode": "decode_tps", "prefill128": "prefill128_tps",
+           "prefill512": "prefill512_tps"}
+
+
+def _compare():
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import compare
+
+    return compare
+
+
+def _have_llama_tools() -> bool:
+    try:
+        c = _compare()
+        c.tool("llama-bench")
+        c.tool("ggml-rpc-server")
+        return True
+    except Exception:
+        return False
+
+
+class CompareSmolLM2:
+    """One round of benches/compare.py; tracks its ratios (higher is better for dgr)."""
+
+    timeout = 1200
+    repeat = 1
+    number = 1
+
+    def setup_cache(self):
+        from dgr._core import HAS_LAYER_RANGES
+
+        if not HAS_LAYER_RANGES:
+            raise NotImplementedError("partial layer ranges are not in this build")
+        llama = _have_llama_tools()
+        return _compare().run_compare(STAGES, ROUNDS, rpc=llama, llama=llama)
+
+    setup_cache.timeout = 1200
+
+
+def _get(cache, name, key):
+    v = cache["ratios"].get(name, {}).get(key) if "/" in name else \
+        cache["configs"].get(name, {}).get(key)
+    return math.nan if v is None else float(v)
+
+
+def _track(name, key, unit):
+    def track(self, cache):
+        return _get(cache, name, key)
+
+    track.unit = unit
+    track.timeout = 1200
+    return track
+
+
+for _k in STAGES:
+    for _m, _key in METRICS.items():
+        setattr(CompareSmolLM2, f"track_dgr{_k}_over_whole_{_m}_ratio",
+                _track(f"dgr{_k}/whole", _key, "ratio"))
+        setattr(CompareSmolLM2, f"track_rpc{_k}_over_whole_{_m}_ratio",
+                _track(f"rpc{_k}/whole", _key, "ratio"))
+        setattr(CompareSmolLM2, f"track_dgr{_k}_over_rpc{_k}_{_m}_ratio",
+                _track(f"dgr{_k}/rpc{_k}", _key, "ratio"))
+    setattr(CompareSmolLM2, f"track_dgr{_k}_decode_tokens_per_s",
+            _track(f"dgr{_k}", "decode_tps", "tokens/s"))
+    setattr(CompareSmolLM2, f"track_dgr{_k}_ttft_ms", _track(f"dgr{_k}", "ttft_ms", "ms"))
+    setattr(CompareSmolLM2, f"track_dgr{_k}_cpu_s_per_token",
+            _track(f"dgr{_k}", "cpu_s_per_token", "s"))
+    setattr(CompareSmolLM2, f"track_dgr{_k}_parity",
+            _track(f"dgr{_k}", "parity", "bool"))
+    setattr(CompareSmolLM2, f"track_rpc{_k}_decode_tokens_per_s",
+            _track(f"rpc{_k}", "decode_tps", "tokens/s"))
+CompareSmolLM2.track_whole_decode_tokens_per_s = _track("whole", "decode_tps", "tokens/s")
+CompareSmolLM2.track_llama_bench_decode_tokens_per_s = _track("llama-bench", "decode_tps",
+                                                              "tokens/s")
+del _k, _m, _key
