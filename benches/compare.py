@@ -302,6 +302,10 @@ def summarize(samples, stages, rounds, n_decode, prefills) -> dict:
         c["samples"] = [{k: v for k, v in x.items() if k != "tokens"} for x in rows]
         out["configs"][name] = c
     cf = out["configs"]
+    if cf.get("whole") and cf.get("llama-bench"):
+        w, lb = cf["whole"], cf["llama-bench"]
+        out["ratios"]["whole/llama-bench"] = {
+            k: (w[k] / lb[k] if w.get(k) and lb.get(k) else None) for k in METRICS}
     for n in stages:
         d = cf.get(f"dgr{n}")
         for base in ("whole", f"rpc{n}"):
@@ -348,8 +352,8 @@ def print_table(res: dict, file=sys.stdout) -> None:
             print(f"{name:<22} {_f(rt.get('decode_tps'), '10.2f')} " +
                   " ".join(_f(rt.get(f'prefill{n}_tps'), '10.2f') for n in p) +
                   f" {_f(rt.get('ttft_ms'), '8.2f')}", file=file)
-    print("(whole = dgr.Engine in one process; llama-bench/rpc TTFT and CPU are not "
-          "measured; seam B/tok = boundary frame bytes sent to a later stage per decode "
+    print("(whole = dgr.Engine in one process; TTFT ratio is of times (>1: slower); "
+          "llama-bench/rpc TTFT and CPU are not measured; seam B/tok = boundary frame bytes sent to a later stage per decode "
           "token, mean over seams)", file=file)
 
 
