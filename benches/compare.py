@@ -242,26 +242,78 @@ class RpcServers:
 METRICS = ["decode_tps", *(f"prefill{n}_tps" for n in PREFILLS), "ttft_ms"]
 
 
+class Emulated:
+    """A ``dgr.testing.linkemu`` process (delay RTT/2 each way, as benches/wan.py) in front
+    of each endpoint; ``endpoints`` are the proxies."""
+
+    def __init__(self, targets, rtt_ms: float):
+        self.targets, self.rtt_ms = list(targets), rtt_ms
+        self.procs, self.endpoints = [], []
+
+    def start(self, timeout: float = 30.0) -> list[str]:
+        try:
+            for ep in self.targets:  # as wan._emulators, with its shutdown noise silenced
+                p = subprocess.Popen([sys.executable, "-m", "dgr.testing.linkemu", "--target",
+                                      ep, "--delay-ms", str(self.rtt_ms / 2)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True)
+                self.procs.append(p)
+                line = p.stdout.readline().split()
+                if not line or line[0] != "LISTENING":
+                    raise RuntimeError(f"link emulator for {ep} did not start")
+                self.endpoints.append(line[1])
+        except BaseException:
+            self.stop()
+            raise
+        return self.endpoints
+
+    def stop(self) -> None:
+        from wan import _stop
+
+        _stop(self.procs)
+        for p in self.procs:
+            p.stdout.close()
+        self.procs = []
+
+
+class _Proxied:
+    """A cluster seen through emulators (route_measure needs endpoints and workers)."""
+
+    def __init__(self, cluster, emu: Emulated):
+        self.workers, self.endpoints = cluster.workers, emu.endpoints
+
+
 def run_compare(stages=(2, 3, 4), rounds: int = 3, n_decode: int = N_DECODE,
                 prefills=PREFILLS, rpc: bool = True, llama: bool = True,
-                bench_args=(), log=None) -> dict:
-    """Start everything, run ``rounds`` interleaved rounds, stop everything; medians."""
+                bench_args=(), log=None, rtts=(), rtt_stages=(3,)) -> dict:
+    """Start everything, run ``rounds`` interleaved rounds, stop everything; medians.
+
+    ``rtts`` (ms): also run the ``rtt_stages`` configurations through link emulators.
+    """
     import dgr
 
     log = log or (lambda m: None)
     path = smollm2_path()
     n_layer = dgr.Engine(path, **SETTINGS).n_layer
-    clusters, servers = {}, {}
+    clusters, servers, emus = {}, {}, {}
     samples: dict[str, list[dict]] = {}
     ref_tokens = None
     try:
-        for n in stages:
+        for n in sorted(set(stages) | (set(rtt_stages) if rtts else set())):
             log(f"starting {n} dgr workers ...")
             clusters[n] = start_cluster(path, n, n_layer)
             if rpc:
                 log(f"starting {n} ggml-rpc-servers ...")
                 servers[n] = RpcServers(n)
                 servers[n].start()
+        for rtt in rtts:
+            for n in rtt_stages:
+                log(f"starting link emulators, RTT {rtt:g} ms, {n} stages ...")
+                emus[("dgr", n, rtt)] = Emulated(clusters[n].endpoints, rtt)
+                emus[("dgr", n, rtt)].start()
+                if rpc:
+                    emus[("rpc", n, rtt)] = Emulated(servers[n].endpoints, rtt)
+                    emus[("rpc", n, rtt)].start()
         for r in range(rounds):
             w = whole_in_own_process(n_decode, prefills)
             ref_tokens = ref_tokens or w["tokens"]
@@ -276,16 +328,28 @@ def run_compare(stages=(2, 3, 4), rounds: int = 3, n_decode: int = N_DECODE,
                 if rpc:
                     samples.setdefault(f"rpc{n}", []).append(
                         llama_bench(n_decode, prefills, servers[n].endpoints, bench_args))
+            for rtt in rtts:
+                for n in rtt_stages:
+                    m = route_measure(_Proxied(clusters[n], emus[("dgr", n, rtt)]), n_decode,
+                                      prefills)
+                    m["parity"] = m["tokens"] == w["tokens"]
+                    samples.setdefault(f"dgr{n}@{rtt:g}ms", []).append(m)
+                    if rpc:
+                        samples.setdefault(f"rpc{n}@{rtt:g}ms", []).append(llama_bench(
+                            n_decode, prefills, emus[("rpc", n, rtt)].endpoints, bench_args))
             log(f"round {r + 1}/{rounds} done (load {os.getloadavg()[0]:.2f})")
     finally:
+        for e in emus.values():
+            e.stop()
         for c in clusters.values():
             c.stop()
         for s in servers.values():
             s.stop()
-    return summarize(samples, stages, rounds, n_decode, prefills)
+    return summarize(samples, stages, rounds, n_decode, prefills,
+                     [f"{n}@{r:g}ms" for r in rtts for n in rtt_stages])
 
 
-def summarize(samples, stages, rounds, n_decode, prefills) -> dict:
+def summarize(samples, stages, rounds, n_decode, prefills, emulated=()) -> dict:
     def med(rows, key):
         vals = [x[key] for x in rows if key in x]
         return statistics.median(vals) if vals else None
@@ -306,7 +370,7 @@ def summarize(samples, stages, rounds, n_decode, prefills) -> dict:
         w, lb = cf["whole"], cf["llama-bench"]
         out["ratios"]["whole/llama-bench"] = {
             k: (w[k] / lb[k] if w.get(k) and lb.get(k) else None) for k in METRICS}
-    for n in stages:
+    for n in [*stages, *emulated]:
         d = cf.get(f"dgr{n}")
         for base in ("whole", f"rpc{n}"):
             b = cf.get(base)
@@ -369,6 +433,9 @@ def main(argv=None) -> int:
                     help="skip llama-bench (whole and RPC)")
     ap.add_argument("--bench-args", default="",
                     help="extra llama-bench arguments, e.g. '-fa 1 -ub 64'")
+    ap.add_argument("--rtt-ms", default="",
+                    help="also run through link emulators at these RTTs, e.g. 5,20")
+    ap.add_argument("--rtt-stages", default="3", help="stage counts run with --rtt-ms")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
 
@@ -379,7 +446,9 @@ def main(argv=None) -> int:
     res = run_compare(stages, rounds, n_decode, prefills,
                       rpc=not (args.no_rpc or args.no_llama_bench),
                       llama=not args.no_llama_bench, bench_args=args.bench_args.split(),
-                      log=lambda m: print(m, file=sys.stderr, flush=True))
+                      log=lambda m: print(m, file=sys.stderr, flush=True),
+                      rtts=[float(x) for x in args.rtt_ms.split(",") if x],
+                      rtt_stages=[int(x) for x in args.rtt_stages.split(",") if x])
     res["command"] = " ".join([os.path.basename(sys.executable), *sys.argv])
     print_table(res)
     if args.json:
