@@ -314,17 +314,21 @@ class InvalidManifest(ArtifactError, ValueError):
     code = 56
 
 
-def _by_code() -> dict[int, type[DgrError]]:
-    table: dict[int, type[DgrError]] = {}
+def all_classes() -> list[type[DgrError]]:
+    """``DgrError`` and every subclass defined so far (depth first)."""
+    seen: list[type[DgrError]] = []
     todo = [DgrError]
     while todo:
         cls = todo.pop()
-        table.setdefault(cls.code, cls)
+        seen.append(cls)
         todo.extend(cls.__subclasses__())
-    return table
+    return seen
 
 
-BY_CODE = _by_code()
+BY_CODE: dict[int, type[DgrError]] = {}
+for _cls in all_classes():
+    BY_CODE.setdefault(_cls.code, _cls)
+del _cls
 
 
 def from_code(code: int, message: str) -> DgrError:

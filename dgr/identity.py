@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
-from .vendor import cache_root
+from .vendor import cache_root, sha256_file
 
 __all__ = ["model_identity", "split_identity", "file_sha256", "remember_file_sha256",
            "remember_verified"]
@@ -29,14 +29,6 @@ _lock = threading.Lock()
 
 def _cache_file() -> Path:
     return cache_root() / "identity-cache.json"
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _key(p: Path) -> str:
@@ -75,7 +67,7 @@ def file_sha256(path: str | os.PathLike) -> str:
         hit = _load().get(key)
         if hit and hit.startswith("sha256:"):
             return hit[7:]
-    hexd = _file_sha256(p)
+    hexd = sha256_file(p)
     with _lock:
         _store({key: "sha256:" + hexd}, drop_prefixes=(f"{p}|",))
     return hexd

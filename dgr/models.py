@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ModelFetchError
-from .vendor import cache_root
+from .vendor import cache_root, sha256_file
 
 __all__ = ["ModelEntry", "REGISTRY", "DEFAULT_MODEL", "path", "fetch", "main"]
 
@@ -70,14 +70,6 @@ def _entry(name: str | None) -> ModelEntry:
             f"unknown model {name!r}; registered: {', '.join(sorted(REGISTRY))}") from None
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def path(name: str | None = None, *, fetch_missing: bool = True) -> Path:
     """Local path of a registry model, fetching it first when missing (and allowed)."""
     e = _entry(name)
@@ -99,7 +91,7 @@ def fetch(name: str | None = None, *, force: bool = False) -> Path:
     e = _entry(name)
     dest = models_dir() / e.filename
     if dest.exists() and not force:
-        if dest.stat().st_size == e.size and _sha256(dest) == e.sha256:
+        if dest.stat().st_size == e.size and sha256_file(dest) == e.sha256:
             return dest
         _progress(f"{dest} does not match the registry; fetching it again")
     dest.parent.mkdir(parents=True, exist_ok=True)

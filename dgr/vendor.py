@@ -30,7 +30,7 @@ from pathlib import Path
 
 from .errors import VendorError
 
-__all__ = ["Vendor", "cache_root", "repo_root", "main"]
+__all__ = ["Vendor", "cache_root", "repo_root", "sha256_file", "main"]
 
 STAMP_VERSION = 1
 
@@ -46,10 +46,11 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "dgr"
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file's bytes, read in 4 MiB chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
+        for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
 
@@ -161,7 +162,7 @@ class Vendor:
 
     def _download(self) -> None:
         dest = self.archive
-        if dest.exists() and _sha256_file(dest) == self.source["sha256"]:
+        if dest.exists() and sha256_file(dest) == self.source["sha256"]:
             return
         dest.parent.mkdir(parents=True, exist_ok=True)
         spec = f"{self.source['package']}=={self.source['version']}"
@@ -190,7 +191,7 @@ class Vendor:
         if self.src.exists() and self._read_stamp("fetch"):
             return self.src
         self._download()
-        digest = _sha256_file(self.archive)
+        digest = sha256_file(self.archive)
         if digest != self.source["sha256"]:
             raise VendorError(
                 f"{self.archive} has sha256 {digest}, the manifest pins {self.source['sha256']}: "
@@ -234,9 +235,9 @@ class Vendor:
             path = self.patch_dir / p.file
             if not path.exists():
                 problems.append(f"{p.file}: listed in the manifest but missing from patches/")
-            elif _sha256_file(path) != p.sha256:
+            elif (digest := sha256_file(path)) != p.sha256:
                 problems.append(
-                    f"{p.file}: sha256 {_sha256_file(path)} differs from the manifest's {p.sha256} "
+                    f"{p.file}: sha256 {digest} differs from the manifest's {p.sha256} "
                     "(run `python -m dgr.vendor pin` after editing a patch)"
                 )
         for path in sorted(self.patch_dir.glob("[0-9][0-9][0-9][0-9]-*.patch")):
@@ -396,7 +397,7 @@ class Vendor:
         if (dest / "gguf").is_dir():
             return dest
         self._download()
-        if _sha256_file(self.archive) != self.source["sha256"]:
+        if sha256_file(self.archive) != self.source["sha256"]:
             raise VendorError(f"{self.archive} does not match the pinned sha256")
         prefix = self.source["subpath"].rstrip("/") + "/gguf-py/"
         tmp = Path(tempfile.mkdtemp(prefix="gguf-py-", dir=self.cache))
@@ -442,7 +443,7 @@ class Vendor:
         """Everything that does not match the pin; empty when all is well."""
         problems = self.check_patches()
         if self.archive.exists():
-            digest = _sha256_file(self.archive)
+            digest = sha256_file(self.archive)
             if digest != self.source["sha256"]:
                 problems.append(f"{self.archive}: sha256 {digest} != {self.source['sha256']}")
         else:
@@ -454,7 +455,7 @@ class Vendor:
     def pin(self) -> list[Patch]:
         """Rewrite the manifest's patch list from ``patches/NNNN-*.patch`` (sorted)."""
         files = sorted(self.patch_dir.glob("[0-9][0-9][0-9][0-9]-*.patch"))
-        self.manifest["patches"] = [{"file": f.name, "sha256": _sha256_file(f)} for f in files]
+        self.manifest["patches"] = [{"file": f.name, "sha256": sha256_file(f)} for f in files]
         path = self.root / "vendor-manifest.json"
         path.write_text(json.dumps(self.manifest, indent=2) + "\n")
         self.patches = [Patch(p["file"], p["sha256"]) for p in self.manifest["patches"]]

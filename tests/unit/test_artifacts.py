@@ -470,7 +470,7 @@ def test_verify_for_worker_contract(tiny, tiny_manifest, monkeypatch):
     ident = verify_for_worker(tiny_manifest, tiny, (1, 3))
     assert ident == "sha256:" + _sha(tiny)
     # the worker then reports the identity without hashing the model
-    monkeypatch.setattr(identity, "_file_sha256", lambda p: pytest.fail("rehashed"))
+    monkeypatch.setattr(identity, "sha256_file", lambda p: pytest.fail("rehashed"))
     assert identity.model_identity(tiny) == ident
     with pytest.raises(errors.InvalidLayerRange):
         verify_for_worker(tiny_manifest, tiny, (3, 7))
@@ -494,7 +494,7 @@ def test_model_identity_definitions(tiny, split3, tmp_path):
 
 def test_model_identity_from_a_manifest(tiny, tiny_manifest, monkeypatch):
     assert identity.model_identity(tiny, manifest=tiny_manifest) == "sha256:" + _sha(tiny)
-    monkeypatch.setattr(identity, "_file_sha256", lambda p: pytest.fail("rehashed"))
+    monkeypatch.setattr(identity, "sha256_file", lambda p: pytest.fail("rehashed"))
     assert identity.model_identity(tiny, manifest=tiny_manifest) == "sha256:" + _sha(tiny)
     _flip(tiny, 100)
     with pytest.raises(errors.ArtifactMismatch, match="header"):

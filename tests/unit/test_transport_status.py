@@ -10,12 +10,7 @@ from dgr.transport import status as st
 
 
 def all_error_classes():
-    seen, todo = [], [E.DgrError]
-    while todo:
-        c = todo.pop()
-        seen.append(c)
-        todo.extend(c.__subclasses__())
-    return [c for c in seen if c.__module__ == "dgr.errors"]
+    return [c for c in E.all_classes() if c.__module__ == "dgr.errors"]
 
 
 def test_every_listed_class_is_a_dgr_error_and_every_session_class_is_listed():
