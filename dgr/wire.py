@@ -39,9 +39,11 @@ __all__ = [
     "WANTS",
     "RESULT_KINDS",
     "Sampling",
+    "Hop",
     "Forward",
     "Result",
     "ErrorReply",
+    "Hello",
     "Message",
     "Frame",
     "encode",
@@ -56,7 +58,8 @@ MAGIC = b"DGRF"
 #: Incompatible changes (prefix, payload layouts, checksum, field meaning) bump this.
 FORMAT_VERSION = 1
 #: Compatible changes (a field appended with a default) bump this.
-SCHEMA_VERSION = 1
+#: 2: ``Forward.relay`` / ``Forward.reply_to`` and the ``Hello`` message (direct relay).
+SCHEMA_VERSION = 2
 #: magic[4] version:u8 flags:u8 reserved:u16 header_len:u32 header_sum:u32, little endian.
 _PREFIX = struct.Struct("<4sBBHII")
 PREFIX_SIZE = _PREFIX.size  # 16
@@ -109,6 +112,17 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True, kw_only=True):
     greedy: bool = False
 
 
+class Hop(msgspec.Struct, frozen=True, array_like=True, kw_only=True):
+    """A stage further down a relayed route (``Forward.relay``).
+
+    ``endpoint`` is the stage's data-plane ``host:port``; ``tokens`` says whether the frame
+    sent to it must carry the token ids (its range routes by token id).
+    """
+
+    endpoint: str
+    tokens: bool = False
+
+
 class Forward(msgspec.Struct, tag=1, array_like=True, frozen=True, kw_only=True):
     """A step request: run layers from ``layer`` on ``n_tokens`` tokens of ``session``.
 
@@ -138,6 +152,8 @@ class Forward(msgspec.Struct, tag=1, array_like=True, frozen=True, kw_only=True)
     want: str = "boundary"
     rows: Union[list[_NonNeg32], None] = None
     sampling: Union[Sampling, None] = None
+    relay: Union[list[Hop], None] = None
+    reply_to: str = ""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -203,8 +219,20 @@ class ErrorReply(msgspec.Struct, tag=3, array_like=True, frozen=True, kw_only=Tr
         return exc
 
 
-Message = Union[Forward, Result, ErrorReply]
-_BY_TAG = {1: Forward, 2: Result, 3: ErrorReply}
+class Hello(msgspec.Struct, tag=4, array_like=True, frozen=True, kw_only=True):
+    """First frame a driver sends on a data-plane connection (docs/dataplane.md).
+
+    ``route`` names the connection as a return path: the worker sends the ``Result`` of a
+    relayed step whose ``Forward.reply_to`` equals it (last stage), and any ``ErrorReply``
+    for such a step, back on this connection. Never carries a payload.
+    """
+
+    schema: _Schema = SCHEMA_VERSION
+    route: str = ""
+
+
+Message = Union[Forward, Result, ErrorReply, Hello]
+_BY_TAG = {1: Forward, 2: Result, 3: ErrorReply, 4: Hello}
 
 
 class Frame(msgspec.Struct, frozen=True, eq=False):
@@ -358,6 +386,8 @@ def _check_forward(h: Forward) -> str | None:
             return "Forward.rows is empty (use None for the last row)"
         if max(h.rows) >= n:
             return f"Forward.rows names row {max(h.rows)} but n_tokens is {n}"
+    if h.relay is not None and not h.reply_to:
+        return "Forward.relay is set but reply_to is empty (where would the result go?)"
     return None
 
 
@@ -411,12 +441,12 @@ def _prepare(
                 raise InvalidBoundary(
                     f"Result.rows x cols is {header.rows} x {header.cols} but no array was given"
                 )
-        elif cls is not ErrorReply:
+        elif cls is not ErrorReply and cls is not Hello:
             raise InvalidArgument(f"cannot encode {cls.__name__}: not a dgr wire message")
         err = _check_forward(header) if cls is Forward else _check_result(header) if cls is Result else None
         if err:
             raise InvalidArgument(err)
-        if cls is ErrorReply:
+        if cls is ErrorReply or cls is Hello:
             return header, b""
         return (
             msgspec.structs.replace(
@@ -677,9 +707,9 @@ def _decode(buf: Any, max_payload: int, max_header: int) -> Frame:
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise FrameError(f"invalid frame header: {_explain(str(e), hbytes)}") from None
     cls = type(h)
-    if cls is ErrorReply:
+    if cls is ErrorReply or cls is Hello:
         if size != poff:
-            raise FrameError(f"ErrorReply carries {size - poff} payload bytes, must carry none")
+            raise FrameError(f"{cls.__name__} carries {size - poff} payload bytes, must carry none")
         return Frame(h, None)
 
     err = _check_forward(h) if cls is Forward else _check_result(h)

@@ -53,23 +53,16 @@ class _Window:
         return sum(n for _, n, _ in self.items) / span
 
 
-class _QueuedRelease:
-    """The session table's view of the engine: ``release`` runs in order with compute."""
+class _DeferredRelease:
+    """The session table's view of the engine: a released slot is queued and dropped from the
+    engine by the next compute, before it runs (so a slot handed to a new session is always
+    empty when that session's first step runs, and table calls never wait for compute)."""
 
     def __init__(self, worker: Worker):
         self.w = worker
 
     def release(self, slot: int) -> None:
-        w = self.w
-        if w.inline:
-            w.engine.release(slot)
-        else:
-            w._submit(w.engine.release, slot).add_done_callback(_log_failure)
-
-
-def _log_failure(fut) -> None:
-    if fut.exception() is not None:  # pragma: no cover - release of a valid slot cannot fail
-        log.error("slot release failed: %s", fut.exception())
+        self.w._releases.append(slot)  # the caller holds the table lock
 
 
 class Worker:
@@ -120,7 +113,13 @@ class Worker:
         self.width = int(engine.n_embd_boundary)
         self.eog_tokens = [t for t in range(engine.n_vocab) if engine.is_eog(t)]
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="dgr-compute")
-        self.table = SessionTable(_QueuedRelease(self), engine.n_slots, self.settings["n_ctx"],
+        #: guards the session table (short sections only: the event loop takes it)
+        self.lock = threading.RLock()
+        #: held while the engine computes (compute thread or data-plane threads)
+        self.engine_lock = threading.Lock()
+        self._releases: list[int] = []  # slots released by the table, not yet by the engine
+        self._counts = threading.Lock()  # counters bumped by the loop and data threads
+        self.table = SessionTable(_DeferredRelease(self), engine.n_slots, self.settings["n_ctx"],
                                   ttl=ttl, evict_after=evict_after, listener=self._event)
         self.draining = False
         self.inflight = 0
@@ -134,6 +133,11 @@ class Worker:
         self.computing = 0
         self.engine_restarts = 0
         self.last_error, self.last_error_at = "", None
+        # fast data plane (dgr.transport.dataplane): set by serve_data()
+        self.data_server = None
+        self.links = None
+        self._returns: dict[str, Any] = {}  # route id -> the driver's return connection
+        self._tls = threading.local()  # per data-connection-thread reusable buffers
 
     # -- logging -------------------------------------------------------------------------
 
@@ -167,6 +171,7 @@ class Worker:
             steps_total=self.steps_total, errors_total=self.errors_total,
             uptime_s=time.monotonic() - self.started,
             capability_json=self.capability_json(),
+            data_port=self.data_server.port if self.data_server is not None else 0,
         )
 
     def capability(self):
@@ -185,7 +190,8 @@ class Worker:
             return b""
 
     def release(self, session: str) -> bool:
-        return self.table.release(session)
+        with self.lock:
+            return self.table.release(session)
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool):
         return self.engine.tokenize(text, add_special, parse_special)
@@ -196,7 +202,8 @@ class Worker:
     # -- data plane ----------------------------------------------------------------------
 
     def _error(self, exc: BaseException, session: str = "", epoch: int = 0) -> bytes:
-        self.errors_total += 1
+        with self._counts:
+            self.errors_total += 1
         self.last_error, self.last_error_at = f"{type(exc).__name__}: {exc}", time.monotonic()
         if isinstance(exc, (errors.SessionError, errors.ModelMismatch, errors.RouteError)):
             log.info("refused session=%s epoch=%d: %s: %s", session or "-", epoch,
@@ -207,7 +214,7 @@ class Worker:
 
     def _check(self, h, array) -> None:
         if type(h) is not wire.Forward:
-            raise errors.FrameError(f"a Step stream takes Forward frames, got {type(h).__name__}")
+            raise errors.FrameError(f"a step takes Forward frames, got {type(h).__name__}")
         if h.model != self.identity:
             theirs, _, their_tag = h.model.partition("+")
             if theirs == self.model_identity:
@@ -237,12 +244,22 @@ class Worker:
                 raise errors.MissingTokenIds(
                     f"layers [{self.layers[0]}, {self.layers[1]}) route by token id: send the "
                     "token ids with the boundary")
-        if not self.is_last and h.want != "boundary":
+        if h.reply_to:  # relayed: want/sampling are the last stage's, carried along
+            if not self.is_last and not h.relay:
+                raise errors.RouteError(
+                    f"relayed frame ends its route at layer {self.layers[1]} of {self.n_layer}:"
+                    " Forward.relay names no next stage")
+            if self.is_last and h.relay:
+                raise errors.RouteError(
+                    f"this worker runs the last layers; Forward.relay names {len(h.relay)} more "
+                    "stage(s)")
+        elif not self.is_last and h.want != "boundary":
             raise errors.InvalidArgument(
                 f"want={h.want!r} asks for the last stage's output; this stage ends at layer "
                 f"{self.layers[1]} of {self.n_layer} and returns a boundary")
 
     async def step(self, data: bytes) -> bytes:
+        """One gRPC ``Step`` frame: compute off the event loop, reply with a frame."""
         t_arrive = time.perf_counter()
         try:
             frame = wire.decode(data, max_payload=self.max_payload)
@@ -254,33 +271,47 @@ class Worker:
             return self._error(errors.WorkerDraining(
                 "this worker is draining (shutting down): the step was not run"), session, epoch)
         try:
+            if getattr(h, "reply_to", ""):
+                raise errors.InvalidArgument("relayed frames (reply_to) travel on the data "
+                                             "plane, not on a gRPC Step stream")
             self._check(h, frame.array)
-            lease = self.table.acquire(h.session, h.epoch, h.first_pos, h.n_tokens)
+            with self.lock:
+                lease = self.table.acquire(h.session, h.epoch, h.first_pos, h.n_tokens)
         except Exception as e:  # noqa: BLE001 - every refusal is an ErrorReply
             return self._error(e, session, epoch)
-        self.inflight += 1
+        self._busy(1)
         try:
             if self.inline or (h.n_tokens == 1 and self.inline_below_ms > 0
                                and 0 < self.window.decode_ms < self.inline_below_ms
                                and not self._pending):
                 self.inline_steps += 1
-                reply, seconds = self._counted_compute(lease, h, frame.array)
+                out = self._counted_compute(lease, h, frame.array)
             else:
-                reply, seconds = await asyncio.wrap_future(
+                out = await asyncio.wrap_future(
                     self._submit(self._counted_compute, lease, h, frame.array))
         except BaseException as e:
-            self.table.abort(lease, f"{type(e).__name__}: {e}")
+            with self.lock:
+                self.table.abort(lease, f"{type(e).__name__}: {e}")
             if not isinstance(e, Exception):
                 raise
             return self._error(e, session, epoch)
         finally:
-            self.inflight -= 1
-        self.table.commit(lease)
-        self.steps_total += 1
-        self.window.add(h.n_tokens, seconds)
-        if h.n_tokens == 1:
-            self.hop_ms.append((time.perf_counter() - t_arrive) * 1e3)
-        return reply
+            self._busy(-1)
+        with self.lock:
+            self.table.commit(lease)
+        self._account(h.n_tokens, out[3], t_arrive)
+        return self._reply(h, frame.array, *out[:3])
+
+    def _account(self, n_tokens: int, seconds: float, t_arrive: float) -> None:
+        with self._counts:
+            self.steps_total += 1
+            self.window.add(n_tokens, seconds)
+            if n_tokens == 1:
+                self.hop_ms.append((time.perf_counter() - t_arrive) * 1e3)
+
+    def _busy(self, delta: int) -> None:
+        with self._counts:
+            self.inflight += delta
 
     def _submit(self, fn, *args):
         """Run ``fn`` on the compute thread (FIFO), counted in ``_pending`` until it ends."""
@@ -294,15 +325,24 @@ class Worker:
         with self._pending_lock:
             self._pending -= 1
 
-    def _counted_compute(self, lease: Lease, h: wire.Forward, array) -> tuple[bytes, float]:
-        self.computing += 1  # one compute thread: 0 or 1
-        try:
-            return self._compute(lease, h, array)
-        finally:
-            self.computing -= 1
+    def _counted_compute(self, lease: Lease, h: wire.Forward, array, out=None):
+        with self.engine_lock:
+            with self.lock:
+                releases, self._releases = self._releases, []
+            for slot in releases:
+                self.engine.release(slot)
+            self.computing += 1  # computes are serialized by the engine lock: 0 or 1
+            try:
+                return self._compute(lease, h, array, out)
+            finally:
+                self.computing -= 1
 
-    def _compute(self, lease: Lease, h: wire.Forward, array) -> tuple[bytes, float]:
-        """Run one step on the engine (compute thread): (reply frame, compute seconds)."""
+    def _compute(self, lease: Lease, h: wire.Forward, array, out=None):
+        """Run one step on the engine (lock held): (kind, array, tokens, compute seconds).
+
+        ``kind`` is ``"boundary"`` (not the last stage), ``"logits"`` or ``"none"``;
+        ``out`` is an optional reusable output buffer for the boundary.
+        """
         eng = self.engine
         n = h.n_tokens
         tokens = None
@@ -312,12 +352,11 @@ class Worker:
                      else h.first_pos)
         t0 = time.perf_counter()
         if not self.is_last:
-            out = eng.forward(lease.slot, positions, tokens, boundary=array)
-            dt = time.perf_counter() - t0
-            res = wire.Result(session=h.session, epoch=h.epoch, first_pos=h.first_pos,
-                              n_tokens=n, kind="boundary", layer=self.layers[1])
-            codec = h.codec if array is not None else "raw"
-            return wire.encode(res, out, codec=codec, compress=h.compression == "zstd"), dt
+            if out is None:
+                res = eng.forward(lease.slot, positions, tokens, boundary=array)
+            else:
+                res = eng.forward(lease.slot, positions, tokens, boundary=array, out=out)
+            return "boundary", res, None, time.perf_counter() - t0
         want = h.want
         if want == "boundary":  # the last stage has no boundary: run, return nothing
             rows: list[int] = []
@@ -336,19 +375,153 @@ class Worker:
             pos = [(h.positions[r] if h.positions is not None else first + r) + 1 for r in rows]
             toks = sample_rows(logits, pos, h.sampling)
         if want in ("logits", "token+logits"):
-            res = wire.Result(session=h.session, epoch=h.epoch, first_pos=h.first_pos,
-                              n_tokens=n, kind="logits", tokens=toks)
-            return wire.encode(res, np.ascontiguousarray(logits)), dt
-        res = wire.Result(session=h.session, epoch=h.epoch, first_pos=h.first_pos, n_tokens=n,
-                          tokens=toks)
-        return wire.encode(res), dt
+            return "logits", logits, toks, dt
+        return "none", None, toks, dt
+
+    def _reply(self, h: wire.Forward, array, kind: str, res, toks) -> bytes:
+        """The reply frame of a hop-by-hop step."""
+        if kind == "boundary":
+            r = wire.Result(session=h.session, epoch=h.epoch, first_pos=h.first_pos,
+                            n_tokens=h.n_tokens, kind="boundary", layer=self.layers[1])
+            codec = h.codec if array is not None else "raw"
+            return wire.encode(r, res, codec=codec, compress=h.compression == "zstd")
+        r = wire.Result(session=h.session, epoch=h.epoch, first_pos=h.first_pos,
+                        n_tokens=h.n_tokens, kind=kind, tokens=toks)
+        return wire.encode(r, None if res is None else np.ascontiguousarray(res))
+
+    # -- fast data plane (dgr.transport.dataplane, docs/dataplane.md) ----------------------
+
+    def serve_data(self, host: str, port: int = 0) -> int:
+        """Start the TCP data plane on ``host:port``; returns the bound port."""
+        from .transport.dataplane import DataServer, Links
+
+        self.links = Links()
+        self.data_server = DataServer(self._data_connection, host, port).start()
+        return self.data_server.port
+
+    def stop_data(self) -> None:
+        if self.data_server is not None:
+            self.data_server.stop()
+        if self.links is not None:
+            self.links.close()
+
+    def _data_connection(self, conn) -> None:
+        """One data-plane connection (its own thread): frames in order until EOF."""
+        tls = self._tls
+        tls.out = None  # reusable boundary buffer of this thread
+        tls.buf = bytearray()  # reusable encode buffer of this thread
+        try:
+            while True:
+                try:
+                    view = conn.recv()
+                except errors.FrameError as e:  # an unframeable stream: answer, hang up
+                    conn.send(self._error(e))
+                    return
+                if view is None:
+                    return
+                self._data_frame(conn, view)
+        finally:
+            if conn.route:
+                with self.lock:
+                    if self._returns.get(conn.route) is conn:
+                        del self._returns[conn.route]
+
+    def _send_back(self, conn, reply_to: str, frame) -> None:
+        """Send a reply: to the route's return connection when relayed, else to ``conn``."""
+        if reply_to:
+            target = self._returns.get(reply_to)
+            if target is None:
+                log.warning("no return connection for route %s: reply dropped", reply_to)
+                return
+        else:
+            target = conn
+        try:
+            target.send(frame)
+        except OSError as e:
+            log.info("return connection of route %s broke: %s", reply_to or conn.name, e)
+
+    def _data_frame(self, conn, view) -> None:
+        t_arrive = time.perf_counter()
+        try:
+            frame = wire.decode(view, max_payload=self.max_payload)
+        except errors.FrameError as e:
+            self._send_back(conn, "", self._error(e))
+            return
+        h = frame.header
+        if type(h) is wire.Hello:
+            conn.route = h.route
+            with self.lock:
+                self._returns[h.route] = conn
+            return
+        session, epoch = getattr(h, "session", ""), getattr(h, "epoch", 0)
+        reply_to = getattr(h, "reply_to", "")
+        array = frame.array
+        tls = self._tls
+        try:
+            self._check(h, array)
+            if reply_to and reply_to not in self._returns:
+                raise errors.RouteError(f"relayed frame names route {reply_to!r}, which sent "
+                                        "this worker no Hello (no return connection)")
+            if self.draining:
+                raise errors.WorkerDraining(
+                    "this worker is draining (shutting down): the step was not run")
+            with self.lock:
+                lease = self.table.acquire(h.session, h.epoch, h.first_pos, h.n_tokens)
+            self._busy(1)
+            try:
+                out = tls.out
+                if not self.is_last and (out is None or out.shape[0] < h.n_tokens):
+                    out = tls.out = np.empty((max(h.n_tokens, 1), self.width), np.float32)
+                kind, res, toks, seconds = self._counted_compute(lease, h, array, out)
+            except BaseException as e:
+                with self.lock:
+                    self.table.abort(lease, f"{type(e).__name__}: {e}")
+                raise
+            finally:
+                self._busy(-1)
+            with self.lock:
+                self.table.commit(lease)
+            self._account(h.n_tokens, seconds, t_arrive)
+        except Exception as e:  # noqa: BLE001 - every refusal is an ErrorReply
+            self._send_back(conn, reply_to, self._error(e, session, epoch))
+            return
+        # the engine is free again: encode and send outside the lock (buffers are this
+        # thread's own)
+        try:
+            if not reply_to:
+                self._send_back(conn, "", self._reply(h, array, kind, res, toks))
+            elif not self.is_last:
+                self._relay(h, array, res)
+            else:
+                r = wire.Result(session=h.session, epoch=h.epoch, first_pos=h.first_pos,
+                                n_tokens=h.n_tokens, kind=kind, tokens=toks)
+                buf = tls.buf
+                wire.encode_into(r, None if res is None else np.ascontiguousarray(res), buf)
+                self._send_back(conn, reply_to, buf)
+        except Exception as e:  # noqa: BLE001 - e.g. the next stage is unreachable
+            self._send_back(conn, reply_to, self._error(e, session, epoch))
+
+    def _relay(self, h: wire.Forward, array, res) -> None:
+        """Forward this stage's boundary to the next stage named by ``h.relay``."""
+        nxt = h.relay[0]
+        n = h.n_tokens
+        nh = wire.Forward(model=h.model, session=h.session, epoch=h.epoch,
+                          first_pos=h.first_pos, n_tokens=n, layer=self.layers[1],
+                          positions=h.positions, tokens=h.tokens if nxt.tokens else None,
+                          want=h.want, rows=h.rows, sampling=h.sampling, relay=h.relay[1:],
+                          reply_to=h.reply_to)
+        codec = h.codec if array is not None else "raw"
+        buf = self._tls.buf
+        wire.encode_into(nh, res[:n], buf, codec=codec, compress=h.compression == "zstd")
+        self.links.send(nxt.endpoint, buf)
 
     # -- lifecycle -----------------------------------------------------------------------
 
     async def housekeeping(self, period: float) -> None:
         while True:
             await asyncio.sleep(period)
-            self.table.expire()
+            with self.lock:
+                self.table.expire()
 
     async def drain(self, server: ShardServer, timeout: float) -> None:
         """Stop taking work, let in-flight steps finish (up to ``timeout`` s), stop serving."""
@@ -364,7 +537,9 @@ class Worker:
         if self.inflight:
             log.warning("drain timeout: %d step(s) still running", self.inflight)
         await server.stop(grace=0.5)
-        self.table.clear()
+        self.stop_data()
+        with self.lock:
+            self.table.clear()
         self.executor.shutdown(wait=True)
         log.info("drained; %d steps served", self.steps_total)
 
@@ -375,10 +550,12 @@ class Worker:
 class ThreadedWorker:
     """Serve an engine from a background thread of this process (tests, embedding).
 
-    Parameters are ``Worker``'s plus ``listen``; ``address`` is the bound ``host:port``.
+    Parameters are ``Worker``'s plus ``listen`` and ``data_port`` (the fast data plane's port; 0: any
+    free one, None: no data plane); ``address`` is the bound ``host:port``.
     """
 
-    def __init__(self, engine, listen: str = "127.0.0.1:0", **worker_kw):
+    def __init__(self, engine, listen: str = "127.0.0.1:0", *, data_port: int | None = 0,
+                 **worker_kw):
         import threading
 
         self.loop = asyncio.new_event_loop()
@@ -399,6 +576,8 @@ class ThreadedWorker:
             raise
         self.address = self.server.address
         self.worker.name = self.address
+        if data_port is not None:
+            self.worker.serve_data(self.address.rsplit(":", 1)[0], data_port)
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
@@ -410,6 +589,7 @@ class ThreadedWorker:
     def stop(self) -> None:
         if self.loop.is_running():
             self._run(self.server.stop(None))  # a no-op after drain()
+            self.worker.stop_data()
             self.worker.executor.shutdown(wait=True)
         self._close_loop()
 
@@ -668,6 +848,13 @@ async def _serve(args) -> int:
     server = ShardServer(worker, args.listen, maximum_concurrent_rpcs=args.max_streams)
     await server.start()
     addr = server.address
+    if args.data_port >= 0:
+        try:
+            worker.serve_data(addr.rsplit(":", 1)[0].strip("[]"), args.data_port)
+        except BaseException:
+            await server.stop(None)
+            raise
+        log.info("data plane (direct relay) on port %d", worker.data_server.port)
     worker.name = addr
     a, b = worker.layers
     log.info("serving %s layers [%d, %d) of %d, %s, %d slots, loaded in %.1f s", engine.arch, a,
@@ -731,6 +918,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", help="owned range A:B (default: the whole model)")
     p.add_argument("--listen", default="127.0.0.1:0",
                    help="host:port to bind (default 127.0.0.1:0: loopback, a free port)")
+    p.add_argument("--data-port", type=int, default=0,
+                   help="TCP port of the fast data plane (length-prefixed frames, direct relay; "
+                        "docs/dataplane.md) on the --listen host (default 0: any free port, "
+                        "advertised in Describe; -1: none, steps only over gRPC)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
     p.add_argument("--ubatch", type=int, default=64, help="tokens per compute chunk (default 64)")
     p.add_argument("--ctx", type=int, default=1024, help="context tokens per slot (default 1024)")

@@ -114,12 +114,21 @@ class StageInfo:
     steps_total: int
     errors_total: int
     uptime_s: float
+    #: TCP port of the worker's fast data plane on the endpoint's host (0: none)
+    data_port: int = 0
     extra: dict = field(default_factory=dict)
 
     @functools.cached_property
     def identity(self) -> str:
         """The stage identity frames must carry (model and numeric settings)."""
         return stage_identity(self.model_identity, self.settings)
+
+    @property
+    def data_endpoint(self) -> str | None:
+        """``host:port`` of the fast data plane (the gRPC endpoint's host), None without one."""
+        if not self.data_port:
+            return None
+        return f"{self.endpoint.rsplit(':', 1)[0]}:{self.data_port}"
 
     @classmethod
     def from_proto(cls, endpoint: str, r) -> StageInfo:
@@ -140,7 +149,7 @@ class StageInfo:
             wire_format_version=r.wire_format_version,
             wire_schema_version=r.wire_schema_version, weight_bytes=r.weight_bytes,
             kv_bytes=r.kv_bytes, steps_total=r.steps_total, errors_total=r.errors_total,
-            uptime_s=r.uptime_s)
+            uptime_s=r.uptime_s, data_port=r.data_port)
 
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "extra"}

@@ -34,7 +34,7 @@ SETTINGS = settings(
 FORWARD_FIELDS = (
     "schema", "model", "session", "epoch", "first_pos", "n_tokens", "layer", "width",
     "streams", "dtype", "codec", "compression", "payload_len", "checksum", "positions",
-    "tokens", "want", "rows", "sampling",
+    "tokens", "want", "rows", "sampling", "relay", "reply_to",
 )
 RESULT_FIELDS = (
     "schema", "session", "epoch", "first_pos", "n_tokens", "kind", "layer", "rows", "cols",
@@ -42,6 +42,8 @@ RESULT_FIELDS = (
 )
 ERROR_FIELDS = ("schema", "code", "message", "session", "epoch", "retry_after")
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "greedy")
+HOP_FIELDS = ("endpoint", "tokens")
+HELLO_FIELDS = ("schema", "route")
 
 
 # --- an independent encoder written from docs/wire.md -----------------------------
@@ -74,10 +76,11 @@ def build(
 def fwd_list(payload: bytes = b"", **kw: object) -> list:
     """A Forward header as the msgpack array [tag, fields...]; checksum/len follow payload."""
     f = dict(
-        schema=1, model="m", session="s", epoch=1, first_pos=0, n_tokens=2, layer=3, width=4,
+        schema=wire.SCHEMA_VERSION, model="m", session="s", epoch=1, first_pos=0, n_tokens=2,
+        layer=3, width=4,
         streams=1, dtype="f32", codec="raw", compression="none", payload_len=len(payload),
         checksum=xxhash.xxh3_64_intdigest(payload), positions=None, tokens=None,
-        want="boundary", rows=None, sampling=None,
+        want="boundary", rows=None, sampling=None, relay=None, reply_to="",
     )
     for k, v in kw.items():
         assert k in f, k
@@ -124,6 +127,27 @@ def test_field_order_is_the_documented_one() -> None:
     assert wire.Result.__struct_fields__ == RESULT_FIELDS
     assert wire.ErrorReply.__struct_fields__ == ERROR_FIELDS
     assert wire.Sampling.__struct_fields__ == SAMPLING_FIELDS
+    assert wire.Hop.__struct_fields__ == HOP_FIELDS
+    assert wire.Hello.__struct_fields__ == HELLO_FIELDS
+
+
+def test_relay_fields_and_hello_match_the_document() -> None:
+    # independent spelling of docs/wire.md: Forward fields 20-21, Hello = [4, schema, route]
+    hops = [["10.0.0.2:7001", False], ["10.0.0.3:7001", True]]
+    raw = fwd_list(P8, relay=hops, reply_to="r1")
+    f = wire.decode(build(raw, P8))
+    assert f.header.relay == [wire.Hop(endpoint="10.0.0.2:7001"),
+                              wire.Hop(endpoint="10.0.0.3:7001", tokens=True)]
+    assert f.header.reply_to == "r1"
+    h = wire.decode(build([4, 2, "route-a"]))
+    assert type(h.header) is wire.Hello and h.header.route == "route-a" and h.array is None
+    assert wire.decode(wire.encode(wire.Hello(route="x"))).header == wire.Hello(route="x")
+    with pytest.raises(FrameError, match="Hello carries 64 payload bytes"):
+        wire.decode(build([4, 2, "r"], b"x" * 64))
+    with pytest.raises(FrameError, match="reply_to is empty"):
+        wire.decode(build(fwd_list(P8, relay=hops), P8))
+    with pytest.raises(InvalidArgument, match="carries no array"):
+        wire.encode(wire.Hello(route="r"), rand(1, 1))
 
 
 def test_prefix_layout_and_alignment() -> None:

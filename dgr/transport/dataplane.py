@@ -1,0 +1,381 @@
+"""The fast data plane: ``dgr.wire`` frames over persistent TCP connections (docs/dataplane.md).
+
+gRPC stays the control plane (describe, release, health) and the portable data plane (the
+``Step`` stream). This module carries the same frames over plain TCP, each preceded by its
+length (u32, little endian), for the hot path:
+
+- a worker serves a data port next to its gRPC port (``DataServer``); one thread per
+  connection reads frames into a reused buffer and hands them to the worker as views (the
+  boundary is never copied in Python on its way into the engine);
+- with direct relay a stage sends its output straight to the next stage over a pooled
+  connection (``Links``) and only the last stage (or a stage that fails) answers the driver,
+  on the driver's return connection for that route (``wire.Hello``);
+- the driver side (``AsyncLink``) is an asyncio protocol that parses replies as they arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import struct
+import threading
+from typing import Callable
+
+from .. import errors, wire
+
+__all__ = ["LEN", "MAX_FRAME", "FrameSocket", "DataServer", "Links", "AsyncLink",
+           "connect", "split_endpoint"]
+
+log = logging.getLogger("dgr.transport")
+
+#: Every frame on a data-plane connection is preceded by its length in bytes.
+LEN = struct.Struct("<I")
+#: Largest frame accepted: the wire's own payload and header limits plus prefix and padding.
+MAX_FRAME = wire.MAX_PAYLOAD + wire.MAX_HEADER + 4096
+#: Receive buffers start at this size and grow to the largest frame seen on the connection.
+_INITIAL_BUFFER = 1 << 16
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    try:
+        return host.strip("[]"), int(port)
+    except ValueError:
+        raise errors.InvalidArgument(f"not a host:port endpoint: {endpoint!r}") from None
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def connect(endpoint: str, timeout: float) -> socket.socket:
+    """A connected, tuned, blocking TCP socket to ``endpoint``.
+
+    Raises
+    ------
+    dgr.errors.WorkerUnavailable
+        Not reachable within ``timeout`` seconds.
+    """
+    host, port = split_endpoint(endpoint)
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as e:
+        raise errors.WorkerUnavailable(f"{endpoint}: data plane unreachable ({e})") from None
+    sock.settimeout(None)
+    _tune(sock)
+    return sock
+
+
+class FrameSocket:
+    """A blocking socket carrying length-prefixed frames.
+
+    ``recv`` belongs to one thread and returns a view into a buffer that the next ``recv``
+    overwrites; ``send`` may be called from any thread (a lock keeps frames whole).
+    """
+
+    def __init__(self, sock: socket.socket, name: str = ""):
+        self.sock = sock
+        self.name = name
+        self._send_lock = threading.Lock()
+        self._buf = bytearray(_INITIAL_BUFFER)
+        self._view = memoryview(self._buf)
+        self._len = bytearray(LEN.size)
+        self._len_view = memoryview(self._len)
+        self.closed = False
+        #: set by the owner: e.g. the route id a driver named in its ``Hello``
+        self.route = ""
+
+    def _fill(self, view: memoryview) -> bool:
+        """Read exactly ``len(view)`` bytes; False on a clean EOF before the first byte."""
+        got, n = 0, len(view)
+        recv_into = self.sock.recv_into
+        while got < n:
+            k = recv_into(view[got:] if got else view)
+            if not k:
+                if got:
+                    raise ConnectionError(f"connection closed inside a frame ({got}/{n} bytes)")
+                return False
+            got += k
+        return True
+
+    def recv(self) -> memoryview | None:
+        """The next frame (a view valid until the next ``recv``), or None at end of stream.
+
+        Raises
+        ------
+        dgr.errors.FrameTooLarge
+            The length prefix claims more than ``MAX_FRAME`` bytes (the stream is unusable).
+        ConnectionError, OSError
+            The connection broke.
+        """
+        if not self._fill(self._len_view):
+            return None
+        (size,) = LEN.unpack(self._len)
+        if size > MAX_FRAME:
+            raise errors.FrameTooLarge(f"frame of {size} bytes exceeds the data plane's "
+                                       f"{MAX_FRAME}")
+        if size > len(self._buf):
+            self._view.release()
+            self._buf = bytearray(size)
+            self._view = memoryview(self._buf)
+        view = self._view[:size]
+        if size and not self._fill(view):
+            raise ConnectionError("connection closed after a frame length")
+        return view
+
+    def send(self, frame) -> None:
+        """Send one frame (bytes-like); thread-safe.
+
+        Raises
+        ------
+        OSError
+            The connection broke (it is closed then).
+        """
+        size = len(frame) if not isinstance(frame, memoryview) else frame.nbytes
+        head = LEN.pack(size)
+        with self._send_lock:
+            try:
+                sent = self.sock.sendmsg((head, frame))
+                total = LEN.size + size
+                if sent < total:  # rare: a large frame and a full socket buffer
+                    rest = memoryview(head + bytes(frame))[sent:] if sent < LEN.size else \
+                        memoryview(frame).cast("B")[sent - LEN.size:]
+                    self.sock.sendall(rest)
+            except OSError:
+                self.close()
+                raise
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+class DataServer:
+    """Accepts data-plane connections; runs ``handler(conn)`` on a thread per connection.
+
+    ``handler`` reads frames with ``conn.recv()`` until it returns None and must not raise
+    for a bad frame (it answers with an ``ErrorReply``); the connection is closed after it
+    returns.
+    """
+
+    def __init__(self, handler: Callable[[FrameSocket], None], host: str = "127.0.0.1",
+                 port: int = 0):
+        self.handler = handler
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._sock.bind((host, port))
+        except OSError as e:
+            self._sock.close()
+            raise errors.InvalidArgument(f"cannot listen on {host}:{port} (data plane): {e}") \
+                from None
+        self._sock.listen(128)
+        self.host = host
+        self.port = self._sock.getsockname()[1]
+        self._conns: set[FrameSocket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, name="dgr-data-accept",
+                                        daemon=True)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> DataServer:
+        self._thread.start()
+        return self
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, peer = self._sock.accept()
+            except OSError:
+                return  # closed
+            _tune(sock)
+            conn = FrameSocket(sock, f"{peer[0]}:{peer[1]}")
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="dgr-data-conn",
+                             daemon=True).start()
+
+    def _serve(self, conn: FrameSocket) -> None:
+        try:
+            self.handler(conn)
+        except (ConnectionError, OSError) as e:
+            if not conn.closed:
+                log.debug("data connection %s broke: %s", conn.name, e)
+        except Exception:  # noqa: BLE001 - a handler bug must not go unnoticed
+            log.exception("data connection %s failed", conn.name)
+        finally:
+            conn.close()
+            with self._lock:
+                self._conns.discard(conn)
+
+    def stop(self) -> None:
+        """Stop accepting and close every connection."""
+        with self._lock:
+            self._closed = True
+            conns = list(self._conns)
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        for c in conns:
+            c.close()
+
+
+class Links:
+    """Outgoing data-plane connections of a worker, one per next-hop endpoint, reused.
+
+    A reader thread per link notices when the peer goes away (EOF), so the next send
+    reconnects instead of writing into a dead connection.
+    """
+
+    def __init__(self, connect_timeout: float = 2.0):
+        self.connect_timeout = connect_timeout
+        self._links: dict[str, FrameSocket] = {}
+        self._lock = threading.Lock()
+
+    def get(self, endpoint: str) -> FrameSocket:
+        link = self._links.get(endpoint)
+        if link is not None and not link.closed:
+            return link
+        with self._lock:
+            link = self._links.get(endpoint)
+            if link is not None and not link.closed:
+                return link
+            link = FrameSocket(connect(endpoint, self.connect_timeout), endpoint)
+            self._links[endpoint] = link
+        threading.Thread(target=self._watch, args=(link,), name="dgr-data-link",
+                         daemon=True).start()
+        return link
+
+    @staticmethod
+    def _watch(link: FrameSocket) -> None:
+        try:
+            while link.recv() is not None:
+                pass  # a next stage never writes on a relay link; drop whatever comes
+        except (ConnectionError, OSError, errors.DgrError):
+            pass
+        link.close()
+
+    def send(self, endpoint: str, frame) -> None:
+        """Send ``frame`` to ``endpoint``; reconnects once if the pooled link broke.
+
+        Raises
+        ------
+        dgr.errors.WorkerUnavailable
+            The endpoint cannot be reached.
+        """
+        for attempt in (0, 1):
+            link = self.get(endpoint)
+            try:
+                link.send(frame)
+                return
+            except OSError as e:
+                if attempt:
+                    raise errors.WorkerUnavailable(
+                        f"next stage {endpoint}: data plane send failed ({e})") from None
+
+    def close(self) -> None:
+        with self._lock:
+            links, self._links = list(self._links.values()), {}
+        for link in links:
+            link.close()
+
+
+# --- driver side (asyncio) --------------------------------------------------------------
+
+
+class _Protocol(asyncio.Protocol):
+    def __init__(self, link: AsyncLink):
+        self.link = link
+        self.buf = bytearray()
+
+    def connection_made(self, transport) -> None:
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                _tune(sock)
+            except OSError:
+                pass
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        n = len(buf)
+        off = 0
+        while n - off >= 4:
+            (size,) = LEN.unpack_from(buf, off)
+            if size > MAX_FRAME:
+                self.link._lost(errors.FrameTooLarge(f"reply of {size} bytes"))
+                self.link.transport.close()
+                return
+            if n - off - 4 < size:
+                break
+            frame = bytes(buf[off + 4:off + 4 + size])
+            off += 4 + size
+            self.link.on_frame(self.link, frame)
+        if off:
+            del buf[:off]
+
+    def connection_lost(self, exc) -> None:
+        self.link._lost(exc)
+
+
+class AsyncLink:
+    """A driver's connection to one worker's data port (asyncio).
+
+    ``on_frame(link, frame_bytes)`` is called for every frame the worker sends;
+    ``on_lost(link, exc)`` once when the connection ends.
+    """
+
+    def __init__(self, endpoint: str, on_frame, on_lost, index: int = 0):
+        self.endpoint = endpoint
+        self.on_frame = on_frame
+        self.on_lost = on_lost
+        self.index = index
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+
+    async def open(self, timeout: float, hello: wire.Hello | None = None) -> AsyncLink:
+        host, port = split_endpoint(self.endpoint)
+        loop = asyncio.get_running_loop()
+        try:
+            self.transport, _ = await asyncio.wait_for(
+                loop.create_connection(lambda: _Protocol(self), host, port), timeout)
+        except (OSError, asyncio.TimeoutError, TimeoutError) as e:
+            self.closed = True
+            raise errors.WorkerUnavailable(
+                f"{self.endpoint}: data plane unreachable ({type(e).__name__}: {e})") from None
+        if hello is not None:
+            self.send(wire.encode(hello))
+        return self
+
+    def send(self, frame: bytes) -> None:
+        if self.closed or self.transport is None:
+            raise errors.WorkerUnavailable(f"{self.endpoint}: the data connection is closed")
+        self.transport.writelines((LEN.pack(len(frame)), frame))
+
+    def _lost(self, exc) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.on_lost(self, exc)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
