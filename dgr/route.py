@@ -28,6 +28,7 @@ from .chain import generate_local  # noqa: F401  (the in-process reference; re-e
 from .sampling import SamplingParams
 from .transport.client import (DEFAULT_STEP_TIMEOUT, DEFAULT_TIMEOUT, ShardClient, StepStream)
 from .transport.common import StageInfo
+from .transport.dataplane import AsyncLink
 
 __all__ = ["AsyncRoute", "AsyncRouteSession", "Route", "RouteSession", "Generation",
            "StageStats", "check_route", "parse_endpoints", "generate_local"]
@@ -249,6 +250,14 @@ class AsyncRoute:
         Deadline of the connect and describe that vet a replacement worker, seconds.
     backoff : float
         First pause between recovery attempts (doubles each time, at most 2 s), seconds.
+    relay : bool
+        Direct relay over the workers' fast data plane (docs/dataplane.md): the driver sends
+        each step to the first stage, every stage forwards its boundary straight to the next
+        and the last stage answers the driver; a prompt's chunks are all sent at once, so the
+        stages work on consecutive chunks at the same time (pipelined prefill). Same tokens
+        and logits as ``relay=False``, which relays every boundary through the driver over
+        gRPC. Recovery always replays over gRPC (it finds which stage failed). Needs every
+        worker to serve a data port and the raw codec.
     """
 
     def __init__(self, endpoints: str | Sequence[str] | None = None, *,
@@ -258,9 +267,13 @@ class AsyncRoute:
                  max_retries: int = 3, provider: RouteProvider | None = None,
                  spares: Sequence[str] = (), deadline_floor: float = 2.0,
                  deadline_factor: float = 10.0, probe_timeout: float = 1.0,
-                 backoff: float = 0.05):
+                 backoff: float = 0.05, relay: bool = False):
         if codec not in wire.CODECS:
             raise errors.UnknownCodec(f"unknown codec {codec!r} (known: {', '.join(wire.CODECS)})")
+        if relay and (codec != "raw" or compress):
+            raise errors.InvalidArgument(
+                f"relay=True carries raw f32 boundaries stage to stage; codec={codec!r}, "
+                f"compress={compress} need relay=False")
         if endpoints is None and provider is None:
             raise errors.RouteError("a route needs endpoints or a provider")
         self.endpoints = parse_endpoints(endpoints) if endpoints is not None else []
@@ -288,6 +301,14 @@ class AsyncRoute:
         self._retired: list[ShardClient] = []
         #: stage replacements done by this route: (layers, old endpoint, new endpoint)
         self.replacements: list[tuple[tuple[int, int], str, str]] = []
+        # direct relay: data links by endpoint, replies awaited by (session, epoch, first_pos)
+        self.relay = bool(relay)
+        self.route_id = uuid.uuid4().hex
+        self._links: dict[str, AsyncLink] = {}
+        self._hellos: dict[str, asyncio.Future] = {}
+        self._pending: dict[tuple[str, int, int], asyncio.Future] = {}
+        self._link_lock: asyncio.Lock | None = None
+        self.relay_steps = 0
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -310,7 +331,8 @@ class AsyncRoute:
         by_ep = {c.endpoint: c for c in self.clients}
         self.stages = order
         self.clients = [by_ep[s.endpoint] for s in order]
-        self._times = [collections.deque(maxlen=64) for _ in order]
+        # one more for relayed steps (the whole route, per token)
+        self._times = [collections.deque(maxlen=64) for _ in range(len(order) + 1)]
         self._n_measured: dict[int, int] = {}
         self._p99: dict[int, tuple[int, float]] = {}
         self._locks = [asyncio.Lock() for _ in order]
@@ -325,9 +347,109 @@ class AsyncRoute:
         await self.close()
 
     async def close(self) -> None:
+        links, self._links = list(self._links.values()), {}
+        for link in links:
+            link.close()
+        self._fail_pending(errors.WorkerUnavailable("the route was closed"))
         clients, self.clients = self.clients + self._retired, []
         self._retired = []
         await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+
+    # -- direct relay over the data plane -------------------------------------------------
+
+    async def links(self) -> list[AsyncLink]:
+        """Open data links to every stage (once; reopened after a loss) and say ``Hello``.
+
+        Raises
+        ------
+        dgr.errors.RouteError
+            A stage serves no data plane.
+        dgr.errors.WorkerUnavailable
+            A data port cannot be reached (or does not answer the ``Hello``).
+        """
+        if self._link_lock is None:
+            self._link_lock = asyncio.Lock()
+        out = []
+        for i, st in enumerate(self.stages):
+            ep = st.data_endpoint
+            if ep is None:
+                raise errors.RouteError(
+                    f"{st.endpoint} [{st.layers[0]}, {st.layers[1]}) serves no data plane "
+                    "(started with --data-port -1): use relay=False")
+            link = self._links.get(ep)
+            if link is None or link.closed:
+                async with self._link_lock:
+                    link = self._links.get(ep)
+                    if link is None or link.closed:
+                        link = await self._open_link(ep, i)
+            out.append(link)
+        return out
+
+    async def _open_link(self, ep: str, i: int) -> AsyncLink:
+        t = max(self.probe_timeout, 1.0)
+        hello = self._hellos[ep] = asyncio.get_running_loop().create_future()
+        link = await AsyncLink(ep, self._on_frame, self._on_lost, i).open(
+            t, wire.Hello(route=self.route_id))
+        try:  # the echo: this stage knows the return path before any relayed step gets there
+            await asyncio.wait_for(hello, t)
+        except (asyncio.TimeoutError, TimeoutError):
+            link.close()
+            raise errors.WorkerUnavailable(f"{ep}: no answer to the data-plane Hello within "
+                                           f"{t:g} s") from None
+        finally:
+            self._hellos.pop(ep, None)
+        self._links[ep] = link
+        return link
+
+    def _stage_of(self, link: AsyncLink) -> int | None:
+        for i, st in enumerate(self.stages):
+            if st.data_endpoint == link.endpoint:
+                return i
+        return None
+
+    def _on_frame(self, link: AsyncLink, data: bytes) -> None:
+        try:
+            f = wire.decode(data)
+        except errors.FrameError as e:
+            self._fail_pending(e)
+            return
+        h = f.header
+        cls = type(h)
+        if cls is wire.Result:
+            fut = self._pending.pop((h.session, h.epoch, h.first_pos), None)
+            if fut is not None and not fut.done():
+                fut.set_result(f)
+        elif cls is wire.ErrorReply:
+            i = self._stage_of(link)
+            exc = _from_stage(h, self.stages[i]) if i is not None else h.to_exception()
+            # a stage's own refusal (draining) names it; a failed next hop is found by the
+            # recovery's replay
+            exc.stage_index = i if isinstance(exc, errors.WorkerDraining) else None
+            if h.session:
+                self._fail_pending(exc, lambda k: k[0] == h.session and k[1] == h.epoch)
+            else:
+                self._fail_pending(exc)
+        elif cls is wire.Hello:
+            fut = self._hellos.get(link.endpoint)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+
+    def _on_lost(self, link: AsyncLink, exc) -> None:
+        if self._links.get(link.endpoint) is link:
+            del self._links[link.endpoint]
+        err = errors.WorkerUnavailable(f"{link.endpoint}: data connection lost"
+                                       f"{f' ({exc})' if exc else ''}")
+        err.stage_index = self._stage_of(link)
+        self._fail_pending(err)
+        fut = self._hellos.get(link.endpoint)
+        if fut is not None and not fut.done():
+            fut.set_exception(err)
+
+    def _fail_pending(self, exc: BaseException, match=None) -> None:
+        for k in [k for k in self._pending if match is None or match(k)]:
+            fut = self._pending.pop(k)
+            if not fut.done():
+                fut.set_exception(exc)
 
     # -- failure detection and replacement --------------------------------------------------
 
@@ -527,25 +649,98 @@ class AsyncRouteSession:
 
     async def _run(self, toks: list[int], want: str, sampling: wire.Sampling | None
                    ) -> wire.Frame:
-        """One step at the end of ``history``, repaired by re-prefill when a stage lost it
-        (on a replacement worker when the stage itself failed)."""
-        pos = len(self.history)
+        """One step at the end of ``history``; see ``_run_chunks``."""
+        return await self._run_chunks([toks], want, sampling)
+
+    async def _run_chunks(self, chunks: list[list[int]], want: str,
+                          sampling: wire.Sampling | None) -> wire.Frame:
+        """Steps at the end of ``history`` (``want``/``sampling`` apply to the last one),
+        repaired by re-prefill when a stage lost the session (on a replacement worker when
+        the stage itself failed). With relay every chunk is sent at once (pipelined)."""
         err: BaseException | None = None
+        done = 0
         for attempt in range(self.route.max_retries + 1):
             try:
                 if err is not None:
                     await self._recover(err, attempt)
-                f = await self._forward(toks, pos, want, sampling)
+                if self.route.relay:
+                    async for f in self._relayed(chunks[done:], want, sampling):
+                        self._extend(chunks[done])
+                        done += 1
+                else:
+                    while done < len(chunks):
+                        end = done == len(chunks) - 1
+                        f = await self._forward(chunks[done], len(self.history),
+                                                want if end else "boundary",
+                                                sampling if end else None)
+                        self._extend(chunks[done])
+                        done += 1
             except errors.DgrError as e:
                 if not retryable(e):  # bad request, model mismatch, no healthy worker, ...
                     raise
                 err = e
                 continue
-            self.history.extend(toks)
-            self.steps.append((pos, len(toks)))
             return f
         assert err is not None
         raise err
+
+    def _extend(self, toks: list[int]) -> None:
+        self.steps.append((len(self.history), len(toks)))
+        self.history.extend(toks)
+
+    async def _relayed(self, chunks: list[list[int]], want: str,
+                       sampling: wire.Sampling | None) -> AsyncIterator[wire.Frame]:
+        """Send every chunk to the first stage at once (direct relay); yield each chunk's
+        reply from the last stage, in order."""
+        r = self.route
+        links = await r.links()
+        hops = [wire.Hop(endpoint=st.data_endpoint, tokens=st.needs_token_ids)
+                for st in r.stages[1:]]
+        st0 = r.stages[0]
+        loop = asyncio.get_running_loop()
+        pos = len(self.history)
+        keys = []
+        total = 0
+        t0 = time.perf_counter()
+        try:
+            for k, toks in enumerate(chunks):
+                end = k == len(chunks) - 1
+                h = wire.Forward(model=st0.identity, session=self.id, epoch=self.epoch,
+                                 first_pos=pos, n_tokens=len(toks), layer=st0.layers[0],
+                                 tokens=toks, want=want if end else "boundary",
+                                 sampling=sampling if end else None, relay=hops,
+                                 reply_to=r.route_id)
+                key = (self.id, self.epoch, pos)
+                fut = r._pending[key] = loop.create_future()
+                keys.append((key, len(toks), fut))
+                links[0].send(wire.encode(h))
+                pos += len(toks)
+                total += len(toks)
+            deadline = time.monotonic() + r.deadline(len(r.stages), total)
+            for k, (key, n, fut) in enumerate(keys):
+                try:
+                    f = await asyncio.wait_for(fut, max(deadline - time.monotonic(), 0.0))
+                except (asyncio.TimeoutError, TimeoutError):
+                    raise errors.StepDeadlineExceeded(
+                        f"relayed step of {n} token(s) at position {key[2]}: no reply from "
+                        f"the route within its deadline") from None
+                rh = f.header
+                if k == len(keys) - 1 and want.startswith("token") and not rh.tokens:
+                    raise errors.FrameError(f"{r.stages[-1].endpoint} sent no token")
+                if len(keys) == 1:
+                    r._measured(len(r.stages), n, time.perf_counter() - t0)
+                r.relay_steps += 1
+                yield f
+            if len(keys) > 1:
+                r._measured(len(r.stages), total, time.perf_counter() - t0)
+        finally:
+            for key, _, fut in keys:
+                if r._pending.get(key) is fut:
+                    del r._pending[key]
+                if not fut.done():
+                    fut.cancel()
+                elif not fut.cancelled():
+                    fut.exception()  # retrieved: a later chunk's error is not "unhandled"
 
     def _forget(self, i: int) -> None:
         """Drop stage ``i``'s stream and free this session on its worker (in the background;
@@ -604,11 +799,8 @@ class AsyncRouteSession:
         want = ("token+logits" if logits else "token") if sample else (
             "logits" if logits else "boundary")
         ws = _wire_sampling(sampling)
-        f = None
-        for a in range(0, len(toks), ub):
-            chunk = toks[a:a + ub]
-            end = a + ub >= len(toks)
-            f = await self._run(chunk, want if end else "boundary", ws if end else None)
+        chunks = [toks[a:a + ub] for a in range(0, len(toks), ub)]
+        f = await self._run_chunks(chunks, want, ws)
         return self._take(f, logits) if sample else None
 
     def _take(self, f: wire.Frame, logits: bool) -> int:

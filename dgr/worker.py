@@ -138,6 +138,12 @@ class Worker:
         self.links = None
         self._returns: dict[str, Any] = {}  # route id -> the driver's return connection
         self._tls = threading.local()  # per data-connection-thread reusable buffers
+        #: optional span log (``--trace``): one JSON line per data-plane step, times from
+        #: time.perf_counter() (CLOCK_MONOTONIC on Linux: comparable across processes)
+        self.trace = None
+        #: the data port named in Describe when it differs from the bound one (a proxy or
+        #: port forward in front of it)
+        self.advertise_data_port = 0
 
     # -- logging -------------------------------------------------------------------------
 
@@ -171,7 +177,8 @@ class Worker:
             steps_total=self.steps_total, errors_total=self.errors_total,
             uptime_s=time.monotonic() - self.started,
             capability_json=self.capability_json(),
-            data_port=self.data_server.port if self.data_server is not None else 0,
+            data_port=(self.advertise_data_port or self.data_server.port)
+            if self.data_server is not None else 0,
         )
 
     def capability(self):
@@ -404,6 +411,8 @@ class Worker:
             self.data_server.stop()
         if self.links is not None:
             self.links.close()
+        if self.trace is not None:
+            self.trace.flush()
 
     def _data_connection(self, conn) -> None:
         """One data-plane connection (its own thread): frames in order until EOF."""
@@ -428,13 +437,9 @@ class Worker:
 
     def _send_back(self, conn, reply_to: str, frame) -> None:
         """Send a reply: to the route's return connection when relayed, else to ``conn``."""
-        if reply_to:
-            target = self._returns.get(reply_to)
-            if target is None:
-                log.warning("no return connection for route %s: reply dropped", reply_to)
-                return
-        else:
-            target = conn
+        # a relayed reply goes to the route's return connection; without one (no Hello) to
+        # the sender (a driver reads it there; a previous stage's link drops it)
+        target = self._returns.get(reply_to, conn) if reply_to else conn
         try:
             target.send(frame)
         except OSError as e:
@@ -448,10 +453,11 @@ class Worker:
             self._send_back(conn, "", self._error(e))
             return
         h = frame.header
-        if type(h) is wire.Hello:
+        if type(h) is wire.Hello:  # a driver's return connection: register, then echo
             conn.route = h.route
             with self.lock:
                 self._returns[h.route] = conn
+            self._send_back(conn, "", wire.encode(wire.Hello(route=h.route)))
             return
         session, epoch = getattr(h, "session", ""), getattr(h, "epoch", 0)
         reply_to = getattr(h, "reply_to", "")
@@ -459,7 +465,7 @@ class Worker:
         tls = self._tls
         try:
             self._check(h, array)
-            if reply_to and reply_to not in self._returns:
+            if reply_to and self.is_last and reply_to not in self._returns:
                 raise errors.RouteError(f"relayed frame names route {reply_to!r}, which sent "
                                         "this worker no Hello (no return connection)")
             if self.draining:
@@ -482,6 +488,7 @@ class Worker:
             with self.lock:
                 self.table.commit(lease)
             self._account(h.n_tokens, seconds, t_arrive)
+            t_done = time.perf_counter()
         except Exception as e:  # noqa: BLE001 - every refusal is an ErrorReply
             self._send_back(conn, reply_to, self._error(e, session, epoch))
             return
@@ -500,6 +507,17 @@ class Worker:
                 self._send_back(conn, reply_to, buf)
         except Exception as e:  # noqa: BLE001 - e.g. the next stage is unreachable
             self._send_back(conn, reply_to, self._error(e, session, epoch))
+        if self.trace is not None:
+            self._trace(h, t_arrive, seconds, t_done)
+
+    def _trace(self, h, t_arrive: float, seconds: float, t_done: float) -> None:
+        import json
+
+        span = {"stage": list(self.layers), "session": h.session, "epoch": h.epoch,
+                "pos": h.first_pos, "n": h.n_tokens, "arrive": t_arrive,
+                "compute_end": t_done, "compute_s": seconds, "sent": time.perf_counter()}
+        with self._counts:
+            self.trace.write(json.dumps(span) + "\n")
 
     def _relay(self, h: wire.Forward, array, res) -> None:
         """Forward this stage's boundary to the next stage named by ``h.relay``."""
@@ -845,6 +863,9 @@ async def _serve(args) -> int:
     worker = Worker(engine, ttl=args.ttl, evict_after=args.evict_after,
                     inline=args.inline_compute, cert_store=args.cert_store,
                     inline_below_ms=args.inline_below_ms)
+    if args.trace:
+        worker.trace = open(args.trace, "a", buffering=1 << 16)
+    worker.advertise_data_port = args.advertise_data_port
     server = ShardServer(worker, args.listen, maximum_concurrent_rpcs=args.max_streams)
     await server.start()
     addr = server.address
@@ -922,6 +943,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TCP port of the fast data plane (length-prefixed frames, direct relay; "
                         "docs/dataplane.md) on the --listen host (default 0: any free port, "
                         "advertised in Describe; -1: none, steps only over gRPC)")
+    p.add_argument("--advertise-data-port", type=int, default=0,
+                   help="data port to name in Describe instead of the bound one (a proxy, port "
+                        "forward or link emulator in front of it; default: the bound port)")
+    p.add_argument("--trace", default=None,
+                   help="append one JSON line per data-plane step to this file (stage, session, "
+                        "positions, arrival/compute/send times from CLOCK_MONOTONIC): a timeline "
+                        "of the stages (benches/timeline.py)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
     p.add_argument("--ubatch", type=int, default=64, help="tokens per compute chunk (default 64)")
     p.add_argument("--ctx", type=int, default=1024, help="context tokens per slot (default 1024)")

@@ -1,0 +1,188 @@
+"""Direct relay over the fast data plane (docs/dataplane.md): real engines, loopback TCP."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+import dgr
+from dgr import errors, wire
+from dgr._core import HAS_LAYER_RANGES
+from dgr.route import AsyncRoute, Route, generate_local
+from dgr.sampling import SamplingParams
+from dgr.transport import dataplane
+from dgr.worker import ThreadedWorker
+
+pytestmark = pytest.mark.skipif(not HAS_LAYER_RANGES, reason="needs the patched llama.cpp")
+
+SETTINGS = dict(n_ctx=128, n_slots=4, n_threads=1, n_ubatch=8)
+RANGES = ((0, 1), (1, 3), (3, 4))
+PROMPT = [int(t) for t in np.random.default_rng(3).integers(3, 120, 37)]  # 5 chunks of <= 8
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    return dgr.Engine(tiny_llama, **SETTINGS)
+
+
+@pytest.fixture(scope="module")
+def stages(tiny_llama):
+    ws = [ThreadedWorker(dgr.Engine(tiny_llama, layers=r, **SETTINGS), evict_after=3600.0)
+          for r in RANGES]
+    yield ws
+    for w in ws:
+        w.stop()
+
+
+def test_relay_matches_the_whole_model_bit_for_bit(stages, reference):
+    ref, rows = generate_local(reference, PROMPT, max_tokens=12, logits=True, stop_on_eog=False)
+    with Route([w.address for w in stages], relay=True) as r:
+        assert all(st.data_port for st in r.stages)
+        s = r.session()
+        g = s.complete(PROMPT, max_tokens=12, logits=True, stop_on_eog=False)
+        assert g.tokens == ref
+        assert len(g.logits) == len(rows)
+        assert all(x.tobytes() == y.tobytes() for x, y in zip(g.logits, rows))
+        # 5 prompt chunks (pipelined, one reply each) + 11 decode steps, all relayed
+        assert s.inner.steps[:5] == [(0, 8), (8, 8), (16, 8), (24, 8), (32, 5)]
+        assert r.aroute.relay_steps == 5 + 11
+        s.close()
+    # the workers computed every step; none came over gRPC
+    assert all(w.worker.steps_total >= 16 for w in stages)
+
+
+def test_relay_sampling_and_concurrent_sessions(stages, reference):
+    sp = SamplingParams(temperature=0.8, top_k=20, seed=7)
+    ref, _ = generate_local(reference, PROMPT, max_tokens=10, sampling=sp, stop_on_eog=False)
+    prompts = [PROMPT[i:] for i in range(4)]
+    refs = [generate_local(reference, p, max_tokens=10, stop_on_eog=False)[0] for p in prompts]
+
+    async def go():
+        async with AsyncRoute([w.address for w in stages], relay=True) as r:
+            g0 = await r.complete(PROMPT, max_tokens=10, sampling=sp, stop_on_eog=False)
+            gs = await asyncio.gather(*(r.complete(p, max_tokens=10, stop_on_eog=False)
+                                        for p in prompts))
+            return g0, gs
+
+    g0, gs = asyncio.run(go())
+    assert g0.tokens == ref
+    assert [g.tokens for g in gs] == refs
+
+
+def test_relay_recovers_when_a_stage_loses_the_session(stages, reference):
+    ref, _ = generate_local(reference, PROMPT, max_tokens=12, stop_on_eog=False)
+    with Route([w.address for w in stages], relay=True) as r:
+        s = r.session()
+        it = s.generate(PROMPT, max_tokens=12, stop_on_eog=False)
+        toks = [next(it) for _ in range(4)]
+        with stages[1].worker.lock:
+            stages[1].worker.table.release(s.id)
+        toks += list(it)
+        assert toks == ref and s.recoveries == 1
+        s.close()
+
+
+def test_relay_refuses_lossy_codecs_and_workers_without_a_data_plane(tiny_llama):
+    with pytest.raises(errors.InvalidArgument, match="raw f32"):
+        AsyncRoute(["127.0.0.1:1"], relay=True, codec="f16")
+    tw = ThreadedWorker(dgr.Engine(tiny_llama, **SETTINGS), data_port=None)
+    try:
+        with Route(tw.address, relay=True) as r:
+            assert r.stages[0].data_port == 0
+            with pytest.raises(errors.RouteError, match="serves no data plane"):
+                r.complete([3, 4, 5], max_tokens=2)
+        with Route(tw.address) as r:  # the gRPC path still serves it
+            assert len(r.complete([3, 4, 5], max_tokens=2, stop_on_eog=False).tokens) == 2
+    finally:
+        tw.stop()
+
+
+# -- the data plane itself, spoken by hand -----------------------------------------------
+
+
+def _conn(ep: str) -> dataplane.FrameSocket:
+    s = dataplane.connect(ep, 5.0)
+    s.settimeout(10.0)
+    return dataplane.FrameSocket(s)
+
+
+def test_data_plane_hop_by_hop_and_errors(stages, reference):
+    first = stages[0]
+    ident = first.worker.identity
+    ep = f"127.0.0.1:{first.worker.data_server.port}"
+    c = _conn(ep)
+    try:
+        # a Forward without reply_to is answered on the same connection, like a gRPC Step
+        c.send(wire.encode(wire.Forward(model=ident, session="hand", epoch=1, first_pos=0,
+                                        n_tokens=3, layer=0, tokens=[5, 6, 7])))
+        f = wire.decode(bytes(c.recv()))
+        assert type(f.header) is wire.Result and f.header.kind == "boundary"
+        assert f.array.shape == (3, 64) and f.header.layer == 1
+        # a bad frame gets an ErrorReply and the connection keeps working
+        c.send(b"garbage!" * 4)
+        e = wire.decode(bytes(c.recv())).header
+        assert type(e) is wire.ErrorReply and type(e.to_exception()) is errors.FrameError
+        # a step out of order: typed error, still serving
+        c.send(wire.encode(wire.Forward(model=ident, session="hand", epoch=1, first_pos=9,
+                                        n_tokens=1, layer=0, tokens=[5])))
+        e = wire.decode(bytes(c.recv())).header
+        assert isinstance(e.to_exception(), errors.CacheMiss)
+        # a relayed frame whose next hop is unreachable: the error comes back to the sender
+        # (no Hello: no return connection registered)
+        dead = socket.socket()
+        dead.bind(("127.0.0.1", 0))
+        dead_ep = f"127.0.0.1:{dead.getsockname()[1]}"
+        dead.close()
+        c.send(wire.encode(wire.Forward(
+            model=ident, session="hand", epoch=1, first_pos=3, n_tokens=1, layer=0, tokens=[8],
+            relay=[wire.Hop(endpoint=dead_ep)], reply_to="nobody")))
+        e = wire.decode(bytes(c.recv())).header
+        assert isinstance(e.to_exception(), errors.WorkerUnavailable) and dead_ep in e.message
+        # Hello is echoed (the return path is registered before the echo)
+        c.send(wire.encode(wire.Hello(route="r-hand")))
+        assert wire.decode(bytes(c.recv())).header == wire.Hello(route="r-hand")
+        assert first.worker._returns["r-hand"] is not None
+    finally:
+        c.close()
+    with first.worker.lock:
+        first.worker.table.release("hand")
+
+
+def test_data_plane_refuses_an_oversized_length_prefix(stages):
+    ep = f"127.0.0.1:{stages[0].worker.data_server.port}"
+    c = _conn(ep)
+    try:
+        c.sock.sendall(dataplane.LEN.pack(dataplane.MAX_FRAME + 1))
+        e = wire.decode(bytes(c.recv())).header
+        assert type(e.to_exception()) is errors.FrameTooLarge
+        assert c.recv() is None  # and hangs up: the stream cannot be resynchronized
+    finally:
+        c.close()
+    # the worker still serves new connections
+    c = _conn(ep)
+    try:
+        c.send(wire.encode(wire.Hello(route="again")))
+        assert type(wire.decode(bytes(c.recv())).header) is wire.Hello
+    finally:
+        c.close()
+
+
+def test_frame_socket_carries_large_frames_whole():
+    a, b = socket.socketpair()
+    fa, fb = dataplane.FrameSocket(a), dataplane.FrameSocket(b)
+    big = np.random.default_rng(0).standard_normal((64, 4096), dtype=np.float32)
+    frame = wire.encode(wire.Result(session="s", epoch=1, first_pos=0, n_tokens=64,
+                                    kind="boundary", layer=2), big)
+    t = threading.Thread(target=lambda: [fa.send(frame) for _ in range(3)])
+    t.start()
+    for _ in range(3):
+        got = wire.decode(fb.recv())
+        assert np.array_equal(got.array, big)
+    t.join()
+    fa.close()
+    assert fb.recv() is None
+    fb.close()
