@@ -5,6 +5,9 @@ once in ``setup_cache``: every ``track_`` reads a ratio or a value out of it.
 ``track_dgr<k>_over_whole_<metric>_ratio`` is dgr with k stages over ``dgr.Engine`` in one
 process, ``track_rpc<k>_over_whole_<metric>_ratio`` llama.cpp RPC with k servers over the
 same whole model, ``track_dgr<k>_over_rpc<k>_<metric>_ratio`` the two distributed runtimes.
+``track_relay<k>_...`` are the same clusters driven with ``AsyncRoute(relay=True)`` (direct
+relay over the data plane, pipelined prefill): over the whole model, over rpc<k> and over
+dgr<k>, plus decode tokens/s, TTFT, CPU s/token, parity and the added ms/token per stage.
 The RPC ones are NaN when llama-bench / ggml-rpc-server are not built
 (``python -m dgr.vendor build --tools llama-bench,ggml-rpc-server``).
 """
@@ -58,15 +61,19 @@ class CompareSmolLM2:
     setup_cache.timeout = 1200
 
 
-def _get(cache, name, key):
-    v = cache["ratios"].get(name, {}).get(key) if "/" in name else \
-        cache["configs"].get(name, {}).get(key)
+def _get(cache, name, key, section=None):
+    if section is not None:  # a flat {config: value} table, e.g. added_ms_per_stage
+        v = cache.get(section, {}).get(name)
+    elif "/" in name:
+        v = cache["ratios"].get(name, {}).get(key)
+    else:
+        v = cache["configs"].get(name, {}).get(key)
     return math.nan if v is None else float(v)
 
 
-def _track(name, key, unit):
+def _track(name, key, unit, section=None):
     def track(self, cache):
-        return _get(cache, name, key)
+        return _get(cache, name, key, section)
 
     track.unit = unit
     track.timeout = 1200
@@ -88,9 +95,26 @@ for _k in STAGES:
             _track(f"dgr{_k}", "cpu_s_per_token", "s"))
     setattr(CompareSmolLM2, f"track_dgr{_k}_parity",
             _track(f"dgr{_k}", "parity", "bool"))
+    for _m, _key in METRICS.items():
+        setattr(CompareSmolLM2, f"track_relay{_k}_over_whole_{_m}_ratio",
+                _track(f"relay{_k}/whole", _key, "ratio"))
+        setattr(CompareSmolLM2, f"track_relay{_k}_over_rpc{_k}_{_m}_ratio",
+                _track(f"relay{_k}/rpc{_k}", _key, "ratio"))
+        setattr(CompareSmolLM2, f"track_relay{_k}_over_dgr{_k}_{_m}_ratio",
+                _track(f"relay{_k}/dgr{_k}", _key, "ratio"))
+    setattr(CompareSmolLM2, f"track_relay{_k}_decode_tokens_per_s",
+            _track(f"relay{_k}", "decode_tps", "tokens/s"))
+    setattr(CompareSmolLM2, f"track_relay{_k}_ttft_ms", _track(f"relay{_k}", "ttft_ms", "ms"))
+    setattr(CompareSmolLM2, f"track_relay{_k}_cpu_s_per_token",
+            _track(f"relay{_k}", "cpu_s_per_token", "s"))
+    setattr(CompareSmolLM2, f"track_relay{_k}_parity",
+            _track(f"relay{_k}", "parity", "bool"))
+    for _c in ("dgr", "relay"):
+        setattr(CompareSmolLM2, f"track_{_c}{_k}_added_ms_per_stage",
+                _track(f"{_c}{_k}", None, "ms", section="added_ms_per_stage"))
     setattr(CompareSmolLM2, f"track_rpc{_k}_decode_tokens_per_s",
             _track(f"rpc{_k}", "decode_tps", "tokens/s"))
 CompareSmolLM2.track_whole_decode_tokens_per_s = _track("whole", "decode_tps", "tokens/s")
 CompareSmolLM2.track_llama_bench_decode_tokens_per_s = _track("llama-bench", "decode_tps",
                                                               "tokens/s")
-del _k, _m, _key
+del _k, _m, _key, _c

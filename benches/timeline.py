@@ -1,0 +1,244 @@
+"""Pipelined relay prefill, drawn: one row per stage, each chunk's compute span on a time axis.
+
+    python benches/timeline.py [--stages 3] [--prompt 512] [--width 100] [--json spans.json]
+
+Starts ``--stages`` SmolLM2 workers (``python -m dgr.worker --trace FILE``, one thread each,
+the settings of benches/compare.py), runs one relayed prefill of ``--prompt`` tokens (+1
+generated token) through ``AsyncRoute(relay=True)`` (every ``n_ubatch`` chunk sent at once,
+so stage k can work on chunk i while stage k+1 works on chunk i-1), stops the workers (which
+flushes the traces), reads the span lines ({"stage": [a, b], "pos", "n", "arrive",
+"compute_end", "compute_s", "sent", ...}; perf_counter = CLOCK_MONOTONIC, one clock for all
+processes) and prints:
+
+* the timeline: one row per stage, ``--width`` columns from the first arrival to the last
+  send; each chunk's compute span [compute_end - compute_s, compute_end] is drawn with the
+  last digit of its chunk index (chunk = pos // n_ubatch), idle time as ``.``;
+* overlap statistics: wall time (driver's send of the first chunk to the reply), busy time
+  (sum of compute) per stage, the fraction of the span window where >= 2 stages compute at
+  once, prefill tokens/s of the route vs the whole model in its own process
+  (``compare.whole_measure``: ``dgr.Engine.forward`` of the same prompt in n_ubatch chunks).
+
+``--json FILE`` writes the spans and the statistics. The parsing/rendering functions
+(``load_spans``, ``intervals``, ``overlap_stats``, ``render``) are pure, see
+tests/unit/test_benches.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+
+# --- pure functions --------------------------------------------------------------------------
+
+def load_spans(lines, session: str | None = None) -> list[dict]:
+    """Parse trace lines (JSON objects, one a line; blank lines skipped) into span dicts with
+    ``start`` = compute_end - compute_s added; keep one ``session`` when given."""
+    out = []
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        d = json.loads(line)
+        if session is not None and d.get("session") != session:
+            continue
+        d["start"] = d["compute_end"] - d["compute_s"]
+        d["stage"] = tuple(d["stage"])
+        out.append(d)
+    return out
+
+
+def stage_order(spans) -> list[tuple]:
+    """The stages' layer ranges in route order (by first layer)."""
+    return sorted({s["stage"] for s in spans})
+
+
+def intervals(spans) -> dict[tuple, list[tuple[float, float, int]]]:
+    """{stage: [(start, end, first_pos), ...] sorted by start}."""
+    out: dict[tuple, list] = {}
+    for s in spans:
+        out.setdefault(s["stage"], []).append((s["start"], s["compute_end"], s["pos"]))
+    for v in out.values():
+        v.sort()
+    return out
+
+
+def overlap_stats(spans, t0: float | None = None, t1: float | None = None) -> dict:
+    """Busy seconds per stage and how much of [t0, t1] (default: first compute start to last
+    compute end) has >= 1, >= 2 stages computing at once (a stage's own spans are merged)."""
+    iv = intervals(spans)
+    if not iv:
+        return {"window_s": 0.0, "busy_s": {}, "any_s": 0.0, "overlap2_s": 0.0,
+                "overlap2_frac": 0.0}
+    t0 = min(a for v in iv.values() for a, _, _ in v) if t0 is None else t0
+    t1 = max(b for v in iv.values() for _, b, _ in v) if t1 is None else t1
+    events = []
+    busy = {}
+    for st, v in iv.items():
+        busy[st] = sum(b - a for a, b, _ in v)
+        # merge this stage's spans so a stage counts once
+        merged = []
+        for a, b, _ in v:
+            a, b = max(a, t0), min(b, t1)
+            if b <= a:
+                continue
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        for a, b in merged:
+            events += [(a, 1), (b, -1)]
+    events.sort()
+    level, last, any_s, two_s = 0, t0, 0.0, 0.0
+    for t, d in events:
+        if level >= 1:
+            any_s += t - last
+        if level >= 2:
+            two_s += t - last
+        level += d
+        last = t
+    window = t1 - t0
+    return {"window_s": window, "busy_s": {"%d:%d" % st: b for st, b in busy.items()},
+            "any_s": any_s, "overlap2_s": two_s,
+            "overlap2_frac": two_s / window if window > 0 else 0.0}
+
+
+def render(spans, width: int = 100, chunk: int = 64, t0: float | None = None,
+           t1: float | None = None) -> list[str]:
+    """ASCII rows, one per stage: ``.`` idle, the last digit of the chunk index
+    (pos // chunk) where that chunk computes (a cell shows the chunk covering most of it)."""
+    iv = intervals(spans)
+    if not iv:
+        return []
+    t0 = min(a for v in iv.values() for a, _, _ in v) if t0 is None else t0
+    t1 = max(b for v in iv.values() for _, b, _ in v) if t1 is None else t1
+    dt = (t1 - t0) / width if t1 > t0 else 1.0
+    rows = []
+    for st in stage_order(spans):
+        cover = [0.0] * width
+        cells = ["."] * width
+        for a, b, pos in iv[st]:
+            c = str((pos // chunk) % 10)
+            i0 = max(int((a - t0) / dt), 0)
+            i1 = min(int((b - t0) / dt), width - 1)
+            for i in range(i0, i1 + 1):
+                lo, hi = t0 + i * dt, t0 + (i + 1) * dt
+                part = min(b, hi) - max(a, lo)
+                if part > cover[i] or (part > 0 and cells[i] == "."):
+                    cover[i], cells[i] = part, c
+        rows.append(f"{st[0]:>3}:{st[1]:<3} |{''.join(cells)}|")
+    return rows
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+async def _prefill(endpoints, prompt) -> dict:
+    from dgr.route import AsyncRoute
+
+    async with AsyncRoute(endpoints, relay=True) as r:
+        s = r.session()
+        try:
+            async for _ in s.generate(prompt[:16], max_tokens=2, stop_on_eog=False):
+                pass  # warm up (links, Hello), a short prompt at a different position
+            await s.close()
+            s = r.session()
+            steps0 = r.relay_steps
+            t0 = time.perf_counter()
+            toks = []
+            async for tok in s.generate(prompt, max_tokens=1, stop_on_eog=False):
+                toks.append(tok)
+            t1 = time.perf_counter()
+            return {"session": s.id, "t0": t0, "t1": t1, "tokens": toks,
+                    "relay_steps": r.relay_steps - steps0}
+        finally:
+            await s.close()
+
+
+def run(n_stages: int, n_prompt: int, whole: bool = True, log=print) -> dict:
+    import dgr
+    from benchmarks.bench_route import start_cluster
+    from benchmarks.common import SETTINGS, smollm2_path
+
+    import compare
+
+    path = smollm2_path()
+    n_layer = dgr.Engine(path, **SETTINGS).n_layer
+    tmp = tempfile.mkdtemp(prefix="dgr-timeline-")
+    traces = [os.path.join(tmp, f"stage{i}.jsonl") for i in range(n_stages)]
+    log(f"starting {n_stages} workers (traces in {tmp}) ...")
+    cluster = start_cluster(path, n_stages, n_layer, worker_args=[["--trace", t]
+                                                                  for t in traces])
+    try:
+        prompt = [int(t) for t in compare.prompt_tokens(n_prompt, compare.N_VOCAB)]
+        res = asyncio.run(_prefill(cluster.endpoints, prompt))
+    finally:
+        cluster.stop()  # SIGTERM: the workers drain and flush their traces
+    spans = []
+    for t in traces:
+        with open(t) as f:
+            spans += load_spans(f, session=res["session"])
+    spans.sort(key=lambda s: (s["stage"], s["start"]))
+    stats = overlap_stats(spans)
+    stats["wall_s"] = res["t1"] - res["t0"]
+    stats["prefill_tps"] = n_prompt / stats["wall_s"]
+    stats["relay_steps"] = res["relay_steps"]
+    if whole:
+        log("whole model in its own process ...")
+        w = compare.whole_in_own_process(2, (n_prompt,))
+        stats["whole_prefill_tps"] = w[f"prefill{n_prompt}_tps"]
+        stats["ratio_to_whole"] = stats["prefill_tps"] / stats["whole_prefill_tps"]
+    return {"n_stages": n_stages, "n_prompt": n_prompt, "chunk": SETTINGS["n_ubatch"],
+            "t0": res["t0"], "t1": res["t1"], "spans": spans, "stats": stats}
+
+
+def report(out: dict, width: int = 100, file=sys.stdout) -> None:
+    st, spans = out["stats"], out["spans"]
+    print(f"\nrelayed prefill of {out['n_prompt']} tokens over {out['n_stages']} stages, "
+          f"chunks of {out['chunk']} ({len(spans)} spans, {st['relay_steps']} relayed "
+          f"replies); time runs left to right from the driver's first send to the reply, "
+          f"{1e3 * (out['t1'] - out['t0']) / width:.2f} ms a column; digit = chunk index "
+          f"mod 10, '.' = idle", file=file)
+    for row in render(spans, width, out["chunk"], out["t0"], out["t1"]):
+        print(row, file=file)
+    print(f"\nwall {1e3 * st['wall_s']:.1f} ms; compute window {1e3 * st['window_s']:.1f} ms "
+          f"(first compute start to last compute end)", file=file)
+    for name, b in st["busy_s"].items():
+        print(f"  stage {name:<7} busy {1e3 * b:8.1f} ms ({b / st['wall_s']:.0%} of wall)",
+              file=file)
+    print(f"  >= 2 stages computing at once: {1e3 * st['overlap2_s']:.1f} ms = "
+          f"{st['overlap2_frac']:.0%} of the compute window "
+          f"({st['overlap2_s'] / st['wall_s']:.0%} of wall)", file=file)
+    line = f"prefill {st['prefill_tps']:.1f} tokens/s (route, relay)"
+    if "whole_prefill_tps" in st:
+        line += (f" vs {st['whole_prefill_tps']:.1f} whole model in one process: "
+                 f"ratio {st['ratio_to_whole']:.2f}")
+    print(line, file=file)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--prompt", type=int, default=512, help="prompt tokens")
+    ap.add_argument("--width", type=int, default=100, help="timeline columns")
+    ap.add_argument("--no-whole", action="store_true", help="skip the whole-model run")
+    ap.add_argument("--json", help="write spans and statistics here")
+    args = ap.parse_args(argv)
+    out = run(args.stages, args.prompt, whole=not args.no_whole,
+              log=lambda m: print(m, file=sys.stderr, flush=True))
+    report(out, args.width)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
