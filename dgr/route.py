@@ -135,6 +135,14 @@ def _from_stage(reply: wire.ErrorReply, st: StageInfo) -> errors.DgrError:
     return exc
 
 
+def _expire(keys) -> None:
+    """A relayed batch's deadline passed: cancel what is still awaited (marked expired)."""
+    for _, _, fut in keys:
+        if not fut.done():
+            fut.expired = True
+            fut.cancel()
+
+
 def _wire_sampling(p: SamplingParams | None) -> wire.Sampling | None:
     if p is None or p.greedy:
         return None
@@ -250,14 +258,15 @@ class AsyncRoute:
         Deadline of the connect and describe that vet a replacement worker, seconds.
     backoff : float
         First pause between recovery attempts (doubles each time, at most 2 s), seconds.
-    relay : bool
+    relay : bool, optional
         Direct relay over the workers' fast data plane (docs/dataplane.md): the driver sends
         each step to the first stage, every stage forwards its boundary straight to the next
         and the last stage answers the driver; a prompt's chunks are all sent at once, so the
         stages work on consecutive chunks at the same time (pipelined prefill). Same tokens
         and logits as ``relay=False``, which relays every boundary through the driver over
         gRPC. Recovery always replays over gRPC (it finds which stage failed). Needs every
-        worker to serve a data port and the raw codec.
+        worker to serve a data port and the raw codec. Default (None): relay when the codec is
+        raw and every stage serves a data port, else the gRPC path.
     """
 
     def __init__(self, endpoints: str | Sequence[str] | None = None, *,
@@ -267,10 +276,13 @@ class AsyncRoute:
                  max_retries: int = 3, provider: RouteProvider | None = None,
                  spares: Sequence[str] = (), deadline_floor: float = 2.0,
                  deadline_factor: float = 10.0, probe_timeout: float = 1.0,
-                 backoff: float = 0.05, relay: bool = False):
+                 backoff: float = 0.05, relay: bool | None = None):
         if codec not in wire.CODECS:
             raise errors.UnknownCodec(f"unknown codec {codec!r} (known: {', '.join(wire.CODECS)})")
-        if relay and (codec != "raw" or compress):
+        self._relay_arg = relay
+        if relay is None:  # auto: direct relay where it applies (checked again at connect)
+            relay = codec == "raw" and not compress
+        elif relay and (codec != "raw" or compress):
             raise errors.InvalidArgument(
                 f"relay=True carries raw f32 boundaries stage to stage; codec={codec!r}, "
                 f"compress={compress} need relay=False")
@@ -308,6 +320,7 @@ class AsyncRoute:
         self._hellos: dict[str, asyncio.Future] = {}
         self._pending: dict[tuple[str, int, int], asyncio.Future] = {}
         self._link_lock: asyncio.Lock | None = None
+        self._route_links: tuple | None = None  # (stages list it was built for, links, hops)
         self.relay_steps = 0
 
     # -- setup ---------------------------------------------------------------------------
@@ -336,6 +349,8 @@ class AsyncRoute:
         self._n_measured: dict[int, int] = {}
         self._p99: dict[int, tuple[int, float]] = {}
         self._locks = [asyncio.Lock() for _ in order]
+        if self._relay_arg is None:
+            self.relay = self.relay and all(st.data_port for st in order)
         tok = self._tokenizer_arg
         self.tokenizer = _LocalTokenizer(tok) if tok is not None else _RemoteTokenizer(self)
         return self
@@ -367,8 +382,13 @@ class AsyncRoute:
         dgr.errors.WorkerUnavailable
             A data port cannot be reached (or does not answer the ``Hello``).
         """
+        cached = self._route_links
+        if cached is not None and not any(link.closed for link in cached[1]) and all(
+                a is b for a, b in zip(cached[0], self.stages)):
+            return cached[1]
         if self._link_lock is None:
             self._link_lock = asyncio.Lock()
+        stages = list(self.stages)
         out = []
         for i, st in enumerate(self.stages):
             ep = st.data_endpoint
@@ -381,9 +401,20 @@ class AsyncRoute:
                 async with self._link_lock:
                     link = self._links.get(ep)
                     if link is None or link.closed:
-                        link = await self._open_link(ep, i)
+                        try:
+                            link = await self._open_link(ep, i)
+                        except errors.DgrError as e:
+                            e.stage_index = i  # recovery replaces that stage
+                            raise
             out.append(link)
+        hops = [wire.Hop(endpoint=st.data_endpoint, tokens=st.needs_token_ids)
+                for st in stages[1:]]
+        self._route_links = (stages, out, hops)
         return out
+
+    def hops(self) -> list[wire.Hop]:
+        """``Forward.relay`` of the current route (after ``links()``)."""
+        return self._route_links[2]
 
     async def _open_link(self, ep: str, i: int) -> AsyncLink:
         t = max(self.probe_timeout, 1.0)
@@ -422,9 +453,13 @@ class AsyncRoute:
         elif cls is wire.ErrorReply:
             i = self._stage_of(link)
             exc = _from_stage(h, self.stages[i]) if i is not None else h.to_exception()
-            # a stage's own refusal (draining) names it; a failed next hop is found by the
-            # recovery's replay
-            exc.stage_index = i if isinstance(exc, errors.WorkerDraining) else None
+            # "unavailable" from a stage means its next hop could not be reached; any other
+            # error is the stage's own (stale epoch, draining, cache miss, ...)
+            if isinstance(exc, errors.WorkerUnavailable) and not isinstance(
+                    exc, errors.WorkerDraining):
+                exc.stage_index = i + 1 if i is not None and i + 1 < len(self.stages) else None
+            else:
+                exc.stage_index = i
             if h.session:
                 self._fail_pending(exc, lambda k: k[0] == h.session and k[1] == h.epoch)
             else:
@@ -471,6 +506,22 @@ class AsyncRoute:
         if i < len(self._times):
             self._times[i].append(seconds / max(n_tokens, 1))
             self._n_measured[i] = self._n_measured.get(i, 0) + 1
+
+    async def unresponsive_stage(self) -> int | None:
+        """The first stage that does not answer a describe within ``probe_timeout`` (None:
+        all answer)."""
+        res = await asyncio.gather(*(c.describe(timeout=self.probe_timeout)
+                                     for c in self.clients), return_exceptions=True)
+        for i, x in enumerate(res):
+            if isinstance(x, BaseException):
+                return i
+        return None
+
+    def _measured_relay(self, n_tokens: int, seconds: float) -> None:
+        """A relayed step's time bounds each stage's too: it sizes the deadlines of the
+        relayed steps and of the hop-by-hop steps a recovery replays."""
+        for i in range(len(self.stages) + 1):
+            self._measured(i, n_tokens, seconds)
 
     async def replace_stage(self, i: int, failed: ShardClient, err: BaseException) -> bool:
         """Replace stage ``i`` (whose client ``failed`` failed with ``err``) by a healthy
@@ -694,13 +745,13 @@ class AsyncRouteSession:
         reply from the last stage, in order."""
         r = self.route
         links = await r.links()
-        hops = [wire.Hop(endpoint=st.data_endpoint, tokens=st.needs_token_ids)
-                for st in r.stages[1:]]
+        hops = r.hops()
         st0 = r.stages[0]
         loop = asyncio.get_running_loop()
         pos = len(self.history)
         keys = []
         total = 0
+        timer = None
         t0 = time.perf_counter()
         try:
             for k, toks in enumerate(chunks):
@@ -716,11 +767,14 @@ class AsyncRouteSession:
                 links[0].send(wire.encode(h))
                 pos += len(toks)
                 total += len(toks)
-            deadline = time.monotonic() + r.deadline(len(r.stages), total)
+            # one timer for the whole batch (cheaper than asyncio.wait_for per step)
+            timer = loop.call_later(r.deadline(len(r.stages), total), _expire, keys)
             for k, (key, n, fut) in enumerate(keys):
                 try:
-                    f = await asyncio.wait_for(fut, max(deadline - time.monotonic(), 0.0))
-                except (asyncio.TimeoutError, TimeoutError):
+                    f = await fut
+                except asyncio.CancelledError:
+                    if timer.cancelled() or not getattr(fut, "expired", False):
+                        raise
                     raise errors.StepDeadlineExceeded(
                         f"relayed step of {n} token(s) at position {key[2]}: no reply from "
                         f"the route within its deadline") from None
@@ -728,12 +782,14 @@ class AsyncRouteSession:
                 if k == len(keys) - 1 and want.startswith("token") and not rh.tokens:
                     raise errors.FrameError(f"{r.stages[-1].endpoint} sent no token")
                 if len(keys) == 1:
-                    r._measured(len(r.stages), n, time.perf_counter() - t0)
+                    r._measured_relay(n, time.perf_counter() - t0)
                 r.relay_steps += 1
                 yield f
             if len(keys) > 1:
-                r._measured(len(r.stages), total, time.perf_counter() - t0)
+                r._measured_relay(total, time.perf_counter() - t0)
         finally:
+            if timer is not None:
+                timer.cancel()
             for key, _, fut in keys:
                 if r._pending.get(key) is fut:
                     del r._pending[key]
@@ -764,6 +820,8 @@ class AsyncRouteSession:
             await asyncio.sleep(0.05)
         elif attempt > 1:
             await asyncio.sleep(min(r.backoff * 2 ** (attempt - 2), 2.0))
+        if i is None and r.relay and isinstance(err, _STAGE_FAILED):
+            i = await r.unresponsive_stage()  # a relayed step does not say where it stuck
         if i is not None and isinstance(err, _STAGE_FAILED):
             s = self._streams[i]
             failed = s.client if s is not None else r.clients[i]

@@ -625,6 +625,20 @@ class ThreadedWorker:
         self.stop()
 
 
+#: Thread pools of numeric libraries a worker does not want: numpy's BLAS would start one
+#: spinning thread per core next to the engine's own (measured: a few % of every core).
+_QUIET_POOLS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def worker_env(base: dict | None = None) -> dict:
+    """The environment for a worker process: ``base`` (default ``os.environ``) with the
+    numeric libraries' own thread pools at one thread unless the caller set them."""
+    env = dict(os.environ if base is None else base)
+    for k in _QUIET_POOLS:
+        env.setdefault(k, "1")
+    return env
+
+
 class WorkerProcess:
     """A ``python -m dgr.worker`` child process.
 
@@ -690,7 +704,7 @@ class WorkerProcess:
         try:
             self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL,
                                          stdout=subprocess.PIPE, stderr=log_file,
-                                         start_new_session=True)
+                                         start_new_session=True, env=worker_env())
         finally:
             log_file.close()
         self.returncode = None

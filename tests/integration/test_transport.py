@@ -511,7 +511,7 @@ def test_route_errors_name_the_stage(route, served):
 def test_inline_below_ms_keeps_results_and_order(tiny_llama, reference):
     tw = ThreadedWorker(dgr.Engine(tiny_llama, **SETTINGS), inline_below_ms=10_000)
     try:
-        with Route(tw.address) as r:
+        with Route(tw.address, relay=False) as r:  # inline compute is a gRPC-path option
             for _ in range(2):  # the second generation reuses the slot: release, then compute
                 g = r.complete(PROMPT, max_tokens=10, logits=True, stop_on_eog=False)
                 ref, rows = generate_local(reference, PROMPT, max_tokens=10, logits=True,

@@ -48,27 +48,39 @@ def cluster(model):
     assert codes == [0] * len(codes), [w.log_tail() for w in c.workers]
 
 
-def test_three_workers_match_the_whole_model(model, cluster, monkeypatch):
+@pytest.mark.parametrize("relay", [False, True], ids=["driver-relay", "direct-relay"])
+def test_three_workers_match_the_whole_model(model, cluster, monkeypatch, relay):
     whole = dgr.Engine(model, **SETTINGS)
     ref, rows = generate_local(whole, PROMPT, max_tokens=16, stop_on_eog=False, logits=True)
     # what the route driver puts in each Forward header: token ids exactly for the receivers
-    # that need them (the first stage and the hash-routed one)
+    # that need them (the first stage and the hash-routed one); with direct relay the driver
+    # sends stage 0 only, and the hops tell each stage whether to pass the ids on
     sent = set()
+    hops = set()
     encode = wire.encode
 
     def spy(header, *a, **kw):
         if type(header) is wire.Forward:
             sent.add((header.layer, header.tokens is not None))
+            if header.relay:
+                hops.add(tuple(h.tokens for h in header.relay))
         return encode(header, *a, **kw)
 
     monkeypatch.setattr(wire, "encode", spy)
-    with Route(cluster.endpoints) as r:
+    with Route(cluster.endpoints, relay=relay) as r:
         assert [s.layers for s in r.stages] == RANGES
         assert [s.needs_token_ids for s in r.stages] == [True, True, False]
         assert {s.boundary_width for s in r.stages} == {W}
-        g = r.session().complete(PROMPT, max_tokens=16, stop_on_eog=False, logits=True)
+        s = r.session()
+        g = s.complete(PROMPT, max_tokens=16, stop_on_eog=False, logits=True)
+        s.close()  # frees its slot on every stage for the next test
+        n_chunks = len(range(0, len(PROMPT), SETTINGS["n_ubatch"]))
+        assert r.aroute.relay_steps == (n_chunks + 15 if relay else 0)  # 16 tokens
     assert g.tokens == ref and len(ref) == 16
-    assert sent == {(0, True), (1, True), (4, False)}
+    if relay:
+        assert sent == {(0, True)} and hops == {(True, False)}
+    else:
+        assert sent == {(0, True), (1, True), (4, False)}
     assert len(g.logits) == len(rows)
     assert all(a.tobytes() == b.tobytes() for a, b in zip(g.logits, rows))
 

@@ -282,7 +282,9 @@ def test_silently_stalling_link_fails_over_to_the_spare(cluster, refs):
     spare = cluster.workers[3]
     with LinkEmulator(cluster.endpoints[1]) as link:
         eps = [cluster.endpoints[0], link.endpoint, cluster.endpoints[2]]
-        with Route(eps, spares=[spare.endpoint], deadline_floor=0.5, connect_timeout=10) as r:
+        # the emulator fronts the gRPC port only: drive the hop-by-hop path through it
+        with Route(eps, spares=[spare.endpoint], deadline_floor=0.5, connect_timeout=10,
+                   relay=False) as r:
             s = r.session()
             it = s.generate(prompt(5), max_tokens=N_TOKENS, stop_on_eog=False)
             toks = [next(it) for _ in range(10)]
@@ -302,7 +304,7 @@ def test_link_emulator_delays_and_cuts(cluster, refs):
 
     with LinkEmulator(cluster.endpoints[1], delay_ms=5) as link:
         eps = [cluster.endpoints[0], link.endpoint, cluster.endpoints[2]]
-        with Route(eps, spares=[cluster.endpoints[3]], connect_timeout=10) as r:
+        with Route(eps, spares=[cluster.endpoints[3]], connect_timeout=10, relay=False) as r:
             s = r.session()
             it = s.generate(prompt(6), max_tokens=N_TOKENS, stop_on_eog=False)
             toks = [next(it) for _ in range(10)]
