@@ -45,6 +45,11 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                         "the whole model (slower: the full vocabulary row travels per token)")
     p.add_argument("--codec", default="raw", choices=["raw", "f16", "bf16", "q8"],
                    help="boundary codec on the wire (raw = exact, the default)")
+    p.add_argument("--relay", choices=["auto", "on", "off"], default="auto",
+                   help="direct relay over the workers' data plane (each stage forwards to the "
+                        "next, the last answers; prefill chunks pipelined): auto (default) uses "
+                        "it when every worker serves a data port and the codec is raw; off "
+                        "relays every boundary through this process over gRPC")
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="skip the comparison with the whole model in this process")
 
@@ -123,25 +128,39 @@ def _report(route, session, args, prompt, tokens, t0, t_first, t1, whole) -> int
             rc = 1
         if timing.get("decode_steps"):
             whole_tps = timing["decode_steps"] / timing["decode_s"]
-    # the cost of each hop: the driver's round trip minus the worker's own compute time
     infos = route.describe()
-    rows = []
-    for st, info in zip(session.stats, infos):
-        bpt = (st.bytes_sent + st.bytes_received) / max(st.steps, 1)
-        rows.append((st, info, st.decode_rtt_ms, info.recent_step_ms, bpt))
-    _say("stage  layers      endpoint               rtt ms  compute ms  hop ms  bytes/step")
-    for i, (st, info, rtt, comp, bpt) in enumerate(rows):
-        a, b = st.layers
-        _say(f"{i:>5}  [{a:>2}, {b:>2})  {st.endpoint:<21} {rtt:7.3f}  {comp:10.3f}  "
-             f"{max(rtt - comp, 0):6.3f}  {bpt:10.0f}")
-    if rows and all(r[0].decode_steps for r in rows):
-        hop = [max(r[2] - r[3], 0.0) for r in rows]
-        n = len(rows)
-        msg = f"transport per token: {sum(hop):.3f} ms over {n} hop(s)"
-        if n > 1:
-            msg += (f"; per seam (a seam adds one hop): {sum(hop) / n:.3f} ms "
-                    f"(goal <= 0.3 ms)")
-        _say(msg)
+    if route.aroute.relay:
+        # direct relay: the driver sees whole-route steps; transport = TPOT - compute
+        _say("stage  layers      endpoint               data port  compute ms")
+        for i, info in enumerate(infos):
+            a, b = info.layers
+            _say(f"{i:>5}  [{a:>2}, {b:>2})  {info.endpoint:<21} {info.data_port:9d}  "
+                 f"{info.recent_step_ms:10.3f}")
+        comp = sum(i.recent_step_ms for i in infos)
+        if route_tps and all(i.recent_step_ms for i in infos):
+            extra = 1e3 / route_tps - comp
+            n = len(infos) + 1
+            _say(f"direct relay: {1e3 / route_tps:.3f} ms/token = {comp:.3f} ms compute + "
+                 f"{extra:.3f} ms transport and driver over {n} links "
+                 f"({extra / n:.3f} ms per link)")
+    else:
+        # the cost of each hop: the driver's round trip minus the worker's own compute time
+        rows = []
+        for st, info in zip(session.stats, infos):
+            bpt = (st.bytes_sent + st.bytes_received) / max(st.steps, 1)
+            rows.append((st, info, st.decode_rtt_ms, info.recent_step_ms, bpt))
+        _say("stage  layers      endpoint               rtt ms  compute ms  hop ms  bytes/step")
+        for i, (st, info, rtt, comp, bpt) in enumerate(rows):
+            a, b = st.layers
+            _say(f"{i:>5}  [{a:>2}, {b:>2})  {st.endpoint:<21} {rtt:7.3f}  {comp:10.3f}  "
+                 f"{max(rtt - comp, 0):6.3f}  {bpt:10.0f}")
+        if rows and all(r[0].decode_steps for r in rows):
+            hop = [max(r[2] - r[3], 0.0) for r in rows]
+            n = len(rows)
+            msg = f"transport per token: {sum(hop):.3f} ms over {n} hop(s)"
+            if n > 1:
+                msg += f"; per seam (a seam adds one hop): {sum(hop) / n:.3f} ms"
+            _say(msg)
     if whole_tps:
         _say(f"whole model in this process: decode {whole_tps:.1f} tokens/s; "
              f"route/whole = {route_tps / whole_tps:.2f}")
@@ -192,7 +211,7 @@ def _cmd_run(args) -> int:
 
         _say(f"starting {len(ranges)} worker process(es) on loopback ...")
         endpoints = cluster.start(timeout=args.start_timeout, progress=progress)
-        route = Route(endpoints, tokenizer=whole, codec=args.codec)
+        route = Route(endpoints, tokenizer=whole, codec=args.codec, relay=_relay(args))
         prompt = whole.tokenize(_chat(args, args.prompt), True, True)
         _say(f"route {','.join(endpoints)}")
         _say(f"prompt: {args.prompt!r} ({len(prompt)} tokens)\n")
@@ -216,6 +235,10 @@ def _cmd_run(args) -> int:
                  + " ".join(w.log_path for w in cluster.workers))
 
 
+def _relay(args):
+    return {"auto": None, "on": True, "off": False}[args.relay]
+
+
 def _cmd_generate(args) -> int:
     from . import errors
     from .route import Route
@@ -223,7 +246,8 @@ def _cmd_generate(args) -> int:
     _install_sigterm()
     route = None
     try:
-        route = Route(args.route, codec=args.codec, timeout=args.timeout)
+        route = Route(args.route, codec=args.codec, timeout=args.timeout,
+                      relay=_relay(args))
         _say("route: " + " -> ".join(f"{s.endpoint} [{s.layers[0]},{s.layers[1]})"
                                      for s in route.stages))
         whole = None
