@@ -26,7 +26,8 @@ from . import errors, wire
 from .provider import RouteProvider, StaticPool
 from .chain import generate_local  # noqa: F401  (the in-process reference; re-exported)
 from .sampling import SamplingParams
-from .transport.client import (DEFAULT_STEP_TIMEOUT, DEFAULT_TIMEOUT, ShardClient, StepStream)
+from .transport.client import (DEFAULT_STEP_TIMEOUT, DEFAULT_TIMEOUT, ShardClient, StepStream,
+                               _timeout)
 from .transport.common import StageInfo
 from .transport.dataplane import AsyncLink
 
@@ -267,6 +268,13 @@ class AsyncRoute:
         gRPC. Recovery always replays over gRPC (it finds which stage failed). Needs every
         worker to serve a data port and the raw codec. Default (None): relay when the codec is
         raw and every stage serves a data port, else the gRPC path.
+    loop : bool
+        With relay, ``generate`` hands decoding to the stages: the last stage feeds each token
+        it samples straight back to the first stage (``Forward.steps``), so no driver round
+        trip sits between two tokens; the driver streams the tokens as they arrive. It stops
+        at ``max_tokens`` and at end-of-generation tokens; a stop string or a consumer that
+        stops early leaves the stages at most ``max_tokens`` steps ahead (the next
+        generation's new epoch ends that loop). False: one driver round trip per token.
     """
 
     def __init__(self, endpoints: str | Sequence[str] | None = None, *,
@@ -276,7 +284,7 @@ class AsyncRoute:
                  max_retries: int = 3, provider: RouteProvider | None = None,
                  spares: Sequence[str] = (), deadline_floor: float = 2.0,
                  deadline_factor: float = 10.0, probe_timeout: float = 1.0,
-                 backoff: float = 0.05, relay: bool | None = None):
+                 backoff: float = 0.05, relay: bool | None = None, loop: bool = True):
         if codec not in wire.CODECS:
             raise errors.UnknownCodec(f"unknown codec {codec!r} (known: {', '.join(wire.CODECS)})")
         self._relay_arg = relay
@@ -321,6 +329,8 @@ class AsyncRoute:
         self._pending: dict[tuple[str, int, int], asyncio.Future] = {}
         self._link_lock: asyncio.Lock | None = None
         self._route_links: tuple | None = None  # (stages list it was built for, links, hops)
+        self.loop = bool(loop)
+        self._rings: dict[tuple[str, int], asyncio.Queue] = {}  # decode loops being read
         self.relay_steps = 0
 
     # -- setup ---------------------------------------------------------------------------
@@ -416,6 +426,11 @@ class AsyncRoute:
         """``Forward.relay`` of the current route (after ``links()``)."""
         return self._route_links[2]
 
+    def loop_hops(self) -> list[wire.Hop]:
+        """``Forward.loop`` of the current route: every stage, the first included."""
+        first = self._route_links[0][0]
+        return [wire.Hop(endpoint=first.data_endpoint, tokens=True), *self._route_links[2]]
+
     async def _open_link(self, ep: str, i: int) -> AsyncLink:
         t = max(self.probe_timeout, 1.0)
         hello = self._hellos[ep] = asyncio.get_running_loop().create_future()
@@ -448,8 +463,13 @@ class AsyncRoute:
         cls = type(h)
         if cls is wire.Result:
             fut = self._pending.pop((h.session, h.epoch, h.first_pos), None)
-            if fut is not None and not fut.done():
-                fut.set_result(f)
+            if fut is not None:
+                if not fut.done():
+                    fut.set_result(f)
+            else:
+                q = self._rings.get((h.session, h.epoch))
+                if q is not None:
+                    q.put_nowait(f)
         elif cls is wire.ErrorReply:
             i = self._stage_of(link)
             exc = _from_stage(h, self.stages[i]) if i is not None else h.to_exception()
@@ -457,7 +477,8 @@ class AsyncRoute:
             # error is the stage's own (stale epoch, draining, cache miss, ...)
             if isinstance(exc, errors.WorkerUnavailable) and not isinstance(
                     exc, errors.WorkerDraining):
-                exc.stage_index = i + 1 if i is not None and i + 1 < len(self.stages) else None
+                # (the last stage's next hop is the first: the decode loop)
+                exc.stage_index = (i + 1) % len(self.stages) if i is not None else None
             else:
                 exc.stage_index = i
             if h.session:
@@ -485,6 +506,9 @@ class AsyncRoute:
             fut = self._pending.pop(k)
             if not fut.done():
                 fut.set_exception(exc)
+        for k, q in self._rings.items():
+            if match is None or match((*k, 0)):
+                q.put_nowait(exc)
 
     # -- failure detection and replacement --------------------------------------------------
 
@@ -900,7 +924,8 @@ class AsyncRouteSession:
         stops = [s for s in stop if s]
         out: list[int] = []
         tok = await self.prefill(prompt, sampling=sampling, logits=logits)
-        for i in range(max_tokens):
+        ring = r.relay and r.loop
+        while True:
             if tok in eog:
                 self.stop_reason = "eos"
                 return
@@ -911,10 +936,80 @@ class AsyncRouteSession:
                 if any(s in text for s in stops):
                     self.stop_reason = "stop"
                     return
-            if i + 1 == max_tokens:
+            if len(out) == max_tokens:
                 return
+            if ring:  # the stages feed each token back themselves; the driver only reads
+                ring = False  # once per generation: after a failure, step by step
+                agen = self._ring(tok, max_tokens - len(out), want, ws, eog, logits)
+                try:
+                    async for tok in agen:
+                        if tok in eog:
+                            self.stop_reason = "eos"
+                            return
+                        out.append(tok)
+                        yield tok
+                        if stops:
+                            text = await r.detokenize(out)
+                            if any(s in text for s in stops):
+                                self.stop_reason = "stop"
+                                return
+                        if len(out) == max_tokens:
+                            return
+                except errors.DgrError as e:
+                    if not retryable(e):
+                        raise
+                    # ``tok`` (the last token yielded) is not in ``history`` yet: repair the
+                    # route, then feed it step by step
+                    await self._recover(e)
+                finally:
+                    await agen.aclose()
             f = await self._run([tok], want, ws)
             tok = self._take(f, logits)
+
+    async def _ring(self, tok: int, steps: int, want: str, sampling: wire.Sampling | None,
+                    eog: frozenset, logits: bool) -> AsyncIterator[int]:
+        """Feed ``tok`` with ``Forward.steps``: the last stage samples and feeds each next
+        token to the first stage itself; yield the sampled tokens as they arrive."""
+        r = self.route
+        links = await r.links()
+        loop = asyncio.get_running_loop()
+        key = (self.id, self.epoch)
+        q: asyncio.Queue = asyncio.Queue()
+        r._rings[key] = q
+        pos = len(self.history)
+        st0 = r.stages[0]
+        try:
+            h = wire.Forward(model=st0.identity, session=self.id, epoch=self.epoch,
+                             first_pos=pos, n_tokens=1, layer=st0.layers[0], tokens=[tok],
+                             want=want, sampling=sampling, relay=r.hops(),
+                             reply_to=r.route_id, loop=r.loop_hops(), steps=steps,
+                             stop_tokens=sorted(eog) if eog else None)
+            links[0].send(wire.encode(h))
+            fed = tok
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                try:
+                    async with _timeout(r.deadline(len(r.stages), 1)):
+                        item = await q.get()
+                except TimeoutError:
+                    raise errors.StepDeadlineExceeded(
+                        f"decode loop at position {pos}: no token from the route within its "
+                        "deadline") from None
+                if isinstance(item, BaseException):
+                    raise item
+                rh = item.header
+                if rh.first_pos != pos or not rh.tokens:
+                    raise errors.FrameError(f"decode loop: expected the token after position "
+                                            f"{pos}, got {rh!r}")
+                r._measured_relay(1, time.perf_counter() - t0)
+                r.relay_steps += 1
+                self._extend([fed])
+                pos += 1
+                fed = self._take(item, logits)
+                yield fed
+        finally:
+            if r._rings.get(key) is q:
+                del r._rings[key]
 
     async def complete(self, prompt: str | Sequence[int], *, max_tokens: int = 64,
                        sampling: SamplingParams | None = None, stop: Sequence[str] = (),

@@ -58,7 +58,8 @@ MAGIC = b"DGRF"
 #: Incompatible changes (prefix, payload layouts, checksum, field meaning) bump this.
 FORMAT_VERSION = 1
 #: Compatible changes (a field appended with a default) bump this.
-#: 2: ``Forward.relay`` / ``Forward.reply_to`` and the ``Hello`` message (direct relay).
+#: 2: ``Forward.relay`` / ``reply_to`` / ``loop`` / ``steps`` / ``stop_tokens`` and the
+#: ``Hello`` message (direct relay, decode loop).
 SCHEMA_VERSION = 2
 #: magic[4] version:u8 flags:u8 reserved:u16 header_len:u32 header_sum:u32, little endian.
 _PREFIX = struct.Struct("<4sBBHII")
@@ -154,6 +155,9 @@ class Forward(msgspec.Struct, tag=1, array_like=True, frozen=True, kw_only=True)
     sampling: Union[Sampling, None] = None
     relay: Union[list[Hop], None] = None
     reply_to: str = ""
+    loop: Union[list[Hop], None] = None
+    steps: _NonNeg32 = 0
+    stop_tokens: Union[list[_NonNeg32], None] = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -388,6 +392,13 @@ def _check_forward(h: Forward) -> str | None:
             return f"Forward.rows names row {max(h.rows)} but n_tokens is {n}"
     if h.relay is not None and not h.reply_to:
         return "Forward.relay is set but reply_to is empty (where would the result go?)"
+    if h.steps > 1:
+        if not h.loop or not h.reply_to:
+            return f"Forward.steps is {h.steps} but loop or reply_to is empty"
+        if not h.want.startswith("token"):
+            return f"Forward.steps is {h.steps} but want is {h.want!r} (a loop feeds tokens)"
+        if h.rows is not None:
+            return "Forward.steps > 1 continues from the last row: rows must be None"
     return None
 
 

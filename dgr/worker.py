@@ -500,6 +500,9 @@ class Worker:
             elif not self.is_last:
                 self._relay(h, array, res)
             else:
+                if h.steps > 1 and toks and (h.stop_tokens is None
+                                             or toks[-1] not in h.stop_tokens):
+                    self._loop(h, toks[-1])  # first: stage 1 starts the next step at once
                 r = wire.Result(session=h.session, epoch=h.epoch, first_pos=h.first_pos,
                                 n_tokens=h.n_tokens, kind=kind, tokens=toks)
                 buf = tls.buf
@@ -519,6 +522,17 @@ class Worker:
         with self._counts:
             self.trace.write(json.dumps(span) + "\n")
 
+    def _loop(self, h: wire.Forward, token: int) -> None:
+        """Decode loop (``Forward.steps``): feed the token just sampled to the first stage
+        (``loop[0]``) as the next step, without a round trip to the driver."""
+        first = h.loop[0]
+        nh = wire.Forward(model=h.model, session=h.session, epoch=h.epoch,
+                          first_pos=h.first_pos + h.n_tokens, n_tokens=1, layer=0,
+                          tokens=[token], want=h.want, sampling=h.sampling, relay=h.loop[1:],
+                          reply_to=h.reply_to, loop=h.loop, steps=h.steps - 1,
+                          stop_tokens=h.stop_tokens)
+        self.links.send(first.endpoint, wire.encode(nh))
+
     def _relay(self, h: wire.Forward, array, res) -> None:
         """Forward this stage's boundary to the next stage named by ``h.relay``."""
         nxt = h.relay[0]
@@ -527,7 +541,8 @@ class Worker:
                           first_pos=h.first_pos, n_tokens=n, layer=self.layers[1],
                           positions=h.positions, tokens=h.tokens if nxt.tokens else None,
                           want=h.want, rows=h.rows, sampling=h.sampling, relay=h.relay[1:],
-                          reply_to=h.reply_to)
+                          reply_to=h.reply_to, loop=h.loop, steps=h.steps,
+                          stop_tokens=h.stop_tokens)
         codec = h.codec if array is not None else "raw"
         buf = self._tls.buf
         wire.encode_into(nh, res[:n], buf, codec=codec, compress=h.compression == "zstd")

@@ -75,7 +75,8 @@ def test_relay_sampling_and_concurrent_sessions(stages, reference):
 
 def test_relay_recovers_when_a_stage_loses_the_session(stages, reference):
     ref, _ = generate_local(reference, PROMPT, max_tokens=12, stop_on_eog=False)
-    with Route([w.address for w in stages], relay=True) as r:
+    # token by token (loop=False), so the loss lands mid-generation
+    with Route([w.address for w in stages], relay=True, loop=False) as r:
         s = r.session()
         it = s.generate(PROMPT, max_tokens=12, stop_on_eog=False)
         toks = [next(it) for _ in range(4)]
@@ -84,6 +85,72 @@ def test_relay_recovers_when_a_stage_loses_the_session(stages, reference):
         toks += list(it)
         assert toks == ref and s.recoveries == 1
         s.close()
+
+
+def test_decode_loop_matches_and_survives_a_broken_loop(stages, reference, monkeypatch):
+    ref, rows = generate_local(reference, PROMPT, max_tokens=12, logits=True, stop_on_eog=False)
+    last = stages[-1].worker
+    with Route([w.address for w in stages]) as r:  # relay and loop are the defaults
+        assert r.aroute.relay and r.aroute.loop
+        s = r.session()
+        g = s.complete(PROMPT, max_tokens=12, logits=True, stop_on_eog=False)
+        assert g.tokens == ref and s.recoveries == 0
+        assert all(x.tobytes() == y.tobytes() for x, y in zip(g.logits, rows))
+        # the last stage cannot reach the first once: the driver hears it from the last
+        # stage, repairs the route and finishes step by step with the same tokens
+        calls = []
+        real = type(last)._loop
+
+        def flaky(self, h, token):
+            calls.append(h.first_pos)
+            if len(calls) == 3:
+                raise errors.WorkerUnavailable("next stage: injected loop failure")
+            return real(self, h, token)
+
+        monkeypatch.setattr(type(last), "_loop", flaky)
+        g = s.complete(PROMPT, max_tokens=12, stop_on_eog=False)
+        assert g.tokens == ref and s.recoveries == 1 and len(calls) == 3
+        monkeypatch.undo()
+        # a consumer that stops early leaves the loop running ahead; the next generation
+        # starts a new epoch and is exact
+        it = s.generate(PROMPT, max_tokens=12, stop_on_eog=False)
+        assert [next(it) for _ in range(3)] == ref[:3]
+        it.close()
+        assert s.complete(PROMPT, max_tokens=12, stop_on_eog=False).tokens == ref
+        s.close()
+
+
+def test_decode_loop_stops_at_max_tokens_and_stop_tokens(stages, reference):
+    ref, _ = generate_local(reference, PROMPT[:5], max_tokens=10, stop_on_eog=False)
+    one = ThreadedWorker(dgr.Engine(reference.model_path, **SETTINGS))
+    try:
+        ep = f"127.0.0.1:{one.worker.data_server.port}"
+        c = _conn(ep)
+        c.send(wire.encode(wire.Hello(route="loop")))
+        assert type(wire.decode(bytes(c.recv())).header) is wire.Hello
+        c.send(wire.encode(wire.Forward(model=one.worker.identity, session="L", epoch=1,
+                                        first_pos=0, n_tokens=5, layer=0, tokens=PROMPT[:5],
+                                        want="token", reply_to="loop")))
+        assert wire.decode(bytes(c.recv())).header.tokens == [ref[0]]
+        # loop from ref[0]: stop at the first new token after it (sent, then no more)
+        k = next(i for i in range(2, len(ref)) if ref[i] not in ref[:i])
+        stop = ref[k]
+        try:
+            c.send(wire.encode(wire.Forward(
+                model=one.worker.identity, session="L", epoch=1, first_pos=5, n_tokens=1,
+                layer=0, tokens=[ref[0]], want="token", reply_to="loop", relay=[],
+                loop=[wire.Hop(endpoint=ep, tokens=True)], steps=9, stop_tokens=[stop])))
+            got = [wire.decode(bytes(c.recv())).header for _ in range(k)]
+            assert [h.tokens[0] for h in got] == ref[1:k + 1]
+            assert [h.first_pos for h in got] == list(range(5, 5 + k))
+            c.sock.settimeout(0.5)
+            with pytest.raises(socket.timeout):
+                c.recv()  # the loop ended at the stop token
+        finally:
+            c.close()
+        assert one.worker.table.snapshot()[0].next_pos == 5 + k
+    finally:
+        one.stop()
 
 
 def test_relay_refuses_lossy_codecs_and_workers_without_a_data_plane(tiny_llama):

@@ -151,7 +151,8 @@ def test_async_api_concurrent_sessions(served, reference):
         assert g.tokens == generate_local(reference, p, max_tokens=6, stop_on_eog=False)[0]
 
 
-def test_recovery_after_the_worker_lost_the_session(route, served, reference):
+def test_recovery_after_the_worker_lost_the_session(served, reference):
+    route = Route(served.address, loop=False)  # token by token: the loss lands mid-generation
     s = route.session()
     it = s.generate(PROMPT, max_tokens=10, stop_on_eog=False)
     toks = [next(it) for _ in range(4)]
@@ -160,6 +161,7 @@ def test_recovery_after_the_worker_lost_the_session(route, served, reference):
     ref, _ = generate_local(reference, PROMPT, max_tokens=10, stop_on_eog=False)
     assert toks == ref and s.recoveries == 1 and s.epoch == 2
     s.close()
+    route.close()
 
 
 # -- raw frames: every refusal is an ErrorReply, and the stream keeps serving ---------------

@@ -34,7 +34,7 @@ SETTINGS = settings(
 FORWARD_FIELDS = (
     "schema", "model", "session", "epoch", "first_pos", "n_tokens", "layer", "width",
     "streams", "dtype", "codec", "compression", "payload_len", "checksum", "positions",
-    "tokens", "want", "rows", "sampling", "relay", "reply_to",
+    "tokens", "want", "rows", "sampling", "relay", "reply_to", "loop", "steps", "stop_tokens",
 )
 RESULT_FIELDS = (
     "schema", "session", "epoch", "first_pos", "n_tokens", "kind", "layer", "rows", "cols",
@@ -80,7 +80,8 @@ def fwd_list(payload: bytes = b"", **kw: object) -> list:
         layer=3, width=4,
         streams=1, dtype="f32", codec="raw", compression="none", payload_len=len(payload),
         checksum=xxhash.xxh3_64_intdigest(payload), positions=None, tokens=None,
-        want="boundary", rows=None, sampling=None, relay=None, reply_to="",
+        want="boundary", rows=None, sampling=None, relay=None, reply_to="", loop=None,
+        steps=0, stop_tokens=None,
     )
     for k, v in kw.items():
         assert k in f, k
@@ -148,6 +149,19 @@ def test_relay_fields_and_hello_match_the_document() -> None:
         wire.decode(build(fwd_list(P8, relay=hops), P8))
     with pytest.raises(InvalidArgument, match="carries no array"):
         wire.encode(wire.Hello(route="r"), rand(1, 1))
+    # the decode loop: fields 22-24
+    loop = [["10.0.0.1:7001", True], *hops]
+    f = wire.decode(build(fwd_list(P8, relay=hops, reply_to="r1", loop=loop, steps=5,
+                                   want="token", stop_tokens=[2, 7]), P8))
+    assert f.header.steps == 5 and f.header.stop_tokens == [2, 7]
+    assert [h.endpoint for h in f.header.loop] == ["10.0.0.1:7001", "10.0.0.2:7001",
+                                                   "10.0.0.3:7001"]
+    for kw, msg in ((dict(loop=None), "loop or reply_to is empty"),
+                    (dict(want="logits"), "a loop feeds tokens"),
+                    (dict(rows=[1]), "rows must be None")):
+        raw = {**dict(relay=hops, reply_to="r1", loop=loop, steps=2, want="token"), **kw}
+        with pytest.raises(FrameError, match=msg):
+            wire.decode(build(fwd_list(P8, **raw), P8))
 
 
 def test_prefix_layout_and_alignment() -> None:
