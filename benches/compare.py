@@ -29,16 +29,17 @@ the table reports medians over rounds, so a busy machine skews them alike.
 
 Ratios: dgr k / whole, relay k / whole, dgr k / rpc k, relay k / rpc k, relay k / dgr k.
 Added ms/token per stage: (1000/decode_tps(cfg) - 1000/decode_tps(whole)) / n_stages, the
-per-server figure llama.cpp RPC is quoted with (relay crosses n_stages + 1 links a token:
-driver -> s1 -> ... -> sN -> driver; the figure still divides by n_stages).
+per-server figure llama.cpp RPC is quoted with (relay with its decode loop crosses n_stages
+links a token: s1 -> ... -> sN -> s1, the driver only reads the tokens).
 
 ``--rtt-ms``: the ``--rtt-stages`` clusters are started again behind ``dgr.testing.linkemu``
 processes (delay RTT/2 each way) on both planes: each worker binds its data plane on a chosen
 port D and advertises P (``--data-port D --advertise-data-port P``), an emulator listens on P
 and forwards to D, another fronts its gRPC port; the delay changes per RTT through the
 emulators' ``delay`` command. dgr k@R and relay k@R are reported against the model
-TPOT = C + S * RTT, C the whole model's ms/token, S = (k + 1)/2 for relay (k + 1 one-way
-links of RTT/2) and S = k for dgr (one driver round trip per stage): measured, model, ratio.
+TPOT = C + S * RTT, C the whole model's ms/token, S = k/2 for relay (the decode loop crosses
+k one-way links of RTT/2 a token: 1 -> 2 -> ... -> k -> 1) and S = k for dgr (one driver
+round trip per stage): measured, model, ratio.
 
 ``--sessions 1,4,16``: ``--session-stages`` clusters started with that many slots; for dgr k
 and relay k, k sessions at once (``asyncio.gather`` of ``r.complete`` with different 16-token
@@ -149,7 +150,8 @@ def relay_frame_bytes(r, s, width: int, k: int) -> int:
     h = wire.Forward(model=nxt.identity, session=s.id, epoch=s.epoch, first_pos=1000,
                      n_tokens=1, layer=nxt.layers[0],
                      tokens=[1000] if nxt.needs_token_ids else None, want="token",
-                     relay=hops, reply_to=r.route_id)
+                     relay=hops, reply_to=r.route_id, loop=r.loop_hops() if r.loop else None,
+                     steps=N_DECODE if r.loop else 0)
     return len(wire.encode(h, np.zeros((1, width), np.float32)))
 
 
@@ -558,9 +560,10 @@ def parse_config(name: str):
 def seams_model(kind: str, n: int) -> float:
     """S in TPOT = C + S * RTT: round trips a decode token pays for ``n`` stages.
 
-    relay: n + 1 one-way links (driver -> 1, k -> k+1, n -> driver), each RTT/2: (n + 1)/2.
+    relay (with the decode loop, the default): n one-way links a token (1 -> 2 -> ... -> n
+    -> 1; the driver only reads), each RTT/2: n/2.
     dgr (gRPC hop by hop, the driver relays): one driver round trip per stage: n."""
-    return (n + 1) / 2 if kind == "relay" else float(n)
+    return n / 2 if kind == "relay" else float(n)
 
 
 def summarize(samples, stages, rounds, n_decode, prefills, emulated=(), model=None) -> dict:
@@ -606,8 +609,7 @@ def summarize(samples, stages, rounds, n_decode, prefills, emulated=(), model=No
             model = base + s * rtt
             out["rtt_model"][name] = {"rtt_ms": rtt, "S": s, "C_ms": base, "tpot_ms": tpot,
                                       "model_tpot_ms": model, "ratio": tpot / model,
-                                      "excess_ms_per_link": (tpot - model) / (
-                                          n + 1 if kind == "relay" else n)}
+                                      "excess_ms_per_link": (tpot - model) / n}
     return out
 
 
@@ -665,13 +667,14 @@ def print_table(res: dict, file=sys.stdout) -> None:
           "Forward header with the hops ahead, zeros[1, n_embd] f32)))", file=file)
     if res.get("added_ms_per_stage"):
         print("\nadded ms/token per stage = (1000/decode_tps(cfg) - 1000/decode_tps(whole)) "
-              "/ n_stages (as llama.cpp RPC's per-server figure; with relay a token crosses "
-              "n_stages + 1 links, driver -> s1 -> ... -> sN -> driver)", file=file)
+              "/ n_stages (as llama.cpp RPC's per-server figure; with relay's decode loop a token "
+              "crosses n_stages links, s1 -> ... -> sN -> s1)", file=file)
         for name, v in res["added_ms_per_stage"].items():
             print(f"  {name:<20} {v:8.2f} ms", file=file)
     if res.get("rtt_model"):
-        print("\nTPOT vs model C + S*RTT (C = whole-model ms/token; S = (n+1)/2 for relay: n+1 "
-              "one-way links of RTT/2; S = n for dgr: one driver round trip per stage)",
+        print("\nTPOT vs model C + S*RTT (C = whole-model ms/token; S = n/2 for relay: the decode "
+              "loop crosses n one-way links of RTT/2; S = n for dgr: one driver round trip per "
+              "stage)",
               file=file)
         print(f"  {'configuration':<20} {'RTT':>6} {'S':>5} {'TPOT ms':>9} {'model ms':>9} "
               f"{'ratio':>6} {'excess ms/link':>14}", file=file)

@@ -728,11 +728,12 @@ class AsyncRouteSession:
         return await self._run_chunks([toks], want, sampling)
 
     async def _run_chunks(self, chunks: list[list[int]], want: str,
-                          sampling: wire.Sampling | None) -> wire.Frame:
+                          sampling: wire.Sampling | None, err: BaseException | None = None
+                          ) -> wire.Frame:
         """Steps at the end of ``history`` (``want``/``sampling`` apply to the last one),
         repaired by re-prefill when a stage lost the session (on a replacement worker when
-        the stage itself failed). With relay every chunk is sent at once (pipelined)."""
-        err: BaseException | None = None
+        the stage itself failed). With relay every chunk is sent at once (pipelined).
+        ``err``: a failure already seen (the route is repaired first)."""
         done = 0
         for attempt in range(self.route.max_retries + 1):
             try:
@@ -925,6 +926,7 @@ class AsyncRouteSession:
         out: list[int] = []
         tok = await self.prefill(prompt, sampling=sampling, logits=logits)
         ring = r.relay and r.loop
+        broken: BaseException | None = None
         while True:
             if tok in eog:
                 self.stop_reason = "eos"
@@ -960,10 +962,11 @@ class AsyncRouteSession:
                         raise
                     # ``tok`` (the last token yielded) is not in ``history`` yet: repair the
                     # route, then feed it step by step
-                    await self._recover(e)
+                    broken = e
                 finally:
                     await agen.aclose()
-            f = await self._run([tok], want, ws)
+            f = await self._run_chunks([[tok]], want, ws, broken)
+            broken = None
             tok = self._take(f, logits)
 
     async def _ring(self, tok: int, steps: int, want: str, sampling: wire.Sampling | None,

@@ -143,11 +143,12 @@ def test_worker_restarted_on_its_old_address_gets_a_new_epoch(cluster, refs):
     assert toks == refs[3]
 
 
-def test_stale_epoch_answer_starts_over_under_a_new_epoch(cluster, refs):
+@pytest.mark.parametrize("loop", [False, True], ids=["token-by-token", "decode-loop"])
+def test_stale_epoch_answer_starts_over_under_a_new_epoch(cluster, refs, loop):
     from dgr import wire
 
-    with Route(primaries(cluster)) as r:
-        s = r.session("dup")
+    with Route(primaries(cluster), loop=loop) as r:
+        s = r.session(f"dup-{loop}")
         it = s.generate(prompt(8), max_tokens=N_TOKENS, stop_on_eog=False)
         toks = [next(it) for _ in range(10)]
 
@@ -156,7 +157,7 @@ def test_stale_epoch_answer_starts_over_under_a_new_epoch(cluster, refs):
             try:
                 info = await c.describe()
                 st = c.stream()
-                h = wire.Forward(model=info.identity, session="dup", epoch=100, first_pos=0,
+                h = wire.Forward(model=info.identity, session=s.id, epoch=100, first_pos=0,
                                  n_tokens=2, layer=0, tokens=[1, 2], want="boundary")
                 reply = wire.decode(await st.step(wire.encode(h))).header
                 await st.close()
@@ -166,7 +167,10 @@ def test_stale_epoch_answer_starts_over_under_a_new_epoch(cluster, refs):
 
         assert type(asyncio.run(intrude())) is wire.Result
         toks += list(it)  # stage 0 answers StaleEpoch: released there, new epoch, replay
-        assert s.recoveries == 1 and r.aroute.replacements == []
+        # token by token the intrusion lands between two steps: exactly one recovery; the
+        # decode loop may also collide with it (SessionError) first
+        assert (s.recoveries == 1 if not loop else s.recoveries >= 1)
+        assert r.aroute.replacements == []
         s.close()
     assert toks == refs[8]
 

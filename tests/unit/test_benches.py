@@ -30,7 +30,7 @@ def test_parse_config():
 
 
 def test_seams_model():
-    assert compare.seams_model("relay", 3) == 2.0
+    assert compare.seams_model("relay", 3) == 1.5
     assert compare.seams_model("dgr", 3) == 3.0
 
 
