@@ -52,9 +52,9 @@ def test_summarize_ratios_added_ms_and_rtt_model():
     # (1000/50 - 1000/100) / 3 stages
     assert out["added_ms_per_stage"]["dgr3"] == pytest.approx(10 / 3)
     m = out["rtt_model"]["relay3@20ms"]
-    assert m["model_tpot_ms"] == pytest.approx(10 + 2 * 20)  # C + (n+1)/2 * RTT
+    assert m["model_tpot_ms"] == pytest.approx(10 + 1.5 * 20)  # C + n/2 * RTT
     assert m["tpot_ms"] == pytest.approx(50.0)
-    assert m["ratio"] == pytest.approx(1.0)
+    assert m["ratio"] == pytest.approx(50 / 40)
     assert out["configs"]["relay3"]["parity"] is True
     assert "tokens" not in out["configs"]["relay3"]["samples"][0]
 
