@@ -139,10 +139,11 @@ def _report(route, session, args, prompt, tokens, t0, t_first, t1, whole) -> int
         comp = sum(i.recent_step_ms for i in infos)
         if route_tps and all(i.recent_step_ms for i in infos):
             extra = 1e3 / route_tps - comp
-            n = len(infos) + 1
-            _say(f"direct relay: {1e3 / route_tps:.3f} ms/token = {comp:.3f} ms compute + "
-                 f"{extra:.3f} ms transport and driver over {n} links "
-                 f"({extra / n:.3f} ms per link)")
+            # the decode loop: s1 -> ... -> sN -> s1; token by token: driver -> s1 ... -> driver
+            n = len(infos) if route.aroute.loop else len(infos) + 1
+            _say(f"direct relay{' with decode loop' if route.aroute.loop else ''}: "
+                 f"{1e3 / route_tps:.3f} ms/token = {comp:.3f} ms compute + {extra:.3f} ms "
+                 f"transport over {n} links ({extra / n:.3f} ms per link)")
     else:
         # the cost of each hop: the driver's round trip minus the worker's own compute time
         rows = []

@@ -253,3 +253,30 @@ def test_frame_socket_carries_large_frames_whole():
     fa.close()
     assert fb.recv() is None
     fb.close()
+
+
+def test_boundary_is_read_in_place_and_buffers_are_reused():
+    a, b = socket.socketpair()
+    fa, fb = dataplane.FrameSocket(a), dataplane.FrameSocket(b)
+    try:
+        x = np.random.default_rng(1).standard_normal((2, 576), dtype=np.float32)
+        h = wire.Forward(model="m", session="s", epoch=1, first_pos=0, n_tokens=2, layer=3)
+        out = bytearray()
+        first = None
+        for pos in range(3):
+            n = wire.encode_into(wire.Forward(**{**{f: getattr(h, f) for f in
+                                                    ("model", "session", "epoch", "n_tokens",
+                                                     "layer")}, "first_pos": pos}), x, out)
+            assert n == len(out)
+            fa.send(out)
+            view = fb.recv()
+            f = wire.decode(view)
+            # the engine reads the boundary where the socket wrote it: no copy in Python
+            assert np.shares_memory(f.array, np.frombuffer(fb._buf, np.uint8))
+            assert np.array_equal(f.array, x) and f.header.first_pos == pos
+            first = first or fb._buf
+            assert fb._buf is first  # one receive buffer per connection, reused
+            del f, view
+    finally:
+        fa.close()
+        fb.close()

@@ -286,12 +286,15 @@ def test_cli_run_and_generate(cluster, smollm2):
     assert "matches the whole model (in-process dgr.Engine, same settings): yes" in p.stderr
     assert "logits bit-identical over" in p.stderr and "tokens/s" in p.stderr
     assert "workers stopped (exit status " + ", ".join(["0"] * int(stages)) in p.stderr
+    assert "direct relay with decode loop: " in p.stderr and f"over {stages} links" in p.stderr
     assert p.stdout.strip()
     g = subprocess.run([sys.executable, "-m", "dgr", "generate", "--route",
                         ",".join(cluster.endpoints), "--max-tokens", "8", "--model",
-                        str(smollm2)], capture_output=True, text=True, timeout=300)
+                        str(smollm2), "--relay", "off"],
+                       capture_output=True, text=True, timeout=300)
     assert g.returncode == 0, g.stderr
     assert "matches the whole model" in g.stderr and ": yes" in g.stderr
+    assert "transport per token: " in g.stderr  # the gRPC path's per-hop report
 
 
 @pytest.mark.skipif(HAS_LAYER_RANGES, reason="only meaningful without layer ranges")
