@@ -398,12 +398,13 @@ class Worker:
 
     # -- fast data plane (dgr.transport.dataplane, docs/dataplane.md) ----------------------
 
-    def serve_data(self, host: str, port: int = 0) -> int:
+    def serve_data(self, host: str, port: int = 0, max_connections: int = 256) -> int:
         """Start the TCP data plane on ``host:port``; returns the bound port."""
         from .transport.dataplane import DataServer, Links
 
         self.links = Links()
-        self.data_server = DataServer(self._data_connection, host, port).start()
+        self.data_server = DataServer(self._data_connection, host, port,
+                                      max_connections).start()
         return self.data_server.port
 
     def stop_data(self) -> None:
@@ -900,7 +901,8 @@ async def _serve(args) -> int:
     addr = server.address
     if args.data_port >= 0:
         try:
-            worker.serve_data(addr.rsplit(":", 1)[0].strip("[]"), args.data_port)
+            worker.serve_data(addr.rsplit(":", 1)[0].strip("[]"), args.data_port,
+                              args.max_data_connections)
         except BaseException:
             await server.stop(None)
             raise
@@ -972,6 +974,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TCP port of the fast data plane (length-prefixed frames, direct relay; "
                         "docs/dataplane.md) on the --listen host (default 0: any free port, "
                         "advertised in Describe; -1: none, steps only over gRPC)")
+    p.add_argument("--max-data-connections", type=int, default=256,
+                   help="data-plane connections served at once (each holds a thread; more are "
+                        "refused with ResourceExhausted; default 256)")
     p.add_argument("--advertise-data-port", type=int, default=0,
                    help="data port to name in Describe instead of the bound one (a proxy, port "
                         "forward or link emulator in front of it; default: the bound port)")

@@ -166,8 +166,12 @@ class DataServer:
     """
 
     def __init__(self, handler: Callable[[FrameSocket], None], host: str = "127.0.0.1",
-                 port: int = 0):
+                 port: int = 0, max_connections: int = 256):
         self.handler = handler
+        #: connections beyond this many get an ``ErrorReply`` (ResourceExhausted) and are
+        #: closed: each one holds a thread
+        self.max_connections = max_connections
+        self.refused = 0
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -205,7 +209,19 @@ class DataServer:
                 if self._closed:
                     conn.close()
                     return
-                self._conns.add(conn)
+                full = len(self._conns) >= self.max_connections
+                if not full:
+                    self._conns.add(conn)
+            if full:
+                self.refused += 1
+                try:
+                    conn.send(wire.encode(wire.ErrorReply.from_exception(
+                        errors.ResourceExhausted(f"this worker serves at most "
+                                                 f"{self.max_connections} data connections"))))
+                except OSError:
+                    pass
+                conn.close()
+                continue
             threading.Thread(target=self._serve, args=(conn,), name="dgr-data-conn",
                              daemon=True).start()
 

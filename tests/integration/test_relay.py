@@ -280,3 +280,41 @@ def test_boundary_is_read_in_place_and_buffers_are_reused():
     finally:
         fa.close()
         fb.close()
+
+
+def test_data_server_refuses_connections_beyond_its_cap():
+    seen = []
+
+    def handler(conn):
+        seen.append(conn)
+        while conn.recv() is not None:
+            pass
+
+    srv = dataplane.DataServer(handler, "127.0.0.1", 0, max_connections=2).start()
+    socks = []
+    try:
+        socks = [_conn(srv.address) for _ in range(2)]
+        for c in socks:  # both served
+            c.send(wire.encode(wire.Hello(route="x")))
+        extra = _conn(srv.address)
+        socks.append(extra)
+        e = wire.decode(bytes(extra.recv())).header
+        assert isinstance(e.to_exception(), errors.ResourceExhausted) and "at most 2" in e.message
+        assert extra.recv() is None and srv.refused == 1
+        socks[0].close()  # a slot frees up: the next connection is served
+        for _ in range(100):
+            if len(srv._conns) < 2:
+                break
+            threading.Event().wait(0.01)
+        again = _conn(srv.address)
+        socks.append(again)
+        again.send(wire.encode(wire.Hello(route="y")))
+        for _ in range(100):
+            if len(seen) == 3:
+                break
+            threading.Event().wait(0.01)
+        assert len(seen) == 3
+    finally:
+        for c in socks:
+            c.close()
+        srv.stop()
