@@ -111,6 +111,8 @@ class Worker:
         self.n_layer = info["n_layer"]
         self.is_first, self.is_last = bool(engine.is_first), bool(engine.is_last)
         self.width = int(engine.n_embd_boundary)
+        #: columns of what the engine returns: the boundary, or logits on the last stage
+        self.out_width = self.width if not engine.is_last else int(engine.n_vocab)
         self.eog_tokens = [t for t in range(engine.n_vocab) if engine.is_eog(t)]
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="dgr-compute")
         #: guards the session table (short sections only: the event loop takes it)
@@ -374,7 +376,11 @@ class Worker:
             rows = sorted(set(h.rows))
             mask = np.zeros(n, dtype=bool)
             mask[rows] = True
-        logits = eng.forward(lease.slot, positions, tokens, boundary=array, logits=mask)
+        if out is None:
+            logits = eng.forward(lease.slot, positions, tokens, boundary=array, logits=mask)
+        else:  # a reused [rows, n_vocab] buffer (data plane: its thread's own)
+            logits = eng.forward(lease.slot, positions, tokens, boundary=array, logits=mask,
+                                 out=out)
         dt = time.perf_counter() - t0
         toks = None
         if want.startswith("token"):
@@ -476,9 +482,12 @@ class Worker:
                 lease = self.table.acquire(h.session, h.epoch, h.first_pos, h.n_tokens)
             self._busy(1)
             try:
+                # reused output buffers: the boundary, or the last stage's logits rows
                 out = tls.out
-                if not self.is_last and (out is None or out.shape[0] < h.n_tokens):
-                    out = tls.out = np.empty((max(h.n_tokens, 1), self.width), np.float32)
+                need = h.n_tokens if not self.is_last else (
+                    1 if h.rows is None else len(set(h.rows)))
+                if out is None or out.shape[0] < need:
+                    out = tls.out = np.empty((max(need, 1), self.out_width), np.float32)
                 kind, res, toks, seconds = self._counted_compute(lease, h, array, out)
             except BaseException as e:
                 with self.lock:
