@@ -66,10 +66,22 @@ async def _route_decode(endpoints, n_decode: int, rounds: int, **route_kw) -> di
             tps.append((n - 1) / (time.perf_counter() - t_first))
         infos = await r.describe()
         await s.close()
+        relay, loop = r.relay, r.loop
+    tps = statistics.median(tps)
+    compute = [i.recent_step_ms for i in infos]
+    if relay:
+        # the driver sees whole-route steps: transport = TPOT - compute, over the links a
+        # token crosses (the decode loop: n stages -> n links; token by token: n + 1)
+        links = len(infos) if loop else len(infos) + 1
+        hop = max(1e3 / tps - sum(compute), 0.0) / links
+    else:  # the driver's round trip to each stage minus that stage's compute
+        hop = statistics.mean(max(st.decode_rtt_ms - c, 0.0) for st, c in zip(s.stats, compute))
     return {
-        "tokens_per_s": statistics.median(tps),
+        "tokens_per_s": tps,
         "rtt_ms": [st.decode_rtt_ms for st in s.stats],
-        "compute_ms": [i.recent_step_ms for i in infos],
+        "compute_ms": compute,
+        "relay": relay,
+        "hop_ms": hop,
     }
 
 
@@ -134,8 +146,9 @@ class RouteDecode:
     track_added_ms_per_token.unit = "ms"
 
     def track_hop_ms_per_stage(self, cache, stages):
-        """Driver round trip minus the worker's compute, averaged over the stages."""
-        m = self.m
-        return statistics.mean(max(r - c, 0.0) for r, c in zip(m["rtt_ms"], m["compute_ms"]))
+        """Transport per link a token crosses: with relay (the default) TPOT minus the stages'
+        compute, over the links; on the gRPC path the driver's round trip minus the stage's
+        compute, averaged over the stages."""
+        return self.m["hop_ms"]
 
     track_hop_ms_per_stage.unit = "ms"
