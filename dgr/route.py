@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import threading
 import time
 import uuid
@@ -30,6 +31,8 @@ from .transport.client import (DEFAULT_STEP_TIMEOUT, DEFAULT_TIMEOUT, ShardClien
                                _timeout)
 from .transport.common import StageInfo
 from .transport.dataplane import AsyncLink
+
+log = logging.getLogger("dgr.route")
 
 __all__ = ["AsyncRoute", "AsyncRouteSession", "Route", "RouteSession", "Generation",
            "StageStats", "check_route", "parse_endpoints", "generate_local"]
@@ -267,7 +270,7 @@ class AsyncRoute:
         and logits as ``relay=False``, which relays every boundary through the driver over
         gRPC. Recovery always replays over gRPC (it finds which stage failed). Needs every
         worker to serve a data port and the raw codec. Default (None): relay when the codec is
-        raw and every stage serves a data port, else the gRPC path.
+        raw and every stage's data port answers at ``connect``, else the gRPC path.
     loop : bool
         With relay, ``generate`` hands decoding to the stages: the last stage feeds each token
         it samples straight back to the first stage (``Forward.steps``), so no driver round
@@ -361,6 +364,14 @@ class AsyncRoute:
         self._locks = [asyncio.Lock() for _ in order]
         if self._relay_arg is None:
             self.relay = self.relay and all(st.data_port for st in order)
+            if self.relay:
+                # every stage answered over gRPC just now: a data port that cannot be reached
+                # (a firewall, a proxy that forwards gRPC only) means the gRPC path, not errors
+                try:
+                    await self.links()
+                except errors.DgrError as e:
+                    log.warning("direct relay unavailable (%s): steps go over gRPC", e)
+                    self.relay = False
         tok = self._tokenizer_arg
         self.tokenizer = _LocalTokenizer(tok) if tok is not None else _RemoteTokenizer(self)
         return self

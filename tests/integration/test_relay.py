@@ -318,3 +318,20 @@ def test_data_server_refuses_connections_beyond_its_cap():
         for c in socks:
             c.close()
         srv.stop()
+
+
+def test_auto_relay_falls_back_to_grpc_when_the_data_port_is_unreachable(tiny_llama, reference,
+                                                                        caplog):
+    tw = ThreadedWorker(dgr.Engine(tiny_llama, **SETTINGS))
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    tw.worker.advertise_data_port = dead.getsockname()[1]  # e.g. a firewalled data port
+    dead.close()
+    try:
+        ref, _ = generate_local(reference, PROMPT, max_tokens=4, stop_on_eog=False)
+        with Route(tw.address) as r:  # relay=None: auto
+            assert not r.aroute.relay
+            assert r.complete(PROMPT, max_tokens=4, stop_on_eog=False).tokens == ref
+        assert "direct relay unavailable" in caplog.text
+    finally:
+        tw.stop()
