@@ -936,49 +936,55 @@ class AsyncRouteSession:
         stops = [s for s in stop if s]
         out: list[int] = []
         tok = await self.prefill(prompt, sampling=sampling, logits=logits)
-        ring = r.relay and r.loop
-        broken: BaseException | None = None
-        while True:
-            if tok in eog:
-                self.stop_reason = "eos"
-                return
-            out.append(tok)
-            yield tok
-            if stops:
-                text = await r.detokenize(out)
-                if any(s in text for s in stops):
-                    self.stop_reason = "stop"
+        tokens = None  # the tokens after the prefill's, made on demand
+        try:
+            while True:
+                if tok in eog:
+                    self.stop_reason = "eos"
                     return
-            if len(out) == max_tokens:
-                return
-            if ring:  # the stages feed each token back themselves; the driver only reads
-                ring = False  # once per generation: after a failure, step by step
-                agen = self._ring(tok, max_tokens - len(out), want, ws, eog, logits)
-                try:
-                    async for tok in agen:
-                        if tok in eog:
-                            self.stop_reason = "eos"
-                            return
-                        out.append(tok)
-                        yield tok
-                        if stops:
-                            text = await r.detokenize(out)
-                            if any(s in text for s in stops):
-                                self.stop_reason = "stop"
-                                return
-                        if len(out) == max_tokens:
-                            return
-                except errors.DgrError as e:
-                    if not retryable(e):
-                        raise
-                    # ``tok`` (the last token yielded) is not in ``history`` yet: repair the
-                    # route, then feed it step by step
-                    broken = e
-                finally:
-                    await agen.aclose()
-            f = await self._run_chunks([[tok]], want, ws, broken)
+                out.append(tok)
+                yield tok
+                if stops:
+                    text = await r.detokenize(out)
+                    if any(s in text for s in stops):
+                        self.stop_reason = "stop"
+                        return
+                if len(out) == max_tokens:
+                    return
+                if tokens is None:
+                    tokens = self._decode(tok, max_tokens - len(out), want, ws, eog, logits)
+                tok = await anext(tokens)
+        finally:
+            if tokens is not None:
+                await tokens.aclose()
+
+    async def _decode(self, tok: int, n: int, want: str, sampling: wire.Sampling | None,
+                      eog: frozenset, logits: bool) -> AsyncIterator[int]:
+        """The ``n`` tokens after ``tok`` (which is fed first): from the stages' decode loop
+        when the route has one, then (after a failure, or without a loop) one step each."""
+        r = self.route
+        made = 0
+        broken: BaseException | None = None
+        if r.relay and r.loop:
+            ring = self._ring(tok, n, want, sampling, eog, logits)
+            try:
+                async for tok in ring:
+                    made += 1
+                    yield tok
+            except errors.DgrError as e:
+                if not retryable(e):
+                    raise
+                # ``tok`` (the last token yielded) is not in ``history`` yet: repair the
+                # route (first thing in _run_chunks), then feed it step by step
+                broken = e
+            finally:
+                await ring.aclose()
+        while made < n:
+            f = await self._run_chunks([[tok]], want, sampling, broken)
             broken = None
             tok = self._take(f, logits)
+            made += 1
+            yield tok
 
     async def _ring(self, tok: int, steps: int, want: str, sampling: wire.Sampling | None,
                     eog: frozenset, logits: bool) -> AsyncIterator[int]:

@@ -80,35 +80,25 @@ def _track(name, key, unit, section=None):
     return track
 
 
+# the ratios of each dgr driver (gRPC hop by hop: dgr<k>; direct relay: relay<k>) to the
+# whole model and to llama.cpp RPC, plus relay to gRPC; the driver's own figures
+_RATIOS = {"dgr": ("whole", "rpc{k}"), "relay": ("whole", "rpc{k}", "dgr{k}")}
 for _k in STAGES:
     for _m, _key in METRICS.items():
-        setattr(CompareSmolLM2, f"track_dgr{_k}_over_whole_{_m}_ratio",
-                _track(f"dgr{_k}/whole", _key, "ratio"))
         setattr(CompareSmolLM2, f"track_rpc{_k}_over_whole_{_m}_ratio",
                 _track(f"rpc{_k}/whole", _key, "ratio"))
-        setattr(CompareSmolLM2, f"track_dgr{_k}_over_rpc{_k}_{_m}_ratio",
-                _track(f"dgr{_k}/rpc{_k}", _key, "ratio"))
-    setattr(CompareSmolLM2, f"track_dgr{_k}_decode_tokens_per_s",
-            _track(f"dgr{_k}", "decode_tps", "tokens/s"))
-    setattr(CompareSmolLM2, f"track_dgr{_k}_ttft_ms", _track(f"dgr{_k}", "ttft_ms", "ms"))
-    setattr(CompareSmolLM2, f"track_dgr{_k}_cpu_s_per_token",
-            _track(f"dgr{_k}", "cpu_s_per_token", "s"))
-    setattr(CompareSmolLM2, f"track_dgr{_k}_parity",
-            _track(f"dgr{_k}", "parity", "bool"))
-    for _m, _key in METRICS.items():
-        setattr(CompareSmolLM2, f"track_relay{_k}_over_whole_{_m}_ratio",
-                _track(f"relay{_k}/whole", _key, "ratio"))
-        setattr(CompareSmolLM2, f"track_relay{_k}_over_rpc{_k}_{_m}_ratio",
-                _track(f"relay{_k}/rpc{_k}", _key, "ratio"))
-        setattr(CompareSmolLM2, f"track_relay{_k}_over_dgr{_k}_{_m}_ratio",
-                _track(f"relay{_k}/dgr{_k}", _key, "ratio"))
-    setattr(CompareSmolLM2, f"track_relay{_k}_decode_tokens_per_s",
-            _track(f"relay{_k}", "decode_tps", "tokens/s"))
-    setattr(CompareSmolLM2, f"track_relay{_k}_ttft_ms", _track(f"relay{_k}", "ttft_ms", "ms"))
-    setattr(CompareSmolLM2, f"track_relay{_k}_cpu_s_per_token",
-            _track(f"relay{_k}", "cpu_s_per_token", "s"))
-    setattr(CompareSmolLM2, f"track_relay{_k}_parity",
-            _track(f"relay{_k}", "parity", "bool"))
+    for _c, _bases in _RATIOS.items():
+        for _b in (b.format(k=_k) for b in _bases):
+            for _m, _key in METRICS.items():
+                setattr(CompareSmolLM2, f"track_{_c}{_k}_over_{_b}_{_m}_ratio",
+                        _track(f"{_c}{_k}/{_b}", _key, "ratio"))
+        setattr(CompareSmolLM2, f"track_{_c}{_k}_decode_tokens_per_s",
+                _track(f"{_c}{_k}", "decode_tps", "tokens/s"))
+        setattr(CompareSmolLM2, f"track_{_c}{_k}_ttft_ms", _track(f"{_c}{_k}", "ttft_ms", "ms"))
+        setattr(CompareSmolLM2, f"track_{_c}{_k}_cpu_s_per_token",
+                _track(f"{_c}{_k}", "cpu_s_per_token", "s"))
+        setattr(CompareSmolLM2, f"track_{_c}{_k}_parity",
+                _track(f"{_c}{_k}", "parity", "bool"))
     for _c in ("dgr", "relay"):
         setattr(CompareSmolLM2, f"track_{_c}{_k}_added_ms_per_stage",
                 _track(f"{_c}{_k}", None, "ms", section="added_ms_per_stage"))
