@@ -992,7 +992,6 @@ class AsyncRouteSession:
         token to the first stage itself; yield the sampled tokens as they arrive."""
         r = self.route
         links = await r.links()
-        loop = asyncio.get_running_loop()
         key = (self.id, self.epoch)
         q: asyncio.Queue = asyncio.Queue()
         r._rings[key] = q

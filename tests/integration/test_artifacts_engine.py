@@ -4,7 +4,6 @@ file, a chain of slices generates the whole model's tokens; SmolLM2 round trips 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import signal
