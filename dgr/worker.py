@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
+import msgspec
 import numpy as np
 
 from . import __version__, errors, wire
@@ -546,16 +547,15 @@ class Worker:
     def _relay(self, h: wire.Forward, array, res) -> None:
         """Forward this stage's boundary to the next stage named by ``h.relay``."""
         nxt = h.relay[0]
-        n = h.n_tokens
-        nh = wire.Forward(model=h.model, session=h.session, epoch=h.epoch,
-                          first_pos=h.first_pos, n_tokens=n, layer=self.layers[1],
-                          positions=h.positions, tokens=h.tokens if nxt.tokens else None,
-                          want=h.want, rows=h.rows, sampling=h.sampling, relay=h.relay[1:],
-                          reply_to=h.reply_to, loop=h.loop, steps=h.steps,
-                          stop_tokens=h.stop_tokens)
+        # the same step for the next range: every other field (positions, want, rows,
+        # sampling, reply_to, the decode loop's) travels on as it came; encode refills the
+        # payload fields from the boundary
+        nh = msgspec.structs.replace(h, layer=self.layers[1], relay=h.relay[1:],
+                                     tokens=h.tokens if nxt.tokens else None)
         codec = h.codec if array is not None else "raw"
         buf = self._tls.buf
-        wire.encode_into(nh, res[:n], buf, codec=codec, compress=h.compression == "zstd")
+        wire.encode_into(nh, res[:h.n_tokens], buf, codec=codec,
+                         compress=h.compression == "zstd")
         self.links.send(nxt.endpoint, buf)
 
     # -- lifecycle -----------------------------------------------------------------------
