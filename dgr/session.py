@@ -74,9 +74,10 @@ class SessionTable:
       least recently used session idle for at least ``evict_after`` is evicted; when none
       qualifies, ``ResourceExhausted`` with ``retry_after`` (seconds until one would).
 
-    The table is not thread-safe: the worker calls it from its event loop only. Compute
-    happens between ``acquire`` and ``commit``/``abort``; a session is ``busy`` meanwhile and
-    a second step for it is refused.
+    The table is not thread-safe: the worker calls it under its table lock. Compute happens
+    between ``acquire`` and ``commit``/``abort``; a session is ``busy`` meanwhile and a second
+    step for it is refused. An explicit release (or a drain) may drop a busy session: its
+    slot is free at once, so the step must check ``holds`` right before it computes.
 
     Parameters
     ----------
@@ -199,6 +200,13 @@ class SessionTable:
         self._sessions[session] = SessionInfo(session, epoch, slot, 0, now, now, busy=True)
         self._emit("open", session, epoch, slot, "")
         return Lease(session, epoch, slot, 0, n_tokens, new=True)
+
+    def holds(self, lease: Lease) -> bool:
+        """Whether ``lease`` still owns its slot: the session was not released (and its slot
+        perhaps handed to another session) since ``acquire``. A step whose lease no longer
+        holds must not compute: it would write into another session's cache."""
+        s = self._sessions.get(lease.session)
+        return s is not None and s.busy and s.epoch == lease.epoch and s.slot == lease.slot
 
     def commit(self, lease: Lease) -> None:
         """The step of ``lease`` computed: the session now continues after it."""

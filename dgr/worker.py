@@ -339,8 +339,13 @@ class Worker:
         with self.engine_lock:
             with self.lock:
                 releases, self._releases = self._releases, []
+                holds = self.table.holds(lease)
             for slot in releases:
                 self.engine.release(slot)
+            if not holds:  # released while it waited: its slot may be another session's now
+                raise errors.CacheMiss(
+                    f"session {lease.session!r} epoch {lease.epoch} was released while this "
+                    "step waited for the engine; the step was not run: re-prefill")
             self.computing += 1  # computes are serialized by the engine lock: 0 or 1
             try:
                 return self._compute(lease, h, array, out)

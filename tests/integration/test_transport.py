@@ -495,6 +495,42 @@ def test_route_waits_for_a_slot_when_the_worker_is_full():
         tw.stop()
 
 
+def test_a_step_released_while_it_waited_does_not_run_on_the_reused_slot():
+    # x's step passed admission, then x was released (a driver's close, a drain) and its only
+    # slot went to y before x's step reached the engine: x's step must not compute there
+    from dgr.worker import Worker
+
+    w = Worker(ToyEngine(n_slots=1))
+    eng = w.engine
+    try:
+        def step(session, pos, toks):
+            h = wire.Forward(model=w.identity, session=session, epoch=1, first_pos=pos,
+                             n_tokens=len(toks), layer=0, tokens=toks, want="token")
+            lease = w.table.acquire(session, 1, pos, len(toks))
+            return h, lease
+
+        h, lease = step("x", 0, [3, 5, 7])
+        w._counted_compute(lease, h, None)
+        w.table.commit(lease)
+        hx, lx = step("x", 3, [9])  # admitted, waiting for the engine
+        assert w.release("x")
+        hy, ly = step("y", 0, [3, 5, 7])  # the freed slot, at once
+        assert ly.slot == lx.slot
+        y0 = w._counted_compute(ly, hy, None)[2]
+        w.table.commit(ly)
+        calls = eng.calls
+        with pytest.raises(errors.CacheMiss, match="released while this step waited"):
+            w._counted_compute(lx, hx, None)
+        w.table.abort(lx)  # what a failed step does: a no-op, x is gone
+        assert eng.calls == calls and eng.state[ly.slot]["pos"] == 3  # y's cache untouched
+        hy, ly = step("y", 3, [9])
+        assert w._counted_compute(ly, hy, None)[2]  # y continues where it was
+        w.table.commit(ly)
+        assert y0 is not None and w.table.get("y").next_pos == 4
+    finally:
+        w.executor.shutdown()
+
+
 async def _step_raw(address, session):
     c = ShardClient(address)
     try:

@@ -150,7 +150,10 @@ def test_stale_epoch_answer_starts_over_under_a_new_epoch(cluster, refs, loop):
     with Route(primaries(cluster), loop=loop) as r:
         s = r.session(f"dup-{loop}")
         it = s.generate(prompt(8), max_tokens=N_TOKENS, stop_on_eog=False)
-        toks = [next(it) for _ in range(10)]
+        # between two tokens no step is in flight, except in a running decode loop (which may
+        # even have finished): intrude there right after the prefill's token, before the
+        # loop's first step
+        toks = [next(it) for _ in range(10 if not loop else 1)]
 
         async def intrude():  # another writer of session "dup" at a far higher epoch
             c = ShardClient(cluster.endpoints[0])
@@ -167,9 +170,7 @@ def test_stale_epoch_answer_starts_over_under_a_new_epoch(cluster, refs, loop):
 
         assert type(asyncio.run(intrude())) is wire.Result
         toks += list(it)  # stage 0 answers StaleEpoch: released there, new epoch, replay
-        # token by token the intrusion lands between two steps: exactly one recovery; the
-        # decode loop may also collide with it (SessionError) first
-        assert (s.recoveries == 1 if not loop else s.recoveries >= 1)
+        assert s.recoveries == 1
         assert r.aroute.replacements == []
         s.close()
     assert toks == refs[8]
