@@ -18,9 +18,19 @@ processes) and prints:
   once, prefill tokens/s of the route vs the whole model in its own process
   (``compare.whole_measure``: ``dgr.Engine.forward`` of the same prompt in n_ubatch chunks).
 
+``--decode N`` traces a relayed decode loop of N tokens instead and prints where a token's
+time goes, stage by stage (medians over the tokens): ``compute`` (the engine's forward),
+``python`` (from the frame's arrival to the forward: decode, checks, session table; plus,
+on the last stage, sampling and bookkeeping) and ``hop in`` (from the previous stage's
+compute end to this stage's arrival: encode, send, the kernel, the wakeup, the receive; for
+stage 0 from the last stage of the previous token). The sum is the route's time per token.
+For comparison it measures the same ranges' forward in one process of their own, right
+before and after the route (the machine's speed drifts), so the difference between a
+range's compute inside a worker and alone is visible.
+
 ``--json FILE`` writes the spans and the statistics. The parsing/rendering functions
-(``load_spans``, ``intervals``, ``overlap_stats``, ``render``) are pure, see
-tests/unit/test_benches.py.
+(``load_spans``, ``intervals``, ``overlap_stats``, ``render``, ``decode_breakdown``) are
+pure, see tests/unit/test_benches.py.
 """
 
 from __future__ import annotations
@@ -138,6 +148,80 @@ def render(spans, width: int = 100, chunk: int = 64, t0: float | None = None,
     return rows
 
 
+def decode_breakdown(spans) -> dict:
+    """Where a decode token's time goes, from single-token spans of one session.
+
+    Per stage (route order), medians over the positions every stage traced: ``compute_ms``,
+    ``python_ms`` (start - arrive) and ``hop_in_ms`` (this arrive - the previous stage's
+    compute end; stage 0: from the last stage's compute end at the previous position). Also
+    ``token_ms``: median of stage 0's start-to-start period, and ``sum_ms`` of the medians.
+    """
+    import statistics
+
+    order = stage_order(spans)
+    by: dict[int, dict] = {}
+    for s in spans:
+        if s["n"] == 1:
+            by.setdefault(s["pos"], {})[s["stage"]] = s
+    full = {p: d for p, d in by.items() if len(d) == len(order)}
+    parts = {st: {"compute": [], "python": [], "hop_in": []} for st in order}
+    period = []
+    for p, d in sorted(full.items()):
+        for i, st in enumerate(order):
+            s = d[st]
+            parts[st]["compute"].append(s["compute_s"])
+            parts[st]["python"].append(s["start"] - s["arrive"])
+            prev = d[order[i - 1]] if i > 0 else full.get(p - 1, {}).get(order[-1])
+            if prev is not None:
+                parts[st]["hop_in"].append(s["arrive"] - prev["compute_end"])
+        if p - 1 in full:
+            period.append(d[order[0]]["start"] - full[p - 1][order[0]]["start"])
+
+    def med(v):
+        return 1e3 * statistics.median(v) if v else float("nan")
+
+    stages = [{"stage": "%d:%d" % st, **{f"{k}_ms": med(v) for k, v in parts[st].items()}}
+              for st in order]
+    total = sum(v for row in stages for k, v in row.items() if k != "stage" and v == v)
+    return {"stages": stages, "tokens": len(full), "token_ms": med(period), "sum_ms": total}
+
+
+def range_compute_ms(n_stages: int, n_tokens: int = 64) -> list[float]:
+    """Median decode ``forward`` ms of each of the ``n_stages`` ranges, run back to back in
+    this process (the workers' settings; no transport)."""
+    import statistics
+
+    import dgr
+    from benchmarks.common import SETTINGS, smollm2_path
+    from dgr.chain import split_layers
+
+    path = smollm2_path()
+    settings = {**SETTINGS, "n_slots": 1}
+    n_layer = dgr.Engine(path, **settings).n_layer
+    parts = [dgr.Engine(path, layers=r, **settings) for r in split_layers(n_layer, n_stages)]
+    b = parts[0].forward(0, 0, list(range(1, 17)))
+    for e in parts[1:]:
+        b = e.forward(0, 0, boundary=b)
+    ts: list[list[float]] = [[] for _ in parts]
+    for p in range(16, 16 + n_tokens):
+        b = None
+        for i, e in enumerate(parts):
+            t = time.perf_counter()
+            b = e.forward(0, p, [5]) if i == 0 else e.forward(0, p, boundary=b)
+            ts[i].append(time.perf_counter() - t)
+    return [1e3 * statistics.median(v) for v in ts]
+
+
+def _range_compute_own_process(n_stages: int) -> list[float]:
+    import subprocess
+
+    code = (f"import sys, json; sys.path.insert(0, {HERE!r}); import timeline; "
+            f"print(json.dumps(timeline.range_compute_ms({n_stages})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=600).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 # --- the run ---------------------------------------------------------------------------------
 
 async def _prefill(endpoints, prompt) -> dict:
@@ -162,12 +246,28 @@ async def _prefill(endpoints, prompt) -> dict:
             await s.close()
 
 
-def run(n_stages: int, n_prompt: int, whole: bool = True, log=print) -> dict:
+async def _decode(endpoints, prompt, n: int) -> dict:
+    from dgr.route import AsyncRoute
+
+    async with AsyncRoute(endpoints, relay=True) as r:
+        s = r.session()
+        try:
+            async for _ in s.generate(prompt[:16], max_tokens=4, stop_on_eog=False):
+                pass  # warm up (links, Hello)
+            await s.close()
+            s = r.session()
+            toks = [t async for t in s.generate(prompt, max_tokens=n, stop_on_eog=False)]
+            return {"session": s.id, "tokens": toks, "relay_steps": r.relay_steps}
+        finally:
+            await s.close()
+
+
+def _traced(n_stages: int, log, go):
+    """Start traced workers, ``go(endpoints)`` (a coroutine function), stop them (which
+    flushes the traces) and return (go's result, the spans of its session)."""
     import dgr
     from benchmarks.bench_route import start_cluster
     from benchmarks.common import SETTINGS, smollm2_path
-
-    import compare
 
     path = smollm2_path()
     n_layer = dgr.Engine(path, **SETTINGS).n_layer
@@ -177,8 +277,7 @@ def run(n_stages: int, n_prompt: int, whole: bool = True, log=print) -> dict:
     cluster = start_cluster(path, n_stages, n_layer, worker_args=[["--trace", t]
                                                                   for t in traces])
     try:
-        prompt = [int(t) for t in compare.prompt_tokens(n_prompt, compare.N_VOCAB)]
-        res = asyncio.run(_prefill(cluster.endpoints, prompt))
+        res = asyncio.run(go(cluster.endpoints))
     finally:
         cluster.stop()  # SIGTERM: the workers drain and flush their traces
     spans = []
@@ -186,6 +285,55 @@ def run(n_stages: int, n_prompt: int, whole: bool = True, log=print) -> dict:
         with open(t) as f:
             spans += load_spans(f, session=res["session"])
     spans.sort(key=lambda s: (s["stage"], s["start"]))
+    return res, spans
+
+
+def run_decode(n_stages: int, n_tokens: int, log=print) -> dict:
+    """Trace a relayed decode loop; the same ranges' compute alone before and after."""
+    import statistics
+
+    import compare
+
+    prompt = [int(t) for t in compare.prompt_tokens(32, compare.N_VOCAB)]
+    log("the ranges alone, in a process of their own ...")
+    before = _range_compute_own_process(n_stages)
+    res, spans = _traced(n_stages, log, lambda eps: _decode(eps, prompt, n_tokens))
+    log("the ranges alone again ...")
+    after = _range_compute_own_process(n_stages)
+    out = decode_breakdown(spans)
+    for row, a, b in zip(out["stages"], before, after):
+        row["alone_ms"] = statistics.median([a, b])
+    return {"n_stages": n_stages, "n_tokens": n_tokens, "breakdown": out,
+            "alone_before_ms": before, "alone_after_ms": after, "spans": spans}
+
+
+def report_decode(out: dict, file=sys.stdout) -> None:
+    b = out["breakdown"]
+    print(f"\nrelayed decode loop over {out['n_stages']} stages: where a token's time goes "
+          f"(medians over {b['tokens']} tokens, ms)", file=file)
+    print(f"  {'stage':<8}{'hop in':>8}{'python':>8}{'compute':>9}{'alone':>8}{'extra':>8}",
+          file=file)
+    for r in b["stages"]:
+        print(f"  {r['stage']:<8}{r['hop_in_ms']:8.3f}{r['python_ms']:8.3f}"
+              f"{r['compute_ms']:9.3f}{r['alone_ms']:8.3f}"
+              f"{r['compute_ms'] - r['alone_ms']:+8.3f}", file=file)
+    seam = sum(r["hop_in_ms"] + r["python_ms"] for r in b["stages"])
+    extra = sum(r["compute_ms"] - r["alone_ms"] for r in b["stages"])
+    alone = sum(r["alone_ms"] for r in b["stages"])
+    print(f"  sum {b['sum_ms']:.2f} ms/token (stage 0's period: {b['token_ms']:.2f}); "
+          f"seams (hop in + python) {seam:.2f} = {seam / out['n_stages']:.2f} a stage; "
+          f"compute {extra:+.2f} over the ranges alone ({alone:.2f}; measured before "
+          f"{sum(out['alone_before_ms']):.2f}, after {sum(out['alone_after_ms']):.2f})",
+          file=file)
+
+
+def run(n_stages: int, n_prompt: int, whole: bool = True, log=print) -> dict:
+    from benchmarks.common import SETTINGS
+
+    import compare
+
+    prompt = [int(t) for t in compare.prompt_tokens(n_prompt, compare.N_VOCAB)]
+    res, spans = _traced(n_stages, log, lambda eps: _prefill(eps, prompt))
     stats = overlap_stats(spans)
     stats["wall_s"] = res["t1"] - res["t0"]
     stats["prefill_tps"] = n_prompt / stats["wall_s"]
@@ -229,10 +377,20 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=512, help="prompt tokens")
     ap.add_argument("--width", type=int, default=100, help="timeline columns")
     ap.add_argument("--no-whole", action="store_true", help="skip the whole-model run")
+    ap.add_argument("--decode", type=int, metavar="N",
+                    help="trace a relayed decode loop of N tokens instead: where a token's "
+                         "time goes, stage by stage")
     ap.add_argument("--json", help="write spans and statistics here")
     args = ap.parse_args(argv)
-    out = run(args.stages, args.prompt, whole=not args.no_whole,
-              log=lambda m: print(m, file=sys.stderr, flush=True))
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    if args.decode:
+        out = run_decode(args.stages, args.decode, log=log)
+        report_decode(out)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+        return 0
+    out = run(args.stages, args.prompt, whole=not args.no_whole, log=log)
     report(out, args.width)
     if args.json:
         with open(args.json, "w") as f:

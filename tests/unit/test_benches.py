@@ -103,3 +103,28 @@ def test_render():
     assert rows[0].endswith("|0011..|")
     assert rows[1].endswith("|..0011|")
     assert timeline.render([], width=6) == []
+
+
+def _decode_span(stage, pos, arrive, start, end):
+    return json.dumps({"stage": list(stage), "session": "s", "epoch": 1, "pos": pos, "n": 1,
+                       "arrive": arrive, "compute_end": end, "compute_s": end - start,
+                       "sent": end + 0.0001})
+
+
+def test_decode_breakdown_adds_up_to_the_token_period():
+    # 2 stages, per token: A python 1, compute 4; hop 2; B python 1, compute 6; hop 3 back
+    # to A: a period of 17 (ms as seconds, scaled below)
+    lines = []
+    for k in range(4):
+        t = 17.0 * k
+        lines += [_decode_span((0, 15), 10 + k, t, t + 1, t + 5),
+                  _decode_span((15, 30), 10 + k, t + 7, t + 8, t + 14)]
+    lines.append(_decode_span((0, 15), 0, 0.0, 0.1, 0.9).replace('"n": 1', '"n": 16'))
+    b = timeline.decode_breakdown(timeline.load_spans(lines))
+    a_, b_ = b["stages"]
+    assert b["tokens"] == 4 and a_["stage"] == "0:15"
+    assert a_["compute_ms"] == pytest.approx(4e3) and b_["compute_ms"] == pytest.approx(6e3)
+    assert a_["python_ms"] == pytest.approx(1e3) and b_["python_ms"] == pytest.approx(1e3)
+    assert b_["hop_in_ms"] == pytest.approx(2e3) and a_["hop_in_ms"] == pytest.approx(3e3)
+    assert b["token_ms"] == pytest.approx(17e3) and b["sum_ms"] == pytest.approx(17e3)
+    assert timeline.decode_breakdown([])["tokens"] == 0
