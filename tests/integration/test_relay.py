@@ -335,3 +335,28 @@ def test_auto_relay_falls_back_to_grpc_when_the_data_port_is_unreachable(tiny_ll
         assert "direct relay unavailable" in caplog.text
     finally:
         tw.stop()
+
+
+def test_an_abandoned_decode_loop_never_touches_the_next_session(tiny_llama, reference):
+    # one slot per stage: a session closed while its decode loop still runs frees the slot,
+    # the next session takes it at once; the old loop's steps still in flight are refused
+    # (unknown session; or released while they waited, which the toy-engine test in
+    # test_transport.py pins down) and never disturb the new one
+    one_slot = {**SETTINGS, "n_slots": 1}
+    ws = [ThreadedWorker(dgr.Engine(tiny_llama, layers=r, **one_slot), evict_after=3600.0)
+          for r in RANGES]
+    try:
+        ref, _ = generate_local(reference, PROMPT[:9], max_tokens=12, stop_on_eog=False)
+        with Route([w.address for w in ws], relay=True) as r:
+            for i in range(8):
+                old = r.session()
+                it = old.generate(PROMPT[:20 + i], max_tokens=90, stop_on_eog=False)
+                assert [next(it) for _ in range(2 + i % 3)]
+                it.close()
+                old.close()  # releases on every stage while the loop goes on
+                s = r.session()
+                assert s.complete(PROMPT[:9], max_tokens=12, stop_on_eog=False).tokens == ref
+                s.close()
+    finally:
+        for w in ws:
+            w.stop()
