@@ -836,11 +836,17 @@ class AsyncRouteSession:
 
     def _forget(self, i: int) -> None:
         """Drop stage ``i``'s stream and free this session on its worker (in the background;
-        a worker that cannot be reached frees it by TTL)."""
+        a worker that cannot be reached frees it by TTL). Not when stage ``i``'s replacement
+        is the same worker (it came back, or was only slow): a late Release there would drop
+        the session this route is rebuilding on it, and the new epoch supersedes the old
+        state anyway."""
         s, self._streams[i] = self._streams[i], None
         if s is None:
             return
-        for coro in (s.close(), _release_quietly(s.client, self.id, self.route.probe_timeout)):
+        coros = [s.close()]
+        if s.client.endpoint != self.route.clients[i].endpoint:
+            coros.append(_release_quietly(s.client, self.id, self.route.probe_timeout))
+        for coro in coros:
             t = asyncio.ensure_future(coro)
             self._cleanup.add(t)
             t.add_done_callback(self._cleanup.discard)

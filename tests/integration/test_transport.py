@@ -559,3 +559,41 @@ def test_inline_below_ms_keeps_results_and_order(tiny_llama, reference):
         assert tw.worker.inline_steps >= 10  # decode steps ran on the loop thread
     finally:
         tw.stop()
+
+
+def test_a_stage_replaced_by_the_same_worker_is_not_sent_a_release():
+    # a step misses its deadline, the only worker of the range is chosen again: the route
+    # must not Release the session there in the background (it would land on the session
+    # the recovery is rebuilding there); the higher epoch supersedes the old state
+    eng = ToyEngine()
+    slow = {"left": 0}
+    forward = eng.forward
+
+    def maybe_slow(*a, **k):
+        if slow["left"]:
+            slow["left"] -= 1
+            time.sleep(1.0)
+        return forward(*a, **k)
+
+    eng.forward = maybe_slow
+    tw = ThreadedWorker(eng, evict_after=3600.0)
+    released = []
+    real_release = tw.worker.release
+    tw.worker.release = lambda session: (released.append(session), real_release(session))[1]
+    try:
+        prompt = [3, 5, 7, 9, 2]
+        ref, _ = generate_local(ToyEngine(), prompt, max_tokens=12, stop_on_eog=False)
+        with Route(tw.address, deadline_floor=0.3, step_timeout=0.3, relay=False) as r:
+            s = r.session()
+            it = s.generate(prompt, max_tokens=12, stop_on_eog=False)
+            toks = [next(it) for _ in range(4)]
+            slow["left"] = 1
+            toks += list(it)
+            time.sleep(0.3)  # a background Release would have landed by now
+            assert toks == ref and s.recoveries >= 1
+            assert r.aroute.replacements and r.aroute.replacements[0][1:] == (tw.address,) * 2
+            assert s.id not in released
+            s.close()
+        assert s.id in released  # closing releases as usual
+    finally:
+        tw.stop()
