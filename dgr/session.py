@@ -41,6 +41,7 @@ class SessionInfo:
     created: float = 0.0
     busy: bool = False
     steps: int = 0
+    ticket: int = 0  # the admitted step's lease (Lease.ticket) while busy
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class Lease:
     first_pos: int
     n_tokens: int
     new: bool  # the step starts a fresh (session, epoch): the slot was just cleared
+    ticket: int = 0  # unique per admitted step in its table: names this step exactly
 
 
 #: event callback: (event, session, epoch, slot, detail)
@@ -112,6 +114,7 @@ class SessionTable:
         self._listener = listener
         self._sessions: dict[str, SessionInfo] = {}
         self._free: list[int] = list(range(n_slots - 1, -1, -1))  # pop() gives slot 0 first
+        self._tickets = 0
         self.closed = False  # set while draining: no new sessions or epochs
 
     # -- facts ---------------------------------------------------------------------------
@@ -178,7 +181,8 @@ class SessionTable:
             self._check_ctx(session, first_pos, n_tokens)
             s.busy = True
             s.last_used = now
-            return Lease(session, epoch, s.slot, first_pos, n_tokens, new=False)
+            s.ticket = self._next_ticket()
+            return Lease(session, epoch, s.slot, first_pos, n_tokens, new=False, ticket=s.ticket)
         # a new session or a higher epoch: the step must start a sequence
         if first_pos != 0:
             if s is None:
@@ -194,24 +198,33 @@ class SessionTable:
             self.engine.release(s.slot)
             self._emit("epoch", session, epoch, s.slot, f"from epoch {s.epoch}")
             s.epoch, s.next_pos, s.busy, s.last_used = epoch, 0, True, now
-            return Lease(session, epoch, s.slot, 0, n_tokens, new=True)
+            s.ticket = self._next_ticket()
+            return Lease(session, epoch, s.slot, 0, n_tokens, new=True, ticket=s.ticket)
         slot = self._take_slot(now)
         self.engine.release(slot)  # whatever a previous owner left there
-        self._sessions[session] = SessionInfo(session, epoch, slot, 0, now, now, busy=True)
+        t = self._next_ticket()
+        self._sessions[session] = SessionInfo(session, epoch, slot, 0, now, now, busy=True,
+                                              ticket=t)
         self._emit("open", session, epoch, slot, "")
-        return Lease(session, epoch, slot, 0, n_tokens, new=True)
+        return Lease(session, epoch, slot, 0, n_tokens, new=True, ticket=t)
 
     def holds(self, lease: Lease) -> bool:
         """Whether ``lease`` still owns its slot: the session was not released (and its slot
         perhaps handed to another session) since ``acquire``. A step whose lease no longer
         holds must not compute: it would write into another session's cache."""
+        return self._current(lease) is not None
+
+    def _current(self, lease: Lease) -> SessionInfo | None:
+        """The session entry ``lease`` was issued for, if it is still the admitted step's."""
         s = self._sessions.get(lease.session)
-        return s is not None and s.busy and s.epoch == lease.epoch and s.slot == lease.slot
+        if s is None or not s.busy or s.ticket != lease.ticket:
+            return None
+        return s
 
     def commit(self, lease: Lease) -> None:
         """The step of ``lease`` computed: the session now continues after it."""
-        s = self._sessions.get(lease.session)
-        if s is None or s.epoch != lease.epoch or s.slot != lease.slot:
+        s = self._current(lease)
+        if s is None:
             return  # released while computing (drain, explicit release): nothing to record
         s.next_pos = lease.first_pos + lease.n_tokens
         s.busy = False
@@ -220,9 +233,9 @@ class SessionTable:
 
     def abort(self, lease: Lease, reason: str = "") -> None:
         """The step of ``lease`` failed in compute: drop the session (its cache is suspect)."""
-        s = self._sessions.get(lease.session)
-        if s is None or s.epoch != lease.epoch or s.slot != lease.slot:
-            return
+        s = self._current(lease)
+        if s is None:
+            return  # not this step's entry any more: someone else's state, leave it
         self._drop(s, "abort", reason)
 
     # -- housekeeping --------------------------------------------------------------------
@@ -252,6 +265,10 @@ class SessionTable:
         return [SessionInfo(**vars(s)) for s in self._sessions.values()]
 
     # -- internals -----------------------------------------------------------------------
+
+    def _next_ticket(self) -> int:
+        self._tickets += 1
+        return self._tickets
 
     def _check_ctx(self, session: str, first_pos: int, n_tokens: int) -> None:
         if first_pos + n_tokens > self.n_ctx:

@@ -211,3 +211,19 @@ def test_bad_arguments():
     t = SessionTable(FakeEngine(), 1, 10)
     with pytest.raises(errors.InvalidArgument):
         t.acquire("a", 1, 0, 0)
+
+
+def test_a_released_step_no_longer_holds_even_when_its_session_comes_back(env):
+    table, eng, clock, events = env
+    step(table, "a", 1, 0, 4)
+    old = table.acquire("a", 1, 4, 1)  # admitted, not computed yet
+    assert table.holds(old)
+    assert table.release("a")  # a Release while it waits
+    assert not table.holds(old)
+    new = table.acquire("a", 1, 0, 3)  # the same id and epoch, from 0, perhaps the same slot
+    assert new.slot == old.slot and table.holds(new) and not table.holds(old)
+    table.abort(old, "late failure")  # the old step's failure must not drop the new entry
+    table.commit(old)  # nor may its commit move the new entry's position
+    assert table.get("a").busy and table.get("a").next_pos == 0
+    table.commit(new)
+    assert table.get("a").next_pos == 3 and not table.holds(new)
