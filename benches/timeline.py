@@ -20,8 +20,9 @@ processes) and prints:
 
 ``--decode N`` traces a relayed decode loop of N tokens instead and prints where a token's
 time goes, stage by stage (medians over the tokens): ``compute`` (the engine's forward),
-``python`` (from the frame's arrival to the forward: decode, checks, session table; plus,
-on the last stage, sampling and bookkeeping) and ``hop in`` (from the previous stage's
+``python`` (the step's own Python: decode, checks and session table before the forward,
+bookkeeping after it, and sampling on the last stage; the trace's span ends after these, so
+``start - arrive`` counts them) and ``hop in`` (from the previous stage's
 compute end to this stage's arrival: encode, send, the kernel, the wakeup, the receive; for
 stage 0 from the last stage of the previous token). The sum is the route's time per token.
 For comparison it measures the same ranges' forward in one process of their own, right
