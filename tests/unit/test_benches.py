@@ -1,4 +1,4 @@
-"""The pure parts of benches/compare.py and benches/timeline.py (no workers, no model)."""
+"""The pure parts of benches/compare.py, timeline.py and process_floor.py (no workers, no model)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.abspath(BENCHES))
 
 compare = pytest.importorskip("compare")
 timeline = pytest.importorskip("timeline")
+process_floor = pytest.importorskip("process_floor")
 
 
 def _span(stage, pos, start, end, session="s"):
@@ -128,3 +129,17 @@ def test_decode_breakdown_adds_up_to_the_token_period():
     assert b_["hop_in_ms"] == pytest.approx(2e3) and a_["hop_in_ms"] == pytest.approx(3e3)
     assert b["token_ms"] == pytest.approx(17e3) and b["sum_ms"] == pytest.approx(17e3)
     assert timeline.decode_breakdown([])["tokens"] == 0
+
+
+def test_process_floor_summary():
+    def rnd(alone, pipes, relay):
+        return {"alone": {"token_ms": alone, "compute_ms": [alone / 2] * 2},
+                "pipes": {"token_ms": pipes, "compute_ms": [pipes / 2] * 2},
+                "relay": {"token_ms": relay}}
+
+    s = process_floor.summarize([rnd(10, 11, 12), rnd(20, 24, 25), rnd(12, 12, 14)], 2)
+    assert s["alone"] == 12 and s["pipes"] == 12 and s["relay"] == 14
+    assert s["pipes_over_alone"] == pytest.approx(1.1)  # of 1.1, 1.2, 1.0: per round
+    assert s["relay_over_pipes_ms_per_stage"] == pytest.approx(0.5)  # of 0.5, 0.5, 1.0
+    assert s["relay_over_alone"] == pytest.approx(1.2)  # of 1.2, 1.25, 1.1667
+    assert s["pipes_stage_compute_ms"] == [6, 6] and s["alone_stage_compute_ms"] == [6, 6]
