@@ -29,6 +29,7 @@ import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -95,11 +96,12 @@ def pipes_decode(n_stages: int, n_tokens: int) -> dict:
     from dgr.chain import split_layers
 
     n_layer = dgr.Engine(smollm2_path(), **{**SETTINGS, "n_slots": 1}).n_layer
-    procs = []
+    procs, logs = [], []
     stdin = subprocess.PIPE
     for a, b in split_layers(n_layer, n_stages):
+        logs.append(tempfile.TemporaryFile())  # not a pipe: engine logs cannot fill it up
         p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--stage", f"{a}:{b}"],
-                             stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                             stdin=stdin, stdout=subprocess.PIPE, stderr=logs[-1])
         if procs:
             procs[-1].stdout.close()  # the next stage owns it now
         stdin = p.stdout
@@ -119,9 +121,13 @@ def pipes_decode(n_stages: int, n_tokens: int) -> dict:
         step(STOP)
     finally:
         procs[0].stdin.close()
-        errs = [p.stderr.read().decode() for p in procs]
         for p in procs:
             p.wait(60)
+        errs = []
+        for f in logs:
+            f.seek(0)
+            errs.append(f.read().decode(errors="replace"))
+            f.close()
     compute = []
     for e in errs:
         lines = [ln for ln in e.splitlines() if ln.startswith("{")]
