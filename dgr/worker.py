@@ -516,14 +516,20 @@ class Worker:
             elif not self.is_last:
                 self._relay(h, array, res)
             else:
-                if h.steps > 1 and toks and (h.stop_tokens is None
-                                             or toks[-1] not in h.stop_tokens):
-                    self._loop(h, toks[-1])  # first: stage 1 starts the next step at once
+                loop = h.steps > 1 and toks and (h.stop_tokens is None
+                                                 or toks[-1] not in h.stop_tokens)
+                # the loop step first, so stage 1 starts at once; but when this worker is
+                # stage 1 too, the next step runs here on another thread and its reply must
+                # not overtake this one: reply first then
+                if loop and not self.is_first:
+                    self._loop(h, toks[-1])
                 r = wire.Result(session=h.session, epoch=h.epoch, first_pos=h.first_pos,
                                 n_tokens=h.n_tokens, kind=kind, tokens=toks)
                 buf = tls.buf
                 wire.encode_into(r, None if res is None else np.ascontiguousarray(res), buf)
                 self._send_back(conn, reply_to, buf)
+                if loop and self.is_first:
+                    self._loop(h, toks[-1])
         except Exception as e:  # noqa: BLE001 - e.g. the next stage is unreachable
             self._send_back(conn, reply_to, self._error(e, session, epoch))
         if self.trace is not None:

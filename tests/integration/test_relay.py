@@ -360,3 +360,40 @@ def test_an_abandoned_decode_loop_never_touches_the_next_session(tiny_llama, ref
     finally:
         for w in ws:
             w.stop()
+
+
+def test_a_one_stage_decode_loop_delivers_tokens_in_order(tiny_llama, reference):
+    # one worker is first and last: the loop's next step arrives on another connection
+    # (another thread) of the same worker, which must not overtake this step's reply
+    ref, _ = generate_local(reference, PROMPT[:5], max_tokens=6, stop_on_eog=False)
+    one = ThreadedWorker(dgr.Engine(tiny_llama, **SETTINGS))
+    w = one.worker
+    real_loop = w._loop
+
+    def slow_after_loop(h, token):  # widen the window between the loop and the reply
+        real_loop(h, token)
+        if h.first_pos == 5:
+            threading.Event().wait(0.3)
+
+    w._loop = slow_after_loop
+    try:
+        ep = f"127.0.0.1:{w.data_server.port}"
+        c = _conn(ep)
+        try:
+            c.send(wire.encode(wire.Hello(route="one")))
+            c.recv()
+            c.send(wire.encode(wire.Forward(model=w.identity, session="O", epoch=1, first_pos=0,
+                                            n_tokens=5, layer=0, tokens=PROMPT[:5],
+                                            want="token", reply_to="one")))
+            assert wire.decode(bytes(c.recv())).header.tokens == [ref[0]]
+            c.send(wire.encode(wire.Forward(
+                model=w.identity, session="O", epoch=1, first_pos=5, n_tokens=1, layer=0,
+                tokens=[ref[0]], want="token", reply_to="one", relay=[],
+                loop=[wire.Hop(endpoint=ep, tokens=True)], steps=5)))
+            got = [wire.decode(bytes(c.recv())).header for _ in range(5)]
+            assert [h.first_pos for h in got] == [5, 6, 7, 8, 9]
+            assert [h.tokens[0] for h in got] == ref[1:6]
+        finally:
+            c.close()
+    finally:
+        one.stop()
