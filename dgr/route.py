@@ -1024,8 +1024,10 @@ class AsyncRouteSession:
                     raise item
                 rh = item.header
                 if rh.first_pos != pos or not rh.tokens:
-                    raise errors.FrameError(f"decode loop: expected the token after position "
-                                            f"{pos}, got {rh!r}")
+                    # the loop and this session's history disagree: re-prefill, go on
+                    raise errors.CacheMiss(f"decode loop: expected the token after position "
+                                           f"{pos}, got a reply for position {rh.first_pos} "
+                                           f"with tokens {rh.tokens}")
                 r._measured_relay(1, time.perf_counter() - t0)
                 r.relay_steps += 1
                 self._extend([fed])

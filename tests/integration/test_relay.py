@@ -397,3 +397,27 @@ def test_a_one_stage_decode_loop_delivers_tokens_in_order(tiny_llama, reference)
             c.close()
     finally:
         one.stop()
+
+
+def test_a_decode_loop_reply_out_of_step_is_repaired_not_fatal(stages, reference):
+    # the driver reads the loop's tokens in position order; a reply for another position
+    # means the loop and the driver's history disagree: re-prefill and go on (CacheMiss)
+    ref, _ = generate_local(reference, PROMPT[:9], max_tokens=10, stop_on_eog=False)
+
+    class OneBogusReply(dict):
+        done = False
+
+        def __setitem__(self, key, q):
+            super().__setitem__(key, q)
+            if not self.done:
+                self.done = True
+                q.put_nowait(wire.decode(wire.encode(wire.Result(
+                    session=key[0], epoch=key[1], first_pos=999, n_tokens=1, kind="none",
+                    tokens=[1]))))
+
+    with Route([w.address for w in stages], relay=True) as r:
+        r.aroute._rings = OneBogusReply()
+        s = r.session()
+        g = s.complete(PROMPT[:9], max_tokens=10, stop_on_eog=False)
+        assert r.aroute._rings.done and g.tokens == ref and g.recoveries == 1
+        s.close()
