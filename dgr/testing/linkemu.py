@@ -55,6 +55,7 @@ class LinkEmulator:
         self._dropping = False
         self._refusing = False
         self._writers: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task] = set()  # one per proxied connection
         self._server: asyncio.AbstractServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -126,7 +127,15 @@ class LinkEmulator:
     async def aclose(self) -> None:
         if self._server is not None:
             self._server.close()
+        self._dropping = True  # a stalled pump moves on (and drops what it still holds)
+        if self._flowing is not None:
+            self._flowing.set()
         self._cut()
+        # the cut connections end their pumps: let them finish, so nothing is left pending
+        # when the loop stops (cancelling a connection's task makes asyncio's streams log it)
+        tasks = [t for t in self._tasks if t is not asyncio.current_task()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=2)
 
     def start(self) -> LinkEmulator:
         """Run on a daemon thread of its own; returns once listening."""
@@ -164,6 +173,14 @@ class LinkEmulator:
         self.stop()
 
     async def _accept(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        try:
+            await self._proxy(cr, cw)
+        finally:
+            self._tasks.discard(task)
+
+    async def _proxy(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
         self.connections += 1
         _nodelay(cw)
         if self._refusing:
@@ -222,6 +239,7 @@ class LinkEmulator:
             pass
         finally:
             task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 async def _until(t: float) -> None:

@@ -333,3 +333,37 @@ def test_link_emulator_delays_and_cuts(cluster, refs):
             assert asyncio.run(sessions_left()) == 0
             s.close()
     assert toks == refs[6]
+
+
+def test_link_emulator_stops_with_nothing_pending():
+    import socket
+
+    from dgr.testing.linkemu import LinkEmulator
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def echo_once():
+        c, _ = srv.accept()
+        with c:
+            try:
+                for d in iter(lambda: c.recv(100), b""):
+                    c.sendall(d)
+            except OSError:
+                pass
+
+    th = threading.Thread(target=echo_once, daemon=True)
+    th.start()
+    emu = LinkEmulator(f"127.0.0.1:{port}", delay_ms=1).start()
+    loop = emu._loop
+    host, p = emu.endpoint.rsplit(":", 1)
+    with socket.create_connection((host, int(p)), timeout=5) as s:
+        s.sendall(b"hi")
+        assert s.recv(10) == b"hi"
+        emu.stall()
+        s.sendall(b"held")  # a pump waits on the stall with these bytes
+        time.sleep(0.2)
+        emu.stop()  # with the connection still open and stalled: it is cut
+    assert [t for t in asyncio.all_tasks(loop) if not t.done()] == []
+    th.join(5)
+    srv.close()
