@@ -118,6 +118,7 @@ class LinkEmulator:
         """Start listening in the running loop; returns ``host:port``."""
         self._flowing = asyncio.Event()
         self._flowing.set()
+        self._dropping = False
         host, port = self.listen.rsplit(":", 1)
         self._server = await asyncio.start_server(self._accept, host, int(port))
         h, p = self._server.sockets[0].getsockname()[:2]
