@@ -1,9 +1,12 @@
 """Workers as separate hosts (network namespaces on a bridge): a host cut off mid-generation.
 
 Needs root and iproute2 (CI runs as root and installs iproute2); skipped elsewhere.
-The route driver runs on a host of its own; the middle worker's link goes down after ten
-tokens: no error reaches the driver, its sized deadline fires, the spare on another host
-takes over and the tokens are those of an uninterrupted run.
+The route driver runs on a host of its own; the middle worker's link goes down mid-generation:
+no error reaches the driver, its sized deadline fires, the spare on another host takes over
+and the tokens are those of an uninterrupted run. Token by token the cut comes after ten
+tokens; with the decode loop (which runs ahead of the reader, and may even finish) right
+after the prefill's token, before the loop's first step; with so few steps measured the
+deadline is the route's step_timeout (5 s here).
 """
 
 from __future__ import annotations
@@ -29,15 +32,18 @@ SETTINGS = dict(n_ctx=160, n_slots=4, n_threads=1, n_ubatch=32, flash_attn=True)
 PROMPT = [5, 17, 99, 3, 42, 8, 77, 11, 64, 2, 31, 120]
 N_TOKENS = 64
 
-# runs on host 0: generate ten tokens, say READY, wait for a line, finish, print the outcome
+# runs on host 0: generate k tokens, say READY, wait for a line, finish, print the outcome
 DRIVER = r"""
 import json, sys
 from dgr.route import Route
-eps, spares, prompt, n = json.loads(sys.argv[1])
-with Route(eps, spares=spares, deadline_floor=0.5, connect_timeout=15, probe_timeout=0.5) as r:
+eps, spares, prompt, n, loop, k = json.loads(sys.argv[1])
+# step_timeout: a route that has measured fewer than 8 steps (the decode loop's case here:
+# only the prefill) waits that long before it gives a silent host up
+with Route(eps, spares=spares, deadline_floor=0.5, connect_timeout=15, probe_timeout=0.5,
+           loop=loop, step_timeout=5) as r:
     s = r.session()
     it = s.generate(prompt, max_tokens=n, stop_on_eog=False)
-    toks = [next(it) for _ in range(10)]
+    toks = [next(it) for _ in range(k)]
     print("READY", flush=True)
     sys.stdin.readline()
     toks += list(it)
@@ -47,7 +53,8 @@ with Route(eps, spares=spares, deadline_floor=0.5, connect_timeout=15, probe_tim
 """
 
 
-def test_host_cut_off_mid_generation_completes_on_a_spare_host(tiny_llama):
+@pytest.mark.parametrize("loop", [False, True], ids=["token-by-token", "decode-loop"])
+def test_host_cut_off_mid_generation_completes_on_a_spare_host(tiny_llama, loop):
     whole = dgr.Engine(tiny_llama, **{**SETTINGS, "n_slots": 1})
     ref = generate_local(whole, PROMPT, max_tokens=N_TOKENS, stop_on_eog=False)[0]
     with Netns(5) as net:  # host 0: driver; 1, 2, 4: the route; 3: spare of [1, 3)
@@ -60,7 +67,8 @@ def test_host_cut_off_mid_generation_completes_on_a_spare_host(tiny_llama):
                 w.start()
             eps = {i: w.wait_listening(60) for i, w in workers.items()}
             assert eps[2].startswith("10.213.0.4:")
-            arg = json.dumps([[eps[1], eps[2], eps[4]], [eps[3]], PROMPT, N_TOKENS])
+            arg = json.dumps([[eps[1], eps[2], eps[4]], [eps[3]], PROMPT, N_TOKENS, loop,
+                              1 if loop else 10])
             driver = subprocess.Popen(net.exec_args(0) + [sys.executable, "-c", DRIVER, arg],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True)
