@@ -275,9 +275,13 @@ class AsyncRoute:
         With relay, ``generate`` hands decoding to the stages: the last stage feeds each token
         it samples straight back to the first stage (``Forward.steps``), so no driver round
         trip sits between two tokens; the driver streams the tokens as they arrive. It stops
-        at ``max_tokens`` and at end-of-generation tokens; a stop string or a consumer that
-        stops early leaves the stages at most ``max_tokens`` steps ahead (the next
-        generation's new epoch ends that loop). False: one driver round trip per token.
+        at ``max_tokens`` and at end-of-generation tokens. False: one driver round trip per
+        token.
+    loop_window : int
+        The decode loop runs this many tokens at a time; the next window starts when the
+        reader asks for its first token. So the stages run at most this far ahead of a
+        consumer that is slow or stops early (a stop string, a closed stream), and one
+        driver hop per window is added (32 by default).
     """
 
     def __init__(self, endpoints: str | Sequence[str] | None = None, *,
@@ -287,7 +291,8 @@ class AsyncRoute:
                  max_retries: int = 3, provider: RouteProvider | None = None,
                  spares: Sequence[str] = (), deadline_floor: float = 2.0,
                  deadline_factor: float = 10.0, probe_timeout: float = 1.0,
-                 backoff: float = 0.05, relay: bool | None = None, loop: bool = True):
+                 backoff: float = 0.05, relay: bool | None = None, loop: bool = True,
+                 loop_window: int = 32):
         if codec not in wire.CODECS:
             raise errors.UnknownCodec(f"unknown codec {codec!r} (known: {', '.join(wire.CODECS)})")
         self._relay_arg = relay
@@ -333,6 +338,9 @@ class AsyncRoute:
         self._link_lock: asyncio.Lock | None = None
         self._route_links: tuple | None = None  # (stages list it was built for, links, hops)
         self.loop = bool(loop)
+        if loop_window < 1:
+            raise errors.InvalidArgument(f"loop_window must be >= 1, got {loop_window}")
+        self.loop_window = int(loop_window)
         self._rings: dict[tuple[str, int], asyncio.Queue] = {}  # decode loops being read
         self.relay_steps = 0
 
@@ -995,7 +1003,11 @@ class AsyncRouteSession:
     async def _ring(self, tok: int, steps: int, want: str, sampling: wire.Sampling | None,
                     eog: frozenset, logits: bool) -> AsyncIterator[int]:
         """Feed ``tok`` with ``Forward.steps``: the last stage samples and feeds each next
-        token to the first stage itself; yield the sampled tokens as they arrive."""
+        token to the first stage itself; yield the sampled tokens as they arrive.
+
+        The stages loop ``loop_window`` tokens at a time: the next window starts (from the
+        window's last token, sent to the first stage) only when the reader asks for its
+        first token, so the stages never run more than a window ahead of the reader."""
         r = self.route
         links = await r.links()
         key = (self.id, self.epoch)
@@ -1003,37 +1015,42 @@ class AsyncRouteSession:
         r._rings[key] = q
         pos = len(self.history)
         st0 = r.stages[0]
+        left = steps
         try:
-            h = wire.Forward(model=st0.identity, session=self.id, epoch=self.epoch,
-                             first_pos=pos, n_tokens=1, layer=st0.layers[0], tokens=[tok],
-                             want=want, sampling=sampling, relay=r.hops(),
-                             reply_to=r.route_id, loop=r.loop_hops(), steps=steps,
-                             stop_tokens=sorted(eog) if eog else None)
-            links[0].send(wire.encode(h))
-            fed = tok
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                try:
-                    async with _timeout(r.deadline(len(r.stages), 1)):
-                        item = await q.get()
-                except TimeoutError:
-                    raise errors.StepDeadlineExceeded(
-                        f"decode loop at position {pos}: no token from the route within its "
-                        "deadline") from None
-                if isinstance(item, BaseException):
-                    raise item
-                rh = item.header
-                if rh.first_pos != pos or not rh.tokens:
-                    # the loop and this session's history disagree: re-prefill, go on
-                    raise errors.CacheMiss(f"decode loop: expected the token after position "
-                                           f"{pos}, got a reply for position {rh.first_pos} "
-                                           f"with tokens {rh.tokens}")
-                r._measured_relay(1, time.perf_counter() - t0)
-                r.relay_steps += 1
-                self._extend([fed])
-                pos += 1
-                fed = self._take(item, logits)
-                yield fed
+            while left > 0:
+                window = min(left, r.loop_window)
+                h = wire.Forward(model=st0.identity, session=self.id, epoch=self.epoch,
+                                 first_pos=pos, n_tokens=1, layer=st0.layers[0], tokens=[tok],
+                                 want=want, sampling=sampling, relay=r.hops(),
+                                 reply_to=r.route_id, loop=r.loop_hops(), steps=window,
+                                 stop_tokens=sorted(eog) if eog else None)
+                links[0].send(wire.encode(h))
+                fed = tok
+                for _ in range(window):
+                    t0 = time.perf_counter()
+                    try:
+                        async with _timeout(r.deadline(len(r.stages), 1)):
+                            item = await q.get()
+                    except TimeoutError:
+                        raise errors.StepDeadlineExceeded(
+                            f"decode loop at position {pos}: no token from the route within "
+                            "its deadline") from None
+                    if isinstance(item, BaseException):
+                        raise item
+                    rh = item.header
+                    if rh.first_pos != pos or not rh.tokens:
+                        # the loop and this session's history disagree: re-prefill, go on
+                        raise errors.CacheMiss(
+                            f"decode loop: expected the token after position {pos}, got a "
+                            f"reply for position {rh.first_pos} with tokens {rh.tokens}")
+                    r._measured_relay(1, time.perf_counter() - t0)
+                    r.relay_steps += 1
+                    self._extend([fed])
+                    pos += 1
+                    fed = self._take(item, logits)
+                    left -= 1
+                    yield fed
+                tok = fed
         finally:
             if r._rings.get(key) is q:
                 del r._rings[key]

@@ -419,5 +419,26 @@ def test_a_decode_loop_reply_out_of_step_is_repaired_not_fatal(stages, reference
         r.aroute._rings = OneBogusReply()
         s = r.session()
         g = s.complete(PROMPT[:9], max_tokens=10, stop_on_eog=False)
-        assert r.aroute._rings.done and g.tokens == ref and g.recoveries == 1
+        # the old loop may still hold a step at a stage when the replay reaches it
+        # (SessionError, retried): one recovery or two
+        assert r.aroute._rings.done and g.tokens == ref and 1 <= g.recoveries <= 2
         s.close()
+
+
+def test_decode_loop_runs_at_most_a_window_ahead_of_the_reader(stages, reference):
+    ref, _ = generate_local(reference, PROMPT[:9], max_tokens=20, stop_on_eog=False)
+    last = stages[-1].worker
+    with Route([w.address for w in stages], relay=True, loop_window=4) as r:
+        s = r.session()
+        assert s.complete(PROMPT[:9], max_tokens=20, stop_on_eog=False).tokens == ref  # 5 windows
+        it = s.generate(PROMPT[:9], max_tokens=20, stop_on_eog=False)
+        before = last.steps_total
+        toks = [next(it) for _ in range(3)]  # the prefill's token and 2 of the first window
+        threading.Event().wait(0.5)  # a reader that pauses
+        ahead = last.steps_total - before - 2  # decode steps the last stage ran (9 prompt
+        assert 2 <= ahead <= 4, ahead  # tokens: 2 prefill chunks); the first window only
+        toks += list(it)
+        assert toks == ref
+        s.close()
+    with pytest.raises(errors.InvalidArgument, match="loop_window"):
+        AsyncRoute([w.address for w in stages], loop_window=0)
