@@ -387,12 +387,9 @@ def main(argv=None) -> int:
     if args.decode:
         out = run_decode(args.stages, args.decode, log=log)
         report_decode(out)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=1)
-        return 0
-    out = run(args.stages, args.prompt, whole=not args.no_whole, log=log)
-    report(out, args.width)
+    else:
+        out = run(args.stages, args.prompt, whole=not args.no_whole, log=log)
+        report(out, args.width)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
