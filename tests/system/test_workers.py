@@ -227,7 +227,9 @@ def test_worker_restarted_mid_generation_gives_the_same_tokens(fresh, whole):
     p = prompt_of(whole, QUESTIONS[0])
     ref = generate_local(whole, p, max_tokens=24)[0]
     victim = fresh.workers[len(fresh.workers) // 2]
-    with Route(fresh.endpoints, connect_timeout=60) as r:
+    # loop windows of 4: the decode loop runs at most 4 tokens ahead of the reader, so the
+    # kill after 8 tokens lands before the generation's end (a 32-token window could finish)
+    with Route(fresh.endpoints, connect_timeout=60, loop_window=4) as r:
         s = r.session()
         it = s.generate(p, max_tokens=24)
         toks = [next(it) for _ in range(8)]
