@@ -1,51 +1,80 @@
 """Side by side on SmolLM2: the whole model, dgr routes of 2-4 stages (gRPC hop by hop and
-direct relay) and llama.cpp RPC.
+direct relay) and llama.cpp RPC, all with dgr's settings.
 
     python benches/compare.py [--rounds 3] [--stages 2,3,4] [--quick] [--json out.json]
                               [--rtt-ms 5,20 [--rtt-stages 3]] [--sessions 1,4,16]
                               [--no-relay] [--no-rpc] [--no-llama-bench]
 
-Every process has one thread. Each round runs every configuration once, round-robin, and
-the table reports medians over rounds, so a busy machine skews them alike.
+Every row runs ``benchmarks.common.SETTINGS`` (n_ctx 1024, one thread, n_ubatch = n_batch =
+64, flash attention on, KV f16, one slot) and the same lengths: decode = ``--tokens`` N
+single-token steps after a 16-token prompt (positions 16 .. 16 + N - 1), prefill = a 128- and
+a 512-token prompt from an empty cache. Each round runs every configuration once,
+round-robin; the table reports medians over rounds, so a busy machine skews them alike. The
+header of the output prints the exact settings and command lines of every row family.
 
-* whole (dgr):   ``dgr.Engine`` in a fresh process each round (same settings as the
-  workers): decode tokens/s over ``--tokens`` greedy steps after a 16-token prompt, prefill
-  tokens/s of 128- and 512-token prompts (prompt / time to first token), TTFT of the
-  128-token prompt, CPU seconds per decoded token.
-* whole (llama-bench): upstream ``llama-bench -m M -t 1 -p 128,512 -n N -r 1 -o json``.
-* dgr k:         a ``LocalCluster`` of k ``python -m dgr.worker`` processes on loopback (as
-  ``dgr run`` starts them), driven through ``AsyncRoute`` (gRPC, the driver relays every
-  boundary): the same measurements, plus the bytes of the boundary frame sent to each later
-  stage per decode token (from the gRPC stream counters; each seam costs that frame once out
-  and once back in), CPU s/token summed over the workers and this (driving) process from
-  /proc/<pid>/stat, and parity: the route's greedy tokens equal the whole model's.
-* relay k:       the same workers driven with ``AsyncRoute(relay=True)``: the driver sends
-  each step to stage 1 over the TCP data plane, each stage forwards its boundary to the next,
-  the last answers the driver; a prompt's chunks are all in flight at once (pipelined
-  prefill). Same measurements; seam bytes = the relayed decode frame, computed as
-  ``len(wire.encode(Forward(... relay=<hops ahead>, reply_to=...), zeros[1, n_embd] f32))``
-  (``relay_frame_bytes``), crossing each seam once.
-* rpc k:         k ``ggml-rpc-server -t 1`` on 127.0.0.1 and ``llama-bench --rpc ...``.
+* whole (dgr):   ``dgr.Engine(M, **SETTINGS)`` in a fresh process each round. decode: the
+  greedy loop of ``dgr.chain.generate_local`` (forward, read the logits row, sample), timed
+  from the first token (the prompt's) to the last, N steps. prefill n: n / the wall time of
+  ``generate_local(prompt n, max_tokens=1)`` (the call that submits the prompt to its first
+  token, sampled). TTFT = that time for 128 tokens. CPU s/token: utime + stime of the process
+  over the N decode steps only (from the first token to the last).
+* whole (llama-bench): two ``llama-bench`` runs derived from the same settings by
+  ``llama_bench_commands`` (``-t 1 -b 64 -ub 64 -fa 1 -ctk f16 -ctv f16 -lm auto -ngl 0 -r 1
+  -o json``; ``check_bench_record`` refuses a record that echoes other settings):
+  ``-p 128,512 -n 0 -d 0`` (prefill from an empty cache) and ``-p 0 -n N -d 16`` (N decode
+  steps after a 16-token depth). llama-bench sizes its context to prompt + generation + depth
+  (``to_llama_cparams``), not 1024; llama.cpp pads every context to a multiple of 256
+  (``llama-context.cpp``) and attends over n_kv = max(256, used cells rounded up to 256)
+  (``llama_kv_cache::get_n_kv``), so while prompt + generation + depth <= 1024 (checked) both
+  sides attend over the same n_kv at every step: only the allocated KV size differs. It times
+  ``llama_decode`` alone (no logits row read, no sampling) and its tokens are random; it
+  measures no TTFT or CPU. ``swa_full`` differs (dgr true, llama-bench false): SmolLM2 has no
+  sliding-window layers.
+* dgr k:         a ``LocalCluster`` of k ``python -m dgr.worker`` processes on loopback (the
+  command lines are printed), same settings, driven through ``AsyncRoute(relay=False)``
+  (gRPC, the driver relays every boundary). decode: N steps timed from the first token to the
+  last; prefill n: n / the wall time from ``s.generate(prompt n, max_tokens=1)`` to its first
+  token; CPU s/token summed over the workers and this (driving) process from /proc/<pid>/stat
+  over the decode steps only; parity: the route's greedy tokens equal the whole model's.
+* relay k:       the same workers driven with ``AsyncRoute(relay=True, loop=True,
+  loop_window=32)``: the driver sends each step to stage 1 over the TCP data plane, each
+  stage forwards its boundary to the next, the last samples and feeds stage 1 (the decode
+  loop; the driver reads the tokens); a prompt's chunks are all in flight at once (pipelined
+  prefill). Same measurements.
+* rpc k:         k ``ggml-rpc-server -t 1 -H 127.0.0.1 -p PORT`` and the same two llama-bench
+  runs with ``--rpc`` and ``-ngl 99`` (every layer on the servers).
 
-Ratios: dgr k / whole, relay k / whole, dgr k / rpc k, relay k / rpc k, relay k / dgr k.
-Added ms/token per stage: (1000/decode_tps(cfg) - 1000/decode_tps(whole)) / n_stages, the
-per-server figure llama.cpp RPC is quoted with (relay with its decode loop crosses n_stages
-links a token: s1 -> ... -> sN -> s1, the driver only reads the tokens).
+seam B/tok (measured, dgr k and relay k): TCP payload bytes per decode step the sending side
+of each seam put on its sockets, from the kernel (``ss -tinp``, ``bytes_sent``), in a separate
+untimed pass: (bytes of a generation of N + 1 tokens - bytes of one of 1 token) / N. relay:
+stage k's sockets to stage k+1's data port (the seam crossed once); dgr: the driver's sockets
+to stage k+1's gRPC port (the boundary of stage k, sent on by the driver: HTTP/2 and gRPC
+framing included; it also crossed stage k -> driver once). The mean over seams is printed;
+the JSON has each. The relay frame computed from the wire format (``relay_frame_bytes``) is
+printed on its own line, labelled computed.
+
+Ratios: each family against the whole model of its own tool: dgr k / whole and relay k /
+whole (dgr.Engine), rpc k / llama-bench (llama.cpp); across tools: whole / llama-bench, dgr k
+/ rpc k, relay k / rpc k; relay k / dgr k. Added ms/token per stage: (1000/decode_tps(cfg) -
+1000/decode_tps(its whole row)) / n_stages, the per-server figure llama.cpp RPC is quoted with.
 
 ``--rtt-ms``: the ``--rtt-stages`` clusters are started again behind ``dgr.testing.linkemu``
 processes (delay RTT/2 each way) on both planes: each worker binds its data plane on a chosen
 port D and advertises P (``--data-port D --advertise-data-port P``), an emulator listens on P
 and forwards to D, another fronts its gRPC port; the delay changes per RTT through the
 emulators' ``delay`` command. dgr k@R and relay k@R are reported against the model
-TPOT = C + S * RTT, C the whole model's ms/token, S = k/2 for relay (the decode loop crosses
-k one-way links of RTT/2 a token: 1 -> 2 -> ... -> k -> 1) and S = k for dgr (one driver
-round trip per stage): measured, model, ratio.
+TPOT = C + S * RTT, C the whole model's ms/token (``seams_model``): S = k for dgr (one driver
+round trip per stage); for relay, a token crosses k one-way links of RTT/2 in the loop
+(1 -> 2 -> ... -> k -> 1), and each loop window (32 tokens) starts from the driver (the
+previous token reaches the driver, which sends it to stage 1: one link more), so over N timed
+steps S = k/2 + ceil(N / 32) / (2 N): measured, model, ratio.
 
-``--sessions 1,4,16``: ``--session-stages`` clusters started with that many slots; for dgr k
-and relay k, k sessions at once (``asyncio.gather`` of ``r.complete`` with different 16-token
+``--sessions 1,4,16``: ``--session-stages`` clusters started with max(sessions) slots; for dgr
+k and relay k, k sessions at once (``asyncio.gather`` of ``r.complete`` with different 16-token
 prompts, ``--tokens`` each): aggregate tokens/s (all generated tokens / wall) and the median
-and slowest session's decode tokens/s; parity of the first and last session against the
-whole model's greedy tokens for the same prompts.
+and slowest session's decode tokens/s (``Generation.decode_tokens_per_s``); parity of every
+session against the whole model's greedy tokens for its prompt, computed with the clusters'
+settings (the same n_slots).
 """
 
 from __future__ import annotations
@@ -53,8 +82,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import re
+import shlex
+import shutil
 import socket
 import statistics
 import subprocess
@@ -71,6 +103,7 @@ N_DECODE = 64
 N_PROMPT_DECODE = 16
 PREFILLS = (128, 512)
 N_VOCAB = 49152
+LOOP_WINDOW = 32  # AsyncRoute's loop_window for relay<k>, passed explicitly
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -98,7 +131,83 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _port(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
+
+
+# --- bytes on the wire, from the kernel (ss -tinp) -------------------------------------------
+
+def parse_ss(text: str) -> list[dict]:
+    """The TCP sockets of ``ss -tinpH`` output: [{local, peer, pids, bytes_sent,
+    bytes_received}] (a record is an address line, then its indented tcp_info line)."""
+    out: list[dict] = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        if not line[0].isspace():
+            parts = line.split()
+            if parts and not parts[0].isdigit():  # a State column (no ``state`` filter)
+                parts = parts[1:]
+            if len(parts) < 4:
+                continue
+            out.append({"local": parts[2], "peer": parts[3],
+                        "pids": [int(p) for p in re.findall(r"pid=(\d+)", line)],
+                        "bytes_sent": 0, "bytes_received": 0})
+        elif out:
+            for key in ("bytes_sent", "bytes_received"):
+                m = re.search(rf"\b{key}:(\d+)", line)
+                if m:
+                    out[-1][key] = int(m.group(1))
+    return out
+
+
+def bytes_sent_to(sockets: list[dict], pid: int, port: int) -> int:
+    """Bytes ``pid``'s sockets connected to ``port`` (the peer's) have sent."""
+    return sum(s["bytes_sent"] for s in sockets
+               if pid in s["pids"] and _port(s["peer"]) == port)
+
+
+def tcp_sockets() -> list[dict] | None:
+    """Every established TCP socket with its owner and byte counts; None without ``ss``."""
+    exe = shutil.which("ss")
+    if exe is None:
+        return None
+    out = subprocess.run([exe, "-tinpH", "state", "established"], capture_output=True,
+                         text=True, timeout=30)
+    return parse_ss(out.stdout) if out.returncode == 0 else None
+
+
+def _sent(senders) -> list[int] | None:
+    socks = tcp_sockets()
+    return None if socks is None else [bytes_sent_to(socks, pid, port) for pid, port in senders]
+
+
 # --- the whole model in one process ----------------------------------------------------------
+
+def _timed_decode(eng, prompt, n_decode: int) -> tuple[list[int], float, float]:
+    """``generate_local``'s greedy loop (forward, read the last row, sample) with the clock
+    and this process's CPU read when the first token (the prompt's) is sampled and after the
+    last, as ``_route_measure`` reads them: (tokens, decode seconds, decode CPU seconds) of
+    ``n_decode`` steps."""
+    import numpy as np
+
+    from dgr.chain import sample_rows
+
+    eng.release(0)
+    row = eng.forward(0, 0, np.ascontiguousarray(prompt, dtype=np.int32))
+    pos = len(prompt)
+    toks = [sample_rows(row, [pos], None)[0]]
+    t0, c0 = time.perf_counter(), cpu_seconds(os.getpid())
+    buf = np.empty(1, dtype=np.int32)
+    for _ in range(n_decode):
+        buf[0] = toks[-1]
+        row = eng.forward(0, pos, buf)
+        pos += 1
+        toks.append(sample_rows(row, [pos], None)[0])
+    t1, c1 = time.perf_counter(), cpu_seconds(os.getpid())
+    eng.release(0)
+    return [int(t) for t in toks], t1 - t0, c1 - c0
+
 
 def whole_measure(n_decode: int = N_DECODE, prefills=PREFILLS) -> dict:
     """In this process: load the whole model and measure (call it in a fresh process)."""
@@ -106,22 +215,24 @@ def whole_measure(n_decode: int = N_DECODE, prefills=PREFILLS) -> dict:
     from dgr.chain import generate_local
 
     eng = dgr.Engine(smollm2_path(), **SETTINGS)
-    prompts = _prompts()
-    generate_local(eng, prompts[N_PROMPT_DECODE], max_tokens=2, stop_on_eog=False)  # warm up
-    res = {}
+    prompts = {**_prompts(), **{n: [int(t) for t in prompt_tokens(n, N_VOCAB)]
+                                for n in prefills}}
+    # warm up, and the reference for the timed loop below (it must reproduce it)
+    ref, _ = generate_local(eng, prompts[N_PROMPT_DECODE], max_tokens=n_decode + 1,
+                            stop_on_eog=False)
+    res = {"settings": dict(eng.settings)}
     for n in prefills:
-        t = {}
-        generate_local(eng, prompts[n], max_tokens=1, stop_on_eog=False, timing=t)
-        res[f"prefill{n}_tps"] = n / t["prefill_s"]
+        t0 = time.perf_counter()  # from the call that submits the prompt to its first token
+        generate_local(eng, prompts[n], max_tokens=1, stop_on_eog=False)
+        dt = time.perf_counter() - t0
+        res[f"prefill{n}_tps"] = n / dt
         if n == PREFILLS[0]:
-            res["ttft_ms"] = 1e3 * t["prefill_s"]
-    t = {}
-    c0 = cpu_seconds(os.getpid())
-    toks, _ = generate_local(eng, prompts[N_PROMPT_DECODE], max_tokens=n_decode + 1,
-                             stop_on_eog=False, timing=t)
-    c1 = cpu_seconds(os.getpid())
-    res["decode_tps"] = t["decode_steps"] / t["decode_s"]
-    res["cpu_s_per_token"] = (c1 - c0) / (n_decode + 1)  # prompt + steps: ~ the decode CPU
+            res["ttft_ms"] = 1e3 * dt
+    toks, dt, cpu = _timed_decode(eng, prompts[N_PROMPT_DECODE], n_decode)
+    if toks != [int(t) for t in ref]:
+        raise RuntimeError("the timed decode loop does not reproduce generate_local's tokens")
+    res["decode_tps"] = n_decode / dt
+    res["cpu_s_per_token"] = cpu / n_decode  # the decode steps only, as the routes
     res["tokens"] = toks
     return res
 
@@ -138,8 +249,9 @@ def whole_in_own_process(n_decode: int = N_DECODE, prefills=PREFILLS) -> dict:
 
 def relay_frame_bytes(r, s, width: int, k: int) -> int:
     """Bytes of the relayed decode frame stage ``k`` sends to stage ``k + 1`` (0-based) of
-    route ``r``, session ``s``: a ``wire.Forward`` header as the worker builds it (the hops
-    still ahead, reply_to) plus one boundary row of ``width`` f32, through ``wire.encode``."""
+    route ``r``, session ``s``, computed (not measured): a ``wire.Forward`` header as the
+    worker builds it (the hops still ahead, reply_to) plus one boundary row of ``width`` f32,
+    through ``wire.encode``, plus the data plane's 4-byte length prefix."""
     import numpy as np
 
     from dgr import wire
@@ -151,26 +263,53 @@ def relay_frame_bytes(r, s, width: int, k: int) -> int:
                      n_tokens=1, layer=nxt.layers[0],
                      tokens=[1000] if nxt.needs_token_ids else None, want="token",
                      relay=hops, reply_to=r.route_id, loop=r.loop_hops() if r.loop else None,
-                     steps=N_DECODE if r.loop else 0)
-    return len(wire.encode(h, np.zeros((1, width), np.float32)))
+                     steps=LOOP_WINDOW if r.loop else 0)
+    return 4 + len(wire.encode(h, np.zeros((1, width), np.float32)))
+
+
+def route_kwargs(relay: bool) -> dict:
+    """``AsyncRoute`` arguments of dgr<k> (relay=False) and relay<k>."""
+    return dict(relay=True, loop=True, loop_window=LOOP_WINDOW) if relay else dict(relay=False)
+
+
+async def _seam_bytes(r, s, senders, prompt, n_decode: int) -> list[float] | None:
+    """Measured bytes per decode step of each (pid, port) seam sender: (bytes of a generation
+    of n_decode + 1 tokens - bytes of one of 1 token) / n_decode, untimed."""
+    async def run(n):
+        b0 = _sent(senders)
+        async for _ in s.generate(prompt, max_tokens=n, stop_on_eog=False):
+            pass
+        b1 = _sent(senders)
+        if b0 is None or b1 is None or len(b0) != len(b1):
+            return None
+        return [y - x for x, y in zip(b0, b1)]
+
+    one = await run(1)
+    full = await run(n_decode + 1)
+    if one is None or full is None or len(one) != len(full):
+        return None
+    return [(f - o) / n_decode for o, f in zip(one, full)]
 
 
 async def _route_measure(endpoints, pids, n_decode: int, prefills, relay: bool = False,
-                         width: int | None = None) -> dict:
+                         width: int | None = None, stage_pids=None) -> dict:
+    """One route over ``endpoints``; ``pids``: the processes whose CPU counts (this one and the
+    workers); ``stage_pids``: {gRPC endpoint: worker pid} for the seam bytes (None: none)."""
     from dgr.route import AsyncRoute
 
-    prompts = _prompts()
+    prompts = {**_prompts(), **{n: [int(t) for t in prompt_tokens(n, N_VOCAB)]
+                                for n in prefills}}
     res = {}
-    async with AsyncRoute(endpoints, relay=relay) as r:
+    async with AsyncRoute(endpoints, **route_kwargs(relay)) as r:
         s = r.session()
         try:
             async for _ in s.generate(prompts[N_PROMPT_DECODE], max_tokens=2,
                                       stop_on_eog=False):  # warm up
                 pass
             for n in prefills:
-                t0 = time.perf_counter()
+                t0 = time.perf_counter()  # from the call that submits the prompt
                 async for _ in s.generate(prompts[n], max_tokens=1, stop_on_eog=False):
-                    dt = time.perf_counter() - t0
+                    dt = time.perf_counter() - t0  # to its first token
                 res[f"prefill{n}_tps"] = n / dt
                 if n == PREFILLS[0]:
                     res["ttft_ms"] = 1e3 * dt
@@ -188,30 +327,48 @@ async def _route_measure(endpoints, pids, n_decode: int, prefills, relay: bool =
             c1 = cpu_of(pids)
             steps = len(toks) - 1
             res["decode_tps"] = steps / (t1 - t_first)
-            res["cpu_s_per_token"] = (c1 - c0) / steps
+            res["cpu_s_per_token"] = (c1 - c0) / steps  # the decode steps only
+            res["relay"] = bool(r.relay)
+            if bool(r.relay) != relay:
+                raise RuntimeError(f"asked for relay={relay}, the route ran relay={r.relay}")
             if relay:
-                # the frame each stage forwards to the next, computed (see relay_frame_bytes)
                 res["relay_steps"] = r.relay_steps - relayed0
-                res["seam_bytes_per_token"] = [relay_frame_bytes(r, s, width, k)
-                                               for k in range(len(r.stages) - 1)]
+                if width is not None:
+                    res["relay_frame_bytes_computed"] = [relay_frame_bytes(r, s, width, k)
+                                                         for k in range(len(r.stages) - 1)]
             else:
                 b1 = [(st.bytes_sent, st.bytes_received) for st in s.stats]
-                # seam k: the boundary frame from stage k (received) sent on to stage k+1
-                res["seam_bytes_per_token"] = [(b1[k + 1][0] - b0[k + 1][0]) / steps
-                                               for k in range(len(b1) - 1)]
+                if len(b0) != len(b1):
+                    raise RuntimeError("the route changed its stages while decoding")
+                # gRPC message bytes the driver sent to / received from each stage per step
                 res["stage_bytes_per_token"] = [[(b[0] - a[0]) / steps, (b[1] - a[1]) / steps]
                                                 for a, b in zip(b0, b1)]
             res["tokens"] = toks
+            if stage_pids is not None:
+                st = r.stages
+                if relay:  # stage k -> stage k+1's data port
+                    senders = [(stage_pids[st[k].endpoint], _port(st[k + 1].data_endpoint))
+                               for k in range(len(st) - 1)]
+                else:  # the driver -> stage k+1's gRPC port
+                    senders = [(os.getpid(), _port(st[k + 1].endpoint))
+                               for k in range(len(st) - 1)]
+                res["seam_bytes_per_token"] = await _seam_bytes(
+                    r, s, senders, prompts[N_PROMPT_DECODE], n_decode)
         finally:
             await s.close()
     return res
 
 
 def route_measure(cluster, n_decode: int = N_DECODE, prefills=PREFILLS, relay: bool = False,
-                  width: int | None = None) -> dict:
-    pids = [os.getpid()] + [w.proc.pid for w in cluster.workers]
-    return asyncio.run(_route_measure(cluster.endpoints, pids, n_decode, prefills, relay,
-                                      width))
+                  width: int | None = None, seam_bytes: bool = True) -> dict:
+    """``_route_measure`` over ``cluster`` (``endpoints`` and ``workers``, in stage order);
+    ``seam_bytes``: also measure the bytes per seam (an untimed pass more)."""
+    workers = [w.proc.pid for w in cluster.workers]
+    eps = list(cluster.endpoints)
+    if len(eps) != len(workers):
+        raise RuntimeError(f"{len(eps)} endpoints for {len(workers)} workers")
+    return asyncio.run(_route_measure(eps, [os.getpid(), *workers], n_decode, prefills, relay,
+                                      width, dict(zip(eps, workers)) if seam_bytes else None))
 
 
 def session_prompt(i: int) -> list[int]:
@@ -222,7 +379,7 @@ def session_prompt(i: int) -> list[int]:
 async def _sessions_measure(endpoints, k: int, n_decode: int, relay: bool) -> dict:
     from dgr.route import AsyncRoute
 
-    async with AsyncRoute(endpoints, relay=relay) as r:
+    async with AsyncRoute(endpoints, **route_kwargs(relay)) as r:
         await r.complete(session_prompt(0), max_tokens=2, stop_on_eog=False)  # warm up
         t0 = time.perf_counter()
         gens = await asyncio.gather(*(r.complete(session_prompt(i), max_tokens=n_decode,
@@ -242,12 +399,20 @@ def sessions_measure(cluster, k: int, n_decode: int, relay: bool) -> dict:
     return asyncio.run(_sessions_measure(cluster.endpoints, k, n_decode, relay))
 
 
-def whole_tokens(prompts, n: int) -> list[list[int]]:
-    """Greedy tokens (``n`` each) of the whole model for each prompt, in this process."""
+def session_parity(tokens: list[list[int]], refs: list[list[int]]) -> tuple[bool, int]:
+    """(every session's tokens equal its reference, sessions checked): all of them."""
+    if len(tokens) > len(refs):
+        raise ValueError(f"{len(tokens)} sessions, references for {len(refs)}")
+    return all(t == refs[i] for i, t in enumerate(tokens)), len(tokens)
+
+
+def whole_tokens(prompts, n: int, n_slots: int = 1) -> list[list[int]]:
+    """Greedy tokens (``n`` each) of the whole model for each prompt, in this process, with
+    SETTINGS and ``n_slots`` slots (the settings of the cluster it is the reference of)."""
     import dgr
     from dgr.chain import generate_local
 
-    eng = dgr.Engine(smollm2_path(), **SETTINGS)
+    eng = dgr.Engine(smollm2_path(), **{**SETTINGS, "n_slots": n_slots})
     out = []
     for p in prompts:
         toks, _ = generate_local(eng, p, max_tokens=n, stop_on_eog=False)
@@ -256,9 +421,10 @@ def whole_tokens(prompts, n: int) -> list[list[int]]:
     return out
 
 
-def whole_tokens_in_own_process(prompts, n: int) -> list[list[int]]:
+def whole_tokens_in_own_process(prompts, n: int, n_slots: int = 1) -> list[list[int]]:
     code = (f"import sys, json; sys.path.insert(0, {HERE!r}); import compare; "
-            f"print(json.dumps(compare.whole_tokens({[list(p) for p in prompts]!r}, {n})))")
+            f"print(json.dumps(compare.whole_tokens({[list(p) for p in prompts]!r}, {n}, "
+            f"{n_slots})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=600).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -276,41 +442,110 @@ def tool(name: str) -> str:
     return str(p)
 
 
-def llama_bench(n_decode: int = N_DECODE, prefills=PREFILLS, rpc=None, extra=()) -> dict:
-    """One ``llama-bench -t 1 -r 1 -o json`` run; {prefill<n>_tps, decode_tps}."""
-    cmd = [tool("llama-bench"), "-m", smollm2_path(), "-t", "1",
-           "-p", ",".join(str(n) for n in prefills), "-n", str(n_decode), "-r", "1",
-           "-o", "json", *extra]
-    if rpc:
-        cmd += ["--rpc", ",".join(rpc)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stderr[-2000:]}")
+#: the engine settings llama-bench can mirror, and dgr.Engine's defaults for those not given
+_BENCH_DEFAULTS = {"n_ctx": 1024, "n_slots": 1, "n_threads": 1, "n_ubatch": 64,
+                   "flash_attn": True, "type_k": "f16", "type_v": "f16", "use_mmap": True}
+
+
+def llama_bench_commands(settings: dict, n_decode: int, prefills, model: str, *,
+                         n_prompt_decode: int = N_PROMPT_DECODE, exe: str = "llama-bench",
+                         rpc=None, extra=()) -> dict[str, list[str]]:
+    """The llama-bench command lines that run dgr's engine ``settings`` at dgr's lengths:
+    {"prefill": ``-p <prefills> -n 0 -d 0``, "decode": ``-p 0 -n <n_decode> -d
+    <n_prompt_decode>``} (no "prefill" when ``prefills`` is empty).
+
+    Both: ``-t n_threads``, ``-b n_ubatch -ub n_ubatch`` (dgr's n_batch is its n_ubatch,
+    engine.cpp), ``-fa 1|0``, ``-ctk/-ctv``, ``-lm auto|none`` (use_mmap), ``-r 1 -o json``;
+    ``-ngl 0`` (dgr keeps every layer on the CPU) or, with ``rpc`` endpoints, ``-ngl 99
+    --rpc ...``; then ``extra``. llama-bench sizes its context to prompt + generation + depth,
+    which gives the same n_kv at every step as dgr's n_ctx only while that length fits in
+    n_ctx: longer raises ValueError, as does a setting llama-bench cannot mirror (n_slots > 1,
+    an unknown key)."""
+    unknown = set(settings) - set(_BENCH_DEFAULTS)
+    if unknown:
+        raise ValueError(f"llama-bench cannot mirror the settings {sorted(unknown)}")
+    s = {**_BENCH_DEFAULTS, **settings}
+    if s["n_slots"] != 1:
+        raise ValueError(f"llama-bench runs one sequence; n_slots={s['n_slots']}")
+    longest = max([*prefills, n_prompt_decode + n_decode])
+    if longest > s["n_ctx"]:
+        raise ValueError(f"{longest} tokens do not fit n_ctx={s['n_ctx']}: llama-bench's "
+                         f"context would be larger than dgr's")
+    ub = str(s["n_ubatch"])
+    common = [exe, "-m", model, "-t", str(s["n_threads"]), "-b", ub, "-ub", ub,
+              "-fa", "1" if s["flash_attn"] else "0", "-ctk", s["type_k"], "-ctv", s["type_v"],
+              "-lm", "auto" if s["use_mmap"] else "none", "-ngl", "99" if rpc else "0",
+              *(["--rpc", ",".join(rpc)] if rpc else []), "-r", "1", "-o", "json", *extra]
+    out = {}
+    if prefills:
+        out["prefill"] = [*common, "-p", ",".join(str(n) for n in prefills), "-n", "0",
+                          "-d", "0"]
+    out["decode"] = [*common, "-p", "0", "-n", str(n_decode), "-d", str(n_prompt_decode)]
+    return out
+
+
+def check_bench_record(rec: dict, settings: dict, n_depth: int, rpc: bool = False) -> None:
+    """Raise RuntimeError unless llama-bench's JSON record ``rec`` ran ``settings`` (its own
+    echo of n_threads, n_batch, n_ubatch, flash_attn, type_k/type_v, n_gpu_layers) at depth
+    ``n_depth``."""
+    s = {**_BENCH_DEFAULTS, **settings}
+    want = {"n_threads": s["n_threads"], "n_batch": s["n_ubatch"], "n_ubatch": s["n_ubatch"],
+            "flash_attn": 1 if s["flash_attn"] else 0, "type_k": s["type_k"],
+            "type_v": s["type_v"], "n_gpu_layers": 99 if rpc else 0, "n_depth": n_depth}
+    got = {k: rec.get(k) for k in want}
+    if isinstance(got["flash_attn"], bool):
+        got["flash_attn"] = int(got["flash_attn"])
+    if got != want:
+        raise RuntimeError(f"llama-bench ran {got}, not {want}")
+
+
+def parse_bench(records: list[dict], settings: dict, n_depth: int, rpc: bool = False) -> dict:
+    """{prefill<n>_tps, decode_tps} of llama-bench's JSON ``records`` (each checked: prefill
+    at depth 0, decode at ``n_depth``)."""
     res = {}
-    for rec in json.loads(out.stdout):
+    for rec in records:
         if rec.get("n_gen", 0) == 0:
+            check_bench_record(rec, settings, 0, rpc)
             res[f"prefill{rec['n_prompt']}_tps"] = float(rec["avg_ts"])
         elif rec.get("n_prompt", 0) == 0:
+            check_bench_record(rec, settings, n_depth, rpc)
             res["decode_tps"] = float(rec["avg_ts"])
+        else:
+            raise RuntimeError(f"unexpected llama-bench record {rec}")
+    return res
+
+
+def llama_bench(cmds: dict[str, list[str]], settings: dict, rpc: bool = False,
+                n_prompt_decode: int = N_PROMPT_DECODE) -> dict:
+    """Run ``llama_bench_commands``' command lines; {prefill<n>_tps, decode_tps}."""
+    res = {}
+    for cmd in cmds.values():
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if out.returncode != 0:
+            raise RuntimeError(f"{shlex.join(cmd)} failed ({out.returncode}):\n"
+                               f"{out.stderr[-2000:]}")
+        res.update(parse_bench(json.loads(out.stdout), settings, n_prompt_decode, rpc))
     return res
 
 
 class RpcServers:
     """``n`` ``ggml-rpc-server -t 1 -H 127.0.0.1 -p PORT`` processes; stop() reaps them."""
 
-    def __init__(self, n: int):
-        self.n = n
+    def __init__(self, n: int, n_threads: int = 1):
+        self.n, self.n_threads = n, n_threads
         self.procs: list[subprocess.Popen] = []
         self.endpoints: list[str] = []
+        self.commands: list[list[str]] = []
 
     def start(self, timeout: float = 30.0) -> list[str]:
         exe = tool("ggml-rpc-server")
         try:
             for _ in range(self.n):
                 port = _free_port()
+                cmd = [exe, "-t", str(self.n_threads), "-H", "127.0.0.1", "-p", str(port)]
+                self.commands.append(cmd)
                 self.procs.append(subprocess.Popen(
-                    [exe, "-t", "1", "-H", "127.0.0.1", "-p", str(port)],
-                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                    cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL, start_new_session=True))
                 self.endpoints.append(f"127.0.0.1:{port}")
             deadline = time.monotonic() + timeout
@@ -447,6 +682,11 @@ class EmulatedCluster:
             self.cluster.stop()
 
 
+def _worker_lines(cluster) -> list[str]:
+    workers = getattr(cluster, "cluster", cluster).workers  # EmulatedCluster wraps one
+    return [shlex.join(w.command()) for w in workers]
+
+
 def run_compare(stages=(2, 3, 4), rounds: int = 3, n_decode: int = N_DECODE,
                 prefills=PREFILLS, rpc: bool = True, llama: bool = True,
                 bench_args=(), log=None, rtts=(), rtt_stages=(3,), relay: bool = True,
@@ -456,7 +696,8 @@ def run_compare(stages=(2, 3, 4), rounds: int = 3, n_decode: int = N_DECODE,
     ``relay``: also drive each dgr cluster with ``AsyncRoute(relay=True)`` ("relay<k>").
     ``rtts`` (ms): also run the ``rtt_stages`` configurations through link emulators (gRPC
     and data plane). ``sessions``: concurrent-session counts run on ``session_stages``
-    clusters started with that many slots (dgr<k> and relay<k>).
+    clusters started with that many slots (dgr<k> and relay<k>). The result's ``ran`` says
+    what each row family ran (settings and command lines).
     """
     import dgr
 
@@ -464,55 +705,90 @@ def run_compare(stages=(2, 3, 4), rounds: int = 3, n_decode: int = N_DECODE,
     path = smollm2_path()
     eng = dgr.Engine(path, **SETTINGS)
     n_layer, width = eng.n_layer, eng.n_embd_boundary
+    settings = dict(eng.settings)  # what dgr runs: SETTINGS and the engine's defaults
     del eng
+    bench = "llama-bench"
+    if llama or rpc:
+        bench = tool("llama-bench")
+        # refuse lengths or settings llama-bench cannot mirror before starting anything
+        llama_bench_commands(settings, n_decode, prefills, path, exe=bench, extra=bench_args)
+    kinds = ["dgr", "relay"] if relay else ["dgr"]
+    ran: dict[str, list[str]] = {
+        "whole": [f"dgr.Engine({path!r}, **{SETTINGS}) in a fresh process (settings "
+                  f"{settings}); decode: generate_local's greedy loop, {n_decode} steps after "
+                  f"a {N_PROMPT_DECODE}-token prompt, timed and CPU from the first token to the "
+                  f"last; prefill n: n / wall of generate_local(prompt n, max_tokens=1)"]}
+    for kind in kinds:
+        ran[f"{kind}<k>"] = [f"AsyncRoute(endpoints, **{route_kwargs(kind == 'relay')}) over "
+                             f"the workers below; decode timed and CPU (driver + workers) from "
+                             f"the first token to the last; prefill n: n / wall from "
+                             f"s.generate(prompt n, max_tokens=1) to its first token"]
+    if llama:
+        ran["llama-bench"] = [shlex.join(c) for c in llama_bench_commands(
+            settings, n_decode, prefills, path, exe=bench, extra=bench_args).values()]
     clusters, servers, emus, emu_clusters, sess_clusters = {}, {}, {}, {}, {}
     samples: dict[str, list[dict]] = {}
     sess: dict[str, dict[int, list[dict]]] = {}
-    ref_tokens = None
-    kinds = ["dgr", "relay"] if relay else ["dgr"]
     try:
         for n in sorted(set(stages)):
             log(f"starting {n} dgr workers ...")
             clusters[n] = start_cluster(path, n, n_layer)
+            ran[f"workers of dgr{n}/relay{n}"] = _worker_lines(clusters[n])
         for n in sorted(set(stages) | (set(rtt_stages) if rtts else set())):
             if rpc:
                 log(f"starting {n} ggml-rpc-servers ...")
-                servers[n] = RpcServers(n)
+                servers[n] = RpcServers(n, settings["n_threads"])
                 servers[n].start()
+                ran[f"rpc{n}"] = [shlex.join(c) for c in servers[n].commands] + [
+                    shlex.join(c) for c in llama_bench_commands(
+                        settings, n_decode, prefills, path, exe=bench,
+                        rpc=servers[n].endpoints, extra=bench_args).values()]
         if rtts:
             for n in rtt_stages:
                 log(f"starting {n} dgr workers behind link emulators (gRPC + data plane) ...")
                 emu_clusters[n] = EmulatedCluster(path, n, n_layer, rtts[0]).start()
+                ran[f"workers of dgr{n}@R/relay{n}@R (behind linkemu, RTT/2 each way, both "
+                    f"planes)"] = _worker_lines(emu_clusters[n])
         for rtt in rtts:
             for n in rtt_stages:
                 if rpc:
                     log(f"starting link emulators, RTT {rtt:g} ms, {n} rpc servers ...")
                     emus[("rpc", n, rtt)] = Emulated(servers[n].endpoints, rtt)
                     emus[("rpc", n, rtt)].start()
-        session_refs = {}
+                    ran[f"rpc{n}@{rtt:g}ms (llama-bench --rpc through linkemu)"] = [
+                        shlex.join(c) for c in llama_bench_commands(
+                            settings, n_decode, prefills, path, exe=bench,
+                            rpc=emus[("rpc", n, rtt)].endpoints, extra=bench_args).values()]
+        session_refs: dict[int, list[list[int]]] = {}
         if sessions:
+            n_slots = max(sessions)
             for n in session_stages:
-                log(f"starting {n} dgr workers with {max(sessions)} slots ...")
-                sess_clusters[n] = start_cluster(path, n, n_layer, n_slots=max(sessions))
-            # parity references: the first and the last session of every count
-            idx = sorted({0} | {k - 1 for k in sessions})
-            refs = whole_tokens_in_own_process([session_prompt(i) for i in idx], n_decode)
-            session_refs = dict(zip(idx, refs))
+                log(f"starting {n} dgr workers with {n_slots} slots ...")
+                sess_clusters[n] = start_cluster(path, n, n_layer, n_slots=n_slots)
+                ran[f"workers of sessions dgr{n}/relay{n}"] = _worker_lines(sess_clusters[n])
+            # parity references of every session, with the clusters' settings (n_slots)
+            log(f"parity references of {n_slots} sessions ({n_slots} slots) ...")
+            session_refs[n_slots] = whole_tokens_in_own_process(
+                [session_prompt(i) for i in range(n_slots)], n_decode, n_slots)
+            ran["sessions reference"] = [
+                f"dgr.Engine(**{ {**SETTINGS, 'n_slots': n_slots} }): generate_local of each "
+                f"session's prompt, {n_decode} tokens, in a fresh process"]
         for r in range(rounds):
             w = whole_in_own_process(n_decode, prefills)
-            ref_tokens = ref_tokens or w["tokens"]
             samples.setdefault("whole", []).append(w)
             if llama:
-                samples.setdefault("llama-bench", []).append(
-                    llama_bench(n_decode, prefills, extra=bench_args))
+                samples.setdefault("llama-bench", []).append(llama_bench(
+                    llama_bench_commands(settings, n_decode, prefills, path, exe=bench,
+                                         extra=bench_args), settings))
             for n in stages:
                 for kind in kinds:
                     m = route_measure(clusters[n], n_decode, prefills, kind == "relay", width)
                     m["parity"] = m["tokens"] == w["tokens"]
                     samples.setdefault(f"{kind}{n}", []).append(m)
                 if rpc:
-                    samples.setdefault(f"rpc{n}", []).append(
-                        llama_bench(n_decode, prefills, servers[n].endpoints, bench_args))
+                    samples.setdefault(f"rpc{n}", []).append(llama_bench(llama_bench_commands(
+                        settings, n_decode, prefills, path, exe=bench,
+                        rpc=servers[n].endpoints, extra=bench_args), settings, rpc=True))
             for rtt in rtts:
                 for n in rtt_stages:
                     emu_clusters[n].set_rtt(rtt)
@@ -523,15 +799,16 @@ def run_compare(stages=(2, 3, 4), rounds: int = 3, n_decode: int = N_DECODE,
                         samples.setdefault(f"{kind}{n}@{rtt:g}ms", []).append(m)
                     if rpc:
                         samples.setdefault(f"rpc{n}@{rtt:g}ms", []).append(llama_bench(
-                            n_decode, prefills, emus[("rpc", n, rtt)].endpoints, bench_args))
+                            llama_bench_commands(settings, n_decode, prefills, path, exe=bench,
+                                                 rpc=emus[("rpc", n, rtt)].endpoints,
+                                                 extra=bench_args), settings, rpc=True))
             for n in sess_clusters:
+                refs = session_refs[max(sessions)]
                 for kind in kinds:
                     for k in sessions:
                         m = sessions_measure(sess_clusters[n], k, n_decode, kind == "relay")
-                        toks = m.pop("session_tokens")
-                        checked = [i for i in (0, k - 1) if i in session_refs]
-                        m["parity"] = all(toks[i] == session_refs[i] for i in checked)
-                        m["parity_checked"] = sorted(set(checked))
+                        m["parity"], m["parity_checked"] = session_parity(
+                            m.pop("session_tokens"), refs)
                         sess.setdefault(f"{kind}{n}", {}).setdefault(k, []).append(m)
             log(f"round {r + 1}/{rounds} done (load {os.getloadavg()[0]:.2f})")
     finally:
@@ -542,8 +819,9 @@ def run_compare(stages=(2, 3, 4), rounds: int = 3, n_decode: int = N_DECODE,
         for s in servers.values():
             s.stop()
     out = summarize(samples, stages, rounds, n_decode, prefills,
-                    [f"{n}@{r:g}ms" for r in rtts for n in rtt_stages])
+                    [f"{n}@{r:g}ms" for r in rtts for n in rtt_stages], settings=settings)
     out["sessions"] = summarize_sessions(sess)
+    out["ran"] = ran
     return out
 
 
@@ -557,29 +835,52 @@ def parse_config(name: str):
     return kind, (int(n) if n else None), (float(rtt) if rtt else None)
 
 
-def seams_model(kind: str, n: int) -> float:
-    """S in TPOT = C + S * RTT: round trips a decode token pays for ``n`` stages.
+def seams_model(kind: str, n: int, steps: int, window: int = LOOP_WINDOW) -> float:
+    """S in TPOT = C + S * RTT: round trips a decode token pays for ``n`` stages, averaged
+    over ``steps`` decode steps timed from the first token (the prompt's).
 
-    relay (with the decode loop, the default): n one-way links a token (1 -> 2 -> ... -> n
-    -> 1; the driver only reads), each RTT/2: n/2.
+    relay (``route_kwargs(True)``: the decode loop, ``window`` tokens a window): a token
+    crosses n one-way links of RTT/2 (1 -> 2 -> ... -> n -> 1; the driver only reads), and
+    every window, the first included, starts from the driver: the token before it reaches the
+    driver (n -> driver), which sends it to stage 1 (driver -> 1), one link more than n -> 1:
+    n/2 + ceil(steps / window) / (2 * steps).
     dgr (gRPC hop by hop, the driver relays): one driver round trip per stage: n."""
-    return n / 2 if kind == "relay" else float(n)
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if kind != "relay":
+        return float(n)
+    return n / 2 + math.ceil(steps / window) / (2 * steps)
 
 
-def summarize(samples, stages, rounds, n_decode, prefills, emulated=(), model=None) -> dict:
+#: the whole-model row each family's ratios and added ms are taken against (the same tool)
+BASELINE = {"dgr": "whole", "relay": "whole", "rpc": "llama-bench"}
+
+
+def summarize(samples, stages, rounds, n_decode, prefills, emulated=(), model=None,
+              settings=None) -> dict:
     def med(rows, key):
-        vals = [x[key] for x in rows if key in x]
+        vals = [x[key] for x in rows if x.get(key) is not None]
         return statistics.median(vals) if vals else None
 
-    out = {"model": smollm2_path() if model is None else model, "settings": SETTINGS, "rounds": rounds,
-           "n_decode": n_decode, "prefills": list(prefills), "loadavg": os.getloadavg(),
+    def med_list(rows, key):
+        lists = [x[key] for x in rows if x.get(key) is not None]
+        if not lists or any(len(v) != len(lists[0]) for v in lists):
+            return None
+        return [statistics.median(v[i] for v in lists) for i in range(len(lists[0]))]
+
+    out = {"model": smollm2_path() if model is None else model,
+           "settings": SETTINGS if settings is None else settings, "rounds": rounds,
+           "n_decode": n_decode, "n_prompt_decode": N_PROMPT_DECODE,
+           "prefills": list(prefills), "loadavg": os.getloadavg(), "baselines": BASELINE,
            "configs": {}, "ratios": {}, "added_ms_per_stage": {}, "rtt_model": {}}
     for name, rows in samples.items():
         c = {k: med(rows, k) for k in (*METRICS, "cpu_s_per_token")}
         if name.startswith(("dgr", "relay")):
             c["parity"] = all(x["parity"] for x in rows)
-            c["seam_bytes_per_token"] = [statistics.median(v) for v in
-                                         zip(*(x["seam_bytes_per_token"] for x in rows))]
+            for key in ("seam_bytes_per_token", "relay_frame_bytes_computed"):
+                v = med_list(rows, key)
+                if v is not None:
+                    c[key] = v
         c["samples"] = [{k: v for k, v in x.items() if k != "tokens"} for x in rows]
         out["configs"][name] = c
     cf = out["configs"]
@@ -593,19 +894,19 @@ def summarize(samples, stages, rounds, n_decode, prefills, emulated=(), model=No
     for n in [*stages, *emulated]:
         for kind in ("dgr", "relay"):
             d = cf.get(f"{kind}{n}")
-            for base in ("whole", f"rpc{n}"):
+            for base in (BASELINE[kind], f"rpc{n}"):
                 ratio(d, cf.get(base), f"{kind}{n}/{base}")
         ratio(cf.get(f"relay{n}"), cf.get(f"dgr{n}"), f"relay{n}/dgr{n}")
-        ratio(cf.get(f"rpc{n}"), cf.get("whole"), f"rpc{n}/whole")
-    w = (cf.get("whole") or {}).get("decode_tps")
+        ratio(cf.get(f"rpc{n}"), cf.get(BASELINE["rpc"]), f"rpc{n}/{BASELINE['rpc']}")
     for name, c in cf.items():
         kind, n, rtt = parse_config(name)
+        w = (cf.get(BASELINE.get(kind, "")) or {}).get("decode_tps")
         if not w or not n or not c.get("decode_tps"):
             continue
         tpot, base = 1e3 / c["decode_tps"], 1e3 / w
         out["added_ms_per_stage"][name] = (tpot - base) / n
         if rtt is not None and kind in ("dgr", "relay"):
-            s = seams_model(kind, n)
+            s = seams_model(kind, n, n_decode)
             model = base + s * rtt
             out["rtt_model"][name] = {"rtt_ms": rtt, "S": s, "C_ms": base, "tpot_ms": tpot,
                                       "model_tpot_ms": model, "ratio": tpot / model,
@@ -623,7 +924,8 @@ def summarize_sessions(sess: dict) -> dict:
                 for key in ("aggregate_tps", "per_session_tps", "per_session_tps_min",
                             "ttft_ms", "wall_s")} | {
                 "parity": all(x["parity"] for x in rows),
-                "parity_checked": rows[0]["parity_checked"], "tokens": rows[0]["tokens"]}
+                "parity_checked": min(x["parity_checked"] for x in rows),
+                "tokens": rows[0]["tokens"]}
     return out
 
 
@@ -631,12 +933,31 @@ def _f(v, fmt="9.1f"):
     return f"{v:{fmt}}" if isinstance(v, (int, float)) else f"{'-':>{fmt.split('.')[0]}}"
 
 
+def print_header(res: dict, file=sys.stdout) -> None:
+    """What each row family ran: settings, lengths, command lines."""
+    s = res["settings"]
+    print(f"\nsettings of every row: {s}; decode: {res['n_decode']} steps after a "
+          f"{res.get('n_prompt_decode', N_PROMPT_DECODE)}-token prompt; prefill: "
+          f"{', '.join(str(n) for n in res['prefills'])}-token prompts from an empty cache",
+          file=file)
+    print("llama-bench: -b = -ub = n_ubatch (dgr's n_batch), its context = prompt + "
+          "generation + depth (padded to 256 by llama.cpp: the same n_kv as dgr's n_ctx at "
+          "every step of these lengths); it times llama_decode alone (no logits read, no "
+          "sampling), random tokens; no TTFT or CPU", file=file)
+    print("what each row ran:", file=file)
+    for name, lines in res.get("ran", {}).items():
+        print(f"  {name}:", file=file)
+        for line in lines:
+            print(f"    {line}", file=file)
+
+
 def print_table(res: dict, file=sys.stdout) -> None:
     p = res["prefills"]
     la = res["loadavg"]
-    print(f"\nSmolLM2 {os.path.basename(res['model'])}, {res['settings']}, "
-          f"{res['n_decode']} decode steps, median of {res['rounds']} rounds; "
-          f"load average {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}", file=file)
+    print_header(res, file)
+    print(f"\nSmolLM2 {os.path.basename(res['model'])}, {res['n_decode']} decode steps, "
+          f"median of {res['rounds']} rounds; load average {la[0]:.2f} {la[1]:.2f} "
+          f"{la[2]:.2f}", file=file)
     hdr = (f"{'configuration':<22} {'decode t/s':>10} " +
            " ".join(f"{'pp' + str(n) + ' t/s':>10}" for n in p) +
            f" {'TTFT ms':>8} {'CPU ms/tok':>10} {'seam B/tok':>11} {'parity':>6}")
@@ -651,6 +972,19 @@ def print_table(res: dict, file=sys.stdout) -> None:
               f" {_f(c.get('ttft_ms'), '8.1f')} "
               f"{_f(None if cpu is None else 1e3 * cpu, '10.2f')} {seam} {par:>6}",
               file=file)
+    print("(pp t/s: whole, dgr, relay: n / wall time from the call that submits the prompt to "
+          "its first token; llama-bench, rpc: n / llama-bench's prompt time. TTFT: that wall "
+          "time for the first prefill. CPU ms/tok: the decode steps only, from the first token "
+          "to the last; whole: its process, dgr/relay: the driver + the workers. seam B/tok: "
+          "measured, TCP payload bytes per decode step from ss -tinp bytes_sent, mean over "
+          "seams; relay: stage k -> stage k+1's data port; dgr: the driver -> stage k+1's "
+          "gRPC port, HTTP/2 framing included)", file=file)
+    computed = {name: c["relay_frame_bytes_computed"] for name, c in res["configs"].items()
+                if c.get("relay_frame_bytes_computed")}
+    for name, v in computed.items():
+        print(f"computed, not measured: {name} relayed decode frame = 4 + len(wire.encode("
+              f"Forward header with the hops ahead, zeros[1, n_embd] f32)) = "
+              f"{', '.join(str(int(x)) for x in v)} B per seam", file=file)
     if res["ratios"]:
         print(f"\n{'ratio':<22} {'decode':>10} " +
               " ".join(f"{'pp' + str(n):>10}" for n in p) + f" {'TTFT':>8}", file=file)
@@ -658,44 +992,40 @@ def print_table(res: dict, file=sys.stdout) -> None:
             print(f"{name:<22} {_f(rt.get('decode_tps'), '10.2f')} " +
                   " ".join(_f(rt.get(f'prefill{n}_tps'), '10.2f') for n in p) +
                   f" {_f(rt.get('ttft_ms'), '8.2f')}", file=file)
-    print("(whole = dgr.Engine in one process; dgr<k> = k workers, the driver relays each "
-          "boundary over gRPC; relay<k> = the same workers with AsyncRoute(relay=True): "
-          "stage to stage over the data plane, prefill chunks pipelined; TTFT ratio is of "
-          "times (>1: slower); llama-bench/rpc TTFT and CPU are not measured; seam B/tok = "
-          "boundary frame bytes sent to a later stage per decode token, mean over seams: "
-          "dgr measured from the gRPC stream counters, relay computed as len(wire.encode("
-          "Forward header with the hops ahead, zeros[1, n_embd] f32)))", file=file)
+        print("(each family over the whole model of its own tool: dgr<k>, relay<k> over whole "
+              "(dgr.Engine), rpc<k> over llama-bench; across tools: whole/llama-bench, "
+              "<kind><k>/rpc<k>; TTFT ratio is of times (>1: slower))", file=file)
     if res.get("added_ms_per_stage"):
-        print("\nadded ms/token per stage = (1000/decode_tps(cfg) - 1000/decode_tps(whole)) "
-              "/ n_stages (as llama.cpp RPC's per-server figure; with relay's decode loop a token "
-              "crosses n_stages links, s1 -> ... -> sN -> s1)", file=file)
+        print("\nadded ms/token per stage = (1000/decode_tps(cfg) - 1000/decode_tps(its "
+              "whole row: whole for dgr/relay, llama-bench for rpc)) / n_stages (as llama.cpp "
+              "RPC's per-server figure)", file=file)
         for name, v in res["added_ms_per_stage"].items():
             print(f"  {name:<20} {v:8.2f} ms", file=file)
     if res.get("rtt_model"):
-        print("\nTPOT vs model C + S*RTT (C = whole-model ms/token; S = n/2 for relay: the decode "
-              "loop crosses n one-way links of RTT/2; S = n for dgr: one driver round trip per "
-              "stage)",
-              file=file)
-        print(f"  {'configuration':<20} {'RTT':>6} {'S':>5} {'TPOT ms':>9} {'model ms':>9} "
+        print(f"\nTPOT vs model C + S*RTT (C = whole-model ms/token; dgr: S = n, one driver "
+              f"round trip per stage; relay: S = n/2 + ceil(N/{LOOP_WINDOW})/(2N), the decode "
+              f"loop crosses n one-way links of RTT/2 a token and each loop window starts "
+              f"from the driver, one link more)", file=file)
+        print(f"  {'configuration':<20} {'RTT':>6} {'S':>6} {'TPOT ms':>9} {'model ms':>9} "
               f"{'ratio':>6} {'excess ms/link':>14}", file=file)
         for name, m in res["rtt_model"].items():
-            print(f"  {name:<20} {m['rtt_ms']:6g} {m['S']:5.1f} {m['tpot_ms']:9.2f} "
+            print(f"  {name:<20} {m['rtt_ms']:6g} {m['S']:6.3f} {m['tpot_ms']:9.2f} "
                   f"{m['model_tpot_ms']:9.2f} {m['ratio']:6.2f} "
                   f"{m['excess_ms_per_link']:14.2f}", file=file)
     if res.get("sessions"):
         print("\nconcurrent sessions (k x r.complete(16-token prompt, max_tokens=N), "
               "asyncio.gather; aggregate = all generated tokens / wall time)", file=file)
         print(f"  {'configuration':<12} {'k':>3} {'aggr t/s':>9} {'per-session t/s':>16} "
-              f"{'min t/s':>8} {'TTFT ms':>8} {'parity':>8}", file=file)
+              f"{'min t/s':>8} {'TTFT ms':>8} {'parity':>10}", file=file)
         for name, by_k in res["sessions"].items():
             for k, m in by_k.items():
-                par = ("yes" if m["parity"] else "NO") + \
-                    f"({','.join(str(i) for i in m['parity_checked'])})"
+                par = ("yes" if m["parity"] else "NO") + f" ({m['parity_checked']})"
                 print(f"  {name:<12} {k:>3} {m['aggregate_tps']:9.1f} "
                       f"{m['per_session_tps']:16.1f} {m['per_session_tps_min']:8.1f} "
-                      f"{m['ttft_ms']:8.1f} {par:>8}", file=file)
-        print("  (parity(i,j): sessions i and j checked against the whole model's greedy "
-              "tokens)", file=file)
+                      f"{m['ttft_ms']:8.1f} {par:>10}", file=file)
+        print("  (parity (n): all n sessions checked against the whole model's greedy tokens "
+              "for their prompts, computed with the clusters' settings, n_slots included)",
+              file=file)
 
 
 def main(argv=None) -> int:
@@ -704,13 +1034,15 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=N_DECODE, help="greedy decode steps")
     ap.add_argument("--stages", default="2,3,4")
     ap.add_argument("--quick", action="store_true",
-                    help="1 round, 3 stages only (dgr3, relay3), 32 decode steps, "
+                    help="1 round, 3 stages only (dgr3, relay3, rpc3), 32 decode steps, "
                          "128-token prefill")
     ap.add_argument("--no-rpc", action="store_true", help="skip llama.cpp RPC")
     ap.add_argument("--no-llama-bench", action="store_true",
                     help="skip llama-bench (whole and RPC)")
     ap.add_argument("--bench-args", default="",
-                    help="extra llama-bench arguments, e.g. '-fa 1 -ub 64'")
+                    help="extra llama-bench arguments, appended to every llama-bench command "
+                         "(printed in the header; a record that departs from dgr's settings "
+                         "is refused)")
     ap.add_argument("--rtt-ms", default="",
                     help="also run through link emulators at these RTTs, e.g. 5,20")
     ap.add_argument("--rtt-stages", default="3", help="stage counts run with --rtt-ms")

@@ -1,13 +1,17 @@
 """dgr routes of 2-4 loopback stages vs the whole model and vs llama.cpp RPC (SmolLM2).
 
-The numbers of ``benches/compare.py`` (the same functions), one interleaved round measured
-once in ``setup_cache``: every ``track_`` reads a ratio or a value out of it.
+The numbers of ``benches/compare.py`` (the same functions, so the same settings on every
+row: ``benchmarks.common.SETTINGS``, llama-bench and RPC included), one interleaved round
+measured once in ``setup_cache``: every ``track_`` reads a ratio or a value out of it. Each
+family is taken against the whole model of its own tool:
 ``track_dgr<k>_over_whole_<metric>_ratio`` is dgr with k stages over ``dgr.Engine`` in one
-process, ``track_rpc<k>_over_whole_<metric>_ratio`` llama.cpp RPC with k servers over the
-same whole model, ``track_dgr<k>_over_rpc<k>_<metric>_ratio`` the two distributed runtimes.
+process, ``track_rpc<k>_over_llama_bench_<metric>_ratio`` llama.cpp RPC with k servers over
+llama-bench's whole model, ``track_dgr<k>_over_rpc<k>_<metric>_ratio`` the two distributed
+runtimes and ``track_whole_over_llama_bench_<metric>_ratio`` the two whole models.
 ``track_relay<k>_...`` are the same clusters driven with ``AsyncRoute(relay=True)`` (direct
 relay over the data plane, pipelined prefill): over the whole model, over rpc<k> and over
-dgr<k>, plus decode tokens/s, TTFT, CPU s/token, parity and the added ms/token per stage.
+dgr<k>, plus decode tokens/s, TTFT, CPU s/token (decode steps only), parity and the added
+ms/token per stage (against each family's own whole-model row).
 The RPC ones are NaN when llama-bench / ggml-rpc-server are not built
 (``python -m dgr.vendor build --tools llama-bench,ggml-rpc-server``).
 """
@@ -85,8 +89,8 @@ def _track(name, key, unit, section=None):
 _RATIOS = {"dgr": ("whole", "rpc{k}"), "relay": ("whole", "rpc{k}", "dgr{k}")}
 for _k in STAGES:
     for _m, _key in METRICS.items():
-        setattr(CompareSmolLM2, f"track_rpc{_k}_over_whole_{_m}_ratio",
-                _track(f"rpc{_k}/whole", _key, "ratio"))
+        setattr(CompareSmolLM2, f"track_rpc{_k}_over_llama_bench_{_m}_ratio",
+                _track(f"rpc{_k}/llama-bench", _key, "ratio"))
     for _c, _bases in _RATIOS.items():
         for _b in (b.format(k=_k) for b in _bases):
             for _m, _key in METRICS.items():
@@ -102,8 +106,13 @@ for _k in STAGES:
     for _c in ("dgr", "relay"):
         setattr(CompareSmolLM2, f"track_{_c}{_k}_added_ms_per_stage",
                 _track(f"{_c}{_k}", None, "ms", section="added_ms_per_stage"))
+    setattr(CompareSmolLM2, f"track_rpc{_k}_added_ms_per_stage",
+            _track(f"rpc{_k}", None, "ms", section="added_ms_per_stage"))
     setattr(CompareSmolLM2, f"track_rpc{_k}_decode_tokens_per_s",
             _track(f"rpc{_k}", "decode_tps", "tokens/s"))
+for _m, _key in METRICS.items():
+    setattr(CompareSmolLM2, f"track_whole_over_llama_bench_{_m}_ratio",
+            _track("whole/llama-bench", _key, "ratio"))
 CompareSmolLM2.track_whole_decode_tokens_per_s = _track("whole", "decode_tps", "tokens/s")
 CompareSmolLM2.track_llama_bench_decode_tokens_per_s = _track("llama-bench", "decode_tps",
                                                               "tokens/s")

@@ -31,8 +31,14 @@ def test_parse_config():
 
 
 def test_seams_model():
-    assert compare.seams_model("relay", 3) == 1.5
-    assert compare.seams_model("dgr", 3) == 3.0
+    # relay: n/2 a token, plus one link (half a round trip) per loop window, the first one
+    # included: 64 steps in windows of 32 -> 2 windows
+    assert compare.seams_model("relay", 3, 64, 32) == pytest.approx(1.5 + 2 / 128)
+    assert compare.seams_model("relay", 3, 32, 32) == pytest.approx(1.5 + 1 / 64)
+    assert compare.seams_model("relay", 4, 1, 32) == pytest.approx(2.5)
+    assert compare.seams_model("dgr", 3, 64) == 3.0
+    with pytest.raises(ValueError):
+        compare.seams_model("relay", 3, 0)
 
 
 def _row(tps, **kw):
@@ -53,20 +59,211 @@ def test_summarize_ratios_added_ms_and_rtt_model():
     # (1000/50 - 1000/100) / 3 stages
     assert out["added_ms_per_stage"]["dgr3"] == pytest.approx(10 / 3)
     m = out["rtt_model"]["relay3@20ms"]
-    assert m["model_tpot_ms"] == pytest.approx(10 + 1.5 * 20)  # C + n/2 * RTT
+    s = 1.5 + 1 / 64  # 32 steps: one loop window
+    assert m["S"] == pytest.approx(s)
+    assert m["model_tpot_ms"] == pytest.approx(10 + s * 20)  # C + S * RTT
     assert m["tpot_ms"] == pytest.approx(50.0)
-    assert m["ratio"] == pytest.approx(50 / 40)
+    assert m["ratio"] == pytest.approx(50 / (10 + s * 20))
     assert out["configs"]["relay3"]["parity"] is True
+    assert out["configs"]["relay3"]["seam_bytes_per_token"] == [2000, 2000]
     assert "tokens" not in out["configs"]["relay3"]["samples"][0]
+
+
+def test_summarize_each_family_against_its_own_whole_model():
+    # llama-bench's whole model and dgr.Engine's differ: rpc must be taken against the
+    # former, dgr/relay against the latter
+    samples = {"whole": [_row(100.0)], "llama-bench": [_row(125.0)],
+               "dgr3": [_row(50.0, parity=True, tokens=[1])], "rpc3": [_row(100.0)],
+               "rpc3@20ms": [_row(50.0)]}
+    out = compare.summarize(samples, [3], 1, 32, (128,), ["3@20ms"], model="m.gguf")
+    r = out["ratios"]
+    assert r["rpc3/llama-bench"]["decode_tps"] == pytest.approx(0.8)
+    assert r["rpc3@20ms/llama-bench"]["decode_tps"] == pytest.approx(0.4)
+    assert not any(k.startswith("rpc") and k.endswith("/whole") for k in r)
+    assert r["dgr3/whole"]["decode_tps"] == pytest.approx(0.5)
+    assert r["dgr3/rpc3"]["decode_tps"] == pytest.approx(0.5)
+    assert r["whole/llama-bench"]["decode_tps"] == pytest.approx(0.8)
+    added = out["added_ms_per_stage"]
+    assert added["rpc3"] == pytest.approx((1000 / 100 - 1000 / 125) / 3)  # 2/3 ms
+    assert added["rpc3@20ms"] == pytest.approx((1000 / 50 - 1000 / 125) / 3)
+    assert added["dgr3"] == pytest.approx((1000 / 50 - 1000 / 100) / 3)
+    assert "rtt_model" in out and "rpc3@20ms" not in out["rtt_model"]
+
+
+def test_summarize_without_llama_bench_reports_no_rpc_baseline():
+    samples = {"whole": [_row(100.0)], "rpc3": [_row(100.0)]}
+    out = compare.summarize(samples, [3], 1, 32, (128,), model="m.gguf")
+    assert "rpc3/llama-bench" not in out["ratios"]
+    assert "rpc3" not in out["added_ms_per_stage"]  # never against dgr.Engine's whole
+
+
+def _flag(cmd, name):
+    assert cmd.count(name) == 1, f"{name} appears {cmd.count(name)} times in {cmd}"
+    return cmd[cmd.index(name) + 1]
+
+
+def test_llama_bench_commands_run_dgrs_settings():
+    s = compare.SETTINGS
+    cmds = compare.llama_bench_commands(s, 64, (128, 512), "m.gguf", exe="lb")
+    assert sorted(cmds) == ["decode", "prefill"]
+    for cmd in cmds.values():
+        assert cmd[0] == "lb" and _flag(cmd, "-m") == "m.gguf"
+        assert _flag(cmd, "-t") == str(s["n_threads"]) == "1"
+        assert _flag(cmd, "-ub") == str(s["n_ubatch"]) == "64"
+        assert _flag(cmd, "-b") == "64"  # dgr's n_batch is its n_ubatch
+        assert _flag(cmd, "-fa") == "1"
+        assert _flag(cmd, "-ctk") == "f16" and _flag(cmd, "-ctv") == "f16"
+        assert _flag(cmd, "-ngl") == "0" and "--rpc" not in cmd
+        assert _flag(cmd, "-r") == "1" and _flag(cmd, "-o") == "json"
+    pre, dec = cmds["prefill"], cmds["decode"]
+    assert (_flag(pre, "-p"), _flag(pre, "-n"), _flag(pre, "-d")) == ("128,512", "0", "0")
+    # decode at the same depth after the same prompt length as dgr
+    assert (_flag(dec, "-p"), _flag(dec, "-n"), _flag(dec, "-d")) == (
+        "0", "64", str(compare.N_PROMPT_DECODE))
+    assert compare.N_PROMPT_DECODE == 16
+
+
+def test_llama_bench_commands_follow_the_settings_and_rpc():
+    s = {**compare.SETTINGS, "n_ubatch": 32, "flash_attn": False, "n_threads": 2,
+         "type_k": "q8_0"}
+    cmds = compare.llama_bench_commands(s, 8, (), "m.gguf", rpc=["127.0.0.1:1", "127.0.0.1:2"],
+                                        extra=["--repack", "0"])
+    assert list(cmds) == ["decode"]  # no prefill lengths: no prefill run
+    dec = cmds["decode"]
+    assert (_flag(dec, "-ub"), _flag(dec, "-b"), _flag(dec, "-fa"), _flag(dec, "-t"),
+            _flag(dec, "-ctk")) == ("32", "32", "0", "2", "q8_0")
+    assert _flag(dec, "--rpc") == "127.0.0.1:1,127.0.0.1:2" and _flag(dec, "-ngl") == "99"
+    assert dec[dec.index("--repack"):dec.index("--repack") + 2] == ["--repack", "0"]
+
+
+def test_llama_bench_commands_refuse_what_they_cannot_mirror():
+    s = compare.SETTINGS
+    with pytest.raises(ValueError, match="n_ctx"):  # llama-bench's context would be larger
+        compare.llama_bench_commands({**s, "n_ctx": 256}, 250, (), "m.gguf")
+    with pytest.raises(ValueError, match="n_ctx"):
+        compare.llama_bench_commands({**s, "n_ctx": 256}, 8, (512,), "m.gguf")
+    compare.llama_bench_commands({**s, "n_ctx": 256}, 240, (256,), "m.gguf")  # fits exactly
+    with pytest.raises(ValueError, match="n_slots"):
+        compare.llama_bench_commands({**s, "n_slots": 4}, 8, (), "m.gguf")
+    with pytest.raises(ValueError, match="mirror"):
+        compare.llama_bench_commands({**s, "mtp": True}, 8, (), "m.gguf")
+
+
+def _bench_rec(n_prompt, n_gen, n_depth, ts, **kw):
+    return {"n_prompt": n_prompt, "n_gen": n_gen, "n_depth": n_depth, "avg_ts": ts,
+            "n_threads": 1, "n_batch": 64, "n_ubatch": 64, "flash_attn": 1, "type_k": "f16",
+            "type_v": "f16", "n_gpu_layers": 0, **kw}
+
+
+def test_parse_bench_checks_every_record():
+    s = compare.SETTINGS
+    recs = [_bench_rec(128, 0, 0, 300.0), _bench_rec(512, 0, 0, 250.0),
+            _bench_rec(0, 64, 16, 60.0)]
+    assert compare.parse_bench(recs, s, 16) == {"prefill128_tps": 300.0,
+                                                "prefill512_tps": 250.0, "decode_tps": 60.0}
+    for bad in (_bench_rec(0, 64, 0, 60.0),                   # decoded from an empty cache
+                _bench_rec(128, 0, 0, 1.0, n_ubatch=512),     # llama-bench's default ubatch
+                _bench_rec(128, 0, 0, 1.0, n_batch=2048),
+                _bench_rec(128, 0, 0, 1.0, flash_attn=-1),    # auto
+                _bench_rec(128, 0, 0, 1.0, n_gpu_layers=99)):
+        with pytest.raises(RuntimeError, match="llama-bench ran"):
+            compare.parse_bench([bad], s, 16)
+    rpc = _bench_rec(0, 64, 16, 60.0, n_gpu_layers=99)
+    assert compare.parse_bench([rpc], s, 16, rpc=True) == {"decode_tps": 60.0}
+
+
+SS = "\n".join([  # ss -tinpH state established: an address line, then its tcp_info line
+    '0      0      127.0.0.1:40100 127.0.0.1:46937 users:(("python3",pid=6347,fd=4))',
+    "\t bbr wscale:10,10 rto:204 rtt:0.551/0.323 mss:55296 bytes_sent:12345 "
+    "bytes_acked:12346 segs_out:3 segs_in:2 bytes_received:77",
+    '0      0      127.0.0.1:46937 127.0.0.1:40100 users:(("python3",pid=6347,fd=5))',
+    "\t bbr wscale:10,10 rto:200 rtt:0.048/0.024 bytes_received:12345 segs_out:1",
+    '0      0      [::1]:5000 [::1]:40100 users:(("w",pid=7,fd=3),("w",pid=8,fd=3))',
+    "\t cubic bytes_sent:10 bytes_acked:11",
+    '0      0      127.0.0.1:5001 127.0.0.1:40100 users:(("w",pid=7,fd=9))',
+    "\t cubic bytes_sent:5 bytes_acked:6",
+    ""])
+
+
+def test_parse_ss_and_bytes_sent_to():
+    socks = compare.parse_ss(SS)
+    assert len(socks) == 4
+    assert socks[0] == {"local": "127.0.0.1:40100", "peer": "127.0.0.1:46937",
+                        "pids": [6347], "bytes_sent": 12345, "bytes_received": 77}
+    assert socks[1]["bytes_sent"] == 0 and socks[1]["bytes_received"] == 12345
+    assert socks[2]["pids"] == [7, 8] and socks[2]["peer"] == "[::1]:40100"
+    assert compare.bytes_sent_to(socks, 6347, 46937) == 12345
+    assert compare.bytes_sent_to(socks, 6347, 40100) == 0  # its other socket sent nothing
+    assert compare.bytes_sent_to(socks, 7, 40100) == 15  # both of pid 7's sockets to 40100
+    assert compare.bytes_sent_to(socks, 8, 40100) == 10
+    assert compare.bytes_sent_to(socks, 9, 40100) == 0
+    # with a State column (no ``state`` filter)
+    stated = compare.parse_ss("ESTAB " + SS.splitlines()[0] + "\n" + SS.splitlines()[1])
+    assert len(stated) == 1 and stated[0]["peer"] == "127.0.0.1:46937"
+
+
+class _FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+class _FakeEngine:
+    """forward() advances the clock: 100 s for the prompt, 1 s a decode step; the argmax
+    of the row it returns is the position it was called at, mod 50."""
+
+    def __init__(self, clock):
+        self.clock, self.calls = clock, []
+
+    def release(self, slot):
+        self.calls.append(("release", slot))
+
+    def forward(self, slot, pos, tokens):
+        import numpy as np
+
+        self.calls.append(("forward", pos, [int(t) for t in tokens]))
+        self.clock.t += 100.0 if len(tokens) > 1 else 1.0
+        row = np.zeros((1, 50), np.float32)
+        row[0, (pos + len(tokens)) % 50] = 1.0
+        return row
+
+
+def test_timed_decode_counts_the_decode_steps_only(monkeypatch):
+    clock = _FakeClock()
+    monkeypatch.setattr(compare.time, "perf_counter", clock)
+    monkeypatch.setattr(compare, "cpu_seconds", lambda pid: clock())
+    eng = _FakeEngine(clock)
+    toks, dt, cpu = compare._timed_decode(eng, [5] * 16, 8)
+    assert dt == 8.0 and cpu == 8.0  # the prompt's 100 s are not in the decode figures
+    assert toks == [16, 17, 18, 19, 20, 21, 22, 23, 24]  # the prompt's token + 8 steps
+    fw = [c for c in eng.calls if c[0] == "forward"]
+    assert len(fw) == 9 and fw[0] == ("forward", 0, [5] * 16)
+    assert [c[1] for c in fw[1:]] == list(range(16, 24))
+    assert [c[2] for c in fw[1:]] == [[t] for t in toks[:-1]]  # each feeds the last token
+
+
+def test_session_parity_checks_every_session():
+    refs = [[1, 2], [3, 4], [5, 6], [7, 8]]
+    assert compare.session_parity([[1, 2], [3, 4], [5, 6]], refs) == (True, 3)
+    # a middle session that differs is caught (not only the first and the last)
+    assert compare.session_parity([[1, 2], [3, 9], [5, 6]], refs) == (False, 3)
+    assert compare.session_parity([[1, 2], [3, 4], [5]], refs) == (False, 3)
+    with pytest.raises(ValueError):
+        compare.session_parity(refs + [[9]], refs)
 
 
 def test_summarize_sessions():
     rows = [{"aggregate_tps": a, "per_session_tps": a / 4, "per_session_tps_min": 1.0,
-             "ttft_ms": 5.0, "wall_s": 1.0, "parity": True, "parity_checked": [0, 3],
+             "ttft_ms": 5.0, "wall_s": 1.0, "parity": True, "parity_checked": 4,
              "tokens": 128} for a in (40.0, 60.0, 50.0)]
     out = compare.summarize_sessions({"relay3": {4: rows}})
     assert out["relay3"][4]["aggregate_tps"] == 50.0
     assert out["relay3"][4]["parity"] is True
+    assert out["relay3"][4]["parity_checked"] == 4
+    rows[1] = {**rows[1], "parity": False}
+    assert compare.summarize_sessions({"relay3": {4: rows}})["relay3"][4]["parity"] is False
 
 
 def test_load_spans_filters_session_and_adds_start():
