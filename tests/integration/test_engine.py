@@ -31,11 +31,47 @@ def test_describe(eng, tiny_llama):
     assert d["model"] == str(tiny_llama)
 
 
+def _test_vocab_ids(text: str, n_vocab: int = 128) -> list[int]:
+    """The 'test' tokenizer of the patched llama.cpp, computed here: each 5-byte chunk of the
+    UTF-8 text is one token, ``(31-polynomial hash of its bytes) % n_vocab``."""
+    data = text.encode("utf-8")
+    out = []
+    for i in range(0, len(data), 5):
+        h = 0
+        for b in data[i:i + 5]:
+            h = h * 31 + b
+        out.append(h % n_vocab)
+    return out
+
+
 def test_tokenize_detokenize(eng):
-    toks = eng.tokenize("tok_1 tok_2")
-    assert toks.dtype == np.int32 and len(toks) > 0
-    assert isinstance(eng.detokenize(toks), str)
+    # the tiny model's 'test' vocabulary hashes text one way and prints ids as hex the other
+    # way (no round trip exists): both directions against the rule computed independently
+    for text in ("tok_1 tok_2", "naïve café 🙂", "x"):
+        toks = eng.tokenize(text)
+        assert toks.dtype == np.int32
+        assert toks.tolist() == _test_vocab_ids(text) and len(toks) > 0
+    assert eng.detokenize([0, 10, 127, 2]) == "0a7f2"
+    assert eng.detokenize(eng.tokenize("tok_1 tok_2")) == "".join(
+        f"{t:x}" for t in _test_vocab_ids("tok_1 tok_2"))
     assert eng.detokenize([]) == ""
+
+
+@pytest.fixture(scope="module")
+def smol_vocab(smollm2):
+    return dgr.Engine(smollm2, n_ctx=64, n_slots=1, n_threads=1)
+
+
+@pytest.mark.parametrize("text", ["Hello, world!", "naïve café — 日本語 🙂",
+                                  "  two  spaces\n\tand a tab "])
+def test_tokenize_detokenize_round_trip(smol_vocab, text):
+    """A real vocabulary (SmolLM2's byte-level BPE): text -> tokens -> the same text, and
+    the tokens of that text are the same tokens again."""
+    toks = smol_vocab.tokenize(text, add_special=False)
+    assert toks.dtype == np.int32 and len(toks) > 0
+    back = smol_vocab.detokenize(toks)
+    assert back == text
+    assert smol_vocab.tokenize(back, add_special=False).tolist() == toks.tolist()
 
 
 def test_forward_logits_shapes(eng):
@@ -60,10 +96,17 @@ def test_forward_logits_shapes(eng):
 
 def test_forward_into_a_reused_buffer(eng):
     eng.release(0)
-    buf = np.empty((1, 128), dtype=np.float32)
-    out = eng.forward(0, 0, [1, 2, 3], out=buf)
-    assert out is buf
+    eng.release(1)
+    # the same steps on another slot into fresh arrays: the logits the buffer must hold
+    want = [eng.forward(1, 0, [1, 2, 3]), eng.forward(1, 3, [4])]
+    assert not np.array_equal(want[0], want[1])
+    buf = np.full((1, 128), np.nan, dtype=np.float32)
+    for pos, toks, w in ((0, [1, 2, 3], want[0]), (3, [4], want[1])):
+        out = eng.forward(0, pos, toks, out=buf)
+        assert out is buf  # written in place, and overwritten by the next step
+        assert buf.tobytes() == w.tobytes()
     eng.release(0)
+    eng.release(1)
 
 
 def _greedy(eng, slot, prompt, steps):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -22,6 +23,43 @@ pytestmark = pytest.mark.skipif(not HAS_LAYER_RANGES, reason="needs the patched 
 SETTINGS = dict(n_ctx=128, n_slots=4, n_threads=1, n_ubatch=8)
 RANGES = ((0, 1), (1, 3), (3, 4))
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(3, 120, 37)]  # 5 chunks of <= 8
+WAIT_S = 60.0  # deadline of every wait on a condition (generous: a loaded CI machine)
+
+
+def _wait_until(cond, what: str, timeout: float = WAIT_S) -> None:
+    """Poll ``cond()`` until it holds; fail naming ``what`` if it does not within
+    ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        threading.Event().wait(0.005)
+
+
+class _Handled:
+    """Records the ``first_pos`` of every data-plane frame a worker has finished handling
+    (its reply, relay and loop step all sent), for waits on a step instead of on time."""
+
+    def __init__(self, worker):
+        self.positions: list[int | None] = []
+        self._cond = threading.Condition()
+        real = worker._data_frame
+
+        def frame(conn, view):
+            pos = getattr(wire.decode(bytes(view)).header, "first_pos", None)
+            try:
+                real(conn, view)
+            finally:
+                with self._cond:
+                    self.positions.append(pos)
+                    self._cond.notify_all()
+
+        worker._data_frame = frame
+
+    def wait(self, pos: int, timeout: float = WAIT_S) -> bool:
+        """Whether the worker finished a frame for position ``pos`` within ``timeout``."""
+        with self._cond:
+            return self._cond.wait_for(lambda: pos in self.positions, timeout)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +83,7 @@ def test_relay_matches_the_whole_model_bit_for_bit(stages, reference):
         s = r.session()
         g = s.complete(PROMPT, max_tokens=12, logits=True, stop_on_eog=False)
         assert g.tokens == ref
-        assert len(g.logits) == len(rows)
+        assert len(g.logits) == len(rows) == 12
         assert all(x.tobytes() == y.tobytes() for x, y in zip(g.logits, rows))
         # 5 prompt chunks (pipelined, one reply each) + 11 decode steps, all relayed
         assert s.inner.steps[:5] == [(0, 8), (8, 8), (16, 8), (24, 8), (32, 5)]
@@ -95,6 +133,7 @@ def test_decode_loop_matches_and_survives_a_broken_loop(stages, reference, monke
         s = r.session()
         g = s.complete(PROMPT, max_tokens=12, logits=True, stop_on_eog=False)
         assert g.tokens == ref and s.recoveries == 0
+        assert len(g.logits) == len(rows) == 12
         assert all(x.tobytes() == y.tobytes() for x, y in zip(g.logits, rows))
         # the last stage cannot reach the first once: the driver hears it from the last
         # stage, repairs the route and finishes step by step with the same tokens
@@ -123,6 +162,10 @@ def test_decode_loop_matches_and_survives_a_broken_loop(stages, reference, monke
 def test_decode_loop_stops_at_max_tokens_and_stop_tokens(stages, reference):
     ref, _ = generate_local(reference, PROMPT[:5], max_tokens=10, stop_on_eog=False)
     one = ThreadedWorker(dgr.Engine(reference.model_path, **SETTINGS))
+    loops: list[int] = []  # positions after which the worker fed the loop's next step
+    real_loop = one.worker._loop
+    one.worker._loop = lambda h, token: (loops.append(h.first_pos), real_loop(h, token))[1]
+    handled = _Handled(one.worker)
     try:
         ep = f"127.0.0.1:{one.worker.data_server.port}"
         c = _conn(ep)
@@ -134,6 +177,7 @@ def test_decode_loop_stops_at_max_tokens_and_stop_tokens(stages, reference):
         assert wire.decode(bytes(c.recv())).header.tokens == [ref[0]]
         # loop from ref[0]: stop at the first new token after it (sent, then no more)
         k = next(i for i in range(2, len(ref)) if ref[i] not in ref[:i])
+        assert k < 9, "the stop token must come before the loop's own end (steps=9)"
         stop = ref[k]
         try:
             c.send(wire.encode(wire.Forward(
@@ -143,9 +187,10 @@ def test_decode_loop_stops_at_max_tokens_and_stop_tokens(stages, reference):
             got = [wire.decode(bytes(c.recv())).header for _ in range(k)]
             assert [h.tokens[0] for h in got] == ref[1:k + 1]
             assert [h.first_pos for h in got] == list(range(5, 5 + k))
-            c.sock.settimeout(0.5)
-            with pytest.raises(socket.timeout):
-                c.recv()  # the loop ended at the stop token
+            # once the worker has finished the step that sampled the stop token, it has fed
+            # no further step: the loop ended there (fed after each earlier step only)
+            assert handled.wait(5 + k - 1)
+            assert loops == list(range(5, 5 + k - 1))
         finally:
             c.close()
         assert one.worker.table.snapshot()[0].next_pos == 5 + k
@@ -302,18 +347,12 @@ def test_data_server_refuses_connections_beyond_its_cap():
         assert isinstance(e.to_exception(), errors.ResourceExhausted) and "at most 2" in e.message
         assert extra.recv() is None and srv.refused == 1
         socks[0].close()  # a slot frees up: the next connection is served
-        for _ in range(100):
-            if len(srv._conns) < 2:
-                break
-            threading.Event().wait(0.01)
+        _wait_until(lambda: len(srv._conns) < 2, "the closed connection's slot is free")
         again = _conn(srv.address)
         socks.append(again)
         again.send(wire.encode(wire.Hello(route="y")))
-        for _ in range(100):
-            if len(seen) == 3:
-                break
-            threading.Event().wait(0.01)
-        assert len(seen) == 3
+        _wait_until(lambda: len(seen) == 3, "the third connection is served")
+        assert srv.refused == 1
     finally:
         for c in socks:
             c.close()
@@ -347,11 +386,14 @@ def test_an_abandoned_decode_loop_never_touches_the_next_session(tiny_llama, ref
           for r in RANGES]
     try:
         ref, _ = generate_local(reference, PROMPT[:9], max_tokens=12, stop_on_eog=False)
+        olds = [generate_local(reference, PROMPT[:20 + i], max_tokens=4, stop_on_eog=False)[0]
+                for i in range(8)]
         with Route([w.address for w in ws], relay=True) as r:
             for i in range(8):
                 old = r.session()
                 it = old.generate(PROMPT[:20 + i], max_tokens=90, stop_on_eog=False)
-                assert [next(it) for _ in range(2 + i % 3)]
+                n = 2 + i % 3
+                assert [next(it) for _ in range(n)] == olds[i][:n]
                 it.close()
                 old.close()  # releases on every stage while the loop goes on
                 s = r.session()
@@ -369,11 +411,13 @@ def test_a_one_stage_decode_loop_delivers_tokens_in_order(tiny_llama, reference)
     one = ThreadedWorker(dgr.Engine(tiny_llama, **SETTINGS))
     w = one.worker
     real_loop = w._loop
+    handled = _Handled(w)
+    waited = []
 
-    def slow_after_loop(h, token):  # widen the window between the loop and the reply
-        real_loop(h, token)
-        if h.first_pos == 5:
-            threading.Event().wait(0.3)
+    def slow_after_loop(h, token):  # widen the window between the loop and the reply:
+        real_loop(h, token)  # position 5's loop step goes out, then this thread holds on
+        if h.first_pos == 5:  # until the worker has finished position 6 (replied to it)
+            waited.append(handled.wait(6))
 
     w._loop = slow_after_loop
     try:
@@ -391,6 +435,7 @@ def test_a_one_stage_decode_loop_delivers_tokens_in_order(tiny_llama, reference)
                 tokens=[ref[0]], want="token", reply_to="one", relay=[],
                 loop=[wire.Hop(endpoint=ep, tokens=True)], steps=5)))
             got = [wire.decode(bytes(c.recv())).header for _ in range(5)]
+            assert waited == [True]
             assert [h.first_pos for h in got] == [5, 6, 7, 8, 9]
             assert [h.tokens[0] for h in got] == ref[1:6]
         finally:
@@ -425,18 +470,28 @@ def test_a_decode_loop_reply_out_of_step_is_repaired_not_fatal(stages, reference
         s.close()
 
 
-def test_decode_loop_runs_at_most_a_window_ahead_of_the_reader(stages, reference):
+def test_decode_loop_runs_at_most_a_window_ahead_of_the_reader(stages, reference,
+                                                              monkeypatch):
     ref, _ = generate_local(reference, PROMPT[:9], max_tokens=20, stop_on_eog=False)
     last = stages[-1].worker
     with Route([w.address for w in stages], relay=True, loop_window=4) as r:
         s = r.session()
         assert s.complete(PROMPT[:9], max_tokens=20, stop_on_eog=False).tokens == ref  # 5 windows
+        loops: list[int] = []  # positions after which the last stage fed the next step
+        real_loop = last._loop
+        monkeypatch.setattr(last, "_loop",
+                            lambda h, token: (loops.append(h.first_pos), real_loop(h, token))[1])
         it = s.generate(PROMPT[:9], max_tokens=20, stop_on_eog=False)
         before = last.steps_total
         toks = [next(it) for _ in range(3)]  # the prefill's token and 2 of the first window
-        threading.Event().wait(0.5)  # a reader that pauses
+        # a reader that pauses: the whole first window reaches the driver (the last stage
+        # decides whether to loop on before it replies), then nothing more is started
+        ring = r.aroute._rings[(s.id, s.epoch)]
+        _wait_until(lambda: ring.qsize() >= 2, "the first window's last two tokens arrive")
         ahead = last.steps_total - before - 2  # decode steps the last stage ran (9 prompt
-        assert 2 <= ahead <= 4, ahead  # tokens: 2 prefill chunks); the first window only
+        assert ahead == 4, ahead  # tokens: 2 prefill chunks); the first window only
+        assert loops == [9, 10, 11], loops  # fed on within the window, not past it
+        assert ring.qsize() == 2
         toks += list(it)
         assert toks == ref
         s.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 
 import grpc
@@ -22,6 +23,17 @@ from dgr.worker import ThreadedWorker
 
 SETTINGS = dict(n_ctx=64, n_slots=2, n_threads=1, n_ubatch=8)
 PROMPT = list(range(3, 23))  # 20 tokens: three prefill chunks of <= 8
+WAIT_S = 60.0  # deadline of every wait on a condition (generous: a loaded CI machine)
+
+
+def _wait_until(cond, what: str, timeout: float = WAIT_S) -> None:
+    """Poll ``cond()`` until it holds; fail naming ``what`` if it does not within
+    ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        threading.Event().wait(0.005)
 
 
 @pytest.fixture(scope="module")
@@ -113,10 +125,47 @@ def test_greedy_route_equals_whole_model_bit_for_bit(route, reference):
     s.close()
 
 
+def _allowed(row: np.ndarray, sp: SamplingParams) -> set[int]:
+    """The tokens ``sp`` may draw from ``row``, computed here from its definition: the
+    ``top_k`` best logits, then the fewest of those (best first) whose softmax at
+    ``temperature`` reaches ``top_p``."""
+    best = sorted(range(len(row)), key=lambda t: (-float(row[t]), t))[:sp.top_k]
+    z = np.array([float(row[t]) for t in best]) / sp.temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    total, keep = 0.0, []
+    for t, q in zip(best, p):
+        keep.append(t)
+        total += q
+        if total >= sp.top_p:
+            break
+    return set(keep)
+
+
 def test_streamed_tokens_and_sampling(route, reference):
-    sp = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=7)
+    # hot: the random tiny model's logits are so peaked that at a usual temperature top-k
+    # and top-p leave one or two tokens; at 8 both cut (a draw ignoring either one leaves
+    # the allowed set below at least twice in these 10 tokens)
+    sp = SamplingParams(temperature=8.0, top_k=10, top_p=0.8, seed=7)
     s = route.session()
-    toks = list(s.generate(PROMPT, max_tokens=10, sampling=sp, stop_on_eog=False))
+    toks = list(s.generate(PROMPT, max_tokens=10, sampling=sp, stop_on_eog=False,
+                           logits=True))
+    rows = s.logits
+    assert len(toks) == len(rows) == 10
+    # independent of dgr's sampler: the whole model in this process, fed the route's
+    # tokens, computes the very rows the route sampled from ...
+    reference.release(0)
+    want = [reference.forward(0, 0, PROMPT)[0].copy()]
+    for pos, t in enumerate(toks[:-1], len(PROMPT)):
+        want.append(reference.forward(0, pos, [t])[0].copy())
+    reference.release(0)
+    assert len(want) == len(rows) and all(a.tobytes() == b.tobytes() for a, b in zip(rows, want))
+    # ... and each token is one that temperature, top-k and top-p allow from its row; the
+    # temperature was applied (not all of them are the argmax)
+    allowed = [_allowed(row, sp) for row in want]
+    assert all(t in a for t, a in zip(toks, allowed)), (toks, allowed)
+    assert any(t != int(np.argmax(row)) for t, row in zip(toks, want))
+    # the same seed draws the same tokens in process (the route keys each draw by position)
     ref, _ = generate_local(reference, PROMPT, max_tokens=10, sampling=sp, stop_on_eog=False)
     assert toks == ref
     other = list(s.generate(PROMPT, max_tokens=10, sampling=dataclasses.replace(sp, seed=8),
@@ -358,6 +407,7 @@ def test_two_in_process_stages(tiny_llama, reference):
         ref, rows = generate_local(reference, PROMPT, max_tokens=8, logits=True,
                                    stop_on_eog=False)
         assert g.tokens == ref
+        assert len(g.logits) == len(rows) == 8
         assert all(x.tobytes() == y.tobytes() for x, y in zip(g.logits, rows))
     finally:
         a.stop()
@@ -464,6 +514,7 @@ def test_three_toy_stages_relay_and_recover(loop):
             s = r.session()
             g = s.complete(prompt, max_tokens=12, logits=True, stop_on_eog=False)
             assert g.tokens == ref
+            assert len(g.logits) == len(rows) == 12
             assert all(x.tobytes() == y.tobytes() for x, y in zip(g.logits, rows))
             # the last stage loses the session mid-generation: re-prefill, same tokens. The
             # decode loop runs ahead of the reader (here it may finish all 11 tokens before
@@ -485,13 +536,15 @@ def test_three_toy_stages_relay_and_recover(loop):
 def test_route_waits_for_a_slot_when_the_worker_is_full():
     tw = ThreadedWorker(ToyEngine(n_slots=1), evict_after=0.3)
     try:
+        ref, _ = generate_local(ToyEngine(), [3, 5, 7], max_tokens=2, stop_on_eog=False)
         with Route(tw.address) as r:
             a = r.session()
             a.complete([3, 5, 7], max_tokens=2, stop_on_eog=False)  # a holds the only slot
             b = r.session()
-            t0 = time.monotonic()
-            g = b.complete([3, 5, 7], max_tokens=2, stop_on_eog=False)  # evicts a, later
-            assert g.tokens and b.recoveries == 1 and time.monotonic() - t0 >= 0.2
+            # refused (all slots in use), b retries until a idles out and is evicted
+            g = b.complete([3, 5, 7], max_tokens=2, stop_on_eog=False)
+            assert g.tokens == ref and len(ref) == 2 and b.recoveries == 1
+            assert [e.session for e in tw.worker.table.snapshot()] == [b.id]
             with pytest.raises(errors.UnknownSession):  # a was evicted: its next step misses
                 asyncio.run(_step_raw(tw.address, a.id))
             b.close()
@@ -559,6 +612,7 @@ def test_inline_below_ms_keeps_results_and_order(tiny_llama, reference):
                 ref, rows = generate_local(reference, PROMPT, max_tokens=10, logits=True,
                                            stop_on_eog=False)
                 assert g.tokens == ref
+                assert len(g.logits) == len(rows) == 10
                 assert all(a.tobytes() == b.tobytes() for a, b in zip(g.logits, rows))
         assert tw.worker.inline_steps >= 10  # decode steps ran on the loop thread
     finally:
@@ -572,11 +626,12 @@ def test_a_stage_replaced_by_the_same_worker_is_not_sent_a_release():
     eng = ToyEngine()
     slow = {"left": 0}
     forward = eng.forward
+    r = None
 
     def maybe_slow(*a, **k):
-        if slow["left"]:
+        if slow["left"]:  # this step ends only once the route has given up on it
             slow["left"] -= 1
-            time.sleep(1.0)
+            _wait_until(lambda: r.aroute.replacements, "the route replaces the slow stage")
         return forward(*a, **k)
 
     eng.forward = maybe_slow
@@ -593,7 +648,9 @@ def test_a_stage_replaced_by_the_same_worker_is_not_sent_a_release():
             toks = [next(it) for _ in range(4)]
             slow["left"] = 1
             toks += list(it)
-            time.sleep(0.3)  # a background Release would have landed by now
+            # the route's background work for the replaced stage (closing its stream, and a
+            # Release were it sent one) has finished
+            _wait_until(lambda: not s.inner._cleanup, "the replaced stage's cleanup ends")
             assert toks == ref and s.recoveries >= 1
             assert r.aroute.replacements and r.aroute.replacements[0][1:] == (tw.address,) * 2
             assert s.id not in released
