@@ -16,7 +16,8 @@ processes) and prints:
 * overlap statistics: wall time (driver's send of the first chunk to the reply), busy time
   (sum of compute) per stage, the fraction of the span window where >= 2 stages compute at
   once, prefill tokens/s of the route vs the whole model in its own process
-  (``compare.whole_measure``: ``dgr.Engine.forward`` of the same prompt in n_ubatch chunks).
+  (``compare.whole_measure``: wall time of ``generate_local(max_tokens=1)`` on the same
+  prompt, which forwards it in n_ubatch chunks).
 
 ``--decode N`` traces a relayed decode loop of N tokens instead and prints where a token's
 time goes, stage by stage (medians over the tokens): ``compute`` (the engine's forward),
