@@ -168,9 +168,16 @@ def _report(route, session, args, prompt, tokens, t0, t_first, t1, whole) -> int
     return rc
 
 
-def _install_sigterm() -> None:
+def _install_interrupts() -> None:
+    """Ctrl-C (SIGINT) and SIGTERM raise KeyboardInterrupt, so the cleanup runs.
+
+    SIGINT gets Python's default handler back even when this process inherited it ignored:
+    a non-interactive shell starts background commands with SIGINT ignored, and Python then
+    installs no handler of its own, so Ctrl-C would not stop a generation.
+    """
     def on_term(signum, frame):
         raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, on_term)
 
 
@@ -181,7 +188,7 @@ def _cmd_run(args) -> int:
     from .route import Route
     from .worker import LocalCluster
 
-    _install_sigterm()
+    _install_interrupts()
     cluster = None
     route = None
     try:
@@ -244,7 +251,7 @@ def _cmd_generate(args) -> int:
     from . import errors
     from .route import Route
 
-    _install_sigterm()
+    _install_interrupts()
     route = None
     try:
         route = Route(args.route, codec=args.codec, timeout=args.timeout,

@@ -134,6 +134,10 @@ class StaticPool(RouteProvider):
         e = self.entries.get(endpoint)
         if e is None:
             return
+        if e.layers is None and layers is not None:
+            # a stage that failed before this pool described it: it still serves that range
+            # (a candidate once it answers again, and NoHealthyWorker says why it did not)
+            e.layers = (int(layers[0]), int(layers[1]))
         e.failures += 1
         e.last_failure = time.monotonic()
         e.last_error = f"{type(error).__name__}: {error}"

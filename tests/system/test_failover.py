@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
 import signal
 import threading
-import time
 
 import pytest
 
@@ -69,6 +69,24 @@ def primaries(c):
     return c.endpoints[:3]
 
 
+class RecordingPool(StaticPool):
+    """A ``StaticPool`` that keeps every failure reported to it: (endpoint, error). How a
+    failure was detected is its type (a hang: ``StepDeadlineExceeded``, a dead process or a
+    cut connection: ``WorkerUnavailable``). The ranges are given, so the pool describes no
+    endpoint itself: every report comes from the driver (a step, or a candidate's probe)."""
+
+    def __init__(self, layers: dict[str, tuple[int, int]]):
+        super().__init__(list(layers), layers=layers)
+        self.reported: list[tuple[str, BaseException]] = []
+
+    def report_failure(self, endpoint, layers, error) -> None:
+        self.reported.append((endpoint, error))
+        super().report_failure(endpoint, layers, error)
+
+    def kinds(self) -> list[tuple[str, type]]:
+        return [(ep, type(e)) for ep, e in self.reported]
+
+
 def test_uninterrupted_route_matches_the_whole_model(cluster, refs):
     with Route(primaries(cluster), spares=[cluster.endpoints[3]]) as r:
         assert r.complete(prompt(0), max_tokens=N_TOKENS, stop_on_eog=False).tokens == refs[0]
@@ -107,18 +125,19 @@ def test_sigkill_of_the_middle_worker_completes_on_the_spare(cluster, refs):
 
 def test_sigstop_hang_is_detected_by_the_deadline(cluster, refs):
     victim, spare = cluster.workers[1], cluster.workers[3]
-    with Route(primaries(cluster), spares=[spare.endpoint], deadline_floor=0.5,
-               connect_timeout=10) as r:
+    pool = RecordingPool(dict(zip(cluster.endpoints, RANGES + [(1, 3)])))
+    with Route(primaries(cluster), provider=pool, deadline_floor=0.5, connect_timeout=10) as r:
         s = r.session()
         it = s.generate(prompt(2), max_tokens=N_TOKENS, stop_on_eog=False)
         toks = [next(it) for _ in range(10)]
-        assert r.aroute.deadline(1, 1) < 5  # sized from measured steps, not step_timeout
+        # the deadline in force is sized from the measured steps, not the step_timeout that
+        # applies before 8 were measured
+        assert r.aroute.deadline(1, 1) < r.aroute.step_timeout
         os.kill(victim.proc.pid, signal.SIGSTOP)
-        t0 = time.monotonic()
-        toks.append(next(it))
-        detected = time.monotonic() - t0
         toks += list(it)
-        assert s.recoveries == 1 and detected < 5, detected
+        assert s.recoveries == 1
+        # a stopped process closes nothing and answers nothing: only the deadline saw it
+        assert pool.kinds() == [(victim.endpoint, errors.StepDeadlineExceeded)], pool.reported
         assert r.aroute.replacements == [((1, 3), victim.endpoint, spare.endpoint)]
         s.close()
     assert toks == refs[2]
@@ -177,16 +196,18 @@ def test_stale_epoch_answer_starts_over_under_a_new_epoch(cluster, refs, loop):
 
 
 def test_no_healthy_worker_names_the_range(cluster):
+    victim = cluster.workers[1]
     with Route(primaries(cluster), connect_timeout=1, probe_timeout=0.3) as r:
         s = r.session()
         it = s.generate(prompt(4), max_tokens=N_TOKENS, stop_on_eog=False)
         next(it)
-        cluster.workers[1].kill()  # no spare given: the pool has only the dead one
-        t0 = time.monotonic()
-        with pytest.raises(errors.NoHealthyWorker, match=r"no healthy worker serves layers "
-                                                          r"\[1, 3\)"):
+        victim.kill()  # no spare given: the pool has only the dead one
+        # given up after connect_timeout (1 s), naming the range and why each candidate failed
+        with pytest.raises(errors.NoHealthyWorker,
+                           match=r"no healthy worker serves layers \[1, 3\) within 1 s \("
+                                 + re.escape(victim.endpoint) + r": WorkerUnavailable: "):
             list(it)
-        assert time.monotonic() - t0 < 10
+        assert r.aroute.replacements == []
 
 
 def test_fatal_errors_are_not_retried():
@@ -202,60 +223,78 @@ def test_fatal_errors_are_not_retried():
 
 # -- chaos: 20 sessions while workers are killed and restarted at random ---------------------
 
-CHAOS_SECONDS = 20.0
+CHAOS_KILLS = 6  # kill-and-restart cycles; with the seed below the first kills stage 0
 
 
 def test_twenty_sessions_under_random_kills_and_restarts(tiny_llama, refs):
+    """20 sessions generate while one worker at a time is SIGKILLed and restarted on its
+    address. Every range has two workers and the next kill comes only after the restart, so a
+    live worker serves every range at all times: by design (docs/failover.md) the driver
+    repairs each failure (replace, new epoch, replay), so no generation may fail, hang or
+    differ from the uninterrupted run."""
     ranges = RANGES + RANGES  # two workers per range
     c = LocalCluster(str(tiny_llama), ranges, settings=SETTINGS)
     c.start(timeout=60)
-    stop = threading.Event()
-    kills = []
+    sessions_run = threading.Event()  # the route is up and the sessions generate
+    chaos_over = threading.Event()    # every kill-and-restart cycle ran (or the chaos failed)
+    abort = threading.Event()
+    kills: list[str] = []
+    chaos_errors: list[BaseException] = []
 
     def chaos():
         rng = random.Random(6)
-        while not stop.wait(rng.uniform(0.2, 0.8)):
-            w = rng.choice(c.workers)
-            if w.proc.poll() is not None:
-                continue
-            w.kill()
-            kills.append(w.endpoint)
-            if stop.wait(rng.uniform(0.1, 1.0)):
-                break
-            try:
-                w.restart(30)
-            except errors.DgrError:  # pragma: no cover - reported by the counts below
-                pass
+        try:
+            if not sessions_run.wait(120):
+                raise AssertionError("the sessions never started")
+            for _ in range(CHAOS_KILLS):
+                # the fault schedule (random pauses), not synchronisation: the 20 sessions
+                # generate without a break, so every kill lands in some generation
+                if abort.wait(rng.uniform(0.2, 0.8)):
+                    return
+                w = rng.choice(c.workers)
+                w.kill()
+                kills.append(w.endpoint)
+                if abort.wait(rng.uniform(0.1, 1.0)):
+                    return
+                w.restart(60)  # a failed restart fails the test (below)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            chaos_errors.append(e)
+        finally:
+            chaos_over.set()
 
     outcome = {"ok": 0, "wrong": 0, "failed": 0, "hung": 0}
-    failures: list[str] = []
+    failures: list[BaseException] = []
+    recovered = [0]
 
-    async def session_loop(route: AsyncRoute, i: int, until: float) -> None:
+    async def session_loop(route: AsyncRoute, i: int) -> None:
         k = i
-        while time.monotonic() < until:
+        while True:  # at least one generation each, then until the chaos is over
             p = k % 20
             s = route.session()
             try:
                 g = await asyncio.wait_for(
                     s.complete(prompt(p), max_tokens=N_TOKENS, stop_on_eog=False), 60)
                 outcome["ok" if g.tokens == refs[p] else "wrong"] += 1
+                recovered[0] += g.recoveries
             except asyncio.TimeoutError:
                 outcome["hung"] += 1
-            except errors.DgrError as e:  # only a failure recovery could not repair
+            except errors.DgrError as e:  # a failure the recovery could not repair
                 outcome["failed"] += 1
                 failures.append(e)
             finally:
                 await asyncio.wait_for(s.close(), 10)
             k += 20
+            if chaos_over.is_set():
+                return
 
     async def main():
         route = AsyncRoute(c.endpoints[:3], spares=c.endpoints[3:], connect_timeout=5,
                            probe_timeout=0.5, deadline_floor=1.0, max_retries=8)
         await route.connect()
         try:
-            until = time.monotonic() + CHAOS_SECONDS
-            await asyncio.gather(*(session_loop(route, i, until) for i in range(20)))
-            return len(route.replacements)
+            sessions_run.set()
+            await asyncio.gather(*(session_loop(route, i) for i in range(20)))
+            return list(route.replacements)
         finally:
             await route.close()
 
@@ -264,18 +303,26 @@ def test_twenty_sessions_under_random_kills_and_restarts(tiny_llama, refs):
         th.start()
         replaced = asyncio.run(main())
     finally:
-        stop.set()
-        th.join(60)
+        abort.set()
+        sessions_run.set()
+        th.join(120)
         c.stop(timeout=10)
-    print(f"\nchaos {CHAOS_SECONDS:g} s: {len(kills)} kills, {replaced} stage replacements, "
-          f"generations {outcome}")
+    print(f"\nchaos: {len(kills)} kills, {len(replaced)} stage replacements, "
+          f"{recovered[0]} recoveries, generations {outcome}")
     for f in failures[:5]:
         print(f"  failed: {type(f).__name__}: {f}")
-    assert outcome["wrong"] == 0 and outcome["hung"] == 0, (outcome, failures[:5])
-    assert len(kills) >= 5 and outcome["ok"] >= 20
-    # a clear error: no healthy worker for a range, or the last of the bounded attempts
-    assert all(isinstance(f, (errors.WorkerUnavailable, errors.StepDeadlineExceeded,
-                              errors.SessionError)) and str(f) for f in failures), failures[:5]
+    assert not th.is_alive() and chaos_errors == [], chaos_errors
+    assert len(kills) == CHAOS_KILLS
+    # none is allowed to fail: with a live worker for every range there is no typed reason
+    # (NoHealthyWorker, retries exhausted) the design gives for giving a generation up
+    assert (outcome["wrong"], outcome["failed"], outcome["hung"]) == (0, 0, 0), \
+        (outcome, [f"{type(f).__name__}: {f}" for f in failures[:5]])
+    assert outcome["ok"] >= 20  # each session finished at least one generation
+    # the kills did hit the route, and it repaired itself: stages were replaced (each by a
+    # worker of the same range) and generations re-prefilled
+    assert recovered[0] > 0 and len(replaced) > 0
+    by_range = {r: {c.endpoints[i] for i, q in enumerate(ranges) if q == r} for r in RANGES}
+    assert all(old in by_range[lr] and new in by_range[lr] for lr, old, new in replaced), replaced
 
 
 # -- a silently stalling link (the link emulator between the driver and a worker) -------------
@@ -287,16 +334,19 @@ def test_silently_stalling_link_fails_over_to_the_spare(cluster, refs):
     spare = cluster.workers[3]
     with LinkEmulator(cluster.endpoints[1]) as link:
         eps = [cluster.endpoints[0], link.endpoint, cluster.endpoints[2]]
+        pool = RecordingPool(dict(zip(eps + [spare.endpoint], RANGES + [(1, 3)])))
         # the emulator fronts the gRPC port only: drive the hop-by-hop path through it
-        with Route(eps, spares=[spare.endpoint], deadline_floor=0.5, connect_timeout=10,
+        with Route(eps, provider=pool, deadline_floor=0.5, connect_timeout=10,
                    relay=False) as r:
             s = r.session()
             it = s.generate(prompt(5), max_tokens=N_TOKENS, stop_on_eog=False)
             toks = [next(it) for _ in range(10)]
+            assert r.aroute.deadline(1, 1) < r.aroute.step_timeout  # sized, as above
             link.stall()  # connections stay open, bytes are held: no error, only silence
-            t0 = time.monotonic()
             toks += list(it)
-            assert time.monotonic() - t0 < 8
+            # seen by the sized step deadline alone, and named the stalled stage
+            assert pool.kinds() == [(link.endpoint, errors.StepDeadlineExceeded)], \
+                pool.reported
             assert s.recoveries == 1
             assert r.aroute.replacements == [((1, 3), link.endpoint, spare.endpoint)]
             s.close()
@@ -352,17 +402,32 @@ def test_link_emulator_stops_with_nothing_pending():
             except OSError:
                 pass
 
+    class Watched(asyncio.Event):
+        """The emulator's flow gate; ``waited`` is set once a pump waits on it, stalled."""
+
+        def __init__(self):
+            super().__init__()
+            self.waited = threading.Event()
+
+        async def wait(self):
+            if not self.is_set():
+                self.waited.set()
+            return await super().wait()
+
     th = threading.Thread(target=echo_once, daemon=True)
     th.start()
     emu = LinkEmulator(f"127.0.0.1:{port}", delay_ms=1).start()
     loop = emu._loop
+    gate = Watched()
+    gate.set()
+    emu._flowing = gate  # before any connection: the pumps read it on every chunk
     host, p = emu.endpoint.rsplit(":", 1)
     with socket.create_connection((host, int(p)), timeout=5) as s:
         s.sendall(b"hi")
         assert s.recv(10) == b"hi"
         emu.stall()
-        s.sendall(b"held")  # a pump waits on the stall with these bytes
-        time.sleep(0.2)
+        s.sendall(b"held")
+        assert gate.waited.wait(10), "no pump took the held bytes to the stalled gate"
         emu.stop()  # with the connection still open and stalled: it is cut
     assert [t for t in asyncio.all_tasks(loop) if not t.done()] == []
     th.join(5)

@@ -12,8 +12,11 @@ deadline is the route's step_timeout (5 s here).
 from __future__ import annotations
 
 import json
+import os
+import selectors
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -53,6 +56,35 @@ with Route(eps, spares=spares, deadline_floor=0.5, connect_timeout=15, probe_tim
 """
 
 
+def first_line(proc: subprocess.Popen, timeout: float) -> tuple[bytes, bytes, bytes]:
+    """``proc``'s first line of stdout within ``timeout`` seconds, draining its stderr
+    meanwhile (a full pipe would stall it): (line, stdout after the line, stderr so far).
+    Fails the test, with the child's stderr, when no line comes: a silent child is a failure
+    here, not a hang."""
+    out, err = b"", b""
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout.fileno(), selectors.EVENT_READ, "out")
+        sel.register(proc.stderr.fileno(), selectors.EVENT_READ, "err")
+        while b"\n" not in out and proc.stdout.fileno() in sel.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for key, _ in sel.select(left):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    sel.unregister(key.fd)
+                elif key.data == "out":
+                    out += chunk
+                else:
+                    err += chunk
+    if b"\n" not in out:
+        pytest.fail(f"no line on stdout within {timeout:g} s (stdout {out!r}); stderr:\n"
+                    + err.decode(errors="replace"))
+    line, _, rest = out.partition(b"\n")
+    return line, rest, err
+
+
 @pytest.mark.parametrize("loop", [False, True], ids=["token-by-token", "decode-loop"])
 def test_host_cut_off_mid_generation_completes_on_a_spare_host(tiny_llama, loop):
     whole = dgr.Engine(tiny_llama, **{**SETTINGS, "n_slots": 1})
@@ -71,12 +103,15 @@ def test_host_cut_off_mid_generation_completes_on_a_spare_host(tiny_llama, loop)
                               1 if loop else 10])
             driver = subprocess.Popen(net.exec_args(0) + [sys.executable, "-c", DRIVER, arg],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True)
-            assert driver.stdout.readline().strip() == "READY", driver.stderr.read()
+                                      stderr=subprocess.PIPE)
+            # a hang guard: ten tokens of the tiny model after the route's connect
+            line, out, err = first_line(driver, 120)
+            assert line.strip() == b"READY", (line, err.decode(errors="replace"))
             net.cut(2)  # the middle worker's host drops off the network
-            driver.stdin.write("go\n")
+            driver.stdin.write(b"go\n")
             driver.stdin.flush()
-            out, err = driver.communicate(timeout=60)
+            more_out, more_err = driver.communicate(timeout=60)
+            out, err = out + more_out, (err + more_err).decode(errors="replace")
             assert driver.returncode == 0, err
             got = json.loads(out)
         finally:

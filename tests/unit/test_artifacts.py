@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import selectors
 import shutil
 import signal
 import subprocess
@@ -403,33 +404,74 @@ def test_killed_verification_resumes_with_what_is_left(tiny, tiny_manifest, tmp_
     assert r.bytes_read == size - 7 * CS == artifacts.COUNTERS["bytes_read"] - before
 
 
+# A verifier (``python -m dgr.artifacts verify ...``) that stops in the hashing of the chunk
+# at byte offset argv[1]: every chunk before it is verified and journaled, that one is in
+# flight. It says GATED and waits there until it is killed (stdin closed: exit 3).
+_GATED_VERIFY = r"""
+import os, sys
+from dgr import artifacts
+
+at = int(sys.argv[1])
+hash_range = artifacts._Reader.hash_range
+
+def gated(self, fd, start, end, alg="sha256"):
+    if start == at:
+        print("GATED", flush=True)
+        sys.stdin.read()
+        os._exit(3)
+    return hash_range(self, fd, start, end, alg)
+
+artifacts._Reader.hash_range = gated
+sys.exit(artifacts.main(sys.argv[2:]))
+"""
+
+
+def _line_within(stream, timeout: float) -> bytes:
+    """One line from a pipe within ``timeout`` seconds (a failure, not a hang, otherwise)."""
+    fd, got = stream.fileno(), b""
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while b"\n" not in got:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(left):
+                pytest.fail(f"no line within {timeout:g} s: {got!r}")
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            got += chunk
+    return got
+
+
 def test_verification_killed_from_outside_resumes(tiny, tiny_manifest, tmp_path):
+    """SIGKILLed from outside while it hashes chunk 5: the journal keeps chunks 0-4 (each
+    journaled as it was verified), never the chunk in flight, and the next run reads only
+    the rest. The child waits at chunk 5 for the kill, so where the kill lands does not
+    depend on how fast either process runs."""
     j = tmp_path / "j.json"
-    # ~2 s for 39 chunks
-    env = _env(DGR_CACHE=str(tmp_path / "cache"), **{artifacts._DELAY_ENV: "0.05"})
-    proc = subprocess.Popen(_verify_cmd(tiny_manifest, j), env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = _env(DGR_CACHE=str(tmp_path / "cache"))
+    args = _verify_cmd(tiny_manifest, j)[3:]  # verify MANIFEST --journal J ...
+    proc = subprocess.Popen([sys.executable, "-c", _GATED_VERIFY, str(5 * CS), *args],
+                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
     try:
-        done = set()
-        deadline = time.monotonic() + 60
-        while len(done) < 5 and time.monotonic() < deadline:
-            try:
-                entry = next(iter(json.loads(j.read_text())["files"].values()))
-                done = artifacts._unranges(entry["chunks"])
-            except (OSError, ValueError, StopIteration):
-                pass
-            time.sleep(0.01)
+        assert _line_within(proc.stdout, 120) == b"GATED\n"
         proc.send_signal(signal.SIGKILL)
+        proc.wait(60)
     finally:
-        proc.wait()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdin.close()
+        proc.stdout.close()
     assert proc.returncode == -signal.SIGKILL
     entry = next(iter(json.loads(j.read_text())["files"].values()))
-    done = artifacts._unranges(entry["chunks"])
+    assert entry["chunks"] == "0-4"
     n = len(json.loads(tiny_manifest.read_text())["files"][0]["chunks"])
-    assert 5 <= len(done) < n
+    assert n > 5
     r = verify(tiny_manifest, journal=j, threads=1)
-    assert r.ok and r.bytes_journal == len(done) * CS
-    assert r.bytes_read == tiny.stat().st_size - len(done) * CS
+    assert r.ok and r.bytes_journal == 5 * CS
+    assert r.bytes_read == tiny.stat().st_size - 5 * CS
 
 
 def test_cli_verify_reports_and_exit_codes(tiny, tiny_manifest, tmp_path, capsys):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import struct
-import time
 import tracemalloc
 
 import msgspec
@@ -156,19 +155,17 @@ def check(frame: bytes, **limits: int) -> bool:
 
 
 def test_seeded_mutation_fuzz() -> None:
-    """The bulk: 100,000 mutated frames (seeded, reproducible), well under a minute."""
+    """The bulk: 100,000 mutated frames (seeded, reproducible): each decodes to a valid
+    frame or is refused with its own ``FrameError``, never anything else."""
     rng = random.Random(SEED)
     decoded = 0
-    start = time.perf_counter()
     for n in range(MUTATED_INPUTS):
         frame = mutate(rng)
         try:
             decoded += check(frame, max_payload=MAX_PAYLOAD)
         except BaseException as e:  # name the input that broke the contract
             raise AssertionError(f"input #{n} {frame!r} escaped with {type(e).__name__}: {e}") from e
-    elapsed = time.perf_counter() - start
     assert 0 < decoded < MUTATED_INPUTS  # some mutations are harmless, most are caught
-    assert elapsed < 60, f"fuzz took {elapsed:.1f} s"
 
 
 def test_valid_corpus_decodes() -> None:
