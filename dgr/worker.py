@@ -125,6 +125,10 @@ class Worker:
         self.table = SessionTable(_DeferredRelease(self), engine.n_slots, self.settings["n_ctx"],
                                   ttl=ttl, evict_after=evict_after, listener=self._event)
         self.draining = False
+        #: set when a drain stops waiting: admitted steps that have not started computing
+        #: are refused from then on (counted in ``not_run``)
+        self.stopped = False
+        self.not_run = 0
         self.inflight = 0
         self.steps_total = 0
         self.errors_total = 0
@@ -334,9 +338,17 @@ class Worker:
     def _finished(self, fut) -> None:
         with self._pending_lock:
             self._pending -= 1
+        if fut.cancelled():  # its stream was cancelled (a drain) before it started
+            with self._counts:
+                self.not_run += 1
 
     def _counted_compute(self, lease: Lease, h: wire.Forward, array, out=None):
         with self.engine_lock:
+            if self.stopped:  # the drain is over: the process exits, the engine with it
+                with self._counts:
+                    self.not_run += 1
+                raise errors.WorkerDraining(
+                    "this worker stopped draining (drain timeout): the step was not run")
             with self.lock:
                 releases, self._releases = self._releases, []
                 holds = self.table.holds(lease)
@@ -588,6 +600,9 @@ class Worker:
         deadline = time.monotonic() + timeout
         while self.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
+        # no compute starts from here on: steps still queued at a drain timeout are refused
+        # instead of keeping the worker alive until they are all done
+        self.stopped = True
         if self.inflight:
             log.warning("drain timeout: %d step(s) still running", self.inflight)
         await server.stop(grace=0.5)
@@ -595,7 +610,12 @@ class Worker:
         with self.lock:
             self.table.clear()
         self.executor.shutdown(wait=True)
-        log.info("drained; %d steps served", self.steps_total)
+        # a step computing on a data connection's thread cannot be interrupted: wait for it,
+        # the process must not exit (and tear the engine down) under it
+        with self.engine_lock:
+            pass
+        log.info("drained; %d steps served; %d admitted step(s) not run", self.steps_total,
+                 self.not_run)
 
 
 # --- running workers: in this process (a thread) or as child processes ----------------------
@@ -1016,7 +1036,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--evict-after", type=float, default=5.0,
                    help="idle seconds before a session may be evicted for a new one (default 5)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds SIGTERM waits for in-flight steps (default 30)")
+                   help="seconds SIGTERM waits for in-flight steps; admitted steps that have "
+                        "not started computing by then are not run (default 30)")
     p.add_argument("--max-streams", type=int, default=None,
                    help="refuse RPCs beyond this many concurrent ones (default: no limit)")
     p.add_argument("--inline-compute", action="store_true",
