@@ -1016,9 +1016,14 @@ class AsyncRouteSession:
         pos = len(self.history)
         st0 = r.stages[0]
         left = steps
+        n_ctx = int(r.settings.get("n_ctx") or 0)
         try:
             while left > 0:
-                window = min(left, r.loop_window)
+                # a window never loops past the context: the first stage's refusal of the
+                # step after the last one that fits (ContextFull) would race that step's
+                # token, which comes from the last stage, and could reach us first; a step
+                # at or past n_ctx is sent alone and refused with nothing else in flight
+                window = min(left, r.loop_window, max(n_ctx - pos, 1) if n_ctx else left)
                 h = wire.Forward(model=st0.identity, session=self.id, epoch=self.epoch,
                                  first_pos=pos, n_tokens=1, layer=st0.layers[0], tokens=[tok],
                                  want=want, sampling=sampling, relay=r.hops(),
