@@ -38,8 +38,11 @@ forwarding, and whatever the delay costs beyond the wait): a token crosses n sea
 paths (n driver round trips under gRPC, n one-way links under relay), so
 P = (TPOT - C - S * RTT) / n. Reported per path and RTT (medians over ``--rounds``
 interleaved rounds): TPOT, C, the model's TPOT (C + S * RTT), P, and under gRPC the driver's
-round trip to a stage minus the stage's recent compute (its ``recent_step_ms``, an EWMA of
-the last few steps) minus RTT ("hop"); a least-squares fit of TPOT against the emulated RTTs
+round trip to a stage minus the stage's compute minus RTT ("hop"), both means over the same
+single-token steps: the compute is the delta of the worker's exact totals
+(``decode_compute_s_total`` / ``decode_steps_total`` in its describe record, read before and
+after the timed run; a stage whose count differs from the steps the driver sent it gets no
+hop); a least-squares fit of TPOT against the emulated RTTs
 (its slope should be S); parity of every run's tokens with the whole model's
 (``dgr.chain.generate_local``). The emulated RTT 0 row is the proxies' cost alone. Goal:
 P <= 1 ms. Each path and RTT decodes at most about ``--budget-s`` seconds in all (at most
@@ -100,8 +103,10 @@ def model(tpot_ms: float, compute_ms: float, rtt_ms: float, n_stages: int, relay
 async def _decode(endpoints, n_decode: int, prompt: list[int], relay: bool,
                   **route_kw) -> dict:
     """One greedy generation of ``n_decode`` steps after ``prompt``: TPOT (wall clock from the
-    prompt's token to the last, / steps), the driver's per-stage round trips, each stage's
-    compute per decode step, the tokens, and which path ran."""
+    prompt's token to the last, / steps), the driver's per-stage round trips and their
+    steps, each stage's compute per decode step over the run (deltas of its worker's totals
+    between describes before and after it) and the steps it counted, the tokens, and which
+    path ran."""
     import time
 
     from dgr.route import AsyncRoute
@@ -116,6 +121,7 @@ async def _decode(endpoints, n_decode: int, prompt: list[int], relay: bool,
             await s.close()
         s = r.session()
         relayed0 = r.relay_steps
+        before = await r.describe()  # the stages' compute totals before the timed run
         toks, t_first = [], None
         try:
             async for tok in s.generate(prompt, max_tokens=n_decode + 1, stop_on_eog=False):
@@ -131,9 +137,42 @@ async def _decode(endpoints, n_decode: int, prompt: list[int], relay: bool,
     if ran["relay"] != relay:
         raise RuntimeError(f"asked for relay={relay}, the route ran relay={ran['relay']}")
     steps = len(toks) - 1
+    counted = stage_compute(before, infos)
     return {"steps": steps, "tpot_ms": 1e3 * (t_end - t_first) / steps, "tokens": toks,
             "stage_rtt_ms": [st.decode_rtt_ms for st in s.stats],
-            "compute_ms": [i.recent_step_ms for i in infos], **ran}
+            "stage_rtt_steps": [st.decode_steps for st in s.stats],
+            "compute_steps": [n for n, _ in counted],
+            "compute_ms": [1e3 * sec / n for n, sec in counted], **ran}
+
+
+def stage_compute(before, after) -> list[tuple[int, float]]:
+    """(single-token steps, their compute seconds) each stage's worker computed between two
+    describes of the route: deltas of its exact totals (``decode_steps_total``,
+    ``decode_compute_s_total``)."""
+    if len(before) != len(after):
+        raise RuntimeError(f"{len(before)} stage(s) before the run, {len(after)} after")
+    out = []
+    for b, a in zip(before, after):
+        if a.decode_steps_total is None or b.decode_steps_total is None:
+            raise RuntimeError(f"{a.endpoint} reports no compute totals (an older worker)")
+        if a.endpoint != b.endpoint or a.uptime_s < b.uptime_s:
+            raise RuntimeError(f"stage {b.endpoint} was replaced or restarted during the run")
+        n = a.decode_steps_total - b.decode_steps_total
+        if n <= 0:
+            raise RuntimeError(f"{a.endpoint} computed no single-token step in the run")
+        out.append((n, a.decode_compute_s_total - b.decode_compute_s_total))
+    return out
+
+
+def hop_ms(run: dict, rtt_ms: float) -> float | None:
+    """gRPC: the mean over stages of (driver round trip - the stage's compute - RTT) per
+    decode step, both over the same steps; None when a stage computed a different number of
+    single-token steps than the driver sent it (the means would cover different steps)."""
+    rtt, n_rtt = run["stage_rtt_ms"], run["stage_rtt_steps"]
+    comp, n_comp = run["compute_ms"], run["compute_steps"]
+    if not (len(rtt) == len(n_rtt) == len(comp) == len(n_comp)) or n_rtt != n_comp:
+        return None
+    return float(np.mean([a - c - rtt_ms for a, c in zip(rtt, comp)]))
 
 
 def route_decode(endpoints, n_decode: int, prompt: list[int], relay: bool, **route_kw) -> dict:
@@ -272,9 +311,7 @@ def main(argv=None) -> int:
                     r["C_ms"] = c
                     r["model"] = model(r["tpot_ms"], c, rtt, n, relay, r["steps"])
                     if not relay:
-                        r["hop_ms"] = float(np.mean([a - c - rtt for a, c in
-                                                     zip(r["stage_rtt_ms"], r["compute_ms"],
-                                                         strict=True)]))
+                        r["hop_ms"] = hop_ms(r, rtt)
                     runs[(p, label, rtt)].append(r)
             print(f"round {i + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     finally:
@@ -298,7 +335,8 @@ def main(argv=None) -> int:
           "per window / steps;  grpc: AsyncRoute(relay=False), S = n")
     print("  C = the same path's TPOT on the direct workers in the same round; model TPOT = "
           "C + S * RTT; P = (TPOT - model) / n per seam crossed; hop = driver "
-          "round trip to a stage - its compute - RTT (grpc only)")
+          "round trip to a stage - its compute - RTT (grpc only; compute from the worker's "
+          "exact totals over the same steps, '-' where the step counts differ)")
     print(f"{'path':<6}{'link':<9}{'RTT ms':>7}{'steps':>6}{'S':>7}{'TPOT ms':>9}{'C ms':>7}"
           f"{'model ms':>9}{'P ms':>7}{'hop ms':>8}{'parity':>8}")
     summary = []
@@ -310,7 +348,8 @@ def main(argv=None) -> int:
                "stage_compute_ms": med(rs, lambda r: sum(r["compute_ms"])),
                "model_tpot_ms": med(rs, lambda r: r["model"]["model_tpot_ms"]),
                "P_ms": med(rs, lambda r: r["model"]["P_ms"]),
-               "hop_ms": med(rs, lambda r: r["hop_ms"]) if p == "grpc" else None,
+               "hop_ms": med(rs, lambda r: r["hop_ms"])
+               if p == "grpc" and all(r["hop_ms"] is not None for r in rs) else None,
                "parity": all(r["parity"] for r in rs),
                "relay_steps": [r["relay_steps"] for r in rs]}
         summary.append(row)

@@ -96,8 +96,40 @@ def _stream(route, args, prompt_tokens, detok) -> tuple:
     return session, out, t0, t_first or t1, t1
 
 
-def _report(route, session, args, prompt, tokens, t0, t_first, t1, whole) -> int:
-    """Compare with the whole model (when given), print throughput and the cost per seam."""
+def _stage_compute(before, after) -> list[tuple[int, float] | str]:
+    """What each stage's worker computed between two describes of the route (``before`` the
+    generation, ``after`` it): (single-token steps, their compute seconds), from the workers'
+    exact totals (``decode_steps_total``, ``decode_compute_s_total``), or why there is no
+    figure (a str)."""
+    if len(before) != len(after):
+        return [f"the route had {len(before)} stage(s) before the generation, "
+                f"{len(after)} after"] * len(after)
+    out: list[tuple[int, float] | str] = []
+    for b, a in zip(before, after):
+        if a.decode_steps_total is None or b.decode_steps_total is None:
+            out.append(f"{a.endpoint} reports no compute totals (a worker older than "
+                       "Describe fields 33-36, dgr_version "
+                       f"{a.dgr_version or '?'}): no compute figure")
+        elif a.endpoint != b.endpoint:
+            out.append(f"the stage moved from {b.endpoint} to {a.endpoint} during the "
+                       "generation: no compute figure")
+        elif a.decode_steps_total < b.decode_steps_total or a.uptime_s < b.uptime_s:
+            out.append(f"{a.endpoint} restarted during the generation: no compute figure")
+        elif a.decode_steps_total == b.decode_steps_total:
+            out.append(f"{a.endpoint} computed no single-token step: no compute figure")
+        else:
+            out.append((a.decode_steps_total - b.decode_steps_total,
+                        a.decode_compute_s_total - b.decode_compute_s_total))
+    return out
+
+
+def _report(route, session, args, prompt, tokens, t0, t_first, t1, whole, before) -> int:
+    """Compare with the whole model (when given), print throughput and the cost per seam.
+
+    ``before``: ``route.describe()`` taken before the generation. Each stage's compute per
+    decode token is the mean over the single-token steps its worker computed between that
+    describe and one taken now (exact totals, not the moving average ``recent_step_ms``),
+    so compute and transport add up to the time per token measured over the same steps."""
     from .route import generate_local
 
     n_dec = len(tokens) - 1
@@ -129,34 +161,66 @@ def _report(route, session, args, prompt, tokens, t0, t_first, t1, whole) -> int
         if timing.get("decode_steps"):
             whole_tps = timing["decode_steps"] / timing["decode_s"]
     infos = route.describe()
+    comp = _stage_compute(before, infos)
+    why = list(dict.fromkeys(c for c in comp if isinstance(c, str)))  # each reason once
+
+    def ms(c) -> float:  # a stage's mean compute per single-token step, ms
+        return 1e3 * c[1] / c[0]
+
     if route.aroute.relay:
         # direct relay: the driver sees whole-route steps; transport = TPOT - compute
-        _say("stage  layers      endpoint               data port  compute ms")
-        for i, info in enumerate(infos):
+        _say("stage  layers      endpoint               data port  steps  compute ms")
+        for i, (info, c) in enumerate(zip(infos, comp)):
             a, b = info.layers
-            _say(f"{i:>5}  [{a:>2}, {b:>2})  {info.endpoint:<21} {info.data_port:9d}  "
-                 f"{info.recent_step_ms:10.3f}")
-        comp = sum(i.recent_step_ms for i in infos)
-        if route_tps and all(i.recent_step_ms for i in infos):
-            extra = 1e3 / route_tps - comp
+            fig = f"{c[0]:5d}  {ms(c):10.3f}" if not isinstance(c, str) else f"{'-':>5}  {'-':>10}"
+            _say(f"{i:>5}  [{a:>2}, {b:>2})  {info.endpoint:<21} {info.data_port:9d}  {fig}")
+        _say(f"compute ms: mean over the single-token steps each worker computed during the "
+             f"generation (steps; {n_dec} decode token(s) timed)")
+        for w in why:
+            _say(w)
+        if route_tps and not why:
+            tpot = 1e3 / route_tps
+            total = sum(ms(c) for c in comp)
+            extra = tpot - total
             # the decode loop: s1 -> ... -> sN -> s1; token by token: driver -> s1 ... -> driver
             n = len(infos) if route.aroute.loop else len(infos) + 1
-            _say(f"direct relay{' with decode loop' if route.aroute.loop else ''}: "
-                 f"{1e3 / route_tps:.3f} ms/token = {comp:.3f} ms compute + {extra:.3f} ms "
-                 f"transport over {n} links ({extra / n:.3f} ms per link)")
+            if extra >= 0:
+                _say(f"direct relay{' with decode loop' if route.aroute.loop else ''}: "
+                     f"{tpot:.3f} ms/token = {total:.3f} ms compute + {extra:.3f} ms "
+                     f"transport over {n} links ({extra / n:.3f} ms per link)")
+            else:
+                _say(f"direct relay: the stages' compute per token ({total:.3f} ms) exceeds "
+                     f"the {tpot:.3f} ms/token measured: the workers computed other steps "
+                     "(another session) alongside these: no transport figure")
     else:
-        # the cost of each hop: the driver's round trip minus the worker's own compute time
+        # the cost of each hop: the driver's round trip minus the worker's compute, over the
+        # same single-token steps (the driver's count and the worker's must agree)
         rows = []
-        for st, info in zip(session.stats, infos):
+        for st, info, c in zip(session.stats, infos, comp):
             bpt = (st.bytes_sent + st.bytes_received) / max(st.steps, 1)
-            rows.append((st, info, st.decode_rtt_ms, info.recent_step_ms, bpt))
+            hop = None
+            if isinstance(c, str):
+                pass
+            elif c[0] != st.decode_steps:
+                why.append(f"{info.endpoint} computed {c[0]} single-token steps, this session "
+                           f"sent it {st.decode_steps} (other sessions on it): no hop figure")
+            elif st.decode_rtt_ms - ms(c) < 0:  # each round trip holds its step's compute
+                why.append(f"{info.endpoint}: compute {ms(c):.3f} ms exceeds the round trip "
+                           f"{st.decode_rtt_ms:.3f} ms over the same steps: no hop figure")
+            else:
+                hop = st.decode_rtt_ms - ms(c)
+            rows.append((st, None if isinstance(c, str) else ms(c), hop, bpt))
         _say("stage  layers      endpoint               rtt ms  compute ms  hop ms  bytes/step")
-        for i, (st, info, rtt, comp, bpt) in enumerate(rows):
+        for i, (st, cms, hop, bpt) in enumerate(rows):
             a, b = st.layers
-            _say(f"{i:>5}  [{a:>2}, {b:>2})  {st.endpoint:<21} {rtt:7.3f}  {comp:10.3f}  "
-                 f"{max(rtt - comp, 0):6.3f}  {bpt:10.0f}")
-        if rows and all(r[0].decode_steps for r in rows):
-            hop = [max(r[2] - r[3], 0.0) for r in rows]
+            cf = f"{cms:10.3f}" if cms is not None else f"{'-':>10}"
+            hf = f"{hop:6.3f}" if hop is not None else f"{'-':>6}"
+            _say(f"{i:>5}  [{a:>2}, {b:>2})  {st.endpoint:<21} {st.decode_rtt_ms:7.3f}  {cf}  "
+                 f"{hf}  {bpt:10.0f}")
+        for w in why:
+            _say(w)
+        if rows and all(r[0].decode_steps for r in rows) and all(r[2] is not None for r in rows):
+            hop = [r[2] for r in rows]
             n = len(rows)
             msg = f"transport per token: {sum(hop):.3f} ms over {n} hop(s)"
             if n > 1:
@@ -223,9 +287,10 @@ def _cmd_run(args) -> int:
         prompt = whole.tokenize(_chat(args, args.prompt), True, True)
         _say(f"route {','.join(endpoints)}")
         _say(f"prompt: {args.prompt!r} ({len(prompt)} tokens)\n")
+        before = route.describe()  # the workers' compute totals before the generation
         session, tokens, ts, tf, te = _stream(route, args, prompt, whole.detokenize)
         rc = _report(route, session, args, list(prompt), tokens, ts, tf, te,
-                     whole if args.check else None)
+                     whole if args.check else None, before)
         session.close()
         return rc
     except KeyboardInterrupt:
@@ -263,8 +328,9 @@ def _cmd_generate(args) -> int:
             whole = _local_reference(args, route)
         prompt = route.tokenize(_chat(args, args.prompt), True, True)
         _say(f"prompt: {args.prompt!r} ({len(prompt)} tokens)\n")
+        before = route.describe()  # the workers' compute totals before the generation
         session, tokens, ts, tf, te = _stream(route, args, prompt, route.detokenize)
-        rc = _report(route, session, args, list(prompt), tokens, ts, tf, te, whole)
+        rc = _report(route, session, args, list(prompt), tokens, ts, tf, te, whole, before)
         session.close()
         return rc
     except KeyboardInterrupt:

@@ -26,8 +26,9 @@ def _labels(d: dict) -> str:
     return "{" + ",".join(f'{k}="{_esc(v)}"' for k, v in d.items()) + "}" if d else ""
 
 
-def exposition(rec) -> str:
-    """The text exposition of a ``dgr.capability.Capability``."""
+def exposition(rec, counters: dict | None = None) -> str:
+    """The text exposition of a ``dgr.capability.Capability``, and of the worker's compute
+    totals when given (``counters``: ``dgr.worker.Worker.compute_counters()``)."""
     out: list[str] = []
 
     def metric(name, kind, help_, samples):
@@ -83,6 +84,17 @@ def exposition(rec) -> str:
            [({}, h.steps_failed)])
     metric("dgr_worker_engine_restarts_total", "counter", "Engine reloads in this process.",
            [({}, h.engine_restarts)])
+    if counters is not None:
+        metric("dgr_worker_decode_steps_total", "counter", "Single-token steps computed.",
+               [({}, counters["decode_steps_total"])])
+        metric("dgr_worker_decode_compute_seconds_total", "counter",
+               "Engine compute time of single-token steps (sampling and transport excluded).",
+               [({}, counters["decode_compute_s_total"])])
+        metric("dgr_worker_tokens_computed_total", "counter", "Tokens computed, every step.",
+               [({}, counters["tokens_computed_total"])])
+        metric("dgr_worker_compute_seconds_total", "counter",
+               "Engine compute time of every step (sampling and transport excluded).",
+               [({}, counters["compute_s_total"])])
     metric("dgr_worker_certified_lane", "gauge", "A certified lane this worker advertises.",
            [({"lane_id": ln.lane_id, "codec": ln.codec,
               "stages": ",".join(f"{a}:{b}" for a, b in ln.stages)}, 1) for ln in rec.lanes])
@@ -133,10 +145,10 @@ class MetricsServer:
 
     def render(self) -> str:
         async def build():
-            return self.worker.capability()
+            return self.worker.capability(), self.worker.compute_counters()
 
-        rec = asyncio.run_coroutine_threadsafe(build(), self.loop).result(10)
-        return exposition(rec)
+        rec, counters = asyncio.run_coroutine_threadsafe(build(), self.loop).result(10)
+        return exposition(rec, counters)
 
     def start(self) -> MetricsServer:
         self._thread.start()

@@ -28,18 +28,33 @@ log = logging.getLogger("dgr.worker")
 
 
 class _Window:
-    """Tokens and compute time of recent steps (throughput over the last ``span`` seconds)."""
+    """Tokens and compute time of recent steps (throughput over the last ``span`` seconds),
+    and exact totals since the worker started.
+
+    The totals are monotonic counters: a caller describes the worker before and after the
+    steps it timed and divides the deltas (``decode_s`` / ``decode_steps``: the mean compute
+    of exactly those single-token steps), where ``decode_ms`` (an EWMA of the last few)
+    covers another window. Compute seconds are the engine's forward call (sampling and
+    transport excluded)."""
 
     def __init__(self, span: float = 10.0):
         self.span = span
         self.items: collections.deque = collections.deque()
         self.decode_ms = 0.0  # EWMA of single-token step compute time
         self.started = time.monotonic()
+        self.decode_steps = 0  # single-token steps computed
+        self.decode_s = 0.0  # their compute seconds, summed
+        self.tokens = 0  # tokens computed, every step
+        self.compute_s = 0.0  # compute seconds of every step, summed
 
     def add(self, n: int, seconds: float) -> None:
         now = time.monotonic()
         self.items.append((now, n, seconds))
+        self.tokens += n
+        self.compute_s += seconds
         if n == 1:
+            self.decode_steps += 1
+            self.decode_s += seconds
             self.decode_ms = seconds * 1e3 if not self.decode_ms else (
                 0.8 * self.decode_ms + 0.2 * seconds * 1e3)
         while self.items and now - self.items[0][0] > self.span:
@@ -160,6 +175,14 @@ class Worker:
 
     # -- control plane -------------------------------------------------------------------
 
+    def compute_counters(self) -> dict[str, float]:
+        """The compute totals since start (``_Window``), read together: single-token steps
+        and their compute seconds, tokens and compute seconds of every step."""
+        w = self.window
+        with self._counts:
+            return dict(decode_steps_total=w.decode_steps, decode_compute_s_total=w.decode_s,
+                        tokens_computed_total=w.tokens, compute_s_total=w.compute_s)
+
     def describe(self) -> dict[str, Any]:
         s = self.settings
         return dict(
@@ -186,6 +209,7 @@ class Worker:
             capability_json=self.capability_json(),
             data_port=(self.advertise_data_port or self.data_server.port)
             if self.data_server is not None else 0,
+            **self.compute_counters(),
         )
 
     def capability(self):

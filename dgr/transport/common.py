@@ -80,6 +80,11 @@ def stage_identity(model_identity: str, settings: dict) -> str:
     return f"{model_identity}+{settings_tag(settings)}"
 
 
+#: DescribeReply's compute totals (proto3 ``optional``: unset on a worker older than them)
+_COUNTERS = ("decode_steps_total", "decode_compute_s_total", "tokens_computed_total",
+             "compute_s_total")
+
+
 @dataclass(frozen=True)
 class StageInfo:
     """A worker's describe record, as plain Python (``ShardClient.describe`` returns it)."""
@@ -116,6 +121,13 @@ class StageInfo:
     uptime_s: float
     #: TCP port of the worker's fast data plane on the endpoint's host (0: none)
     data_port: int = 0
+    #: compute totals since the worker started (monotonic, exact; take deltas between two
+    #: describes of the same worker): single-token steps and their compute seconds, tokens
+    #: and compute seconds of every step. None: a worker older than these counters.
+    decode_steps_total: int | None = None
+    decode_compute_s_total: float | None = None
+    tokens_computed_total: int | None = None
+    compute_s_total: float | None = None
     extra: dict = field(default_factory=dict)
 
     @functools.cached_property
@@ -149,7 +161,8 @@ class StageInfo:
             wire_format_version=r.wire_format_version,
             wire_schema_version=r.wire_schema_version, weight_bytes=r.weight_bytes,
             kv_bytes=r.kv_bytes, steps_total=r.steps_total, errors_total=r.errors_total,
-            uptime_s=r.uptime_s, data_port=r.data_port)
+            uptime_s=r.uptime_s, data_port=r.data_port,
+            **{k: getattr(r, k) if r.HasField(k) else None for k in _COUNTERS})
 
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "extra"}
