@@ -25,7 +25,8 @@ round's ms/token, ``pipes / alone`` (what running the ranges as separate process
 this machine, with no transport to speak of), ``relay / alone`` and ``relay - pipes`` per
 stage (what dgr's seam adds over that floor, from each round's own difference). Per-range
 compute: median over the decode steps of each range's ``forward`` (perf_counter in its
-process) for alone and pipes, the workers' ``recent_step_ms`` (an EWMA) for relay.
+process) for alone and pipes, for relay the mean compute of the single-token steps each worker computed during the
+run (deltas of its Describe totals).
 Parity: every row's tokens (the prompt's and the ``--tokens`` after it) equal the whole
 model's, ``dgr.chain.generate_local`` greedy, computed before the rest starts.
 ``--json FILE`` writes the rounds and the summary; ``summarize`` is pure, see
@@ -255,6 +256,7 @@ async def _relay_decode(endpoints, prompt: list[int], steps: int) -> dict:
             await s.close()
         s = r.session()
         toks, t_first = [], None
+        before = await r.describe()
         try:
             async for tok in s.generate(prompt, max_tokens=steps + 1, stop_on_eog=False):
                 if t_first is None:
@@ -264,8 +266,13 @@ async def _relay_decode(endpoints, prompt: list[int], steps: int) -> dict:
             infos = await r.describe()
         finally:
             await s.close()
+    from dgr.transport.common import compute_between
+
+    counted = compute_between(before, infos)  # the workers' exact totals over this run
+    if any(isinstance(c, str) for c in counted):
+        raise RuntimeError("; ".join(c for c in counted if isinstance(c, str)))
     return {"tokens": toks, "token_ms": 1e3 * (t_end - t_first) / steps,
-            "compute_ms": [i.recent_step_ms for i in infos]}
+            "compute_ms": [1e3 * sec / k for k, sec in counted]}
 
 
 def relay_decode(cluster, prompt: list[int], steps: int) -> dict:
@@ -369,7 +376,7 @@ def main(argv=None) -> int:
     print(f"  pipes (a process a range, OS pipes, ring)     {s['pipes']:7.2f} ms/token  "
           f"ranges {stages('pipes')} (forward medians)  parity {par('pipes')}")
     print(f"  relay (dgr workers, relay + decode loop)      {s['relay']:7.2f} ms/token  "
-          f"ranges {stages('relay')} (recent_step_ms)  parity {par('relay')}")
+          f"ranges {stages('relay')} (worker totals)  parity {par('relay')}")
     print(f"  pipes / alone {s['pipes_over_alone']:.2f}: the cost of separate processes here, "
           f"without a transport")
     print(f"  relay - pipes {s['relay_over_pipes_ms_per_stage']:+.2f} ms per stage: what dgr's "

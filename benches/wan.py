@@ -147,20 +147,14 @@ async def _decode(endpoints, n_decode: int, prompt: list[int], relay: bool,
 
 def stage_compute(before, after) -> list[tuple[int, float]]:
     """(single-token steps, their compute seconds) each stage's worker computed between two
-    describes of the route: deltas of its exact totals (``decode_steps_total``,
-    ``decode_compute_s_total``)."""
-    if len(before) != len(after):
-        raise RuntimeError(f"{len(before)} stage(s) before the run, {len(after)} after")
-    out = []
-    for b, a in zip(before, after):
-        if a.decode_steps_total is None or b.decode_steps_total is None:
-            raise RuntimeError(f"{a.endpoint} reports no compute totals (an older worker)")
-        if a.endpoint != b.endpoint or a.uptime_s < b.uptime_s:
-            raise RuntimeError(f"stage {b.endpoint} was replaced or restarted during the run")
-        n = a.decode_steps_total - b.decode_steps_total
-        if n <= 0:
-            raise RuntimeError(f"{a.endpoint} computed no single-token step in the run")
-        out.append((n, a.decode_compute_s_total - b.decode_compute_s_total))
+    describes of the route (``dgr.transport.common.compute_between``); raises when a stage
+    has no such figure (an older worker, replaced or restarted during the run)."""
+    from dgr.transport.common import compute_between
+
+    out = compute_between(before, after)
+    why = [x for x in out if isinstance(x, str)]
+    if why:
+        raise RuntimeError("; ".join(why))
     return out
 
 

@@ -96,33 +96,6 @@ def _stream(route, args, prompt_tokens, detok) -> tuple:
     return session, out, t0, t_first or t1, t1
 
 
-def _stage_compute(before, after) -> list[tuple[int, float] | str]:
-    """What each stage's worker computed between two describes of the route (``before`` the
-    generation, ``after`` it): (single-token steps, their compute seconds), from the workers'
-    exact totals (``decode_steps_total``, ``decode_compute_s_total``), or why there is no
-    figure (a str)."""
-    if len(before) != len(after):
-        return [f"the route had {len(before)} stage(s) before the generation, "
-                f"{len(after)} after"] * len(after)
-    out: list[tuple[int, float] | str] = []
-    for b, a in zip(before, after):
-        if a.decode_steps_total is None or b.decode_steps_total is None:
-            out.append(f"{a.endpoint} reports no compute totals (a worker older than "
-                       "Describe fields 33-36, dgr_version "
-                       f"{a.dgr_version or '?'}): no compute figure")
-        elif a.endpoint != b.endpoint:
-            out.append(f"the stage moved from {b.endpoint} to {a.endpoint} during the "
-                       "generation: no compute figure")
-        elif a.decode_steps_total < b.decode_steps_total or a.uptime_s < b.uptime_s:
-            out.append(f"{a.endpoint} restarted during the generation: no compute figure")
-        elif a.decode_steps_total == b.decode_steps_total:
-            out.append(f"{a.endpoint} computed no single-token step: no compute figure")
-        else:
-            out.append((a.decode_steps_total - b.decode_steps_total,
-                        a.decode_compute_s_total - b.decode_compute_s_total))
-    return out
-
-
 def _report(route, session, args, prompt, tokens, t0, t_first, t1, whole, before) -> int:
     """Compare with the whole model (when given), print throughput and the cost per seam.
 
@@ -131,6 +104,7 @@ def _report(route, session, args, prompt, tokens, t0, t_first, t1, whole, before
     describe and one taken now (exact totals, not the moving average ``recent_step_ms``),
     so compute and transport add up to the time per token measured over the same steps."""
     from .route import generate_local
+    from .transport.common import compute_between
 
     n_dec = len(tokens) - 1
     dec_s = t1 - t_first
@@ -161,7 +135,7 @@ def _report(route, session, args, prompt, tokens, t0, t_first, t1, whole, before
         if timing.get("decode_steps"):
             whole_tps = timing["decode_steps"] / timing["decode_s"]
     infos = route.describe()
-    comp = _stage_compute(before, infos)
+    comp = compute_between(before, infos)
     why = list(dict.fromkeys(c for c in comp if isinstance(c, str)))  # each reason once
 
     def ms(c) -> float:  # a stage's mean compute per single-token step, ms

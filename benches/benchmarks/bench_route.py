@@ -53,31 +53,40 @@ async def _route_decode(endpoints, n_decode: int, rounds: int, **route_kw) -> di
     prompt = [int(t) for t in prompt_tokens(N_PROMPT, 49152)]
     async with AsyncRoute(endpoints, **route_kw) as r:
         s = r.session()
-        tps = []
+        tps, walls, steps = [], 0.0, 0
+        before = await r.describe()
         for _ in range(rounds):
-            for st in s.stats:
-                st.decode_steps, st.decode_rtt_s = 0, 0.0
             t_first = None
             n = 0
             async for _ in s.generate(prompt, max_tokens=n_decode + 1, stop_on_eog=False):
                 if t_first is None:
                     t_first = time.perf_counter()
                 n += 1
-            tps.append((n - 1) / (time.perf_counter() - t_first))
+            wall = time.perf_counter() - t_first
+            tps.append((n - 1) / wall)
+            walls, steps = walls + wall, steps + n - 1
         infos = await r.describe()
         await s.close()
         relay, loop = r.relay, r.loop
-    tps = statistics.median(tps)
-    compute = [i.recent_step_ms for i in infos]
+    # each stage's mean compute over the single-token steps it computed in these rounds (the
+    # workers' exact totals; an end-of-generation step may add one per round)
+    from dgr.transport.common import compute_between
+
+    counted = compute_between(before, infos)
+    if any(isinstance(c, str) for c in counted):
+        raise RuntimeError("; ".join(c for c in counted if isinstance(c, str)))
+    compute = [1e3 * sec / k for k, sec in counted]
     if relay:
-        # the driver sees whole-route steps: transport = TPOT - compute, over the links a
-        # token crosses (the decode loop: n stages -> n links; token by token: n + 1)
+        # the driver sees whole-route steps: transport = TPOT - compute over the same rounds,
+        # over the links a token crosses (the decode loop: n stages -> n links; token by
+        # token: n + 1); negative when the workers computed other sessions' steps too
         links = len(infos) if loop else len(infos) + 1
-        hop = max(1e3 / tps - sum(compute), 0.0) / links
+        hop = (1e3 * walls / steps - sum(compute)) / links
     else:  # the driver's round trip to each stage minus that stage's compute
-        hop = statistics.mean(max(st.decode_rtt_ms - c, 0.0) for st, c in zip(s.stats, compute))
+        hop = statistics.mean(st.decode_rtt_ms - c for st, c in zip(s.stats, compute,
+                                                                     strict=True))
     return {
-        "tokens_per_s": tps,
+        "tokens_per_s": statistics.median(tps),
         "rtt_ms": [st.decode_rtt_ms for st in s.stats],
         "compute_ms": compute,
         "relay": relay,

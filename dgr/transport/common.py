@@ -170,3 +170,30 @@ class StageInfo:
         d["eog_tokens"] = sorted(self.eog_tokens)
         d["identity"] = self.identity
         return d
+
+
+def compute_between(before, after) -> list[tuple[int, float] | str]:
+    """What each stage's worker computed between two describes of a route (``before`` a
+    timed run, ``after`` it; lists of ``StageInfo``): (single-token steps, their compute seconds), from the workers'
+    exact totals (``decode_steps_total``, ``decode_compute_s_total``), or why there is no
+    figure (a str)."""
+    if len(before) != len(after):
+        return [f"the route had {len(before)} stage(s) before the generation, "
+                f"{len(after)} after"] * len(after)
+    out: list[tuple[int, float] | str] = []
+    for b, a in zip(before, after):
+        if a.decode_steps_total is None or b.decode_steps_total is None:
+            out.append(f"{a.endpoint} reports no compute totals (a worker older than "
+                       "Describe fields 33-36, dgr_version "
+                       f"{a.dgr_version or '?'}): no compute figure")
+        elif a.endpoint != b.endpoint:
+            out.append(f"the stage moved from {b.endpoint} to {a.endpoint} during the "
+                       "generation: no compute figure")
+        elif a.decode_steps_total < b.decode_steps_total or a.uptime_s < b.uptime_s:
+            out.append(f"{a.endpoint} restarted during the generation: no compute figure")
+        elif a.decode_steps_total == b.decode_steps_total:
+            out.append(f"{a.endpoint} computed no single-token step: no compute figure")
+        else:
+            out.append((a.decode_steps_total - b.decode_steps_total,
+                        a.decode_compute_s_total - b.decode_compute_s_total))
+    return out
