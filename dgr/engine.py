@@ -14,7 +14,8 @@ from .identity import model_identity
 __all__ = ["Engine", "NUMERIC_SETTINGS"]
 
 # The settings that decide numerics: every stage of a route and any reference must agree on
-# all of them for results to be bit-identical (see shared/design/LLAMA_CPP_NOTES.md §6).
+# all of them for results to be bit-identical (they fix the KV layout, the ubatch composition
+# and the thread split of every reduction, so a different value reorders float sums).
 NUMERIC_SETTINGS = ("n_ctx", "n_slots", "n_threads", "n_ubatch", "flash_attn", "type_k", "type_v")
 
 

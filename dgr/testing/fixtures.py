@@ -100,7 +100,8 @@ def write_tiny_llama(path: str | Path, cfg: TinyLlama = TinyLlama()) -> Path:
 @dataclass(frozen=True)
 class TinyDeepseek4:
     """A tiny DeepSeek V4 (``deepseek4``): hyper-connection residual, hash-routed and
-    compressed-attention layers (shapes: shared/design/LLAMA_CPP_NOTES.md section 7).
+    compressed-attention layers (tensor shapes as the pinned llama.cpp's deepseek4 loader
+    expects them, ``src/llama-model.cpp``).
 
     The defaults mix every kind of layer a stage can own: layers ``0..hash_layer_count-1``
     route experts by token id, ``compress_ratios`` puts CSA + lightning indexer (4), HCA
