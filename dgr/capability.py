@@ -255,8 +255,9 @@ def record_for(engine, *, worker=None, cert_store: str | os.PathLike | None = No
     weight, kv = int(info["weight_bytes"]), int(info["kv_bytes"])
     if worker is not None:
         table = worker.table
-        slots_free, sessions = int(table.free_slots), len(table)
-        ctx_free = max(int(table.free_context), 0)
+        with worker.lock:  # the table's lock: data-plane threads insert sessions meanwhile
+            slots_free, sessions = int(table.free_slots), len(table)
+            ctx_free = max(int(table.free_context), 0)
         inflight, computing = int(worker.inflight), int(getattr(worker, "computing", 0))
         tps, span = worker.window.tokens_per_s(), worker.window.span
         hops = list(getattr(worker, "hop_ms", ()))

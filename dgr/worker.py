@@ -185,6 +185,9 @@ class Worker:
 
     def describe(self) -> dict[str, Any]:
         s = self.settings
+        with self.lock:  # the table's writers hold it, data-plane threads included
+            free_slots, sessions = self.table.free_slots, len(self.table)
+            free_context = self.table.free_context
         return dict(
             model_identity=self.model_identity,
             model_name=os.path.basename(self.info["model"]),
@@ -197,8 +200,8 @@ class Worker:
                           n_ubatch=s["n_ubatch"], flash_attn=bool(s["flash_attn"]),
                           type_k=s["type_k"], type_v=s["type_v"]),
             eog_tokens=self.eog_tokens, add_bos=bool(self.info["add_bos"]),
-            free_slots=self.table.free_slots, sessions=len(self.table),
-            free_context=max(self.table.free_context, 0), queue_depth=self.inflight,
+            free_slots=free_slots, sessions=sessions,
+            free_context=max(free_context, 0), queue_depth=self.inflight,
             recent_tokens_per_s=self.window.tokens_per_s(),
             recent_step_ms=self.window.decode_ms, draining=self.draining,
             dgr_version=__version__, wire_format_version=wire.FORMAT_VERSION,

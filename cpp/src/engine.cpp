@@ -8,7 +8,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <exception>
 #include <mutex>
+#include <new>
 #include <sys/stat.h>
 
 #include "ggml.h"
@@ -69,6 +71,35 @@ std::string log_last_error() {
     }
     while (!out.empty() && (out.back() == '\n' || out.back() == ' ')) out.pop_back();
     return out;
+}
+
+// ---- C++ exceptions stop here ----------------------------------------------------------
+// llama.cpp's C API throws on some paths (llama_decode's batch conversion and graph
+// allocation, std::bad_alloc from any of its containers or ours). Every public method runs
+// its body through guarded(), so such a failure reaches Python as a Status (kEngineError),
+// never as an exception through Cython (whose `except +` is only a backstop) nor as
+// std::terminate.
+
+// What the exception being handled says; call only inside a catch block.
+std::string current_exception_text() {
+    try {
+        throw;
+    } catch (const std::bad_alloc &) {
+        return "out of memory (std::bad_alloc)";
+    } catch (const std::exception & e) {
+        return std::string("C++ exception: ") + e.what();
+    } catch (...) {
+        return "unknown C++ exception";
+    }
+}
+
+template <class F>
+Status guarded(const char * what, F && body) {
+    try {
+        return body();
+    } catch (...) {
+        return Status(kEngineError, std::string(what) + " failed: " + current_exception_text());
+    }
 }
 
 std::once_flag g_backend_once;
@@ -197,7 +228,7 @@ Status inspect_gguf(const std::string & path, GgufFacts * facts) {
 
 }  // namespace
 
-bool HasLayerRanges() { return DGR_LAYER_RANGE != 0; }
+bool HasLayerRanges() noexcept { return DGR_LAYER_RANGE != 0; }
 
 struct Engine::Impl {
     EngineConfig cfg;
@@ -212,28 +243,76 @@ struct Engine::Impl {
     mutable std::mutex mu;
 
     ~Impl() {
-        if (batch.pos) {
-            batch.token = batch_token;
-            batch.embd = nullptr;
-            llama_batch_free(batch);
+        try {
+            if (batch.pos) {
+                batch.token = batch_token;
+                batch.embd = nullptr;
+                llama_batch_free(batch);
+            }
+            if (ctx) llama_free(ctx);
+            if (model) llama_model_free(model);
+        } catch (...) {
+            // a destructor must not throw (std::terminate): what was not freed is leaked
         }
-        if (ctx) llama_free(ctx);
-        if (model) llama_model_free(model);
     }
+
+    int32_t OutputWidth() const noexcept { return last ? info.n_vocab : info.n_embd_boundary; }
+
+    // The bodies of Engine's methods, which run them through guarded().
+    static Status Load(const EngineConfig & cfg, std::unique_ptr<Engine> * out);
+    Status RefreshMemory();
+    Status Tokenize(const std::string & text, bool add_special, bool parse_special,
+                    std::vector<int32_t> * out) const;
+    Status Detokenize(const int32_t * tokens, size_t n, bool remove_special, bool unparse_special,
+                      std::string * out) const;
+    Status Forward(int32_t slot, const int32_t * pos, const int32_t * tokens, const float * boundary,
+                   int32_t n_tokens, const uint8_t * want, float * out, size_t out_capacity,
+                   int32_t * n_out_rows);
+    Status Release(int32_t slot);
 };
 
 Engine::Engine() : impl_(new Impl) {}
 Engine::~Engine() = default;
 
-const EngineInfo & Engine::info() const { return impl_->info; }
-bool Engine::is_first() const { return impl_->first; }
-bool Engine::is_last() const { return impl_->last; }
-
-int32_t Engine::OutputWidth() const {
-    return impl_->last ? impl_->info.n_vocab : impl_->info.n_embd_boundary;
-}
+const EngineInfo & Engine::info() const noexcept { return impl_->info; }
+bool Engine::is_first() const noexcept { return impl_->first; }
+bool Engine::is_last() const noexcept { return impl_->last; }
+int32_t Engine::OutputWidth() const noexcept { return impl_->OutputWidth(); }
 
 Status Engine::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * out) {
+    return guarded("loading the model", [&] { return Impl::Load(cfg, out); });
+}
+
+Status Engine::RefreshMemory() {
+    return guarded("reading the memory figures", [&] { return impl_->RefreshMemory(); });
+}
+
+Status Engine::Tokenize(const std::string & text, bool add_special, bool parse_special,
+                        std::vector<int32_t> * out) const {
+    return guarded("tokenize", [&] { return impl_->Tokenize(text, add_special, parse_special, out); });
+}
+
+Status Engine::Detokenize(const int32_t * tokens, size_t n, bool remove_special, bool unparse_special,
+                          std::string * out) const {
+    return guarded("detokenize", [&] {
+        return impl_->Detokenize(tokens, n, remove_special, unparse_special, out);
+    });
+}
+
+Status Engine::Forward(int32_t slot, const int32_t * pos, const int32_t * tokens, const float * boundary,
+                       int32_t n_tokens, const uint8_t * want, float * out, size_t out_capacity,
+                       int32_t * n_out_rows) {
+    *n_out_rows = 0;
+    return guarded("forward", [&] {
+        return impl_->Forward(slot, pos, tokens, boundary, n_tokens, want, out, out_capacity, n_out_rows);
+    });
+}
+
+Status Engine::Release(int32_t slot) {
+    return guarded("release", [&] { return impl_->Release(slot); });
+}
+
+Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * out) {
     backend_init();
     log_clear();
 
@@ -356,7 +435,8 @@ Status Engine::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * out) {
         return Status(kInvalidArgument, "llama.cpp allocated " + std::to_string(in.n_ctx_alloc) +
                       " context tokens per slot, fewer than the n_ctx=" + std::to_string(cfg.n_ctx) + " asked");
     }
-    e->RefreshMemory();
+    s = m.RefreshMemory();
+    if (!s.ok()) return s;
 
     // One reusable batch of n_ubatch rows: token and boundary arrays are pointed at the
     // caller's buffers per chunk, so only pos/seq/logits are written here.
@@ -368,8 +448,8 @@ Status Engine::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * out) {
     return Status();
 }
 
-void Engine::RefreshMemory() {
-    Impl & m = *impl_;
+Status Engine::Impl::RefreshMemory() {
+    Impl & m = *this;
     uint64_t w = 0, kv = 0, comp = 0;
     for (const auto & kvp : llama_get_memory_breakdown(m.ctx)) {
         w += kvp.second.model;
@@ -379,11 +459,12 @@ void Engine::RefreshMemory() {
     m.info.weight_bytes = w ? w : llama_model_size(m.model);
     m.info.kv_bytes = kv;
     m.info.compute_bytes = comp;
+    return Status();
 }
 
-Status Engine::Tokenize(const std::string & text, bool add_special, bool parse_special,
-                        std::vector<int32_t> * out) const {
-    const Impl & m = *impl_;
+Status Engine::Impl::Tokenize(const std::string & text, bool add_special, bool parse_special,
+                              std::vector<int32_t> * out) const {
+    const Impl & m = *this;
     if (text.size() > (size_t) INT32_MAX / 2) return Status(kInvalidArgument, "text too long to tokenize");
     out->resize(text.size() + 8);
     int32_t n = llama_tokenize(m.vocab, text.data(), (int32_t) text.size(), out->data(),
@@ -399,9 +480,9 @@ Status Engine::Tokenize(const std::string & text, bool add_special, bool parse_s
     return Status();
 }
 
-Status Engine::Detokenize(const int32_t * tokens, size_t n, bool remove_special, bool unparse_special,
-                          std::string * out) const {
-    const Impl & m = *impl_;
+Status Engine::Impl::Detokenize(const int32_t * tokens, size_t n, bool remove_special,
+                                bool unparse_special, std::string * out) const {
+    const Impl & m = *this;
     for (size_t i = 0; i < n; ++i) {
         if (tokens[i] < 0 || tokens[i] >= m.info.n_vocab) {
             return Status(kInvalidToken, "token id " + std::to_string(tokens[i]) + " at index " +
@@ -432,8 +513,8 @@ int32_t Engine::NextPos(int32_t slot) const {
     return llama_memory_seq_pos_max(llama_get_memory(m.ctx), slot) + 1;
 }
 
-Status Engine::Release(int32_t slot) {
-    Impl & m = *impl_;
+Status Engine::Impl::Release(int32_t slot) {
+    Impl & m = *this;
     if (slot < 0 || (uint32_t) slot >= m.cfg.n_slots) {
         return Status(kUnknownSlot, "slot " + std::to_string(slot) + " does not exist; this engine has slots 0.." +
                       std::to_string(m.cfg.n_slots - 1));
@@ -443,10 +524,10 @@ Status Engine::Release(int32_t slot) {
     return Status();
 }
 
-Status Engine::Forward(int32_t slot, const int32_t * pos, const int32_t * tokens, const float * boundary,
-                       int32_t n_tokens, const uint8_t * want, float * out, size_t out_capacity,
-                       int32_t * n_out_rows) {
-    Impl & m = *impl_;
+Status Engine::Impl::Forward(int32_t slot, const int32_t * pos, const int32_t * tokens,
+                             const float * boundary, int32_t n_tokens, const uint8_t * want, float * out,
+                             size_t out_capacity, int32_t * n_out_rows) {
+    Impl & m = *this;
     const EngineInfo & in = m.info;
     *n_out_rows = 0;
     if (slot < 0 || (uint32_t) slot >= m.cfg.n_slots) {
@@ -517,49 +598,60 @@ Status Engine::Forward(int32_t slot, const int32_t * pos, const int32_t * tokens
     const int32_t W = in.n_embd_boundary;
     const int32_t U = (int32_t) m.cfg.n_ubatch;
     int32_t rows_out = 0;
-    for (int32_t c0 = 0; c0 < n_tokens; c0 += U) {
-        const int32_t n = std::min(U, n_tokens - c0);
-        llama_batch & b = m.batch;
-        b.n_tokens = n;
-        b.token = (tokens && (m.first || in.needs_token_ids)) ? const_cast<int32_t *>(tokens + c0) : nullptr;
-        b.embd = m.first ? nullptr : const_cast<float *>(boundary + (size_t) c0 * W);
-        for (int32_t i = 0; i < n; ++i) {
-            b.pos[i] = pos[c0 + i];
-            b.seq_id[i][0] = slot;
-            int8_t o = 0;
-            if (m.last) o = want ? (want[c0 + i] ? 1 : 0) : (c0 + i == n_tokens - 1 ? 1 : 0);
-            b.logits[i] = o;
-        }
-        const int32_t rc = llama_decode(m.ctx, b);
-        b.token = nullptr;
-        b.embd = nullptr;
-        if (rc != 0) {
-            // Never leave a half-computed step behind: the slot must be re-prefilled.
-            llama_memory_seq_rm(llama_get_memory(m.ctx), slot, -1, -1);
-            std::string why = log_last_error();
-            return Status(rc == 1 ? kContextFull : kEngineError,
-                          "llama_decode failed with code " + std::to_string(rc) + " at position " +
-                          std::to_string(pos[c0]) + "; slot " + std::to_string(slot) +
-                          " was cleared and must be re-prefilled" + (why.empty() ? "" : ": " + why));
-        }
-        if (m.last) {
+    // llama.cpp may throw from llama_decode (batch conversion, graph allocation) or from the
+    // read-out after it: as for a failed decode, never leave a half-computed step behind.
+    try {
+        for (int32_t c0 = 0; c0 < n_tokens; c0 += U) {
+            const int32_t n = std::min(U, n_tokens - c0);
+            llama_batch & b = m.batch;
+            b.n_tokens = n;
+            b.token = (tokens && (m.first || in.needs_token_ids)) ? const_cast<int32_t *>(tokens + c0) : nullptr;
+            b.embd = m.first ? nullptr : const_cast<float *>(boundary + (size_t) c0 * W);
             for (int32_t i = 0; i < n; ++i) {
-                if (!b.logits[i]) continue;
-                const float * row = llama_get_logits_ith(m.ctx, i);
-                if (!row) return Status(kEngineError, "llama.cpp returned no logits for row " + std::to_string(c0 + i));
-                std::memcpy(out + (size_t) rows_out * width, row, sizeof(float) * (size_t) width);
-                ++rows_out;
+                b.pos[i] = pos[c0 + i];
+                b.seq_id[i][0] = slot;
+                int8_t o = 0;
+                if (m.last) o = want ? (want[c0 + i] ? 1 : 0) : (c0 + i == n_tokens - 1 ? 1 : 0);
+                b.logits[i] = o;
             }
-        } else {
+            const int32_t rc = llama_decode(m.ctx, b);
+            b.token = nullptr;
+            b.embd = nullptr;
+            if (rc != 0) {
+                // Never leave a half-computed step behind: the slot must be re-prefilled.
+                llama_memory_seq_rm(llama_get_memory(m.ctx), slot, -1, -1);
+                std::string why = log_last_error();
+                return Status(rc == 1 ? kContextFull : kEngineError,
+                              "llama_decode failed with code " + std::to_string(rc) + " at position " +
+                              std::to_string(pos[c0]) + "; slot " + std::to_string(slot) +
+                              " was cleared and must be re-prefilled" + (why.empty() ? "" : ": " + why));
+            }
+            if (m.last) {
+                for (int32_t i = 0; i < n; ++i) {
+                    if (!b.logits[i]) continue;
+                    const float * row = llama_get_logits_ith(m.ctx, i);
+                    if (!row) return Status(kEngineError, "llama.cpp returned no logits for row " + std::to_string(c0 + i));
+                    std::memcpy(out + (size_t) rows_out * width, row, sizeof(float) * (size_t) width);
+                    ++rows_out;
+                }
+            } else {
 #if DGR_LAYER_RANGE
-            const float * bnd = llama_get_boundary(m.ctx);
-            if (!bnd) return Status(kEngineError, "llama.cpp returned no boundary");
-            std::memcpy(out + (size_t) rows_out * width, bnd, sizeof(float) * (size_t) n * width);
-            rows_out += n;
+                const float * bnd = llama_get_boundary(m.ctx);
+                if (!bnd) return Status(kEngineError, "llama.cpp returned no boundary");
+                std::memcpy(out + (size_t) rows_out * width, bnd, sizeof(float) * (size_t) n * width);
+                rows_out += n;
 #else
-            return Status(kUnsupportedArch, "this build of llama.cpp has no layer ranges");
+                return Status(kUnsupportedArch, "this build of llama.cpp has no layer ranges");
 #endif
+            }
         }
+    } catch (...) {
+        m.batch.token = nullptr;
+        m.batch.embd = nullptr;
+        const std::string why = current_exception_text();
+        llama_memory_seq_rm(llama_get_memory(m.ctx), slot, -1, -1);
+        return Status(kEngineError, "llama.cpp threw during the forward of slot " + std::to_string(slot) +
+                      " (" + why + "); the slot was cleared and must be re-prefilled");
     }
     *n_out_rows = rows_out;
     return Status();

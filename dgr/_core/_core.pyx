@@ -1,7 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, embedsignature=True
 """Private compiled core of dgr: binds dgr::Engine (cpp/). Users import ``dgr``."""
 
-from libc.stdint cimport int32_t, uint8_t
+from libc.stdint cimport INT32_MAX, int32_t, uint8_t
 from libc.string cimport memcpy
 from libcpp.memory cimport unique_ptr
 from libcpp.string cimport string
@@ -34,6 +34,24 @@ cdef int check_status(const CStatus & st) except -1:
     if st.ok():
         return 0
     raise _errors.from_code(st.code, st.message.decode("utf-8", "replace"))
+
+
+cdef str _what(object a):
+    """A short description of ``a`` for an error message."""
+    if isinstance(a, np.ndarray):
+        layout = "C-contiguous" if a.flags.c_contiguous else "non-contiguous"
+        return f"a {layout} {a.dtype} array of shape {list(a.shape)}"
+    return f"a {type(a).__name__}"
+
+
+cdef cnp.ndarray _array(object a, str name, object dtype, int ndim, object error):
+    """``a`` itself when it is a C-contiguous numpy array of ``dtype`` with ``ndim``
+    dimensions, which the engine may read through a raw pointer; else ``error`` is raised."""
+    if (isinstance(a, np.ndarray) and a.dtype == dtype and a.ndim == ndim
+            and a.flags.c_contiguous):
+        return <cnp.ndarray> a
+    raise error(f"{name} must be a {ndim}-D C-contiguous {np.dtype(dtype).name} array, "
+                f"got {_what(a)}")
 
 
 cdef class Engine:
@@ -85,7 +103,7 @@ cdef class Engine:
 
     def _info(self):
         """Engine facts as a dict (memory figures refreshed)."""
-        self._e.get().RefreshMemory()
+        check_status(self._e.get().RefreshMemory())
         cdef const CEngineInfo * i = &self._e.get().info()
         return {
             "arch": i.arch.decode(), "desc": i.desc.decode("utf-8", "replace"),
@@ -146,36 +164,67 @@ cdef class Engine:
             st = self._e.get().Release(slot)
         check_status(st)
 
-    def _forward(self, int slot, cnp.ndarray pos, object tokens, object boundary,
-                 object want, object out):
-        """Validated-array forward; see ``dgr.Engine.forward``."""
-        cdef int32_t n = pos.shape[0]
-        cdef const int32_t * ppos = <const int32_t *> cnp.PyArray_DATA(pos)
+    def _forward(self, int slot, object pos, object tokens, object boundary, object want,
+                 object out):
+        """Validated-array forward; see ``dgr.Engine.forward``.
+
+        The C++ engine reads every array through a raw pointer, so each one is checked here,
+        before it is called: its type, dtype, C-contiguity, dimensions, and that its length
+        agrees with the ``len(pos)`` tokens of the step and its width with this stage's
+        (nothing is converted or copied). A mismatch raises the error ``dgr.Engine.forward``
+        raises for the same argument: ``InvalidPosition`` (pos), ``InvalidArgument``
+        (tokens, want, out), ``InvalidBoundary`` (boundary).
+        """
+        cdef cnp.ndarray p = _array(pos, "positions", np.int32, 1, _errors.InvalidPosition)
+        if p.shape[0] > INT32_MAX:
+            raise _errors.InvalidPosition(f"{p.shape[0]} positions: at most {INT32_MAX} per step")
+        cdef int32_t n = <int32_t> p.shape[0]
+        cdef const int32_t * ppos = <const int32_t *> cnp.PyArray_DATA(p)
         cdef const int32_t * ptok = NULL
         cdef const float * pbnd = NULL
         cdef const uint8_t * pwant = NULL
         cdef cnp.ndarray a
         cdef int32_t rows
         if tokens is not None:
-            a = <cnp.ndarray> tokens
+            a = _array(tokens, "tokens", np.int32, 1, _errors.InvalidArgument)
             ptok = <const int32_t *> cnp.PyArray_DATA(a)
         if boundary is not None:
-            a = <cnp.ndarray> boundary
+            a = _array(boundary, "boundary", np.float32, 2, _errors.InvalidBoundary)
+            if a.shape[1] != self.n_embd_boundary:
+                raise _errors.InvalidBoundary(
+                    f"boundary must have shape [n_tokens, {self.n_embd_boundary}], "
+                    f"got {list(boundary.shape)}")
+            if self.is_first:
+                raise _errors.InvalidBoundary(
+                    "this is the first stage: it takes token ids, not a boundary")
+            if tokens is not None and len(boundary) != len(tokens):
+                raise _errors.InvalidBoundary(
+                    f"boundary has {len(boundary)} rows but {len(tokens)} token ids were given")
             pbnd = <const float *> cnp.PyArray_DATA(a)
+        if tokens is not None and len(tokens) != n:
+            raise _errors.InvalidPosition(f"{n} positions for {len(tokens)} tokens")
+        if boundary is not None and len(boundary) != n:
+            raise _errors.InvalidPosition(f"{n} positions for {len(boundary)} boundary rows")
         if want is not None:
-            a = <cnp.ndarray> want
+            if isinstance(want, np.ndarray) and want.dtype == np.bool_:
+                want = want.view(np.uint8)
+            a = _array(want, "logits mask", np.uint8, 1, _errors.InvalidArgument)
+            if a.shape[0] != n:
+                raise _errors.InvalidArgument(
+                    f"logits mask must have one entry per token ({n}), got shape {want.shape}")
             pwant = <const uint8_t *> cnp.PyArray_DATA(a)
             rows = <int32_t> np.count_nonzero(want) if self.is_last else n
         else:
             rows = 1 if self.is_last else n
         if out is None:
             out = np.empty((rows, self.output_width), dtype=np.float32)
-        cdef cnp.ndarray o = <cnp.ndarray> out
-        if (o.dtype != np.float32 or not o.flags.c_contiguous or not o.flags.writeable
-                or o.ndim != 2 or o.shape[0] < rows or o.shape[1] != self.output_width):
+        if (not isinstance(out, np.ndarray) or out.dtype != np.float32
+                or not out.flags.c_contiguous or not out.flags.writeable
+                or out.ndim != 2 or out.shape[0] < rows or out.shape[1] != self.output_width):
             raise _errors.InvalidArgument(
                 f"out must be a writable C-contiguous float32 array of shape "
-                f"[>={rows}, {self.output_width}]")
+                f"[>={rows}, {self.output_width}], got {_what(out)}")
+        cdef cnp.ndarray o = <cnp.ndarray> out
         cdef float * pout = <float *> cnp.PyArray_DATA(o)
         cdef size_t cap = <size_t> o.shape[0] * <size_t> o.shape[1]
         cdef int32_t n_rows = 0

@@ -1,7 +1,8 @@
 // dgr::Engine: one process's share of a GGUF model, layers [layer_start, layer_end).
 //
 // All Cython sees of llama.cpp is this header: the llama types stay behind a pimpl.
-// Every method reports failure as a dgr::Status; none aborts on bad input.
+// Every method reports failure as a dgr::Status; none aborts on bad input, and none lets a
+// C++ exception out (one thrown inside llama.cpp comes back as kEngineError).
 #pragma once
 
 #include <cstddef>
@@ -69,9 +70,9 @@ public:
     // Load a model range. On success *out owns a new engine.
     static Status Load(const EngineConfig & cfg, std::unique_ptr<Engine> * out);
 
-    const EngineInfo & info() const;
-    bool is_first() const;
-    bool is_last() const;
+    const EngineInfo & info() const noexcept;
+    bool is_first() const noexcept;
+    bool is_last() const noexcept;
 
     Status Tokenize(const std::string & text, bool add_special, bool parse_special,
                     std::vector<int32_t> * out) const;
@@ -80,9 +81,10 @@ public:
     bool IsEog(int32_t token) const;
 
     // Number of output floats per row: n_vocab on the last stage, n_embd_boundary otherwise.
-    int32_t OutputWidth() const;
+    int32_t OutputWidth() const noexcept;
 
-    // Run n_tokens at positions pos[] of a slot through the owned layers.
+    // Run n_tokens at positions pos[] of a slot through the owned layers. The arrays are read
+    // through raw pointers: the caller guarantees their lengths (dgr/_core checks them).
     //   tokens:   required on the first stage and when needs_token_ids; else may be null
     //   boundary: required on non-first stages: n_tokens * n_embd_boundary floats
     //   want:     last stage only: per-token 0/1, which rows return logits (null: last row)
@@ -100,7 +102,7 @@ public:
     int32_t NextPos(int32_t slot) const;
 
     // Refresh memory figures (KV/compute bytes) in info().
-    void RefreshMemory();
+    Status RefreshMemory();
 
 private:
     Engine();
@@ -109,6 +111,6 @@ private:
 };
 
 // Build facts: whether the patched llama.cpp supports layer ranges.
-bool HasLayerRanges();
+bool HasLayerRanges() noexcept;
 
 }  // namespace dgr

@@ -1,4 +1,9 @@
 # Declarations of cpp/include/dgr/*.h: all that Cython sees of the engine.
+#
+# The engine turns every C++ exception into a dgr::Status itself (cpp/src/engine.cpp); the
+# methods that can meet one (llama.cpp calls, allocations) are still declared `except +`, so
+# that one which escaped anyway becomes a Python exception (MemoryError, RuntimeError, ...)
+# instead of std::terminate. The rest are noexcept in C++.
 from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
 from libcpp cimport bool
 from libcpp.memory cimport unique_ptr
@@ -58,22 +63,22 @@ cdef extern from "dgr/engine.h" namespace "dgr" nogil:
 
     cdef cppclass CEngine "dgr::Engine":
         @staticmethod
-        CStatus Load(const CEngineConfig & cfg, unique_ptr[CEngine] * out)
+        CStatus Load(const CEngineConfig & cfg, unique_ptr[CEngine] * out) except +
         const CEngineInfo & info()
         bool is_first()
         bool is_last()
         CStatus Tokenize(const string & text, bool add_special, bool parse_special,
-                         vector[int32_t] * out)
+                         vector[int32_t] * out) except +
         CStatus Detokenize(const int32_t * tokens, size_t n, bool remove_special,
-                           bool unparse_special, string * out)
-        bool IsEog(int32_t token)
+                           bool unparse_special, string * out) except +
+        bool IsEog(int32_t token) except +
         int32_t OutputWidth()
         CStatus Forward(int32_t slot, const int32_t * pos, const int32_t * tokens,
                         const float * boundary, int32_t n_tokens, const uint8_t * want,
-                        float * out, size_t out_capacity, int32_t * n_out_rows)
-        CStatus Release(int32_t slot)
-        int32_t NextPos(int32_t slot)
-        void RefreshMemory()
+                        float * out, size_t out_capacity, int32_t * n_out_rows) except +
+        CStatus Release(int32_t slot) except +
+        int32_t NextPos(int32_t slot) except +
+        CStatus RefreshMemory() except +
 
     bool HasLayerRanges()
 
