@@ -1,0 +1,36 @@
+"""The README stays true to the tree: every path its architecture map names exists, and
+``.ci/run`` runs the README's test command verbatim."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def _section(title: str) -> str:
+    m = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", README, re.S | re.M)
+    assert m, f"README has no '## {title}' section"
+    return m.group(1)
+
+
+def map_paths() -> list[str]:
+    """The backticked paths in the first column of the architecture map's table."""
+    rows = [ln for ln in _section("Architecture map").splitlines() if ln.startswith("| `")]
+    return [p for ln in rows for p in re.findall(r"`([^`]+)`", ln.split("|")[1])]
+
+
+def test_every_path_of_the_architecture_map_exists():
+    paths = map_paths()
+    assert len(paths) >= 20, paths  # the table was read, not skipped
+    missing = [p for p in paths if not (ROOT / p).exists()]
+    assert not missing, f"README's architecture map names paths that do not exist: {missing}"
+
+
+def test_the_readme_has_two_commands_and_ci_runs_the_test_one():
+    cmds = re.findall(r"^    \$ (.+?)\s+# (\w+)$", _section("Two commands"), re.M)
+    assert [tag for _, tag in cmds] == ["demo", "tests"], cmds
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert cmds[1][0] in ci.splitlines(), "'.ci/run' does not run the README's test command"
