@@ -598,6 +598,13 @@ Status Engine::Impl::Forward(int32_t slot, const int32_t * pos, const int32_t * 
     const int32_t W = in.n_embd_boundary;
     const int32_t U = (int32_t) m.cfg.n_ubatch;
     int32_t rows_out = 0;
+    // A failure after a chunk was decoded: the slot holds part of the step, so it is cleared
+    // (re-prefilled by the caller), as for a failed decode.
+    auto cleared = [&](const std::string & why) {
+        llama_memory_seq_rm(llama_get_memory(m.ctx), slot, -1, -1);
+        return Status(kEngineError, why + "; slot " + std::to_string(slot) +
+                      " was cleared and must be re-prefilled");
+    };
     // llama.cpp may throw from llama_decode (batch conversion, graph allocation) or from the
     // read-out after it: as for a failed decode, never leave a half-computed step behind.
     try {
@@ -630,14 +637,14 @@ Status Engine::Impl::Forward(int32_t slot, const int32_t * pos, const int32_t * 
                 for (int32_t i = 0; i < n; ++i) {
                     if (!b.logits[i]) continue;
                     const float * row = llama_get_logits_ith(m.ctx, i);
-                    if (!row) return Status(kEngineError, "llama.cpp returned no logits for row " + std::to_string(c0 + i));
+                    if (!row) return cleared("llama.cpp returned no logits for row " + std::to_string(c0 + i));
                     std::memcpy(out + (size_t) rows_out * width, row, sizeof(float) * (size_t) width);
                     ++rows_out;
                 }
             } else {
 #if DGR_LAYER_RANGE
                 const float * bnd = llama_get_boundary(m.ctx);
-                if (!bnd) return Status(kEngineError, "llama.cpp returned no boundary");
+                if (!bnd) return cleared("llama.cpp returned no boundary");
                 std::memcpy(out + (size_t) rows_out * width, bnd, sizeof(float) * (size_t) n * width);
                 rows_out += n;
 #else
