@@ -36,7 +36,6 @@ tests/unit/test_bench_models.py.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import select
@@ -242,41 +241,16 @@ def procs_decode(procs: Procs, prompt: list[int], steps: int) -> dict:
         raise RuntimeError(f"{e}\n{procs.errors()}") from e
 
 
-async def _relay_decode(endpoints, prompt: list[int], steps: int) -> dict:
-    from dgr.route import AsyncRoute
-
-    async with AsyncRoute(endpoints, relay=True, loop=True) as r:
-        if not (r.relay and r.loop):
-            raise RuntimeError("the route did not take direct relay with the decode loop")
-        s = r.session()
-        try:
-            async for _ in s.generate(prompt, max_tokens=2, stop_on_eog=False):
-                pass  # warm up: the prompt, one step
-        finally:
-            await s.close()
-        s = r.session()
-        toks, t_first = [], None
-        before = await r.describe()
-        try:
-            async for tok in s.generate(prompt, max_tokens=steps + 1, stop_on_eog=False):
-                if t_first is None:
-                    t_first = time.perf_counter()
-                toks.append(tok)
-            t_end = time.perf_counter()
-            infos = await r.describe()
-        finally:
-            await s.close()
-    from dgr.transport.common import compute_between
-
-    counted = compute_between(before, infos)  # the workers' exact totals over this run
-    if any(isinstance(c, str) for c in counted):
-        raise RuntimeError("; ".join(c for c in counted if isinstance(c, str)))
-    return {"tokens": toks, "token_ms": 1e3 * (t_end - t_first) / steps,
-            "compute_ms": [1e3 * sec / k for k, sec in counted]}
-
-
 def relay_decode(cluster, prompt: list[int], steps: int) -> dict:
-    return asyncio.run(_relay_decode(cluster.endpoints, prompt, steps))
+    """dgr workers with direct relay and the decode loop: ``wan.route_decode``'s timed run
+    (a warm-up generation, then ``steps`` greedy steps after ``prompt``; each stage's compute
+    from its worker's exact totals over the run)."""
+    from wan import route_decode
+
+    r = route_decode(cluster.endpoints, steps, prompt, relay=True)
+    if not r["loop"]:
+        raise RuntimeError("the route did not take direct relay with the decode loop")
+    return {"tokens": r["tokens"], "token_ms": r["tpot_ms"], "compute_ms": r["compute_ms"]}
 
 
 # --- the summary (pure) ----------------------------------------------------------------------

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -137,25 +136,14 @@ async def _decode(endpoints, n_decode: int, prompt: list[int], relay: bool,
     if ran["relay"] != relay:
         raise RuntimeError(f"asked for relay={relay}, the route ran relay={ran['relay']}")
     steps = len(toks) - 1
-    counted = stage_compute(before, infos)
+    from dgr.transport.common import measured_compute
+
+    counted = measured_compute(before, infos)
     return {"steps": steps, "tpot_ms": 1e3 * (t_end - t_first) / steps, "tokens": toks,
             "stage_rtt_ms": [st.decode_rtt_ms for st in s.stats],
             "stage_rtt_steps": [st.decode_steps for st in s.stats],
             "compute_steps": [n for n, _ in counted],
             "compute_ms": [1e3 * sec / n for n, sec in counted], **ran}
-
-
-def stage_compute(before, after) -> list[tuple[int, float]]:
-    """(single-token steps, their compute seconds) each stage's worker computed between two
-    describes of the route (``dgr.transport.common.compute_between``); raises when a stage
-    has no such figure (an older worker, replaced or restarted during the run)."""
-    from dgr.transport.common import compute_between
-
-    out = compute_between(before, after)
-    why = [x for x in out if isinstance(x, str)]
-    if why:
-        raise RuntimeError("; ".join(why))
-    return out
 
 
 def hop_ms(run: dict, rtt_ms: float) -> float | None:
@@ -205,27 +193,7 @@ def _emulated_cluster(path: str, n: int, n_layer: int, rtt_ms: float, args=()):
     ``args`` as well."""
     import compare
 
-    class _Cluster(compare.EmulatedCluster):
-        def start(self):
-            ports = [(compare._free_port(), compare._free_port()) for _ in range(self.n)]
-            try:
-                self.cluster = start_cluster(
-                    self.path, self.n, self.n_layer, args=list(args),
-                    worker_args=[["--data-port", str(d), "--advertise-data-port", str(p)]
-                                 for d, p in ports])
-                self.data = compare.Emulated([f"127.0.0.1:{d}" for d, _ in ports],
-                                             self.rtt_ms,
-                                             listens=[f"127.0.0.1:{p}" for _, p in ports])
-                self.data.start()
-                self.grpc = compare.Emulated(self.cluster.endpoints, self.rtt_ms)
-                self.grpc.start()
-            except BaseException:
-                self.stop()
-                raise
-            self.workers, self.endpoints = self.cluster.workers, self.grpc.endpoints
-            return self
-
-    return _Cluster(path, n, n_layer, rtt_ms).start()
+    return compare.EmulatedCluster(path, n, n_layer, rtt_ms, args).start()
 
 
 def n_tokens(budget_s: float, rounds: int, s: float, rtt_ms: float) -> int:

@@ -70,11 +70,9 @@ async def _route_decode(endpoints, n_decode: int, rounds: int, **route_kw) -> di
         relay, loop = r.relay, r.loop
     # each stage's mean compute over the single-token steps it computed in these rounds (the
     # workers' exact totals; an end-of-generation step may add one per round)
-    from dgr.transport.common import compute_between
+    from dgr.transport.common import measured_compute
 
-    counted = compute_between(before, infos)
-    if any(isinstance(c, str) for c in counted):
-        raise RuntimeError("; ".join(c for c in counted if isinstance(c, str)))
+    counted = measured_compute(before, infos)
     compute = [1e3 * sec / k for k, sec in counted]
     if relay:
         # the driver sees whole-route steps: transport = TPOT - compute over the same rounds,

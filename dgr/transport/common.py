@@ -174,9 +174,9 @@ class StageInfo:
 
 def compute_between(before, after) -> list[tuple[int, float] | str]:
     """What each stage's worker computed between two describes of a route (``before`` a
-    timed run, ``after`` it; lists of ``StageInfo``): (single-token steps, their compute seconds), from the workers'
-    exact totals (``decode_steps_total``, ``decode_compute_s_total``), or why there is no
-    figure (a str)."""
+    timed run, ``after`` it; lists of ``StageInfo``): (single-token steps, their compute
+    seconds), from the workers' exact totals (``decode_steps_total``,
+    ``decode_compute_s_total``), or why there is no figure (a str)."""
     if len(before) != len(after):
         return [f"the route had {len(before)} stage(s) before the generation, "
                 f"{len(after)} after"] * len(after)
@@ -196,4 +196,15 @@ def compute_between(before, after) -> list[tuple[int, float] | str]:
         else:
             out.append((a.decode_steps_total - b.decode_steps_total,
                         a.decode_compute_s_total - b.decode_compute_s_total))
+    return out
+
+
+def measured_compute(before, after) -> list[tuple[int, float]]:
+    """``compute_between`` for a benchmark, which needs a figure for every stage: raises
+    RuntimeError with the reasons when a stage has none (an older worker, one replaced or
+    restarted during the run, no single-token step)."""
+    out = compute_between(before, after)
+    why = [x for x in out if isinstance(x, str)]
+    if why:
+        raise RuntimeError("; ".join(why))
     return out

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from dgr import errors, wire
 from dgr._core import HAS_LAYER_RANGES
 from dgr.route import AsyncRoute, Route, generate_local
 from dgr.sampling import SamplingParams
+from dgr.testing.waits import WAIT_S, wait_until as _wait_until
 from dgr.transport import dataplane
 from dgr.worker import ThreadedWorker
 
@@ -23,17 +23,6 @@ pytestmark = pytest.mark.skipif(not HAS_LAYER_RANGES, reason="needs the patched 
 SETTINGS = dict(n_ctx=128, n_slots=4, n_threads=1, n_ubatch=8)
 RANGES = ((0, 1), (1, 3), (3, 4))
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(3, 120, 37)]  # 5 chunks of <= 8
-WAIT_S = 60.0  # deadline of every wait on a condition (generous: a loaded CI machine)
-
-
-def _wait_until(cond, what: str, timeout: float = WAIT_S) -> None:
-    """Poll ``cond()`` until it holds; fail naming ``what`` if it does not within
-    ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        threading.Event().wait(0.005)
 
 
 class _Handled:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import threading
-import time
 
 import grpc
 import numpy as np
@@ -16,6 +14,7 @@ from dgr import errors, wire
 from dgr._core import HAS_LAYER_RANGES
 from dgr.route import AsyncRoute, Route, check_route, generate_local
 from dgr.sampling import SamplingParams
+from dgr.testing.waits import wait_until as _wait_until
 from dgr.transport.client import ShardClient
 from dgr.transport.common import StageInfo, stage_identity
 from dgr.transport.server import ShardServer
@@ -23,17 +22,6 @@ from dgr.worker import ThreadedWorker
 
 SETTINGS = dict(n_ctx=64, n_slots=2, n_threads=1, n_ubatch=8)
 PROMPT = list(range(3, 23))  # 20 tokens: three prefill chunks of <= 8
-WAIT_S = 60.0  # deadline of every wait on a condition (generous: a loaded CI machine)
-
-
-def _wait_until(cond, what: str, timeout: float = WAIT_S) -> None:
-    """Poll ``cond()`` until it holds; fail naming ``what`` if it does not within
-    ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        threading.Event().wait(0.005)
 
 
 @pytest.fixture(scope="module")

@@ -85,6 +85,17 @@ def forward(info, session: str, epoch: int, pos: int, toks, reply_to: str = "") 
         relay=[] if reply_to else None))
 
 
+def describe(endpoint: str):
+    """The worker's describe record, over a client of its own."""
+    async def go():
+        c = ShardClient(endpoint)
+        try:
+            return await c.describe()
+        finally:
+            await c.close()
+    return asyncio.run(go())
+
+
 def header(data):
     return wire.decode(data).header
 
@@ -451,14 +462,7 @@ def test_stale_epoch_frame_on_the_data_plane(tiny_llama, reaper):
     w = spawn(reaper, tiny_llama, SMALL)
     p = tokens(8, 10)
 
-    async def describe():
-        c = ShardClient(w.endpoint)
-        try:
-            return await c.describe()
-        finally:
-            await c.close()
-
-    info = asyncio.run(describe())
+    info = describe(w.endpoint)
     d = DataConn(info.data_endpoint)
     try:
         route = uuid.uuid4().hex
@@ -484,7 +488,7 @@ def test_stale_epoch_frame_on_the_data_plane(tiny_llama, reaper):
     want = ref.run([p, [r2.tokens[0]]])
     assert [r1.tokens, r2.tokens, after.tokens] == [[want[0]], [want[0]], [want[1]]]
     assert other.tokens == [ref.run([p[:4]])[0]]
-    final = asyncio.run(describe())
+    final = describe(w.endpoint)
     assert (final.errors_total, final.sessions) == (1, 2)
 
 
@@ -496,14 +500,7 @@ def test_max_data_connections(tiny_llama, reaper):
     (ResourceExhausted) and is closed; once one of the two closes, a new one is served."""
     w = spawn(reaper, tiny_llama, SMALL, ["--max-data-connections", "2"])
 
-    async def describe():
-        c = ShardClient(w.endpoint)
-        try:
-            return await c.describe()
-        finally:
-            await c.close()
-
-    info = asyncio.run(describe())
+    info = describe(w.endpoint)
     ep = info.data_endpoint
     conns = [DataConn(ep), DataConn(ep)]
     try:

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import selectors
 import signal
 import subprocess
 import sys
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -20,6 +17,7 @@ from dgr._core import HAS_LAYER_RANGES
 from dgr.cli import DEFAULT_PROMPT
 from dgr.route import Route, generate_local
 from dgr.sampling import SamplingParams, sample_rows
+from dgr.testing.waits import read_until
 from dgr.transport.client import ShardClient
 from dgr.worker import LocalCluster, WorkerProcess
 
@@ -364,20 +362,7 @@ def test_cli_run_explains_missing_ranges(smollm2):
 def read_within(stream, n: int, timeout: float) -> bytes:
     """At least ``n`` bytes from a pipe (fewer only at end of file), or fail after ``timeout``
     seconds: a child that never writes is a failure here, not a hang."""
-    fd = stream.fileno()
-    got = b""
-    with selectors.DefaultSelector() as sel:
-        sel.register(fd, selectors.EVENT_READ)
-        deadline = time.monotonic() + timeout
-        while len(got) < n:
-            left = deadline - time.monotonic()
-            if left <= 0 or not sel.select(left):
-                pytest.fail(f"{len(got)} of {n} bytes within {timeout:g} s: {got!r}")
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                break
-            got += chunk
-    return got
+    return read_until(stream, lambda got: len(got) >= n, timeout, f"{n} bytes")
 
 
 # Runs the CLI (same process, by exec) with SIGINT set as given, as it would inherit it: a

@@ -6,12 +6,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import selectors
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ import pytest
 from dgr import artifacts, errors, gguf_io, identity
 from dgr.artifacts import Manifest, build_manifest, verify, verify_for_worker, write_manifest
 from dgr.testing.fixtures import TinyLlama, write_tiny_llama
+from dgr.testing.waits import read_until
 
 CS = 16 << 10  # 16 KiB chunks: the 616 KiB tiny model has 39 of them
 
@@ -428,19 +427,7 @@ sys.exit(artifacts.main(sys.argv[2:]))
 
 def _line_within(stream, timeout: float) -> bytes:
     """One line from a pipe within ``timeout`` seconds (a failure, not a hang, otherwise)."""
-    fd, got = stream.fileno(), b""
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as sel:
-        sel.register(fd, selectors.EVENT_READ)
-        while b"\n" not in got:
-            left = deadline - time.monotonic()
-            if left <= 0 or not sel.select(left):
-                pytest.fail(f"no line within {timeout:g} s: {got!r}")
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                break
-            got += chunk
-    return got
+    return read_until(stream, lambda got: b"\n" in got, timeout, "a line")
 
 
 def test_verification_killed_from_outside_resumes(tiny, tiny_manifest, tmp_path):
