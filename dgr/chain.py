@@ -95,13 +95,14 @@ def generate_local(engine, prompt: Sequence[int], *, max_tokens: int = 64,
     same rows (last row only) and the same position-keyed sampling as the last stage.
     Returns the tokens and, with ``logits=True``, the logits row that sampled each (an
     end-of-generation token that stopped it included, as ``AsyncRouteSession.logits``).
-    ``timing``, when given, receives ``prefill_s``, ``decode_s`` and ``decode_steps``.
+    ``timing``, when given, receives ``prefill_s``, ``decode_s``, ``decode_cpu_s`` (this
+    process's CPU time over the same span, all threads) and ``decode_steps``.
     """
     prompt = np.ascontiguousarray(prompt, dtype=np.int32)
     engine.release(slot)
     t0 = time.perf_counter()
     row = engine.forward(slot, 0, prompt)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     pos = len(prompt)
     toks: list[int] = []
     rows: list[np.ndarray] = []
@@ -118,8 +119,9 @@ def generate_local(engine, prompt: Sequence[int], *, max_tokens: int = 64,
         row = engine.forward(slot, pos, np.array([t], dtype=np.int32))
         pos += 1
         steps += 1
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
     engine.release(slot)
     if timing is not None:
-        timing.update(prefill_s=t1 - t0, decode_s=t2 - t1, decode_steps=steps)
+        timing.update(prefill_s=t1 - t0, decode_s=t2 - t1, decode_cpu_s=c2 - c1,
+                      decode_steps=steps)
     return toks, rows

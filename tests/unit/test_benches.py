@@ -233,9 +233,10 @@ class _FakeEngine:
 def test_timed_decode_counts_the_decode_steps_only(monkeypatch):
     clock = _FakeClock()
     monkeypatch.setattr(compare.time, "perf_counter", clock)
-    monkeypatch.setattr(compare, "cpu_seconds", lambda pid: clock())
+    monkeypatch.setattr(compare.time, "process_time", clock)
     eng = _FakeEngine(clock)
-    toks, dt, cpu = compare._timed_decode(eng, [5] * 16, 8)
+    m = compare.timed_decode(eng, [5] * 16, 8)
+    toks, dt, cpu = m["tokens"], 8 / m["decode_tps"], 8 * m["cpu_s_per_token"]
     assert dt == 8.0 and cpu == 8.0  # the prompt's 100 s are not in the decode figures
     assert toks == [16, 17, 18, 19, 20, 21, 22, 23, 24]  # the prompt's token + 8 steps
     fw = [c for c in eng.calls if c[0] == "forward"]
