@@ -187,7 +187,7 @@ def _sent(senders) -> list[int] | None:
 def whole_measure(n_decode: int = N_DECODE, prefills=PREFILLS) -> dict:
     """In this process: load the whole model and measure (call it in a fresh process)."""
     import dgr
-    from dgr.chain import generate_local
+    from dgr.core.local import generate_local
 
     eng = dgr.Engine(smollm2_path(), **SETTINGS)
     prompts = {**_prompts(), **{n: [int(t) for t in prompt_tokens(n, N_VOCAB)]
@@ -209,7 +209,7 @@ def timed_decode(eng, prompt, n_decode: int) -> dict:
     """``n_decode`` greedy steps after ``prompt`` through ``generate_local``, timed as
     ``_route_measure`` times a route: wall clock and this process's CPU from the prompt's row
     to the last token (the decode steps only): {decode_tps, cpu_s_per_token, tokens}."""
-    from dgr.chain import generate_local
+    from dgr.core.local import generate_local
 
     t: dict = {}
     toks, _ = generate_local(eng, prompt, max_tokens=n_decode + 1, stop_on_eog=False, timing=t)
@@ -235,7 +235,7 @@ def relay_frame_bytes(r, s, width: int, k: int) -> int:
     through ``wire.encode``, plus the data plane's 4-byte length prefix."""
     import numpy as np
 
-    from dgr import wire
+    from dgr.protocol import wire
 
     nxt = r.stages[k + 1]
     hops = [wire.Hop(endpoint=st.data_endpoint, tokens=st.needs_token_ids)
@@ -276,7 +276,7 @@ async def _route_measure(endpoints, pids, n_decode: int, prefills, relay: bool =
                          width: int | None = None, stage_pids=None) -> dict:
     """One route over ``endpoints``; ``pids``: the processes whose CPU counts (this one and the
     workers); ``stage_pids``: {gRPC endpoint: worker pid} for the seam bytes (None: none)."""
-    from dgr.route import AsyncRoute
+    from dgr.driver.route import AsyncRoute
 
     prompts = {**_prompts(), **{n: [int(t) for t in prompt_tokens(n, N_VOCAB)]
                                 for n in prefills}}
@@ -358,7 +358,7 @@ def session_prompt(i: int) -> list[int]:
 
 
 async def _sessions_measure(endpoints, k: int, n_decode: int, relay: bool) -> dict:
-    from dgr.route import AsyncRoute
+    from dgr.driver.route import AsyncRoute
 
     async with AsyncRoute(endpoints, **route_kwargs(relay)) as r:
         await r.complete(session_prompt(0), max_tokens=2, stop_on_eog=False)  # warm up
@@ -391,7 +391,7 @@ def whole_tokens(prompts, n: int, n_slots: int = 1) -> list[list[int]]:
     """Greedy tokens (``n`` each) of the whole model for each prompt, in this process, with
     SETTINGS and ``n_slots`` slots (the settings of the cluster it is the reference of)."""
     import dgr
-    from dgr.chain import generate_local
+    from dgr.core.local import generate_local
 
     eng = dgr.Engine(smollm2_path(), **{**SETTINGS, "n_slots": n_slots})
     out = []

@@ -48,7 +48,7 @@ class _CopyEngine:
 
 
 def _frames(worker, x, n, epoch):
-    from dgr import wire
+    from dgr.protocol import wire
 
     hop = [wire.Hop(endpoint="127.0.0.1:1")]
     return [wire.encode(wire.Forward(model=worker.identity, session="s", epoch=epoch,
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     import dgr
-    from dgr.worker import Worker
+    from dgr.worker.stage import Worker
 
     settings = {**SETTINGS, "n_slots": 1}
     eng = dgr.Engine(smollm2_path(), layers=(10, 20), **settings)

@@ -93,9 +93,9 @@ def serve(ranges: list[tuple[int, int]], ring_fd: int | None) -> int:
     token to stdout (the driver); with steps left feed it back to the first range, over
     ``ring_fd`` (pipes) or in process (``ring_fd`` None: alone)."""
     import numpy as np
+    from benchmarks.common import SETTINGS, smollm2_path
 
     import dgr
-    from benchmarks.common import SETTINGS, smollm2_path
 
     engines = [dgr.Engine(smollm2_path(), layers=(a, b), **{**SETTINGS, "n_slots": 1})
                for a, b in ranges]
@@ -293,10 +293,12 @@ def main(argv=None) -> int:
         return serve([tuple(int(x) for x in g.split(":")) for g in args.serve.split(",")],
                      args.ring_fd)
 
-    import dgr
     from benchmarks.bench_route import start_cluster
     from benchmarks.common import SETTINGS, prompt_tokens, smollm2_path
-    from dgr.chain import generate_local, split_layers
+
+    import dgr
+    from dgr.core.local import generate_local
+    from dgr.protocol.ranges import split_layers
 
     n, steps = args.stages, args.tokens
     if n < 2 or steps < 1:

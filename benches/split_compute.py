@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import dgr
-    from dgr.chain import split_layers
+    from dgr.protocol.ranges import split_layers
 
     path = smollm2_path()
     settings = {**SETTINGS, "n_slots": 1}

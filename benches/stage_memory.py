@@ -54,7 +54,7 @@ def measure(path: str, a: int, b: int) -> dict:
 
 def run(path: str, n_stages: int) -> list[dict]:
     import dgr
-    from dgr.chain import split_layers
+    from dgr.protocol.ranges import split_layers
 
     n_layer = dgr.Engine(path, n_ctx=64).n_layer
     rows = [measure(path, 0, -1)]
@@ -68,7 +68,7 @@ def main() -> int:
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--json")
     args = ap.parse_args()
-    from dgr import models
+    from dgr.artifacts import models
 
     path = args.model or str(models.path())
     rows = run(path, args.stages)

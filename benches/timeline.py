@@ -193,9 +193,10 @@ def range_compute_ms(n_stages: int, n_tokens: int = 64) -> list[float]:
     this process (the workers' settings; no transport)."""
     import statistics
 
-    import dgr
     from benchmarks.common import SETTINGS, smollm2_path
-    from dgr.chain import split_layers
+
+    import dgr
+    from dgr.protocol.ranges import split_layers
 
     path = smollm2_path()
     settings = {**SETTINGS, "n_slots": 1}
@@ -227,7 +228,7 @@ def _range_compute_own_process(n_stages: int) -> list[float]:
 # --- the run ---------------------------------------------------------------------------------
 
 async def _prefill(endpoints, prompt) -> dict:
-    from dgr.route import AsyncRoute
+    from dgr.driver.route import AsyncRoute
 
     async with AsyncRoute(endpoints, relay=True) as r:
         s = r.session()
@@ -249,7 +250,7 @@ async def _prefill(endpoints, prompt) -> dict:
 
 
 async def _decode(endpoints, prompt, n: int) -> dict:
-    from dgr.route import AsyncRoute
+    from dgr.driver.route import AsyncRoute
 
     async with AsyncRoute(endpoints, relay=True) as r:
         s = r.session()
@@ -267,9 +268,10 @@ async def _decode(endpoints, prompt, n: int) -> dict:
 def _traced(n_stages: int, log, go):
     """Start traced workers, ``go(endpoints)`` (a coroutine function), stop them (which
     flushes the traces) and return (go's result, the spans of its session)."""
-    import dgr
     from benchmarks.bench_route import start_cluster
     from benchmarks.common import SETTINGS, smollm2_path
+
+    import dgr
 
     path = smollm2_path()
     n_layer = dgr.Engine(path, **SETTINGS).n_layer
@@ -330,9 +332,8 @@ def report_decode(out: dict, file=sys.stdout) -> None:
 
 
 def run(n_stages: int, n_prompt: int, whole: bool = True, log=print) -> dict:
-    from benchmarks.common import SETTINGS
-
     import compare
+    from benchmarks.common import SETTINGS
 
     prompt = [int(t) for t in compare.prompt_tokens(n_prompt, compare.N_VOCAB)]
     res, spans = _traced(n_stages, log, lambda eps: _prefill(eps, prompt))

@@ -108,7 +108,7 @@ async def _decode(endpoints, n_decode: int, prompt: list[int], relay: bool,
     path ran."""
     import time
 
-    from dgr.route import AsyncRoute
+    from dgr.driver.route import AsyncRoute
 
     kw = dict(relay=True, loop=True, loop_window=WINDOW) if relay else dict(relay=False)
     async with AsyncRoute(endpoints, **kw, **route_kw) as r:
@@ -136,7 +136,7 @@ async def _decode(endpoints, n_decode: int, prompt: list[int], relay: bool,
     if ran["relay"] != relay:
         raise RuntimeError(f"asked for relay={relay}, the route ran relay={ran['relay']}")
     steps = len(toks) - 1
-    from dgr.transport.common import measured_compute
+    from dgr.protocol.describe import measured_compute
 
     counted = measured_compute(before, infos)
     return {"steps": steps, "tpot_ms": 1e3 * (t_end - t_first) / steps, "tokens": toks,
@@ -239,7 +239,7 @@ def main(argv=None) -> int:
     rtts = [float(x) for x in args.rtts.split(",") if x]
     path = args.model or smollm2_path()
     import dgr
-    from dgr.chain import generate_local
+    from dgr.core.local import generate_local
 
     whole = dgr.Engine(path, **SETTINGS)
     n_layer, n_vocab = whole.n_layer, whole.n_vocab

@@ -11,7 +11,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from dgr import wire  # noqa: E402
+from dgr.protocol import wire  # noqa: E402
 
 GOAL_US = 20.0
 

@@ -1,18 +1,18 @@
 """dgr: a distributed GGUF runtime (one model split by layer ranges across processes)."""
 
-from . import errors
-from .errors import DgrError
+from dgr import errors
+from dgr.errors import DgrError
 
 __all__ = ["errors", "DgrError", "Engine"]
 __version__ = "0.1.0"
 
 # Heavy or compiled parts load on first use, so `python -m dgr.vendor` works before any build.
 _LAZY = {
-    "Engine": ("dgr.engine", "Engine"),
-    "Route": ("dgr.route", "Route"),
-    "RouteSession": ("dgr.route", "RouteSession"),
-    "AsyncRoute": ("dgr.route", "AsyncRoute"),
-    "AsyncRouteSession": ("dgr.route", "AsyncRouteSession"),
+    "Engine": ("dgr.core.engine", "Engine"),
+    "Route": ("dgr.driver.route", "Route"),
+    "RouteSession": ("dgr.driver.route", "RouteSession"),
+    "AsyncRoute": ("dgr.driver.route", "AsyncRoute"),
+    "AsyncRouteSession": ("dgr.driver.route", "AsyncRouteSession"),
 }
 
 

@@ -16,7 +16,7 @@ def tiny_llama(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M-Instruct Q4_1 from the model registry (fetched and verified if missing)."""
-    from dgr import models
+    from dgr.artifacts import models
 
     return models.path(models.DEFAULT_MODEL)
 

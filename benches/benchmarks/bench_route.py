@@ -19,7 +19,7 @@ N_PROMPT = 16
 
 
 def route_ranges(n_layer: int, n: int):
-    from dgr.chain import split_layers
+    from dgr.protocol.ranges import split_layers
 
     return [None] if n == 1 else split_layers(n_layer, n)
 
@@ -33,7 +33,7 @@ def start_cluster(path: str, n_stages: int, n_layer: int = 30, args=(), n_slots:
     ``worker_args``: optional per-worker extra arguments (a list of ``n_stages`` lists, e.g.
     ``--data-port D --advertise-data-port P``), after ``args``."""
     from dgr._core import HAS_LAYER_RANGES
-    from dgr.worker import LocalCluster
+    from dgr.worker.process import LocalCluster
 
     if n_stages > 1 and not HAS_LAYER_RANGES:
         raise NotImplementedError("partial layer ranges are not in this build")
@@ -48,7 +48,7 @@ def start_cluster(path: str, n_stages: int, n_layer: int = 30, args=(), n_slots:
 
 async def _route_decode(endpoints, n_decode: int, rounds: int, **route_kw) -> dict:
     """Decode tokens/s over the route (asyncio API), median of ``rounds``; per-stage RTTs."""
-    from dgr.route import AsyncRoute
+    from dgr.driver.route import AsyncRoute
 
     prompt = [int(t) for t in prompt_tokens(N_PROMPT, 49152)]
     async with AsyncRoute(endpoints, **route_kw) as r:
@@ -70,7 +70,7 @@ async def _route_decode(endpoints, n_decode: int, rounds: int, **route_kw) -> di
         relay, loop = r.relay, r.loop
     # each stage's mean compute over the single-token steps it computed in these rounds (the
     # workers' exact totals; an end-of-generation step may add one per round)
-    from dgr.transport.common import measured_compute
+    from dgr.protocol.describe import measured_compute
 
     counted = measured_compute(before, infos)
     compute = [1e3 * sec / k for k, sec in counted]
@@ -98,7 +98,7 @@ def route_decode(endpoints, n_decode: int = N_DECODE, rounds: int = 1, **route_k
 
 def route_decode_sync(endpoints, n_decode: int = N_DECODE, rounds: int = 1) -> float:
     """The same through the blocking API (one thread handoff per token)."""
-    from dgr.route import Route
+    from dgr.driver.route import Route
 
     prompt = [int(t) for t in prompt_tokens(N_PROMPT, 49152)]
     tps = []

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from dgr import wire
+from dgr.protocol import wire
 
 # "raw" is the parity codec; "+zstd" adds zstd level 3 over the codec bytes.
 CODECS = [f"{c}{z}" for c in wire.CODECS for z in ("", "+zstd")]

@@ -12,7 +12,7 @@ SEED = 1234
 
 
 def smollm2_path() -> str:
-    from dgr import models
+    from dgr.artifacts import models
 
     return str(models.path(models.DEFAULT_MODEL))
 

@@ -1,9 +1,9 @@
 """Private compiled core of dgr (Cython over cpp/). Import ``dgr`` instead."""
 
 try:
-    from ._core import BUILD_INFO, HAS_LAYER_RANGES, Engine
+    from dgr._core._core import BUILD_INFO, HAS_LAYER_RANGES, Engine
 except ImportError as _e:  # pragma: no cover - exercised by tests with a hidden build
-    from ..errors import CoreNotBuilt
+    from dgr.errors import CoreNotBuilt
 
     raise CoreNotBuilt(
         "dgr's compiled core (dgr._core._core) is not built or does not match this Python: "

@@ -17,11 +17,11 @@ __all__ = ["gguf_module", "TinyLlama", "write_tiny_llama", "TinyDeepseek4", "wri
 
 def gguf_module():
     """Import ``gguf`` from the pinned llama.cpp tree in the vendor cache."""
-    from ..vendor import Vendor
+    from dgr.vendor import Vendor
 
     path = str(Vendor().gguf_py())
     if not Path(path).exists():
-        from ..errors import VendorError
+        from dgr.errors import VendorError
 
         raise VendorError(f"{path} is missing; run `python -m dgr.vendor fetch`")
     if path not in sys.path:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import random
 
-from ..chain import split_layers
-from ..errors import InvalidArgument
+from dgr.errors import InvalidArgument
+from dgr.protocol.ranges import split_layers
 
 __all__ = ["SEED_ENV", "split_seed", "random_layouts", "layout_id"]
 

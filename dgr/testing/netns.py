@@ -18,7 +18,7 @@ import subprocess
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..worker import WorkerProcess
+from dgr.worker.process import WorkerProcess
 
 __all__ = ["Netns", "Host", "NetnsWorker", "available"]
 

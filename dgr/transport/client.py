@@ -10,10 +10,11 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from .. import errors
-from .._proto import dgr_pb2, dgr_pb2_grpc
-from .common import MAX_MESSAGE, STEP_METHOD, StageInfo, channel_options
-from .status import CODE_KEY, from_rpc_error, from_status
+from dgr import errors
+from dgr._proto import dgr_pb2, dgr_pb2_grpc
+from dgr.protocol.describe import StageInfo
+from dgr.transport.common import MAX_MESSAGE, STEP_METHOD, channel_options
+from dgr.transport.status import CODE_KEY, from_rpc_error, from_status
 
 __all__ = ["ShardClient", "StepStream", "DEFAULT_TIMEOUT", "DEFAULT_STEP_TIMEOUT",
            "DEFAULT_STREAM_TIMEOUT"]
@@ -187,7 +188,7 @@ class ShardClient:
         dgr.errors.RouteError
             The worker predates the record (its describe reply carries none).
         """
-        from ..capability import decode
+        from dgr.protocol.capability import decode
 
         r = await self._unary("describe", self._stub.Describe, dgr_pb2.DescribeRequest(), timeout)
         if not r.capability_json:

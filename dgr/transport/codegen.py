@@ -23,8 +23,8 @@ _INIT = '"""Generated protobuf/gRPC code for proto/dgr.proto (python -m dgr.tran
 
 
 def generate(out: Path) -> None:
-    from grpc_tools import protoc
     import grpc_tools
+    from grpc_tools import protoc
 
     include = Path(grpc_tools.__file__).parent / "_proto"
     rc = protoc.main([

@@ -22,7 +22,8 @@ import struct
 import threading
 from typing import Callable
 
-from .. import errors, wire
+from dgr import errors
+from dgr.protocol import wire
 
 __all__ = ["LEN", "MAX_FRAME", "FrameSocket", "DataServer", "Links", "AsyncLink",
            "connect", "split_endpoint"]

@@ -9,10 +9,10 @@ import grpc
 from grpc_health.v1 import health as _health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from .. import errors
-from .._proto import dgr_pb2, dgr_pb2_grpc
-from .common import HEALTH_SERVICE, MAX_MESSAGE, SERVICE, server_options
-from .status import to_status
+from dgr import errors
+from dgr._proto import dgr_pb2, dgr_pb2_grpc
+from dgr.transport.common import HEALTH_SERVICE, MAX_MESSAGE, SERVICE, server_options
+from dgr.transport.status import to_status
 
 __all__ = ["StageBackend", "ShardServer"]
 

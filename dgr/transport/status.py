@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from .. import errors as E
+from dgr import errors as E
 
 __all__ = ["STATUS_OF", "CANONICAL", "CODE_KEY", "RETRY_KEY", "status_of", "to_status",
            "from_status", "from_rpc_error"]

@@ -15,10 +15,20 @@ import numpy as np
 import pytest
 
 import dgr
-from dgr import artifacts, errors, gguf_io, identity
+from dgr import errors
 from dgr._core import HAS_LAYER_RANGES
-from dgr.artifacts import Manifest, build_manifest, verify, verify_for_worker, write_manifest
-from dgr.chain import generate_local, split_layers
+from dgr.artifacts import gguf as gguf_io
+from dgr.artifacts import identity
+from dgr.artifacts import manifest as artifacts
+from dgr.artifacts.manifest import (
+    Manifest,
+    build_manifest,
+    verify,
+    verify_for_worker,
+    write_manifest,
+)
+from dgr.core.local import generate_local
+from dgr.protocol.ranges import split_layers
 
 needs_ranges = pytest.mark.skipif(
     not HAS_LAYER_RANGES,

@@ -12,9 +12,9 @@ import pytest
 
 import dgr
 from dgr._core import HAS_LAYER_RANGES
-from dgr.metrics import MetricsServer
-from dgr.route import Route
-from dgr.worker import ThreadedWorker
+from dgr.control.metrics import MetricsServer
+from dgr.driver.route import Route
+from dgr.worker.process import ThreadedWorker
 
 pytestmark = pytest.mark.skipif(not HAS_LAYER_RANGES, reason="needs the patched llama.cpp")
 

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 import dgr
-from dgr import errors, wire
+from dgr import errors
 from dgr._core import HAS_LAYER_RANGES
-from dgr.chain import LocalChain
-from dgr.parity import compare
+from dgr.control.parity import compare
+from dgr.core.local import LocalChain
+from dgr.protocol import wire
 from dgr.testing.fixtures import TinyDeepseek4, write_tiny_deepseek4
 
 needs_ranges = pytest.mark.skipif(not HAS_LAYER_RANGES,

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 import dgr
-from dgr.worker import Worker
+from dgr.worker.stage import Worker
 
 
 class OwnedLock:

@@ -12,8 +12,8 @@ import pytest
 
 import dgr
 from dgr._core import HAS_LAYER_RANGES
-from dgr.chain import LocalChain
-from dgr.parity import compare
+from dgr.control.parity import compare
+from dgr.core.local import LocalChain
 from dgr.testing.layouts import SEED_ENV, layout_id, random_layouts, split_seed
 
 pytestmark = [pytest.mark.slow,

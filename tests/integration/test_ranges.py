@@ -8,8 +8,9 @@ import pytest
 import dgr
 from dgr import errors
 from dgr._core import HAS_LAYER_RANGES
-from dgr.chain import LocalChain, split_layers
-from dgr.parity import compare
+from dgr.control.parity import compare
+from dgr.core.local import LocalChain
+from dgr.protocol.ranges import split_layers
 
 needs_ranges = pytest.mark.skipif(not HAS_LAYER_RANGES,
                                   reason="the built llama.cpp carries no layer-range patches")

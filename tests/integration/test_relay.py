@@ -10,13 +10,16 @@ import numpy as np
 import pytest
 
 import dgr
-from dgr import errors, wire
+from dgr import errors
 from dgr._core import HAS_LAYER_RANGES
-from dgr.route import AsyncRoute, Route, generate_local
-from dgr.sampling import SamplingParams
-from dgr.testing.waits import WAIT_S, wait_until as _wait_until
+from dgr.core.local import generate_local
+from dgr.driver.route import AsyncRoute, Route
+from dgr.protocol import wire
+from dgr.protocol.sampling import SamplingParams
+from dgr.testing.waits import WAIT_S
+from dgr.testing.waits import wait_until as _wait_until
 from dgr.transport import dataplane
-from dgr.worker import ThreadedWorker
+from dgr.worker.process import ThreadedWorker
 
 pytestmark = pytest.mark.skipif(not HAS_LAYER_RANGES, reason="needs the patched llama.cpp")
 

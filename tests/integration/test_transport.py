@@ -10,15 +10,18 @@ import numpy as np
 import pytest
 
 import dgr
-from dgr import errors, wire
+from dgr import errors
 from dgr._core import HAS_LAYER_RANGES
-from dgr.route import AsyncRoute, Route, check_route, generate_local
-from dgr.sampling import SamplingParams
+from dgr.core.local import generate_local
+from dgr.driver.route import AsyncRoute, Route, check_route
+from dgr.protocol import wire
+from dgr.protocol.describe import StageInfo
+from dgr.protocol.sampling import SamplingParams
+from dgr.protocol.settings import stage_identity
 from dgr.testing.waits import wait_until as _wait_until
 from dgr.transport.client import ShardClient
-from dgr.transport.common import StageInfo, stage_identity
 from dgr.transport.server import ShardServer
-from dgr.worker import ThreadedWorker
+from dgr.worker.process import ThreadedWorker
 
 SETTINGS = dict(n_ctx=64, n_slots=2, n_threads=1, n_ubatch=8)
 PROMPT = list(range(3, 23))  # 20 tokens: three prefill chunks of <= 8
@@ -543,7 +546,7 @@ def test_route_waits_for_a_slot_when_the_worker_is_full():
 def test_a_step_released_while_it_waited_does_not_run_on_the_reused_slot():
     # x's step passed admission, then x was released (a driver's close, a drain) and its only
     # slot went to y before x's step reached the engine: x's step must not compute there
-    from dgr.worker import Worker
+    from dgr.worker.stage import Worker
 
     w = Worker(ToyEngine(n_slots=1))
     eng = w.engine

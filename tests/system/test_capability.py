@@ -19,10 +19,14 @@ import numpy as np
 import pytest
 
 import dgr
-from dgr import capability, certify, errors, wire
+from dgr import errors
+from dgr.cli import certify
+from dgr.control import capability
+from dgr.protocol import capability as schema
+from dgr.protocol import wire
+from dgr.protocol.settings import stage_identity
 from dgr.transport.client import ShardClient
-from dgr.transport.common import stage_identity
-from dgr.worker import ThreadedWorker
+from dgr.worker.process import ThreadedWorker
 
 SETTINGS = dict(n_ctx=128, n_slots=3, n_threads=1, n_ubatch=8)
 WIDTH = 64  # tiny llama n_embd
@@ -82,7 +86,7 @@ def last_stage(tiny_llama):
 def test_record_fields_on_a_test_worker(last_stage):
     w = last_stage.worker
     rec = run(with_client(last_stage.address, lambda c: c.capability()))
-    assert isinstance(rec, capability.Capability) and rec.schema == capability.SCHEMA
+    assert isinstance(rec, schema.Capability) and rec.schema == schema.SCHEMA
     c, cap = rec.compatibility, rec.capacity
     assert c.model_identity == w.model_identity and c.model_identity.startswith("sha256:")
     assert c.stage_identity == stage_identity(w.model_identity, w.settings)
@@ -101,7 +105,7 @@ def test_record_fields_on_a_test_worker(last_stage):
     assert rec.seam.output_bytes_per_token == {}  # the last stage sends tokens, not a boundary
     assert rec.lanes == [] and rec.uncertified == [] and rec.cert_store is None
     # JSON round trip (the documented form); the SDK's in-process record of the idle engine
-    assert capability.decode(capability.encode(rec)) == rec
+    assert schema.decode(schema.encode(rec)) == rec
     idle = capability.record_for(w.engine)
     assert idle.compatibility == c and idle.capacity.slots_free == 3 and idle.lanes == []
 
@@ -165,7 +169,7 @@ def test_queue_depth_under_load(last_stage):
 
 
 def test_metrics_exposition(last_stage):
-    from dgr.metrics import MetricsServer
+    from dgr.control.metrics import MetricsServer
 
     ms = MetricsServer(last_stage.worker, port=0, loop=last_stage.loop).start()
     try:
@@ -245,7 +249,7 @@ def test_certified_lane_is_advertised_only_while_it_matches(tiny_llama, store, m
 
 
 def test_worker_process_serves_lanes_and_metrics(tiny_llama, store):
-    from dgr.worker import WorkerProcess
+    from dgr.worker.process import WorkerProcess
 
     w = WorkerProcess(tiny_llama, (2, 4), settings=CERT_SETTINGS,
                       args=["--cert-store", str(store), "--metrics-port", "0"])
@@ -286,16 +290,16 @@ def test_certify_refuses_an_unknown_codec(tiny_llama, tmp_path):
 
 
 def test_a_lane_that_fails_parity_is_not_written(tiny_llama, tmp_path, monkeypatch):
-    import dgr.route
+    import dgr.core.local
 
-    real = dgr.route.generate_local
+    real = dgr.core.local.generate_local
 
     def wrong(*a, **kw):  # a reference that disagrees in its last logits row
         toks, rows = real(*a, **kw)
         rows[-1] = rows[-1] + np.float32(1e-3)
         return toks, rows
 
-    monkeypatch.setattr(dgr.route, "generate_local", wrong)
+    monkeypatch.setattr(dgr.core.local, "generate_local", wrong)
     rec, path = certify.certify(tiny_llama, [(0, 2), (2, 4)], settings=CERT_SETTINGS,
                                 max_tokens=4, store=tmp_path)
     assert path is None and not rec.parity.passed and rec.parity.tokens_match

@@ -8,12 +8,14 @@ import numpy as np
 import pytest
 
 import dgr
-from dgr import errors, wire
+from dgr import errors
 from dgr._core import HAS_LAYER_RANGES
-from dgr.route import Route, generate_local
+from dgr.core.local import generate_local
+from dgr.driver.route import Route
+from dgr.protocol import wire
 from dgr.testing.fixtures import TinyDeepseek4, write_tiny_deepseek4
 from dgr.transport.client import ShardClient
-from dgr.worker import LocalCluster
+from dgr.worker.process import LocalCluster
 
 pytestmark = [
     pytest.mark.system,

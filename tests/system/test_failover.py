@@ -20,10 +20,11 @@ import pytest
 import dgr
 from dgr import errors
 from dgr._core import HAS_LAYER_RANGES
-from dgr.provider import StaticPool
-from dgr.route import AsyncRoute, Route, generate_local
+from dgr.core.local import generate_local
+from dgr.driver.provider import StaticPool
+from dgr.driver.route import AsyncRoute, Route
 from dgr.transport.client import ShardClient
-from dgr.worker import LocalCluster
+from dgr.worker.process import LocalCluster
 
 pytestmark = [pytest.mark.system,
               pytest.mark.skipif(not HAS_LAYER_RANGES, reason="multi-stage routes need the "
@@ -164,7 +165,7 @@ def test_worker_restarted_on_its_old_address_gets_a_new_epoch(cluster, refs):
 
 @pytest.mark.parametrize("loop", [False, True], ids=["token-by-token", "decode-loop"])
 def test_stale_epoch_answer_starts_over_under_a_new_epoch(cluster, refs, loop):
-    from dgr import wire
+    from dgr.protocol import wire
 
     with Route(primaries(cluster), loop=loop) as r:
         s = r.session(f"dup-{loop}")
@@ -211,7 +212,7 @@ def test_no_healthy_worker_names_the_range(cluster):
 
 
 def test_fatal_errors_are_not_retried():
-    from dgr.route import retryable
+    from dgr.driver.route import retryable
 
     assert not retryable(errors.ModelMismatch("x"))
     assert not retryable(errors.InvalidArgument("x"))

@@ -22,7 +22,7 @@ import pytest
 
 import dgr
 from dgr._core import HAS_LAYER_RANGES
-from dgr.route import generate_local
+from dgr.core.local import generate_local
 from dgr.testing.netns import Netns, NetnsWorker, available
 
 OK, WHY = available()
@@ -38,7 +38,7 @@ N_TOKENS = 64
 # runs on host 0: generate k tokens, say READY, wait for a line, finish, print the outcome
 DRIVER = r"""
 import json, sys
-from dgr.route import Route
+from dgr.driver import Route
 eps, spares, prompt, n, loop, k = json.loads(sys.argv[1])
 # step_timeout: a route that has measured fewer than 8 steps (the decode loop's case here:
 # only the prefill) waits that long before it gives a silent host up

@@ -12,9 +12,10 @@ import pytest
 
 import dgr
 from dgr._core import HAS_LAYER_RANGES
-from dgr.route import Route, generate_local
+from dgr.core.local import generate_local
+from dgr.driver.route import Route
 from dgr.testing.layouts import SEED_ENV, layout_id, random_layouts, split_seed
-from dgr.worker import LocalCluster
+from dgr.worker.process import LocalCluster
 
 pytestmark = [pytest.mark.system, pytest.mark.slow,
               pytest.mark.skipif(not HAS_LAYER_RANGES, reason="multi-stage routes need the "

@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 
 import dgr
-from dgr import errors, wire
+from dgr import errors
 from dgr._core import HAS_LAYER_RANGES
-from dgr.chain import LocalChain
-from dgr.route import Generation, Route, StageStats, generate_local
+from dgr.core.local import LocalChain, generate_local
+from dgr.driver.route import Generation, Route, StageStats
+from dgr.protocol import wire
 from dgr.transport.client import ShardClient
-from dgr.worker import LocalCluster
+from dgr.worker.process import LocalCluster
 
 pytestmark = [pytest.mark.system, pytest.mark.slow,
               pytest.mark.skipif(not HAS_LAYER_RANGES, reason="multi-stage routes need the "

@@ -17,13 +17,14 @@ import numpy as np
 import pytest
 
 import dgr
-from dgr import errors, wire
-from dgr.route import Route
+from dgr import errors
+from dgr.driver.route import Route
+from dgr.protocol import wire
 from dgr.testing.fixtures import TinyLlama, write_tiny_llama
 from dgr.transport import dataplane
 from dgr.transport.client import ShardClient
 from dgr.transport.common import HEALTH_SERVICE
-from dgr.worker import WorkerProcess
+from dgr.worker.process import WorkerProcess
 
 pytestmark = [pytest.mark.system]
 

@@ -12,14 +12,16 @@ import numpy as np
 import pytest
 
 import dgr
-from dgr import errors, wire
+from dgr import errors
 from dgr._core import HAS_LAYER_RANGES
-from dgr.cli import DEFAULT_PROMPT
-from dgr.route import Route, generate_local
-from dgr.sampling import SamplingParams, sample_rows
+from dgr.cli.commands import DEFAULT_PROMPT
+from dgr.core.local import generate_local
+from dgr.driver.route import Route
+from dgr.protocol import wire
+from dgr.protocol.sampling import SamplingParams, sample_rows
 from dgr.testing.waits import read_until
 from dgr.transport.client import ShardClient
-from dgr.worker import LocalCluster, WorkerProcess
+from dgr.worker.process import LocalCluster, WorkerProcess
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
 

@@ -14,8 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from dgr import artifacts, errors, gguf_io, identity
-from dgr.artifacts import Manifest, build_manifest, verify, verify_for_worker, write_manifest
+from dgr import errors
+from dgr.artifacts import gguf as gguf_io
+from dgr.artifacts import identity
+from dgr.artifacts import manifest as artifacts
+from dgr.artifacts.manifest import (
+    Manifest,
+    build_manifest,
+    verify,
+    verify_for_worker,
+    write_manifest,
+)
 from dgr.testing.fixtures import TinyLlama, write_tiny_llama
 from dgr.testing.waits import read_until
 
@@ -408,7 +417,7 @@ def test_killed_verification_resumes_with_what_is_left(tiny, tiny_manifest, tmp_
 # flight. It says GATED and waits there until it is killed (stdin closed: exit 3).
 _GATED_VERIFY = r"""
 import os, sys
-from dgr import artifacts
+from dgr.artifacts import manifest as artifacts
 
 at = int(sys.argv[1])
 hash_range = artifacts._Reader.hash_range
@@ -522,12 +531,12 @@ def test_model_identity_definitions(tiny, split3, tmp_path):
 
 
 def test_model_identity_from_a_manifest(tiny, tiny_manifest, monkeypatch):
-    assert identity.model_identity(tiny, manifest=tiny_manifest) == "sha256:" + _sha(tiny)
+    assert artifacts.verify_for_worker(tiny_manifest, tiny, None) == "sha256:" + _sha(tiny)
     monkeypatch.setattr(identity, "sha256_file", lambda p: pytest.fail("rehashed"))
-    assert identity.model_identity(tiny, manifest=tiny_manifest) == "sha256:" + _sha(tiny)
+    assert identity.model_identity(tiny) == "sha256:" + _sha(tiny)  # remembered as verified
     _flip(tiny, 100)
     with pytest.raises(errors.ArtifactMismatch, match="header"):
-        identity.model_identity(tiny, manifest=tiny_manifest)
+        artifacts.verify_for_worker(tiny_manifest, tiny, None)
 
 
 def test_precheck(tiny, split3, tmp_path):

@@ -14,7 +14,6 @@ sys.path.insert(0, BENCHES)
 import process_floor  # noqa: E402
 import wan  # noqa: E402
 
-
 # --- wan: S and P per path -------------------------------------------------------------------
 
 def test_seams_grpc_is_one_round_trip_per_stage():

@@ -11,10 +11,10 @@ import argparse
 import re
 import types
 
-from dgr import cli
 from dgr._proto import dgr_pb2
-from dgr.route import StageStats
-from dgr.transport.common import StageInfo
+from dgr.cli import commands as cli
+from dgr.driver.route import StageStats
+from dgr.protocol.describe import StageInfo
 
 LAYERS = ((0, 10), (10, 20), (20, 30))
 # the EWMA of the last few steps, far above what the stages computed over the generation:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from dgr import cli
+from dgr.cli import commands as cli
 
 FFFD = "\ufffd"
 SO, RE, FROG = "そ".encode(), "れ".encode(), "🐸".encode()  # 3, 3 and 4 bytes

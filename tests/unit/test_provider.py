@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from dgr import errors
-from dgr.provider import RouteProvider, StaticPool
+from dgr.driver.provider import RouteProvider, StaticPool
 
 
 def run(coro):

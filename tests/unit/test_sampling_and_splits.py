@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from dgr import errors
-from dgr.chain import parse_splits, split_layers
-from dgr.sampling import Sampler, SamplingParams
+from dgr.protocol.ranges import parse_splits, split_layers
+from dgr.protocol.sampling import Sampler, SamplingParams
 
 
 def test_greedy_is_argmax_lowest_id_on_ties():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dgr import errors
-from dgr.session import SessionTable
+from dgr.worker.sessions import SessionTable
 
 
 class FakeEngine:

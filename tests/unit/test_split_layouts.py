@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dgr.chain import split_layers
 from dgr.errors import InvalidArgument
+from dgr.protocol.ranges import split_layers
 from dgr.testing import layouts
 from dgr.testing.layouts import SEED_ENV, layout_id, random_layouts, split_seed
 

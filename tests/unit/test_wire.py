@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from dgr import errors, wire
+from dgr import errors
 from dgr.errors import (
     FrameChecksumError,
     FrameError,
@@ -25,6 +25,7 @@ from dgr.errors import (
     InvalidBoundary,
     UnknownCodec,
 )
+from dgr.protocol import wire
 
 SETTINGS = settings(
     max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]

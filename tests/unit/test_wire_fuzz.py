@@ -13,8 +13,8 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dgr import wire
 from dgr.errors import FrameError, FrameTooLarge, FrameTruncated
+from dgr.protocol import wire
 
 SETTINGS = settings(
     max_examples=400, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]

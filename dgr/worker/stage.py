@@ -1,28 +1,27 @@
-"""``python -m dgr.worker``: a shard worker serving one layer range of a GGUF model over gRPC."""
+"""The stage: a worker serving one layer range of a GGUF model (gRPC ``Step`` and data plane)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import logging
 import os
-import signal
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any
 
 import msgspec
 import numpy as np
 
-from . import __version__, errors, wire
-from .sampling import sample_rows
-from .session import Lease, SessionTable
-from .transport.common import MAX_MESSAGE, settings_tag, stage_identity
-from .transport.server import ShardServer
+from dgr import __version__, errors
+from dgr.protocol import wire
+from dgr.protocol.sampling import sample_rows
+from dgr.protocol.settings import settings_tag, stage_identity
+from dgr.transport.common import MAX_MESSAGE
+from dgr.transport.server import ShardServer
+from dgr.worker.sessions import Lease, SessionTable
 
-__all__ = ["Worker", "ThreadedWorker", "WorkerProcess", "LocalCluster", "main"]
+__all__ = ["Worker"]
 
 log = logging.getLogger("dgr.worker")
 
@@ -217,12 +216,12 @@ class Worker:
 
     def capability(self):
         """The capability record (``dgr.capability.Capability``) with live figures."""
-        from .capability import record_for
+        from dgr.control.capability import record_for
 
         return record_for(self.engine, worker=self, cert_store=self.cert_store)
 
     def capability_json(self) -> bytes:
-        from .capability import encode
+        from dgr.protocol.capability import encode
 
         try:
             return encode(self.capability())
@@ -451,7 +450,7 @@ class Worker:
 
     def serve_data(self, host: str, port: int = 0, max_connections: int = 256) -> int:
         """Start the TCP data plane on ``host:port``; returns the bound port."""
-        from .transport.dataplane import DataServer, Links
+        from dgr.transport.dataplane import DataServer, Links
 
         self.links = Links()
         self.data_server = DataServer(self._data_connection, host, port,
@@ -643,461 +642,3 @@ class Worker:
             pass
         log.info("drained; %d steps served; %d admitted step(s) not run", self.steps_total,
                  self.not_run)
-
-
-# --- running workers: in this process (a thread) or as child processes ----------------------
-
-
-class ThreadedWorker:
-    """Serve an engine from a background thread of this process (tests, embedding).
-
-    Parameters are ``Worker``'s plus ``listen`` and ``data_port`` (the fast data plane's port; 0: any
-    free one, None: no data plane); ``address`` is the bound ``host:port``.
-    """
-
-    def __init__(self, engine, listen: str = "127.0.0.1:0", *, data_port: int | None = 0,
-                 **worker_kw):
-        import threading
-
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="dgr-worker",
-                                        daemon=True)
-        self._thread.start()
-        self.worker = Worker(engine, **worker_kw)
-
-        async def start() -> ShardServer:
-            srv = ShardServer(self.worker, listen)
-            await srv.start()
-            return srv
-
-        try:
-            self.server = self._run(start())
-        except BaseException:
-            self._close_loop()
-            raise
-        self.address = self.server.address
-        self.worker.name = self.address
-        if data_port is not None:
-            self.worker.serve_data(self.address.rsplit(":", 1)[0], data_port)
-
-    def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    def drain(self, timeout: float = 10.0) -> None:
-        """What SIGTERM does to a worker process: refuse new work, finish, stop serving."""
-        self._run(self.worker.drain(self.server, timeout))
-
-    def stop(self) -> None:
-        if self.loop.is_running():
-            self._run(self.server.stop(None))  # a no-op after drain()
-            self.worker.stop_data()
-            self.worker.executor.shutdown(wait=True)
-        self._close_loop()
-
-    def _close_loop(self) -> None:
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(5)
-        if not self.loop.is_running() and not self.loop.is_closed():
-            self.loop.close()
-
-    def __enter__(self) -> ThreadedWorker:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-#: Thread pools of numeric libraries a worker does not want: numpy's BLAS would start one
-#: spinning thread per core next to the engine's own (measured: a few % of every core).
-_QUIET_POOLS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
-
-
-def worker_env(base: dict | None = None) -> dict:
-    """The environment for a worker process: ``base`` (default ``os.environ``) with the
-    numeric libraries' own thread pools at one thread unless the caller set them."""
-    env = dict(os.environ if base is None else base)
-    for k in _QUIET_POOLS:
-        env.setdefault(k, "1")
-    return env
-
-
-class WorkerProcess:
-    """A ``python -m dgr.worker`` child process.
-
-    ``start()`` launches it, ``wait_listening()`` waits for its ``LISTENING host:port`` line,
-    ``stop()`` sends SIGTERM and waits (then SIGKILL), ``kill()`` kills it. Its stderr (the
-    session log) goes to ``log_path``.
-
-    Parameters
-    ----------
-    model : str
-        GGUF path.
-    layers : (int, int), optional
-        The range to serve (None: the whole model).
-    listen : str
-        ``host:port`` (port 0: any free port; ``endpoint`` tells which once listening).
-    settings : dict
-        Engine settings (``n_ctx``, ``n_slots``, ``n_threads``, ``n_ubatch``, ``flash_attn``,
-        ``type_k``, ``type_v``); missing ones take the worker's defaults.
-    args : sequence of str
-        More command-line arguments for the worker.
-    log_path : str, optional
-        Where stderr goes (default: a temporary file).
-    """
-
-    _FLAGS = {"n_ctx": "--ctx", "n_slots": "--slots", "n_threads": "--threads",
-              "n_ubatch": "--ubatch", "type_k": "--type-k", "type_v": "--type-v"}
-
-    def __init__(self, model: str, layers: tuple[int, int] | None = None, *,
-                 listen: str = "127.0.0.1:0", settings: dict | None = None,
-                 args: Sequence[str] = (), log_path: str | None = None):
-        self.model = str(model)
-        self.layers = layers
-        self.listen = listen
-        self.settings = dict(settings or {})
-        self.args = list(args)
-        self.log_path = log_path
-        self.proc = None
-        self.endpoint: str | None = None
-        self.returncode: int | None = None
-
-    def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "dgr.worker", "--model", self.model, "--listen",
-               self.listen, "--parent-pid", str(os.getpid())]
-        if self.layers is not None:
-            cmd += ["--layers", f"{self.layers[0]}:{self.layers[1]}"]
-        for k, v in self.settings.items():
-            if k == "flash_attn":
-                cmd += ["--flash-attn", "on" if v else "off"]
-            elif k in self._FLAGS:
-                cmd += [self._FLAGS[k], str(v)]
-            else:
-                raise errors.InvalidArgument(f"unknown engine setting {k!r}")
-        return cmd + self.args
-
-    def start(self) -> WorkerProcess:
-        import subprocess
-        import tempfile
-
-        if self.log_path is None:
-            fd, self.log_path = tempfile.mkstemp(prefix="dgr-worker-", suffix=".log")
-            os.close(fd)
-        log_file = open(self.log_path, "ab")
-        try:
-            self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.PIPE, stderr=log_file,
-                                         start_new_session=True, env=worker_env())
-        finally:
-            log_file.close()
-        self.returncode = None
-        return self
-
-    def log_tail(self, n: int = 20) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                lines = f.read().decode("utf-8", "replace").splitlines()
-        except (OSError, TypeError):
-            return ""
-        return "\n".join(lines[-n:])
-
-    def wait_listening(self, timeout: float = 120.0) -> str:
-        """Wait for the ``LISTENING`` line; returns the endpoint.
-
-        Raises
-        ------
-        dgr.errors.WorkerUnavailable
-            The worker exited or did not listen in time (the message has its log's tail).
-        """
-        import selectors
-
-        if self.endpoint is not None and self.proc is not None:
-            return self.endpoint
-        deadline = time.monotonic() + timeout
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        buf = b""
-        try:
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise errors.WorkerUnavailable(
-                        f"worker {self.layers} did not listen within {timeout:g} s:\n"
-                        f"{self.log_tail()}")
-                if sel.select(min(left, 0.2)):
-                    chunk = os.read(self.proc.stdout.fileno(), 4096)
-                    if not chunk:
-                        self.proc.wait()
-                        raise errors.WorkerUnavailable(
-                            f"worker {self.layers} exited with status {self.proc.returncode} "
-                            f"before listening:\n{self.log_tail()}")
-                    buf += chunk
-                    for line in buf.decode("utf-8", "replace").splitlines():
-                        if line.startswith("LISTENING "):
-                            self.endpoint = line.split()[1]
-                            return self.endpoint
-        finally:
-            sel.close()
-
-    def stop(self, timeout: float = 30.0, *, signalled: bool = False) -> int:
-        """SIGTERM (drain), wait up to ``timeout``, then SIGKILL; returns the exit status.
-
-        ``signalled``: SIGTERM was already sent (do not send another).
-        """
-        import subprocess
-
-        if self.proc is None:
-            return 0
-        if self.proc.poll() is None:
-            if not signalled:
-                self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self._reap()
-
-    def kill(self) -> int:
-        if self.proc is None:
-            return 0
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        return self._reap()
-
-    def _reap(self) -> int:
-        self.returncode = self.proc.returncode
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        return self.returncode
-
-    def restart(self, timeout: float = 120.0) -> str:
-        """Start it again under the same address (the bound port, once known)."""
-        if self.endpoint is not None:
-            self.listen = self.endpoint
-        self.endpoint = None
-        self.start()
-        return self.wait_listening(timeout)
-
-
-class LocalCluster:
-    """Worker processes for a list of layer ranges on loopback; reaps them on exit.
-
-    ``progress(i, n, message)`` is called as each worker starts listening.
-    """
-
-    def __init__(self, model: str, ranges: Sequence[tuple[int, int] | None], *,
-                 settings: dict | None = None, args: Sequence[str] = (),
-                 host: str = "127.0.0.1"):
-        self.workers = [WorkerProcess(model, r, listen=f"{host}:0", settings=settings,
-                                      args=args) for r in ranges]
-
-    @property
-    def endpoints(self) -> list[str]:
-        return [w.endpoint for w in self.workers]
-
-    def start(self, timeout: float = 120.0, progress=None) -> list[str]:
-        try:
-            for w in self.workers:  # all load at once
-                w.start()
-            for i, w in enumerate(self.workers):
-                w.wait_listening(timeout)
-                if progress is not None:
-                    r = w.layers
-                    what = "all layers" if r is None else f"layers [{r[0]}, {r[1]})"
-                    progress(i, len(self.workers), f"worker {i + 1}/{len(self.workers)} "
-                                                   f"{what} listening on {w.endpoint}")
-        except BaseException:
-            self.stop()
-            raise
-        return self.endpoints
-
-    def stop(self, timeout: float = 30.0) -> list[int]:
-        """SIGTERM every worker at once, then reap each; returns their exit statuses."""
-        sent = []
-        for w in self.workers:
-            live = w.proc is not None and w.proc.poll() is None
-            if live:
-                w.proc.terminate()
-            sent.append(live)
-        return [w.stop(timeout, signalled=s) for w, s in zip(self.workers, sent)]
-
-    def __enter__(self) -> LocalCluster:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-# --- command line -----------------------------------------------------------------------
-
-
-def _parse_layers(text: str | None) -> tuple[int, int] | None:
-    if text in (None, "", "all"):
-        return None
-    try:
-        a, b = text.split(":")
-        return int(a), int(b)
-    except ValueError:
-        raise SystemExit(f"--layers must look like A:B (e.g. 0:10), got {text!r}") from None
-
-
-async def _serve(args) -> int:
-    from .engine import Engine
-
-    model = args.model
-    if model is None:
-        from . import models
-
-        model = str(models.path(models.DEFAULT_MODEL))
-    t0 = time.monotonic()
-    log.info("loading %s layers %s", model, args.layers or "all")
-    engine = await asyncio.get_running_loop().run_in_executor(None, lambda: Engine(
-        model, layers=_parse_layers(args.layers), n_ctx=args.ctx, n_slots=args.slots,
-        n_threads=args.threads, n_ubatch=args.ubatch, flash_attn=args.flash_attn == "on",
-        type_k=args.type_k, type_v=args.type_v))
-    worker = Worker(engine, ttl=args.ttl, evict_after=args.evict_after,
-                    inline=args.inline_compute, cert_store=args.cert_store,
-                    inline_below_ms=args.inline_below_ms)
-    if args.trace:
-        worker.trace = open(args.trace, "a", buffering=1 << 16)
-    worker.advertise_data_port = args.advertise_data_port
-    server = ShardServer(worker, args.listen, maximum_concurrent_rpcs=args.max_streams)
-    await server.start()
-    addr = server.address
-    if args.data_port >= 0:
-        try:
-            worker.serve_data(addr.rsplit(":", 1)[0].strip("[]"), args.data_port,
-                              args.max_data_connections)
-        except BaseException:
-            await server.stop(None)
-            raise
-        log.info("data plane (direct relay) on port %d", worker.data_server.port)
-    worker.name = addr
-    a, b = worker.layers
-    log.info("serving %s layers [%d, %d) of %d, %s, %d slots, loaded in %.1f s", engine.arch, a,
-             b, worker.n_layer, settings_tag(worker.settings), engine.n_slots,
-             time.monotonic() - t0)
-    metrics = None
-    if args.metrics_port is not None:
-        from .metrics import MetricsServer
-
-        metrics = MetricsServer(worker, args.metrics_host, args.metrics_port).start()
-        log.info("Prometheus metrics on http://%s/metrics", metrics.address)
-    print(f"LISTENING {addr}", flush=True)
-
-    loop = asyncio.get_running_loop()
-    done = asyncio.Event()
-
-    def on_signal(signame: str) -> None:
-        log.info("%s received", signame)
-        loop.create_task(_drain_then(done, worker, server, args.drain_timeout))
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig.name)
-    tasks = [loop.create_task(worker.housekeeping(min(args.ttl / 4, 5.0)))]
-    if args.parent_pid:
-        tasks.append(loop.create_task(_watch_parent(args.parent_pid, on_signal)))
-    await done.wait()
-    for t in tasks:
-        t.cancel()
-    if metrics is not None:
-        metrics.stop()
-    # drained: a repeated SIGTERM/SIGINT during interpreter shutdown must not turn exit 0
-    # into death by signal once the loop's handlers are gone
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.remove_signal_handler(sig)
-        signal.signal(sig, signal.SIG_IGN)
-    return 0
-
-
-async def _drain_then(done: asyncio.Event, worker: Worker, server: ShardServer,
-                      timeout: float) -> None:
-    try:
-        await worker.drain(server, timeout)
-    finally:
-        done.set()
-
-
-async def _watch_parent(pid: int, on_signal) -> None:
-    while os.getppid() == pid:
-        await asyncio.sleep(0.5)
-    on_signal("parent exit")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m dgr.worker",
-        description="Serve layers [A, B) of a GGUF model as a dgr shard worker (gRPC). Prints "
-                    "'LISTENING host:port' on stdout once it serves; logs to stderr; SIGTERM "
-                    "drains (health NOT_SERVING, in-flight steps finish, new work refused) and "
-                    "exits 0.")
-    p.add_argument("--model", help="GGUF path (default: the registry's default model)")
-    p.add_argument("--layers", help="owned range A:B (default: the whole model)")
-    p.add_argument("--listen", default="127.0.0.1:0",
-                   help="host:port to bind (default 127.0.0.1:0: loopback, a free port)")
-    p.add_argument("--data-port", type=int, default=0,
-                   help="TCP port of the fast data plane (length-prefixed frames, direct relay; "
-                        "docs/dataplane.md) on the --listen host (default 0: any free port, "
-                        "advertised in Describe; -1: none, steps only over gRPC)")
-    p.add_argument("--max-data-connections", type=int, default=256,
-                   help="data-plane connections served at once (each holds a thread; more are "
-                        "refused with ResourceExhausted; default 256)")
-    p.add_argument("--advertise-data-port", type=int, default=0,
-                   help="data port to name in Describe instead of the bound one (a proxy, port "
-                        "forward or link emulator in front of it; default: the bound port)")
-    p.add_argument("--trace", default=None,
-                   help="append one JSON line per data-plane step to this file (stage, session, "
-                        "positions, arrival/compute/send times from CLOCK_MONOTONIC): a timeline "
-                        "of the stages (benches/timeline.py)")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
-    p.add_argument("--ubatch", type=int, default=64, help="tokens per compute chunk (default 64)")
-    p.add_argument("--ctx", type=int, default=1024, help="context tokens per slot (default 1024)")
-    p.add_argument("--slots", type=int, default=4, help="concurrent sessions (default 4)")
-    p.add_argument("--flash-attn", choices=["on", "off"], default="on")
-    p.add_argument("--type-k", default="f16")
-    p.add_argument("--type-v", default="f16")
-    p.add_argument("--ttl", type=float, default=600.0,
-                   help="seconds after which an idle session expires (default 600)")
-    p.add_argument("--evict-after", type=float, default=5.0,
-                   help="idle seconds before a session may be evicted for a new one (default 5)")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds SIGTERM waits for in-flight steps; admitted steps that have "
-                        "not started computing by then are not run (default 30)")
-    p.add_argument("--max-streams", type=int, default=None,
-                   help="refuse RPCs beyond this many concurrent ones (default: no limit)")
-    p.add_argument("--inline-compute", action="store_true",
-                   help="compute on the event loop thread (one thread handoff less per step; "
-                        "control RPCs wait for the running step)")
-    p.add_argument("--inline-below-ms", type=float, default=0.0,
-                   help="compute single-token steps on the event loop thread while they take "
-                        "less than this many ms and the compute thread is idle (default 0: "
-                        "never; every step runs off the event loop)")
-    p.add_argument("--parent-pid", type=int, default=0,
-                   help="drain and exit when this process is no longer our parent")
-    p.add_argument("--cert-store", default=os.environ.get("DGR_CERT_STORE"),
-                   help="certification store directory: advertise the lanes certified there "
-                        "that match this worker exactly (python -m dgr certify; default "
-                        "$DGR_CERT_STORE; unset: advertise none)")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics over HTTP on this port (0: any free port)")
-    p.add_argument("--metrics-host", default="127.0.0.1",
-                   help="address of the metrics endpoint (default 127.0.0.1)")
-    p.add_argument("--log-level", default="INFO")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="[dgr.worker %(process)d] %(message)s")
-    try:
-        return asyncio.run(_serve(args))
-    except errors.DgrError as e:
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

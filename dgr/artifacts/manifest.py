@@ -25,9 +25,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from . import gguf_io
-from .errors import (ArtifactError, ArtifactMismatch, ArtifactMissing, ArtifactTruncated,
-                     DgrError, InvalidLayerRange, InvalidManifest, InvalidModel)
+from dgr.artifacts import gguf as gguf_io
+from dgr.errors import (
+    ArtifactError,
+    ArtifactMismatch,
+    ArtifactMissing,
+    ArtifactTruncated,
+    DgrError,
+    InvalidLayerRange,
+    InvalidManifest,
+    InvalidModel,
+)
 
 __all__ = [
     "SCHEMA", "DEFAULT_CHUNK_SIZE", "TENSOR_HASHES", "COUNTERS", "Manifest", "Problem",
@@ -264,7 +272,7 @@ def _metadata_sha256(head: gguf_io.GGUFHeader) -> str:
 
 def _model_headers(paths: Sequence[str | os.PathLike]) -> list[gguf_io.GGUFHeader]:
     """Headers of every file of one model, in split order; names a missing split."""
-    from .errors import ModelNotFound
+    from dgr.errors import ModelNotFound
 
     given = [Path(p) for p in paths]
     if not given:
@@ -339,7 +347,7 @@ def build_manifest(paths: Sequence[str | os.PathLike] | str | os.PathLike, *,
     ------
     dgr.errors.ArtifactMissing, dgr.errors.ArtifactTruncated, dgr.errors.InvalidModel
     """
-    from .identity import remember_file_sha256, split_identity
+    from dgr.artifacts.identity import remember_file_sha256, split_identity
 
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -623,7 +631,7 @@ class _Journal:
 
 
 def _cache_dir() -> Path:
-    from .vendor import cache_root
+    from dgr.vendor import cache_root
 
     return cache_root() / "artifacts"
 
@@ -810,7 +818,7 @@ def verify(manifest: "str | os.PathLike | Manifest", *, dir: str | os.PathLike |
     _verify_files(m, base, layers, jr, rep, threads, flush_bytes, progress)
     rep.seconds = time.perf_counter() - t0
     if rep.ok:
-        from .identity import remember_verified
+        from dgr.artifacts.identity import remember_verified
 
         remember_verified([base / f["name"] for f in m.files], m.identity)
     return rep
@@ -1101,7 +1109,7 @@ def verify_for_worker(manifest_path: "str | os.PathLike | Manifest",
     ``layers`` loads (everything for None), resuming from the journal, so a restart on
     unchanged files reads nothing. ``model_path`` is the model (a one-file GGUF or any split)
     or a dgr slice of it. On success the files are remembered as verified, so
-    ``dgr.identity.model_identity(model_path)`` returns the manifest's identity without
+    ``dgr.artifacts.identity.model_identity(model_path)`` returns the manifest's identity without
     hashing.
 
     Returns
@@ -1211,7 +1219,7 @@ def slice_model(model: str | os.PathLike, layers: tuple[int, int], out: str | os
     elif m is not None:
         source = m.identity
     else:
-        from .identity import model_identity
+        from dgr.artifacts.identity import model_identity
 
         source = model_identity(first.path)
     if m is not None:
@@ -1384,7 +1392,3 @@ def main(argv: list[str] | None = None) -> int:
                     "per-range slices."))
     args = p.parse_args(argv)
     return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

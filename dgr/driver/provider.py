@@ -15,9 +15,9 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from . import errors
+from dgr import errors
 
-__all__ = ["RouteProvider", "StaticPool"]
+__all__ = ["RouteProvider", "StaticPool", "parse_endpoints"]
 
 
 class RouteProvider(abc.ABC):
@@ -69,15 +69,13 @@ class StaticPool(RouteProvider):
     def __init__(self, endpoints: Sequence[str], *,
                  layers: dict[str, tuple[int, int]] | None = None,
                  describe_timeout: float = 2.0):
-        from .route import parse_endpoints
-
         self.entries = {e: _Entry(e) for e in parse_endpoints(list(endpoints))}
         for ep, lr in (layers or {}).items():
             self.entries.setdefault(ep, _Entry(ep)).layers = (int(lr[0]), int(lr[1]))
         self.describe_timeout = describe_timeout
 
     async def _learn(self) -> None:
-        from .transport.client import ShardClient
+        from dgr.transport.client import ShardClient
 
         todo = [e for e in self.entries.values() if e.layers is None]
         if not todo:
@@ -150,3 +148,13 @@ class StaticPool(RouteProvider):
     def failures(self) -> dict[str, int]:
         """Failures reported per endpoint."""
         return {ep: e.failures for ep, e in self.entries.items()}
+
+
+def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
+    """``"h:p,h:p"`` or a list of ``"h:p"`` -> a list of endpoints."""
+    if isinstance(endpoints, str):
+        endpoints = endpoints.split(",")
+    out = [e.strip() for e in endpoints if e and e.strip()]
+    if not out:
+        raise errors.RouteError("a route needs at least one endpoint")
+    return out

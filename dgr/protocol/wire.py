@@ -12,7 +12,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from .errors import (
+from dgr.errors import (
     DgrError,
     FrameChecksumError,
     FrameError,

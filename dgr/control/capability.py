@@ -1,10 +1,10 @@
 """The capability record: what a worker tells an external tracker (docs/capability.md).
 
-A worker serves it as JSON in ``DescribeReply.capability_json``; ``ShardClient.capability()``
-decodes it; :func:`record_for` builds it in-process from an engine (and, when given, the
-live counters of a ``dgr.worker.Worker``). The record is *inputs*, not a routing decision:
+:func:`record_for` builds it (schema: ``dgr.protocol.capability``) in-process from an engine
+and, when given, the live counters of a ``dgr.worker.Worker``; a worker serves it as JSON in
+``DescribeReply.capability_json``, and ``ShardClient.capability()`` decodes it. The record is *inputs*, not a routing decision:
 exact compatibility, range and capacity, queue and load, seam cost, health, and the certified
-lanes (``dgr.certify``) whose records match this worker exactly. A lane whose record does not
+lanes (``dgr.control.certificates``) whose records match this worker exactly. A lane whose record does not
 match (another llama.cpp commit, patch stack, engine setting, model bytes, CPU ISA) is listed
 under ``uncertified`` with the reasons, never under ``lanes``.
 """
@@ -14,121 +14,20 @@ from __future__ import annotations
 import functools
 import os
 import time
-from typing import Any, Optional
 
-import msgspec
+from dgr.control import certificates
+from dgr.protocol import wire
+from dgr.protocol.capability import (
+    BACKEND,
+    Capability,
+    Capacity,
+    Compatibility,
+    Health,
+    Load,
+    Seam,
+)
 
-from . import wire
-
-__all__ = ["SCHEMA", "Compatibility", "Capacity", "Load", "Seam", "Health", "LaneRef",
-           "Uncertified", "Capability", "build_info", "quantisation", "cpu_features",
-           "record_for", "encode", "decode", "BACKEND"]
-
-#: Version of this record's JSON form (bumped when a field changes meaning or goes away).
-SCHEMA = 1
-#: The compute backend of this build of the core (llama.cpp's CPU backend).
-BACKEND = "cpu"
-
-
-class Compatibility(msgspec.Struct, kw_only=True):
-    model_identity: str            # "sha256:<hex>" (dgr.identity)
-    model_name: str
-    arch: str
-    quantisation: str              # GGUF general.file_type name, e.g. "Q4_1"
-    backend: str
-    llama_cpp_commit: str
-    patch_stack_hash: str          # dgr.vendor.Vendor().patch_stack_hash()
-    dgr_version: str
-    wire_format_version: int
-    boundary_schema_version: int   # dgr.wire.SCHEMA_VERSION
-    boundary_width: int            # floats per token at the boundary (streams * n_embd)
-    boundary_dtype: str            # "f32" (what "raw" carries)
-    settings: dict[str, Any]       # the numeric engine settings (dgr.engine.NUMERIC_SETTINGS)
-    stage_identity: str            # what Forward.model must carry
-    cpu_isa: list[str]             # ISA flags that select compute kernels (certify compares them)
-
-
-class Capacity(msgspec.Struct, kw_only=True):
-    n_layer: int
-    layer_start: int               # owned range [layer_start, layer_end)
-    layer_end: int
-    is_first: bool
-    is_last: bool
-    slots_total: int
-    slots_free: int
-    context_tokens_total: int      # slots_total * n_ctx
-    context_tokens_free: int
-    memory_bytes: int              # weights + KV cache of the owned range
-    weight_bytes: int
-    kv_bytes: int
-    rss_bytes: int                 # resident set of the process (0 where unknown)
-
-
-class Load(msgspec.Struct, kw_only=True):
-    queue_depth: int               # steps admitted and waiting for the engine
-    in_flight_steps: int           # steps admitted and not yet answered (waiting + computing)
-    sessions: int
-    tokens_per_s: float            # tokens computed per wall second over the window
-    window_s: float
-
-
-class Seam(msgspec.Struct, kw_only=True):
-    accepts: str                   # "tokens" (first stage) or "boundary"
-    boundary_bytes_per_token: dict[str, int]  # incoming, per codec accepted (empty: tokens)
-    output_bytes_per_token: dict[str, int]    # outgoing boundary per codec (empty: last stage)
-    hop_latency_ms_p50: float      # frame arrival -> reply ready at this worker, 1-token steps
-    hop_latency_ms_p99: float
-    hop_samples: int
-    compute_ms_avg: float          # moving average of the engine's 1-token step time
-
-
-class Health(msgspec.Struct, kw_only=True):
-    uptime_s: float
-    draining: bool
-    steps_served: int
-    steps_failed: int              # refused or failed steps (ErrorReply frames)
-    engine_restarts: int           # engine reloads in this process (a process restart resets all)
-    last_error: str                # "" when none
-    last_error_age_s: float        # -1 when none
-
-
-class LaneRef(msgspec.Struct, kw_only=True):
-    lane_id: str
-    codec: str
-    stages: list[list[int]]
-    quantisation: str
-    certified_at: str
-    parity: dict[str, Any]         # the measured figures (see dgr.certify.Parity)
-    record: str                    # file name in the certification store
-
-
-class Uncertified(msgspec.Struct, kw_only=True):
-    lane_id: str
-    codec: str
-    stages: list[list[int]]
-    record: str
-    reasons: list[str]
-
-
-class Capability(msgspec.Struct, kw_only=True):
-    schema: int = SCHEMA
-    endpoint: str = ""
-    compatibility: Compatibility
-    capacity: Capacity
-    load: Load
-    seam: Seam
-    health: Health
-    cert_store: Optional[str] = None
-    lanes: list[LaneRef] = []
-    uncertified: list[Uncertified] = []
-
-
-def encode(rec: Capability) -> bytes:
-    return msgspec.json.encode(rec)
-
-
-def decode(data: bytes | str) -> Capability:
-    return msgspec.json.decode(data, type=Capability)
+__all__ = ["build_info", "quantisation", "cpu_features", "record_for"]
 
 
 # -- build and host facts -------------------------------------------------------------------
@@ -137,7 +36,7 @@ def decode(data: bytes | str) -> Capability:
 def _vendor_facts() -> tuple[str, str]:
     # What the compiled core was built against, not what patches/ holds now: a changed patch
     # without a rebuild must not make a worker claim the new stack.
-    from ._core import BUILD_INFO
+    from dgr._core import BUILD_INFO
 
     return BUILD_INFO["llama_cpp_commit"], BUILD_INFO["patch_stack_hash"]
 
@@ -182,7 +81,7 @@ _FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9
 
 @functools.lru_cache(maxsize=64)
 def _quantisation(path: str, size: int, mtime: int) -> str:
-    from . import gguf_io
+    from dgr.artifacts import gguf as gguf_io
 
     try:
         head = gguf_io.read_header(path, decode_arrays=False)
@@ -232,8 +131,8 @@ def record_for(engine, *, worker=None, cert_store: str | os.PathLike | None = No
     ``cert_store`` the store's lanes are matched against this engine and build
     (``dgr.certify.match``): matches go to ``lanes``, the others to ``uncertified``.
     """
-    from . import __version__
-    from .transport.common import stage_identity
+    from dgr import __version__
+    from dgr.protocol.settings import stage_identity
 
     info = worker.info if worker is not None else engine.describe()
     settings = dict(engine.settings)
@@ -298,8 +197,6 @@ def record_for(engine, *, worker=None, cert_store: str | os.PathLike | None = No
     rec = Capability(endpoint=endpoint, compatibility=comp, capacity=cap, load=load, seam=seam,
                      health=health)
     if cert_store is not None:
-        from . import certify
-
         rec.cert_store = os.fspath(cert_store)
-        rec.lanes, rec.uncertified = certify.match(cert_store, comp, layers)
+        rec.lanes, rec.uncertified = certificates.match(cert_store, comp, layers)
     return rec

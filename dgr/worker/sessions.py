@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from .errors import (
+from dgr.errors import (
     CacheMiss,
     ContextFull,
     InvalidArgument,

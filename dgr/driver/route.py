@@ -23,19 +23,24 @@ from typing import Any, AsyncIterator, Iterator, Sequence
 
 import numpy as np
 
-from . import errors, wire
-from .provider import RouteProvider, StaticPool
-from .chain import generate_local  # noqa: F401  (the in-process reference; re-exported)
-from .sampling import SamplingParams
-from .transport.client import (DEFAULT_STEP_TIMEOUT, DEFAULT_TIMEOUT, ShardClient, StepStream,
-                               _timeout)
-from .transport.common import StageInfo
-from .transport.dataplane import AsyncLink
+from dgr import errors
+from dgr.driver.provider import RouteProvider, StaticPool, parse_endpoints
+from dgr.protocol import wire
+from dgr.protocol.describe import StageInfo
+from dgr.protocol.sampling import SamplingParams
+from dgr.transport.client import (
+    DEFAULT_STEP_TIMEOUT,
+    DEFAULT_TIMEOUT,
+    ShardClient,
+    StepStream,
+    _timeout,
+)
+from dgr.transport.dataplane import AsyncLink
 
 log = logging.getLogger("dgr.route")
 
 __all__ = ["AsyncRoute", "AsyncRouteSession", "Route", "RouteSession", "Generation",
-           "StageStats", "check_route", "parse_endpoints", "generate_local"]
+           "StageStats", "check_route", "parse_endpoints"]
 
 # Failures the driver repairs by re-prefilling under a new epoch (on the same route, or after
 # replacing the stage that failed). Everything else (bad request, model mismatch, a route that
@@ -60,16 +65,6 @@ async def _release_quietly(client: ShardClient, session: str, timeout: float) ->
         pass
 
 
-def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
-    """``"h:p,h:p"`` or a list of ``"h:p"`` -> a list of endpoints."""
-    if isinstance(endpoints, str):
-        endpoints = endpoints.split(",")
-    out = [e.strip() for e in endpoints if e and e.strip()]
-    if not out:
-        raise errors.RouteError("a route needs at least one endpoint")
-    return out
-
-
 def check_route(stages: Sequence[StageInfo]) -> list[StageInfo]:
     """Order stages by layer and check they form one route; returns them in route order.
 
@@ -82,7 +77,7 @@ def check_route(stages: Sequence[StageInfo]) -> list[StageInfo]:
     dgr.errors.WorkerDraining
         A stage is shutting down.
     """
-    from .engine import NUMERIC_SETTINGS
+    from dgr.protocol.settings import NUMERIC_SETTINGS
 
     if not stages:
         raise errors.RouteError("a route needs at least one stage")

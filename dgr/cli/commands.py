@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import sys
 import time
+
+from dgr.protocol import settings as engine_settings
 
 __all__ = ["main"]
 
@@ -17,17 +20,6 @@ def _say(msg: str) -> None:
     print(f"[dgr] {msg}", file=sys.stderr, flush=True)
 
 
-def _engine_settings(args) -> dict:
-    return dict(n_ctx=args.ctx, n_slots=args.slots, n_threads=args.threads,
-                n_ubatch=args.ubatch, flash_attn=args.flash_attn == "on")
-
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=1, help="CPU threads per stage (default 1)")
-    p.add_argument("--ubatch", type=int, default=64, help="tokens per compute chunk (default 64)")
-    p.add_argument("--ctx", type=int, default=1024, help="context tokens per session (default 1024)")
-    p.add_argument("--slots", type=int, default=4, help="sessions per worker (default 4)")
-    p.add_argument("--flash-attn", choices=["on", "off"], default="on")
 
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
@@ -61,7 +53,7 @@ def _chat(args, text: str) -> str:
 
 
 def _sampling(args):
-    from .sampling import SamplingParams
+    from dgr.protocol.sampling import SamplingParams
 
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                           seed=args.seed)
@@ -103,8 +95,8 @@ def _report(route, session, args, prompt, tokens, t0, t_first, t1, whole, before
     decode token is the mean over the single-token steps its worker computed between that
     describe and one taken now (exact totals, not the moving average ``recent_step_ms``),
     so compute and transport add up to the time per token measured over the same steps."""
-    from .route import generate_local
-    from .transport.common import compute_between
+    from dgr.core.local import generate_local
+    from dgr.protocol.describe import compute_between
 
     n_dec = len(tokens) - 1
     dec_s = t1 - t_first
@@ -220,18 +212,19 @@ def _install_interrupts() -> None:
 
 
 def _cmd_run(args) -> int:
-    from . import errors, models
-    from .chain import parse_splits, split_layers
-    from .engine import Engine
-    from .route import Route
-    from .worker import LocalCluster
+    from dgr import errors
+    from dgr.artifacts import models
+    from dgr.core.engine import Engine
+    from dgr.driver.route import Route
+    from dgr.protocol.ranges import parse_splits, split_layers
+    from dgr.worker.process import LocalCluster
 
     _install_interrupts()
     cluster = None
     route = None
     try:
         model = args.model or str(models.path(models.DEFAULT_MODEL))
-        settings = _engine_settings(args)
+        settings = engine_settings.from_args(args)
         _say(f"model {model}")
         whole = Engine(model, **settings)
         n_layer = whole.n_layer
@@ -241,7 +234,7 @@ def _cmd_run(args) -> int:
             ranges = split_layers(n_layer, args.stages)
         _say(f"{len(ranges)} stage(s) over {n_layer} layers: "
              + " ".join(f"[{a},{b})" for a, b in ranges))
-        from ._core import HAS_LAYER_RANGES
+        from dgr._core import HAS_LAYER_RANGES
 
         if len(ranges) > 1 and not HAS_LAYER_RANGES:
             raise errors.UnsupportedArchitecture(
@@ -287,8 +280,8 @@ def _relay(args):
 
 
 def _cmd_generate(args) -> int:
-    from . import errors
-    from .route import Route
+    from dgr import errors
+    from dgr.driver.route import Route
 
     _install_interrupts()
     route = None
@@ -320,9 +313,9 @@ def _cmd_generate(args) -> int:
 
 def _local_reference(args, route):
     """A whole-model engine with the route's settings, when the model is here (else None)."""
-    from . import models
-    from .engine import Engine
-    from .identity import model_identity
+    from dgr.artifacts import models
+    from dgr.artifacts.identity import model_identity
+    from dgr.core.engine import Engine
 
     path = args.model
     if path is None:
@@ -361,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra argument for every worker, e.g. --worker-arg=--inline-below-ms=50 "
                         "(repeatable; see python -m dgr.worker --help)")
     _add_generation_args(r)
-    _add_engine_args(r)
+    engine_settings.add_arguments(r)
     r.set_defaults(func=_cmd_run)
     g = sub.add_parser(
         "generate", help="generate across workers that are already running",
@@ -372,11 +365,27 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--timeout", type=float, default=10.0, help="control call deadline (s)")
     _add_generation_args(g)
     g.set_defaults(func=_cmd_generate)
-    from . import artifacts
+    from dgr.artifacts import manifest as artifacts
 
     artifacts.add_subparser(sub)
-    from .certify import add_certify_parser
+    from dgr.cli.certify import add_certify_parser
 
-    add_certify_parser(sub, _add_engine_args)  # certify, lanes
+    add_certify_parser(sub)  # certify, lanes
+    for name, module, what in _TOOLS:
+        t = sub.add_parser(name, help=what, add_help=False,
+                           description=f"{what} (python -m dgr {name} --help for its options)")
+        t.add_argument("argv", nargs=argparse.REMAINDER)
+        t.set_defaults(func=functools.partial(_tool, module))
     args = ap.parse_args(argv)
     return args.func(args)
+
+
+#: Commands whose parser lives with their module: ``python -m dgr NAME ARGS`` runs its main.
+_TOOLS = (("parity", "dgr.control.parity", "compare a split model with the whole model, per step"),
+          ("models", "dgr.artifacts.models", "the model registry: fetch, list, path"))
+
+
+def _tool(module: str, args) -> int:
+    import importlib
+
+    return importlib.import_module(module).main(args.argv)

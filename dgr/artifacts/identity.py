@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
-from .vendor import cache_root, sha256_file
+from dgr.vendor import cache_root, sha256_file
 
 __all__ = ["model_identity", "split_identity", "file_sha256", "remember_file_sha256",
            "remember_verified"]
@@ -102,35 +102,24 @@ def remember_verified(files: Sequence[str | os.PathLike], identity: str) -> None
                drop_prefixes=(f"verified:{paths[0]}|",))
 
 
-def model_identity(path: str | os.PathLike, *, manifest=None) -> str:
+def model_identity(path: str | os.PathLike) -> str:
     """The identity of the model at ``path`` (see the module docstring for the definition).
 
     ``path`` is a one-file model, any file of a split model, or a dgr slice. Hashing a large
     model takes a while, so per-file digests are cached under ``$DGR_CACHE`` keyed by the
-    resolved path, size and modification time, and files verified against a manifest are
-    remembered: a worker restart does not rehash.
-
-    Parameters
-    ----------
-    manifest : str, os.PathLike or dgr.artifacts.Manifest, optional
-        Take the identity from this manifest after verifying ``path`` against it (resumable,
-        and free when an earlier verification of the unchanged files is on record).
+    resolved path, size and modification time, and files verified against a manifest
+    (``dgr.artifacts.manifest.verify_for_worker``) are remembered: a worker restart does not
+    rehash.
 
     Raises
     ------
     dgr.errors.ArtifactMissing
         A split of a split model is missing.
-    dgr.errors.ArtifactMismatch, dgr.errors.InvalidManifest
-        With ``manifest``: the files do not match it.
     """
-    from . import gguf_io
-    from .errors import ArtifactMissing, InvalidModel
+    from dgr.artifacts import gguf as gguf_io
+    from dgr.errors import ArtifactMissing, InvalidModel
 
     p = Path(path).resolve()
-    if manifest is not None:
-        from .artifacts import verify_for_worker
-
-        return verify_for_worker(manifest, p, None)
     try:
         head = gguf_io.read_header(p, decode_arrays=False)
     except InvalidModel:

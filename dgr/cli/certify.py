@@ -18,160 +18,28 @@ codec needs the same tokens (top-1 agreement 1.0); the measured max |diff| is re
 from __future__ import annotations
 
 import datetime
-import hashlib
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import msgspec
 import numpy as np
 
-from . import wire
+from dgr.control.certificates import (
+    Certification,
+    Lane,
+    Parity,
+    lane_id,
+    load_store,
+    store_path,
+    write,
+)
+from dgr.protocol import settings as engine_settings
+from dgr.protocol import wire
 
-__all__ = ["Lane", "Parity", "Certification", "store_path", "lane_id", "load_store",
-           "match", "certify", "DEFAULT_PROMPT"]
+__all__ = ["certify", "add_certify_parser", "DEFAULT_PROMPT"]
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Explain why the sky is blue."
-
-
-class Lane(msgspec.Struct, kw_only=True, frozen=True):
-    backend: str
-    model_identity: str
-    model_name: str
-    quantisation: str
-    codec: str
-    settings: dict[str, Any]
-    stages: list[list[int]]
-
-
-class Parity(msgspec.Struct, kw_only=True):
-    prompt_tokens: int
-    generated_tokens: int
-    tokens_match: bool
-    logits_rows: int
-    logits_bit_identical: bool
-    max_abs_diff: float
-    top1_agreement: float
-    criterion: str
-    passed: bool
-
-
-class Certification(msgspec.Struct, kw_only=True):
-    schema: int = 1
-    lane_id: str
-    lane: Lane
-    llama_cpp_commit: str
-    patch_stack_hash: str
-    wire_schema_version: int
-    cpu_model: str
-    cpu_isa: list[str]
-    cpu_flags: list[str]
-    parity: Parity
-    certified_at: str          # ISO 8601, UTC
-    dgr_version: str
-    seconds: float
-
-
-def store_path(path: str | os.PathLike | None = None) -> Path:
-    """The certification store: ``path``, else ``$DGR_CERT_STORE``, else under ``$DGR_CACHE``."""
-    if path:
-        return Path(path)
-    env = os.environ.get("DGR_CERT_STORE")
-    if env:
-        return Path(env)
-    from .vendor import cache_root
-
-    return cache_root() / "certifications"
-
-
-def lane_id(lane: Lane) -> str:
-    return hashlib.sha256(msgspec.json.encode(lane, order="sorted")).hexdigest()[:16]
-
-
-def _build_key(c: Certification) -> str:
-    h = hashlib.sha256("\0".join([c.llama_cpp_commit, c.patch_stack_hash, str(
-        c.wire_schema_version), " ".join(c.cpu_isa)]).encode())
-    return h.hexdigest()[:12]
-
-
-def load_store(path: str | os.PathLike | None = None) -> list[tuple[str, Certification]]:
-    """Every readable record in the store, as ``(file name, record)``, sorted by file name.
-
-    Unreadable or malformed files are skipped (they certify nothing).
-    """
-    d = store_path(path)
-    out = []
-    try:
-        names = sorted(p for p in os.listdir(d) if p.endswith(".json"))
-    except OSError:
-        return []
-    for name in names:
-        try:
-            out.append((name, msgspec.json.decode((d / name).read_bytes(), type=Certification)))
-        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
-            continue
-    return out
-
-
-def write(rec: Certification, path: str | os.PathLike | None = None) -> Path:
-    d = store_path(path)
-    d.mkdir(parents=True, exist_ok=True)
-    dest = d / f"{rec.lane_id}-{_build_key(rec)}.json"
-    tmp = dest.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_bytes(msgspec.json.format(msgspec.json.encode(rec), indent=2) + b"\n")
-    tmp.replace(dest)
-    return dest
-
-
-def mismatches(rec: Certification, comp, layers: Sequence[int]) -> list[str]:
-    """Why ``rec`` does not certify a worker with compatibility ``comp`` over ``layers``."""
-    why = []
-    lane = rec.lane
-    if not rec.parity.passed:
-        why.append("the parity suite did not pass")
-    if lane.backend != comp.backend:
-        why.append(f"backend {lane.backend} != {comp.backend}")
-    if lane.model_identity != comp.model_identity:
-        why.append(f"model identity {lane.model_identity} != {comp.model_identity}")
-    if rec.llama_cpp_commit != comp.llama_cpp_commit:
-        why.append(f"llama.cpp commit {rec.llama_cpp_commit[:12]} != "
-                   f"{comp.llama_cpp_commit[:12]}")
-    if rec.patch_stack_hash != comp.patch_stack_hash:
-        why.append(f"patch-stack hash {rec.patch_stack_hash[:12]} != "
-                   f"{comp.patch_stack_hash[:12]}")
-    if rec.wire_schema_version != comp.boundary_schema_version:
-        why.append(f"boundary schema {rec.wire_schema_version} != "
-                   f"{comp.boundary_schema_version}")
-    for k in sorted(set(lane.settings) | set(comp.settings)):
-        a, b = lane.settings.get(k), comp.settings.get(k)
-        if a != b:
-            why.append(f"setting {k}={a!r} != {b!r}")
-    if list(rec.cpu_isa) != list(comp.cpu_isa):
-        why.append("CPU ISA flags differ: "
-                   + " ".join(sorted(set(rec.cpu_isa) ^ set(comp.cpu_isa))))
-    if [int(layers[0]), int(layers[1])] not in [list(s) for s in lane.stages]:
-        why.append(f"layers [{layers[0]}, {layers[1]}) are not a stage of "
-                   f"{[tuple(s) for s in lane.stages]}")
-    return why
-
-
-def match(path, comp, layers: Sequence[int]) -> tuple[list, list]:
-    """(lanes a worker may advertise, uncertified lanes with reasons) from the store."""
-    from .capability import LaneRef, Uncertified
-
-    lanes, other = [], []
-    for name, rec in load_store(path):
-        stages = [list(s) for s in rec.lane.stages]
-        why = mismatches(rec, comp, layers)
-        if why:
-            other.append(Uncertified(lane_id=rec.lane_id, codec=rec.lane.codec, stages=stages,
-                                     record=name, reasons=why))
-        else:
-            lanes.append(LaneRef(lane_id=rec.lane_id, codec=rec.lane.codec, stages=stages,
-                                 quantisation=rec.lane.quantisation,
-                                 certified_at=rec.certified_at,
-                                 parity=msgspec.to_builtins(rec.parity), record=name))
-    return lanes, other
 
 
 def certify(model: str | os.PathLike, ranges: Sequence[tuple[int, int]], *,
@@ -184,11 +52,13 @@ def certify(model: str | os.PathLike, ranges: Sequence[tuple[int, int]], *,
     """
     import time
 
-    from . import __version__, capability
-    from .engine import Engine
-    from .identity import model_identity
-    from .route import Route, generate_local
-    from .worker import LocalCluster
+    from dgr import __version__
+    from dgr.artifacts.identity import model_identity
+    from dgr.control import capability
+    from dgr.core.engine import Engine
+    from dgr.core.local import generate_local
+    from dgr.driver.route import Route
+    from dgr.worker.process import LocalCluster
 
     if codec not in wire.CODECS:
         raise wire.UnknownCodec(f"unknown codec {codec!r} (known: {', '.join(wire.CODECS)})")
@@ -246,7 +116,7 @@ def certify(model: str | os.PathLike, ranges: Sequence[tuple[int, int]], *,
 
 # -- command line (registered in dgr.cli) ----------------------------------------------------
 
-def add_certify_parser(sub, add_engine_args) -> None:
+def add_certify_parser(sub) -> None:
     c = sub.add_parser(
         "certify", help="run the parity suite for a lane through workers; record it if it passes",
         description="Certify a lane (backend, model, quantisation, boundary codec, engine "
@@ -264,9 +134,7 @@ def add_certify_parser(sub, add_engine_args) -> None:
     c.add_argument("--max-tokens", type=int, default=16)
     c.add_argument("--store", help="certification store directory")
     c.add_argument("--start-timeout", type=float, default=180.0)
-    c.add_argument("--type-k", default="f16")
-    c.add_argument("--type-v", default="f16")
-    add_engine_args(c)
+    engine_settings.add_arguments(c)
     c.set_defaults(func=_cmd_certify)
     ls = sub.add_parser("lanes", help="list the certification store's lanes",
                         description="List the certified lanes in the store, and whether each "
@@ -279,18 +147,17 @@ def add_certify_parser(sub, add_engine_args) -> None:
 def _cmd_certify(args) -> int:
     import sys
 
-    from . import errors, models
-    from .chain import parse_splits, split_layers
-    from .engine import Engine
+    from dgr import errors
+    from dgr.artifacts import models
+    from dgr.core.engine import Engine
+    from dgr.protocol.ranges import parse_splits, split_layers
 
     def say(msg):
         print(f"[dgr] {msg}", file=sys.stderr, flush=True)
 
     try:
         model = args.model or str(models.path(models.DEFAULT_MODEL))
-        settings = dict(n_ctx=args.ctx, n_slots=args.slots, n_threads=args.threads,
-                        n_ubatch=args.ubatch, flash_attn=args.flash_attn == "on",
-                        type_k=args.type_k, type_v=args.type_v)
+        settings = engine_settings.from_args(args)
         n_layer = Engine(model, n_ctx=64).n_layer
         ranges = (parse_splits([int(x) for x in args.splits.split(",")], n_layer)
                   if args.splits else split_layers(n_layer, args.stages))
@@ -316,7 +183,7 @@ def _cmd_certify(args) -> int:
 
 
 def _cmd_lanes(args) -> int:
-    from . import capability
+    from dgr.control import capability
 
     bi = capability.build_info()
     _, _, isa = capability.cpu_features()

@@ -1,4 +1,4 @@
-"""In-process chains of range engines, layer splits, and the reference generation loop."""
+"""In-process chains of range engines, and the reference generation loop."""
 
 from __future__ import annotations
 
@@ -8,32 +8,10 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import InvalidArgument, InvalidLayerRange
-from .sampling import SamplingParams, sample_rows
+from dgr.errors import InvalidArgument, InvalidLayerRange
+from dgr.protocol.sampling import SamplingParams, sample_rows
 
-__all__ = ["split_layers", "parse_splits", "LocalChain", "generate_local"]
-
-
-def split_layers(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
-    """Contiguous ranges covering ``[0, n_layer)``, as even as possible (earlier stages larger)."""
-    if not 1 <= n_stages <= n_layer:
-        raise InvalidLayerRange(f"cannot split {n_layer} layers into {n_stages} stages")
-    base, extra = divmod(n_layer, n_stages)
-    out, a = [], 0
-    for i in range(n_stages):
-        b = a + base + (1 if i < extra else 0)
-        out.append((a, b))
-        a = b
-    return out
-
-
-def parse_splits(points: Sequence[int], n_layer: int) -> list[tuple[int, int]]:
-    """Ranges from interior split points, e.g. ``[10, 20]`` of 30 layers -> 3 stages."""
-    pts = [0, *sorted(int(p) for p in points), n_layer]
-    if any(b <= a for a, b in zip(pts, pts[1:])) or pts[1] <= 0 or pts[-2] >= n_layer:
-        raise InvalidLayerRange(f"split points {list(points)} must be distinct and inside "
-                                f"(0, {n_layer})")
-    return list(zip(pts, pts[1:]))
+__all__ = ["LocalChain", "generate_local"]
 
 
 class LocalChain:
@@ -45,7 +23,7 @@ class LocalChain:
     """
 
     def __init__(self, model: str | os.PathLike, ranges: Sequence[tuple[int, int]], **settings):
-        from .engine import Engine
+        from dgr.core.engine import Engine
 
         if not ranges:
             raise InvalidArgument("a chain needs at least one stage")

@@ -1,7 +1,7 @@
 """Split-vs-whole parity: run a prompt and greedy decode steps through the whole model and a
 chain of range engines, and compare logits step by step.
 
-Library: :func:`compare`. Script: ``python -m dgr.parity --model M --splits 10,20``.
+Library: :func:`compare`. Script: ``python -m dgr parity --model M --splits 10,20``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from typing import Sequence
 
 import numpy as np
 
-from .chain import LocalChain, parse_splits, split_layers
+from dgr.core.local import LocalChain
+from dgr.protocol import settings as engine_settings
+from dgr.protocol.ranges import parse_splits, split_layers
 
 __all__ = ["StepResult", "ParityReport", "compare", "main"]
 
@@ -70,7 +72,7 @@ def compare(model: str | os.PathLike, ranges: Sequence[tuple[int, int]], prompt_
     as a logits difference at that step instead of derailing the rest. Every prompt row's
     logits are compared too. ``whole``/``chain`` may be passed in to reuse loaded engines.
     """
-    from .engine import Engine
+    from dgr.core.engine import Engine
 
     t0 = time.perf_counter()
     whole = whole or Engine(model, **settings)
@@ -103,7 +105,7 @@ def compare(model: str | os.PathLike, ranges: Sequence[tuple[int, int]], prompt_
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m dgr.parity",
+        prog="python -m dgr parity",
         description="Compare a split model with the whole model: per step max |diff| of logits, "
                     "top-1 agreement and bit identity. Every stage and the reference use the "
                     "same engine settings.")
@@ -113,21 +115,17 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--stages", type=int, default=3, help="even split into N stages (default 3)")
     ap.add_argument("--prompt", default="The quick brown fox jumps over the lazy dog. " * 8)
     ap.add_argument("--steps", type=int, default=16, help="greedy decode steps (default 16)")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--ubatch", type=int, default=64)
-    ap.add_argument("--ctx", type=int, default=1024)
-    ap.add_argument("--flash-attn", choices=["on", "off"], default="on")
+    engine_settings.add_arguments(ap)
     ap.add_argument("--json", help="write the report here")
     args = ap.parse_args(argv)
 
-    from . import errors
-    from .engine import Engine
-    from .models import path as model_path
+    from dgr import errors
+    from dgr.artifacts.models import path as model_path
+    from dgr.core.engine import Engine
 
     try:
         model = args.model or str(model_path())
-        settings = dict(n_ctx=args.ctx, n_threads=args.threads, n_ubatch=args.ubatch,
-                        flash_attn=args.flash_attn == "on")
+        settings = engine_settings.from_args(args)
         whole = Engine(model, **settings)
         if args.splits:
             ranges = parse_splits([int(x) for x in args.splits.split(",") if x], whole.n_layer)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
-from typing import Sequence
-
-from .errors import InvalidArgument
+from dgr.errors import InvalidArgument
 
 __all__ = ["SamplingParams", "Sampler", "sample_rows"]
 

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import VendorError
+from dgr.errors import VendorError
 
 __all__ = ["Vendor", "cache_root", "repo_root", "sha256_file", "main"]
 
@@ -37,7 +37,7 @@ STAMP_VERSION = 1
 
 def repo_root() -> Path:
     """The source checkout holding ``vendor-manifest.json`` and ``patches/``."""
-    return Path(__file__).resolve().parent.parent
+    return Path(__file__).resolve().parents[2]
 
 
 def cache_root() -> Path:
@@ -511,7 +511,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,9 +7,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import errors
-from ._core import Engine as _CoreEngine
-from .identity import model_identity
+from dgr import errors
+from dgr._core import Engine as _CoreEngine
+from dgr.artifacts.identity import model_identity
 
 __all__ = ["Engine", "NUMERIC_SETTINGS"]
 
@@ -26,7 +26,7 @@ def _load_path(model, layers, a: int, b: int):
     serves only the layers it holds. Files that are missing or not GGUF at all are left to the
     engine, which reports them with its own typed errors.
     """
-    from .artifacts import precheck
+    from dgr.artifacts.manifest import precheck
 
     try:
         return precheck(model, None if layers is None else (a, b))["load_path"]

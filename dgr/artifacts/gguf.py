@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable, Sequence
 
-from .errors import InvalidModel, ModelNotFound
+from dgr.errors import InvalidModel, ModelNotFound
 
 __all__ = [
     "gguf_module", "GGML_TYPES", "GGUFTensor", "GGUFHeader", "SkippedArray", "read_header",
@@ -61,11 +61,11 @@ def gguf_module():
     global _gguf
     if _gguf is not None:
         return _gguf
-    from .vendor import Vendor
+    from dgr.vendor import Vendor
 
     path = str(Vendor().gguf_py())
     if not Path(path).exists():
-        from .errors import VendorError
+        from dgr.errors import VendorError
 
         raise VendorError(f"{path} is missing; run `python -m dgr.vendor fetch`")
     if path not in sys.path:

@@ -1,0 +1,5 @@
+import sys
+
+from dgr.artifacts.manifest import main
+
+sys.exit(main())

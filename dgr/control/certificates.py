@@ -1,0 +1,163 @@
+"""The certification store: lane records, and matching them exactly against a worker.
+
+A lane is (backend, model identity, recipe: quantisation, boundary codec, numeric engine
+settings, stage layout). ``python -m dgr certify`` (``dgr.cli.certify``) measures a lane's parity
+through real workers and writes a :class:`Certification` into the store: a directory of JSON
+files, ``$DGR_CERT_STORE`` or ``$DGR_CACHE/certifications`` unless told otherwise. A worker
+started with ``--cert-store`` advertises a lane only when the record matches it exactly (model
+bytes, llama.cpp commit, patch-stack hash, settings, boundary schema, backend, CPU ISA, and its
+range is a stage of the layout); any other record is reported as uncertified with the reasons.
+Compiling a backend is not certifying it: there is no lane without a record.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import msgspec
+
+from dgr.protocol.capability import LaneRef, Uncertified
+
+__all__ = ["Lane", "Parity", "Certification", "store_path", "lane_id", "load_store", "write",
+           "mismatches", "match"]
+
+
+class Lane(msgspec.Struct, kw_only=True, frozen=True):
+    backend: str
+    model_identity: str
+    model_name: str
+    quantisation: str
+    codec: str
+    settings: dict[str, Any]
+    stages: list[list[int]]
+
+
+class Parity(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    generated_tokens: int
+    tokens_match: bool
+    logits_rows: int
+    logits_bit_identical: bool
+    max_abs_diff: float
+    top1_agreement: float
+    criterion: str
+    passed: bool
+
+
+class Certification(msgspec.Struct, kw_only=True):
+    schema: int = 1
+    lane_id: str
+    lane: Lane
+    llama_cpp_commit: str
+    patch_stack_hash: str
+    wire_schema_version: int
+    cpu_model: str
+    cpu_isa: list[str]
+    cpu_flags: list[str]
+    parity: Parity
+    certified_at: str          # ISO 8601, UTC
+    dgr_version: str
+    seconds: float
+
+
+def store_path(path: str | os.PathLike | None = None) -> Path:
+    """The certification store: ``path``, else ``$DGR_CERT_STORE``, else under ``$DGR_CACHE``."""
+    if path:
+        return Path(path)
+    env = os.environ.get("DGR_CERT_STORE")
+    if env:
+        return Path(env)
+    from dgr.vendor import cache_root
+
+    return cache_root() / "certifications"
+
+
+def lane_id(lane: Lane) -> str:
+    return hashlib.sha256(msgspec.json.encode(lane, order="sorted")).hexdigest()[:16]
+
+
+def _build_key(c: Certification) -> str:
+    h = hashlib.sha256("\0".join([c.llama_cpp_commit, c.patch_stack_hash, str(
+        c.wire_schema_version), " ".join(c.cpu_isa)]).encode())
+    return h.hexdigest()[:12]
+
+
+def load_store(path: str | os.PathLike | None = None) -> list[tuple[str, Certification]]:
+    """Every readable record in the store, as ``(file name, record)``, sorted by file name.
+
+    Unreadable or malformed files are skipped (they certify nothing).
+    """
+    d = store_path(path)
+    out = []
+    try:
+        names = sorted(p for p in os.listdir(d) if p.endswith(".json"))
+    except OSError:
+        return []
+    for name in names:
+        try:
+            out.append((name, msgspec.json.decode((d / name).read_bytes(), type=Certification)))
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            continue
+    return out
+
+
+def write(rec: Certification, path: str | os.PathLike | None = None) -> Path:
+    d = store_path(path)
+    d.mkdir(parents=True, exist_ok=True)
+    dest = d / f"{rec.lane_id}-{_build_key(rec)}.json"
+    tmp = dest.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes(msgspec.json.format(msgspec.json.encode(rec), indent=2) + b"\n")
+    tmp.replace(dest)
+    return dest
+
+
+def mismatches(rec: Certification, comp, layers: Sequence[int]) -> list[str]:
+    """Why ``rec`` does not certify a worker with compatibility ``comp`` over ``layers``."""
+    why = []
+    lane = rec.lane
+    if not rec.parity.passed:
+        why.append("the parity suite did not pass")
+    if lane.backend != comp.backend:
+        why.append(f"backend {lane.backend} != {comp.backend}")
+    if lane.model_identity != comp.model_identity:
+        why.append(f"model identity {lane.model_identity} != {comp.model_identity}")
+    if rec.llama_cpp_commit != comp.llama_cpp_commit:
+        why.append(f"llama.cpp commit {rec.llama_cpp_commit[:12]} != "
+                   f"{comp.llama_cpp_commit[:12]}")
+    if rec.patch_stack_hash != comp.patch_stack_hash:
+        why.append(f"patch-stack hash {rec.patch_stack_hash[:12]} != "
+                   f"{comp.patch_stack_hash[:12]}")
+    if rec.wire_schema_version != comp.boundary_schema_version:
+        why.append(f"boundary schema {rec.wire_schema_version} != "
+                   f"{comp.boundary_schema_version}")
+    for k in sorted(set(lane.settings) | set(comp.settings)):
+        a, b = lane.settings.get(k), comp.settings.get(k)
+        if a != b:
+            why.append(f"setting {k}={a!r} != {b!r}")
+    if list(rec.cpu_isa) != list(comp.cpu_isa):
+        why.append("CPU ISA flags differ: "
+                   + " ".join(sorted(set(rec.cpu_isa) ^ set(comp.cpu_isa))))
+    if [int(layers[0]), int(layers[1])] not in [list(s) for s in lane.stages]:
+        why.append(f"layers [{layers[0]}, {layers[1]}) are not a stage of "
+                   f"{[tuple(s) for s in lane.stages]}")
+    return why
+
+
+def match(path, comp, layers: Sequence[int]) -> tuple[list, list]:
+    """(lanes a worker may advertise, uncertified lanes with reasons) from the store."""
+    lanes, other = [], []
+    for name, rec in load_store(path):
+        stages = [list(s) for s in rec.lane.stages]
+        why = mismatches(rec, comp, layers)
+        if why:
+            other.append(Uncertified(lane_id=rec.lane_id, codec=rec.lane.codec, stages=stages,
+                                     record=name, reasons=why))
+        else:
+            lanes.append(LaneRef(lane_id=rec.lane_id, codec=rec.lane.codec, stages=stages,
+                                 quantisation=rec.lane.quantisation,
+                                 certified_at=rec.certified_at,
+                                 parity=msgspec.to_builtins(rec.parity), record=name))
+    return lanes, other

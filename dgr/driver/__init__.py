@@ -1,0 +1,18 @@
+"""The driver side of a route: runs sessions across a route's stages (no compiled core needed).
+
+- ``dgr.driver.route``: ``Route``/``AsyncRoute`` and their sessions.
+- ``dgr.driver.provider``: where stages come from (``RouteProvider``, ``StaticPool``).
+"""
+
+from dgr.driver.provider import RouteProvider, StaticPool
+from dgr.driver.route import (
+                              AsyncRoute,
+                              AsyncRouteSession,
+                              Generation,
+                              Route,
+                              RouteSession,
+                              StageStats,
+)
+
+__all__ = ["Route", "RouteSession", "AsyncRoute", "AsyncRouteSession", "Generation",
+           "StageStats", "RouteProvider", "StaticPool"]

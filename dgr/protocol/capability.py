@@ -1,0 +1,125 @@
+"""The capability record's schema: what a worker tells an external tracker (docs/capability.md).
+
+A worker serves it as JSON in ``DescribeReply.capability_json``; ``ShardClient.capability()``
+decodes it with :func:`decode`; ``dgr.control.capability.record_for`` builds it. The record is
+*inputs*, not a routing decision: exact compatibility, range and capacity, queue and load, seam
+cost, health, and the certified lanes whose records match this worker exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import msgspec
+
+__all__ = ["SCHEMA", "BACKEND", "Compatibility", "Capacity", "Load", "Seam", "Health", "LaneRef",
+           "Uncertified", "Capability", "encode", "decode"]
+
+
+#: Version of this record's JSON form (bumped when a field changes meaning or goes away).
+SCHEMA = 1
+
+
+#: The compute backend of this build of the core (llama.cpp's CPU backend).
+BACKEND = "cpu"
+
+
+class Compatibility(msgspec.Struct, kw_only=True):
+    model_identity: str            # "sha256:<hex>" (dgr.identity)
+    model_name: str
+    arch: str
+    quantisation: str              # GGUF general.file_type name, e.g. "Q4_1"
+    backend: str
+    llama_cpp_commit: str
+    patch_stack_hash: str          # dgr.vendor.Vendor().patch_stack_hash()
+    dgr_version: str
+    wire_format_version: int
+    boundary_schema_version: int   # dgr.wire.SCHEMA_VERSION
+    boundary_width: int            # floats per token at the boundary (streams * n_embd)
+    boundary_dtype: str            # "f32" (what "raw" carries)
+    settings: dict[str, Any]       # the numeric engine settings (dgr.engine.NUMERIC_SETTINGS)
+    stage_identity: str            # what Forward.model must carry
+    cpu_isa: list[str]             # ISA flags that select compute kernels (certify compares them)
+
+
+class Capacity(msgspec.Struct, kw_only=True):
+    n_layer: int
+    layer_start: int               # owned range [layer_start, layer_end)
+    layer_end: int
+    is_first: bool
+    is_last: bool
+    slots_total: int
+    slots_free: int
+    context_tokens_total: int      # slots_total * n_ctx
+    context_tokens_free: int
+    memory_bytes: int              # weights + KV cache of the owned range
+    weight_bytes: int
+    kv_bytes: int
+    rss_bytes: int                 # resident set of the process (0 where unknown)
+
+
+class Load(msgspec.Struct, kw_only=True):
+    queue_depth: int               # steps admitted and waiting for the engine
+    in_flight_steps: int           # steps admitted and not yet answered (waiting + computing)
+    sessions: int
+    tokens_per_s: float            # tokens computed per wall second over the window
+    window_s: float
+
+
+class Seam(msgspec.Struct, kw_only=True):
+    accepts: str                   # "tokens" (first stage) or "boundary"
+    boundary_bytes_per_token: dict[str, int]  # incoming, per codec accepted (empty: tokens)
+    output_bytes_per_token: dict[str, int]    # outgoing boundary per codec (empty: last stage)
+    hop_latency_ms_p50: float      # frame arrival -> reply ready at this worker, 1-token steps
+    hop_latency_ms_p99: float
+    hop_samples: int
+    compute_ms_avg: float          # moving average of the engine's 1-token step time
+
+
+class Health(msgspec.Struct, kw_only=True):
+    uptime_s: float
+    draining: bool
+    steps_served: int
+    steps_failed: int              # refused or failed steps (ErrorReply frames)
+    engine_restarts: int           # engine reloads in this process (a process restart resets all)
+    last_error: str                # "" when none
+    last_error_age_s: float        # -1 when none
+
+
+class LaneRef(msgspec.Struct, kw_only=True):
+    lane_id: str
+    codec: str
+    stages: list[list[int]]
+    quantisation: str
+    certified_at: str
+    parity: dict[str, Any]         # the measured figures (see dgr.certify.Parity)
+    record: str                    # file name in the certification store
+
+
+class Uncertified(msgspec.Struct, kw_only=True):
+    lane_id: str
+    codec: str
+    stages: list[list[int]]
+    record: str
+    reasons: list[str]
+
+
+class Capability(msgspec.Struct, kw_only=True):
+    schema: int = SCHEMA
+    endpoint: str = ""
+    compatibility: Compatibility
+    capacity: Capacity
+    load: Load
+    seam: Seam
+    health: Health
+    cert_store: Optional[str] = None
+    lanes: list[LaneRef] = []
+    uncertified: list[Uncertified] = []
+
+
+def encode(rec: Capability) -> bytes:
+    return msgspec.json.encode(rec)
+
+
+def decode(data: bytes | str) -> Capability:
+    return msgspec.json.decode(data, type=Capability)

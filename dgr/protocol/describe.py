@@ -1,0 +1,138 @@
+"""A stage's describe record (``StageInfo``), and the compute figures read from two of them."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+from dgr.protocol.settings import NUMERIC_SETTINGS, stage_identity
+
+__all__ = ["StageInfo", "COUNTERS", "compute_between", "measured_compute"]
+
+
+#: DescribeReply's compute totals (proto3 ``optional``: unset on a worker older than them)
+COUNTERS = ("decode_steps_total", "decode_compute_s_total", "tokens_computed_total",
+             "compute_s_total")
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """A worker's describe record, as plain Python (``ShardClient.describe`` returns it)."""
+
+    endpoint: str
+    model_identity: str
+    model_name: str
+    arch: str
+    n_layer: int
+    layers: tuple[int, int]
+    is_first: bool
+    is_last: bool
+    needs_token_ids: bool
+    boundary_width: int
+    boundary_dtype: str
+    n_vocab: int
+    settings: dict
+    eog_tokens: frozenset
+    add_bos: bool
+    free_slots: int
+    sessions: int
+    free_context: int
+    queue_depth: int
+    recent_tokens_per_s: float
+    recent_step_ms: float
+    draining: bool
+    dgr_version: str
+    wire_format_version: int
+    wire_schema_version: int
+    weight_bytes: int
+    kv_bytes: int
+    steps_total: int
+    errors_total: int
+    uptime_s: float
+    #: TCP port of the worker's fast data plane on the endpoint's host (0: none)
+    data_port: int = 0
+    #: compute totals since the worker started (monotonic, exact; take deltas between two
+    #: describes of the same worker): single-token steps and their compute seconds, tokens
+    #: and compute seconds of every step. None: a worker older than these counters.
+    decode_steps_total: int | None = None
+    decode_compute_s_total: float | None = None
+    tokens_computed_total: int | None = None
+    compute_s_total: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    @functools.cached_property
+    def identity(self) -> str:
+        """The stage identity frames must carry (model and numeric settings)."""
+        return stage_identity(self.model_identity, self.settings)
+
+    @property
+    def data_endpoint(self) -> str | None:
+        """``host:port`` of the fast data plane (the gRPC endpoint's host), None without one."""
+        if not self.data_port:
+            return None
+        return f"{self.endpoint.rsplit(':', 1)[0]}:{self.data_port}"
+
+    @classmethod
+    def from_proto(cls, endpoint: str, r) -> StageInfo:
+        s = r.settings
+        settings = {k: getattr(s, k) for k in NUMERIC_SETTINGS}
+        return cls(
+            endpoint=endpoint, model_identity=r.model_identity, model_name=r.model_name,
+            arch=r.arch, n_layer=r.n_layer, layers=(r.layer_start, r.layer_end),
+            is_first=r.is_first, is_last=r.is_last, needs_token_ids=r.needs_token_ids,
+            boundary_width=r.boundary_width, boundary_dtype=r.boundary_dtype,
+            n_vocab=r.n_vocab, settings=settings, eog_tokens=frozenset(r.eog_tokens),
+            add_bos=r.add_bos, free_slots=r.free_slots, sessions=r.sessions,
+            free_context=r.free_context, queue_depth=r.queue_depth,
+            recent_tokens_per_s=r.recent_tokens_per_s, recent_step_ms=r.recent_step_ms,
+            draining=r.draining, dgr_version=r.dgr_version,
+            wire_format_version=r.wire_format_version,
+            wire_schema_version=r.wire_schema_version, weight_bytes=r.weight_bytes,
+            kv_bytes=r.kv_bytes, steps_total=r.steps_total, errors_total=r.errors_total,
+            uptime_s=r.uptime_s, data_port=r.data_port,
+            **{k: getattr(r, k) if r.HasField(k) else None for k in COUNTERS})
+
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "extra"}
+        d["layers"] = list(self.layers)
+        d["eog_tokens"] = sorted(self.eog_tokens)
+        d["identity"] = self.identity
+        return d
+
+
+def compute_between(before, after) -> list[tuple[int, float] | str]:
+    """What each stage's worker computed between two describes of a route (``before`` a
+    timed run, ``after`` it; lists of ``StageInfo``): (single-token steps, their compute
+    seconds), from the workers' exact totals (``decode_steps_total``,
+    ``decode_compute_s_total``), or why there is no figure (a str)."""
+    if len(before) != len(after):
+        return [f"the route had {len(before)} stage(s) before the generation, "
+                f"{len(after)} after"] * len(after)
+    out: list[tuple[int, float] | str] = []
+    for b, a in zip(before, after):
+        if a.decode_steps_total is None or b.decode_steps_total is None:
+            out.append(f"{a.endpoint} reports no compute totals (a worker older than "
+                       "Describe fields 33-36, dgr_version "
+                       f"{a.dgr_version or '?'}): no compute figure")
+        elif a.endpoint != b.endpoint:
+            out.append(f"the stage moved from {b.endpoint} to {a.endpoint} during the "
+                       "generation: no compute figure")
+        elif a.decode_steps_total < b.decode_steps_total or a.uptime_s < b.uptime_s:
+            out.append(f"{a.endpoint} restarted during the generation: no compute figure")
+        elif a.decode_steps_total == b.decode_steps_total:
+            out.append(f"{a.endpoint} computed no single-token step: no compute figure")
+        else:
+            out.append((a.decode_steps_total - b.decode_steps_total,
+                        a.decode_compute_s_total - b.decode_compute_s_total))
+    return out
+
+
+def measured_compute(before, after) -> list[tuple[int, float]]:
+    """``compute_between`` for a benchmark, which needs a figure for every stage: raises
+    RuntimeError with the reasons when a stage has none (an older worker, one replaced or
+    restarted during the run, no single-token step)."""
+    out = compute_between(before, after)
+    why = [x for x in out if isinstance(x, str)]
+    if why:
+        raise RuntimeError("; ".join(why))
+    return out

@@ -1,0 +1,5 @@
+import sys
+
+from dgr.vendor import main
+
+sys.exit(main())

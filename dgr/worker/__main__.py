@@ -1,0 +1,5 @@
+import sys
+
+from dgr.worker.main import main
+
+sys.exit(main())

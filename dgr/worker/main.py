@@ -1,0 +1,179 @@
+"""``python -m dgr.worker``: serve one layer range of a GGUF model as a shard worker."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+
+from dgr import errors
+from dgr.protocol import settings as engine_settings
+from dgr.protocol.settings import settings_tag
+from dgr.transport.server import ShardServer
+from dgr.worker.stage import Worker
+
+__all__ = ["main", "build_parser"]
+
+log = logging.getLogger("dgr.worker")
+
+
+def _parse_layers(text: str | None) -> tuple[int, int] | None:
+    if text in (None, "", "all"):
+        return None
+    try:
+        a, b = text.split(":")
+        return int(a), int(b)
+    except ValueError:
+        raise SystemExit(f"--layers must look like A:B (e.g. 0:10), got {text!r}") from None
+
+
+async def _serve(args) -> int:
+    from dgr.core.engine import Engine
+
+    model = args.model
+    if model is None:
+        from dgr.artifacts import models
+
+        model = str(models.path(models.DEFAULT_MODEL))
+    t0 = time.monotonic()
+    log.info("loading %s layers %s", model, args.layers or "all")
+    engine = await asyncio.get_running_loop().run_in_executor(None, lambda: Engine(
+        model, layers=_parse_layers(args.layers), **engine_settings.from_args(args)))
+    worker = Worker(engine, ttl=args.ttl, evict_after=args.evict_after,
+                    inline=args.inline_compute, cert_store=args.cert_store,
+                    inline_below_ms=args.inline_below_ms)
+    if args.trace:
+        worker.trace = open(args.trace, "a", buffering=1 << 16)
+    worker.advertise_data_port = args.advertise_data_port
+    server = ShardServer(worker, args.listen, maximum_concurrent_rpcs=args.max_streams)
+    await server.start()
+    addr = server.address
+    if args.data_port >= 0:
+        try:
+            worker.serve_data(addr.rsplit(":", 1)[0].strip("[]"), args.data_port,
+                              args.max_data_connections)
+        except BaseException:
+            await server.stop(None)
+            raise
+        log.info("data plane (direct relay) on port %d", worker.data_server.port)
+    worker.name = addr
+    a, b = worker.layers
+    log.info("serving %s layers [%d, %d) of %d, %s, %d slots, loaded in %.1f s", engine.arch, a,
+             b, worker.n_layer, settings_tag(worker.settings), engine.n_slots,
+             time.monotonic() - t0)
+    metrics = None
+    if args.metrics_port is not None:
+        from dgr.control.metrics import MetricsServer
+
+        metrics = MetricsServer(worker, args.metrics_host, args.metrics_port).start()
+        log.info("Prometheus metrics on http://%s/metrics", metrics.address)
+    print(f"LISTENING {addr}", flush=True)
+
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+
+    def on_signal(signame: str) -> None:
+        log.info("%s received", signame)
+        loop.create_task(_drain_then(done, worker, server, args.drain_timeout))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig.name)
+    tasks = [loop.create_task(worker.housekeeping(min(args.ttl / 4, 5.0)))]
+    if args.parent_pid:
+        tasks.append(loop.create_task(_watch_parent(args.parent_pid, on_signal)))
+    await done.wait()
+    for t in tasks:
+        t.cancel()
+    if metrics is not None:
+        metrics.stop()
+    # drained: a repeated SIGTERM/SIGINT during interpreter shutdown must not turn exit 0
+    # into death by signal once the loop's handlers are gone
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, signal.SIG_IGN)
+    return 0
+
+
+async def _drain_then(done: asyncio.Event, worker: Worker, server: ShardServer,
+                      timeout: float) -> None:
+    try:
+        await worker.drain(server, timeout)
+    finally:
+        done.set()
+
+
+async def _watch_parent(pid: int, on_signal) -> None:
+    while os.getppid() == pid:
+        await asyncio.sleep(0.5)
+    on_signal("parent exit")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dgr.worker",
+        description="Serve layers [A, B) of a GGUF model as a dgr shard worker (gRPC). Prints "
+                    "'LISTENING host:port' on stdout once it serves; logs to stderr; SIGTERM "
+                    "drains (health NOT_SERVING, in-flight steps finish, new work refused) and "
+                    "exits 0.")
+    p.add_argument("--model", help="GGUF path (default: the registry's default model)")
+    p.add_argument("--layers", help="owned range A:B (default: the whole model)")
+    p.add_argument("--listen", default="127.0.0.1:0",
+                   help="host:port to bind (default 127.0.0.1:0: loopback, a free port)")
+    p.add_argument("--data-port", type=int, default=0,
+                   help="TCP port of the fast data plane (length-prefixed frames, direct relay; "
+                        "docs/dataplane.md) on the --listen host (default 0: any free port, "
+                        "advertised in Describe; -1: none, steps only over gRPC)")
+    p.add_argument("--max-data-connections", type=int, default=256,
+                   help="data-plane connections served at once (each holds a thread; more are "
+                        "refused with ResourceExhausted; default 256)")
+    p.add_argument("--advertise-data-port", type=int, default=0,
+                   help="data port to name in Describe instead of the bound one (a proxy, port "
+                        "forward or link emulator in front of it; default: the bound port)")
+    p.add_argument("--trace", default=None,
+                   help="append one JSON line per data-plane step to this file (stage, session, "
+                        "positions, arrival/compute/send times from CLOCK_MONOTONIC): a timeline "
+                        "of the stages (benches/timeline.py)")
+    engine_settings.add_arguments(p)
+    p.add_argument("--ttl", type=float, default=600.0,
+                   help="seconds after which an idle session expires (default 600)")
+    p.add_argument("--evict-after", type=float, default=5.0,
+                   help="idle seconds before a session may be evicted for a new one (default 5)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM waits for in-flight steps; admitted steps that have "
+                        "not started computing by then are not run (default 30)")
+    p.add_argument("--max-streams", type=int, default=None,
+                   help="refuse RPCs beyond this many concurrent ones (default: no limit)")
+    p.add_argument("--inline-compute", action="store_true",
+                   help="compute on the event loop thread (one thread handoff less per step; "
+                        "control RPCs wait for the running step)")
+    p.add_argument("--inline-below-ms", type=float, default=0.0,
+                   help="compute single-token steps on the event loop thread while they take "
+                        "less than this many ms and the compute thread is idle (default 0: "
+                        "never; every step runs off the event loop)")
+    p.add_argument("--parent-pid", type=int, default=0,
+                   help="drain and exit when this process is no longer our parent")
+    p.add_argument("--cert-store", default=os.environ.get("DGR_CERT_STORE"),
+                   help="certification store directory: advertise the lanes certified there "
+                        "that match this worker exactly (python -m dgr certify; default "
+                        "$DGR_CERT_STORE; unset: advertise none)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics over HTTP on this port (0: any free port)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address of the metrics endpoint (default 127.0.0.1)")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="[dgr.worker %(process)d] %(message)s")
+    try:
+        return asyncio.run(_serve(args))
+    except errors.DgrError as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 2
