@@ -240,7 +240,6 @@ struct Engine::Impl {
     llama_token * batch_token = nullptr;  // llama_batch_init's own token array, restored before free
     bool first = true;
     bool last = true;
-    mutable std::mutex mu;
 
     ~Impl() {
         try {
@@ -519,7 +518,6 @@ Status Engine::Impl::Release(int32_t slot) {
         return Status(kUnknownSlot, "slot " + std::to_string(slot) + " does not exist; this engine has slots 0.." +
                       std::to_string(m.cfg.n_slots - 1));
     }
-    std::lock_guard<std::mutex> lk(m.mu);
     llama_memory_seq_rm(llama_get_memory(m.ctx), slot, -1, -1);
     return Status();
 }
@@ -559,7 +557,6 @@ Status Engine::Impl::Forward(int32_t slot, const int32_t * pos, const int32_t * 
         }
     }
 
-    std::lock_guard<std::mutex> lk(m.mu);
     const int32_t next = llama_memory_seq_pos_max(llama_get_memory(m.ctx), slot) + 1;
     for (int32_t i = 0; i < n_tokens; ++i) {
         if (pos[i] != pos[0] + i) {

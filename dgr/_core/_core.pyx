@@ -9,6 +9,8 @@ from libcpp.utility cimport move
 from libcpp.vector cimport vector
 
 cimport numpy as cnp
+import threading
+
 import numpy as np
 
 from dgr._core.includes.engine cimport (
@@ -58,6 +60,10 @@ cdef class Engine:
     """A share of a GGUF model (layers [a, b)) on the CPU, with sequence slots.
 
     This is the compiled half; ``dgr.Engine`` is the documented public class.
+
+    ``lock`` (a ``threading.RLock``) is the one lock of the engine: every call into the C++
+    engine holds it (the C++ engine keeps none), and a caller that needs several calls to be
+    atomic holds it around them (it is re-entrant).
     """
 
     cdef unique_ptr[CEngine] _e
@@ -68,6 +74,7 @@ cdef class Engine:
     cdef readonly bint is_last
     cdef readonly bint needs_token_ids
     cdef readonly int32_t n_slots
+    cdef readonly object lock
 
     def __cinit__(self, str model_path, int layer_start=0, int layer_end=-1, *,
                   unsigned int n_ctx=1024, unsigned int n_slots=1, int n_threads=1,
@@ -88,6 +95,7 @@ cdef class Engine:
         cfg.type_v = type_v.encode()
         cfg.use_mmap = use_mmap
         cfg.mtp = mtp
+        self.lock = threading.RLock()
         with nogil:
             st = CEngine.Load(cfg, &e)
         check_status(st)
@@ -103,7 +111,8 @@ cdef class Engine:
 
     def _info(self):
         """Engine facts as a dict (memory figures refreshed)."""
-        check_status(self._e.get().RefreshMemory())
+        with self.lock:
+            check_status(self._e.get().RefreshMemory())
         cdef const CEngineInfo * i = &self._e.get().info()
         return {
             "arch": i.arch.decode(), "desc": i.desc.decode("utf-8", "replace"),
@@ -124,8 +133,9 @@ cdef class Engine:
         cdef string s = text.encode("utf-8") if isinstance(text, str) else bytes(text)
         cdef vector[int32_t] out
         cdef CStatus st
-        with nogil:
-            st = self._e.get().Tokenize(s, add_special, parse_special, &out)
+        with self.lock:
+            with nogil:
+                st = self._e.get().Tokenize(s, add_special, parse_special, &out)
         check_status(st)
         arr = np.empty(out.size(), dtype=np.int32)
         cdef int32_t[::1] view = arr
@@ -140,8 +150,9 @@ cdef class Engine:
         cdef CStatus st
         cdef const int32_t * p = <const int32_t *> cnp.PyArray_DATA(arr)
         cdef size_t n = arr.shape[0]
-        with nogil:
-            st = self._e.get().Detokenize(p, n, remove_special, unparse_special, &out)
+        with self.lock:
+            with nogil:
+                st = self._e.get().Detokenize(p, n, remove_special, unparse_special, &out)
         check_status(st)
         return out.decode("utf-8", "replace")
 
@@ -151,7 +162,9 @@ cdef class Engine:
 
     def next_pos(self, int slot):
         """Position the slot expects next (0 when empty)."""
-        cdef int32_t p = self._e.get().NextPos(slot)
+        cdef int32_t p
+        with self.lock:
+            p = self._e.get().NextPos(slot)
         if p < 0:
             raise _errors.UnknownSlot(
                 f"slot {slot} does not exist; this engine has slots 0..{self.n_slots - 1}")
@@ -160,8 +173,9 @@ cdef class Engine:
     def release(self, int slot):
         """Drop the slot's state; its next forward starts at position 0."""
         cdef CStatus st
-        with nogil:
-            st = self._e.get().Release(slot)
+        with self.lock:
+            with nogil:
+                st = self._e.get().Release(slot)
         check_status(st)
 
     def _forward(self, int slot, object pos, object tokens, object boundary, object want,
@@ -229,8 +243,9 @@ cdef class Engine:
         cdef size_t cap = <size_t> o.shape[0] * <size_t> o.shape[1]
         cdef int32_t n_rows = 0
         cdef CStatus st
-        with nogil:
-            st = self._e.get().Forward(slot, ppos, ptok, pbnd, n, pwant, pout, cap, &n_rows)
+        with self.lock:
+            with nogil:
+                st = self._e.get().Forward(slot, ppos, ptok, pbnd, n, pwant, pout, cap, &n_rows)
         check_status(st)
         return out if o.shape[0] == n_rows else out[:n_rows]
 

@@ -61,6 +61,9 @@ struct EngineInfo {
     bool     add_bos = false;
 };
 
+// One engine is used by one thread at a time: it keeps no lock of its own. The Python binding
+// (dgr._core.Engine) serializes every call with its one lock, ``Engine.lock``, which callers
+// that must make a sequence of calls atomic (the worker's slot bookkeeping) hold too.
 class Engine {
 public:
     ~Engine();
