@@ -1,159 +1,175 @@
-"""Optional Prometheus metrics of a worker (``python -m dgr.worker --metrics-port N``).
+"""Prometheus metrics of a worker (``python -m dgr.worker --metrics-port N``).
 
-The figures of the capability record (``dgr.capability``), in the Prometheus text exposition
-format 0.0.4, with base units (seconds, bytes) and ``_total`` only on counters. Served by the
-standard library's ``http.server`` from a daemon thread: the format is a few lines of text, so
-this avoids a dependency (``prometheus_client``) for ~60 lines. The record is built on the
-worker's event loop (its session table is not shared across threads).
+The figures of the capability record (``dgr.control.capability``) and the worker's exact compute
+totals, exposed through ``prometheus_client``: a collector builds them from one fresh record per
+scrape (base units, seconds and bytes; counters end in ``_total``), and the library's HTTP server
+serves them from a daemon thread in the text exposition format. The record is built on the
+worker's event loop (its session table belongs to that loop and its data-plane threads).
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-__all__ = ["exposition", "MetricsServer", "CONTENT_TYPE"]
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily,
+                                    Metric)
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+__all__ = ["families", "exposition", "MetricsServer", "CONTENT_TYPE"]
+
+#: The exposition format served (text 0.0.4, what every Prometheus version scrapes)
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
 
-def _esc(v) -> str:
-    return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+def _gauge(name: str, help_: str, value=None, labels: dict | None = None,
+           samples: list[tuple[dict, float]] | None = None) -> GaugeMetricFamily:
+    if samples is None:
+        return GaugeMetricFamily(name, help_, value=float(value))
+    keys = list(dict.fromkeys(k for lab, _ in samples for k in lab))  # first-seen order
+    g = GaugeMetricFamily(name, help_, labels=keys)
+    for lab, v in samples:
+        g.add_metric([str(lab.get(k, "")) for k in keys], float(v))
+    return g
 
 
-def _labels(d: dict) -> str:
-    return "{" + ",".join(f'{k}="{_esc(v)}"' for k, v in d.items()) + "}" if d else ""
+def _counter(name: str, help_: str, value) -> CounterMetricFamily:
+    # prometheus_client appends the _total suffix
+    return CounterMetricFamily(name.removesuffix("_total"), help_, value=float(value))
+
+
+def families(rec, counters: dict | None = None) -> list[Metric]:
+    """The metric families of a capability record (``dgr.protocol.capability.Capability``),
+    and of the worker's compute totals when given (``Worker.compute_counters()``)."""
+    c, cap, ld, s, h = rec.compatibility, rec.capacity, rec.load, rec.seam, rec.health
+    info = InfoMetricFamily("dgr_worker", "Model and build this worker serves.")
+    info.add_metric([], dict(
+        model_identity=c.model_identity, model_name=c.model_name, arch=c.arch,
+        quantisation=c.quantisation, backend=c.backend, llama_cpp_commit=c.llama_cpp_commit,
+        patch_stack_hash=c.patch_stack_hash, dgr_version=c.dgr_version,
+        stage_identity=c.stage_identity, boundary_schema_version=str(c.boundary_schema_version)))
+    hop = Metric("dgr_worker_hop_latency_seconds",
+                 "Frame arrival to reply ready at this worker, single-token steps (recent).",
+                 "summary")
+    hop.add_sample("dgr_worker_hop_latency_seconds", {"quantile": "0.5"},
+                   s.hop_latency_ms_p50 / 1e3)
+    hop.add_sample("dgr_worker_hop_latency_seconds", {"quantile": "0.99"},
+                   s.hop_latency_ms_p99 / 1e3)
+    hop.add_sample("dgr_worker_hop_latency_seconds_count", {}, float(s.hop_samples))
+    out: list[Metric] = [
+        info,
+        _gauge("dgr_worker_layer_start", "First owned layer.", cap.layer_start),
+        _gauge("dgr_worker_layer_end", "End of the owned range (exclusive).", cap.layer_end),
+        _gauge("dgr_worker_boundary_width", "Floats per token at the boundary.",
+               c.boundary_width),
+        _gauge("dgr_worker_slots", "Session slots.", cap.slots_total),
+        _gauge("dgr_worker_slots_free", "Free session slots.", cap.slots_free),
+        _gauge("dgr_worker_context_tokens", "Context tokens over all slots.",
+               cap.context_tokens_total),
+        _gauge("dgr_worker_context_tokens_free", "Free context tokens over all slots.",
+               cap.context_tokens_free),
+        _gauge("dgr_worker_memory_bytes", "Memory of the owned range.",
+               samples=[({"kind": "weights"}, cap.weight_bytes),
+                        ({"kind": "kv_cache"}, cap.kv_bytes)]),
+        _gauge("process_resident_memory_bytes", "Resident memory size in bytes.",
+               cap.rss_bytes),
+        _gauge("dgr_worker_queue_depth", "Steps waiting for the engine.", ld.queue_depth),
+        _gauge("dgr_worker_in_flight_steps", "Steps admitted and not yet answered.",
+               ld.in_flight_steps),
+        _gauge("dgr_worker_sessions", "Sessions holding a slot.", ld.sessions),
+        _gauge("dgr_worker_tokens_per_second",
+               f"Tokens computed per second over the last {ld.window_s:g} s.", ld.tokens_per_s),
+        _gauge("dgr_worker_boundary_bytes_per_token",
+               "Boundary payload bytes per token, per codec (in: accepted, out: sent).",
+               samples=[({"codec": k, "direction": "in"}, v)
+                        for k, v in s.boundary_bytes_per_token.items()]
+               + [({"codec": k, "direction": "out"}, v)
+                  for k, v in s.output_bytes_per_token.items()]),
+        hop,
+        _gauge("dgr_worker_uptime_seconds", "Seconds since the worker started.", h.uptime_s),
+        _gauge("dgr_worker_draining", "1 while draining (shutting down).", int(h.draining)),
+        _counter("dgr_worker_steps_total", "Steps served.", h.steps_served),
+        _counter("dgr_worker_step_failures_total", "Steps refused or failed.", h.steps_failed),
+    ]
+    if counters is not None:
+        out += [
+            _counter("dgr_worker_decode_steps_total", "Single-token steps computed.",
+                     counters["decode_steps_total"]),
+            _counter("dgr_worker_decode_compute_seconds_total",
+                     "Engine compute time of single-token steps (sampling and transport "
+                     "excluded).", counters["decode_compute_s_total"]),
+            _counter("dgr_worker_tokens_computed_total", "Tokens computed, every step.",
+                     counters["tokens_computed_total"]),
+            _counter("dgr_worker_compute_seconds_total",
+                     "Engine compute time of every step (sampling and transport excluded).",
+                     counters["compute_s_total"]),
+        ]
+    out += [
+        _gauge("dgr_worker_certified_lane", "A certified lane this worker advertises.",
+               samples=[({"lane_id": ln.lane_id, "codec": ln.codec,
+                          "stages": ",".join(f"{a}:{b}" for a, b in ln.stages)}, 1)
+                        for ln in rec.lanes]),
+        _gauge("dgr_worker_uncertified_lanes",
+               "Lanes in the store that do not match this worker.", len(rec.uncertified)),
+    ]
+    return out
+
+
+class _Collector:
+    """A prometheus_client collector: one fresh capability record per scrape."""
+
+    def __init__(self, snapshot):
+        self.snapshot = snapshot
+
+    def collect(self):
+        yield from families(*self.snapshot())
 
 
 def exposition(rec, counters: dict | None = None) -> str:
-    """The text exposition of a ``dgr.capability.Capability``, and of the worker's compute
-    totals when given (``counters``: ``dgr.worker.Worker.compute_counters()``)."""
-    out: list[str] = []
-
-    def metric(name, kind, help_, samples):
-        out.append(f"# HELP {name} {help_}")
-        out.append(f"# TYPE {name} {kind}")
-        for labels, value in samples:
-            out.append(f"{name}{_labels(labels)} {float(value)!r}")
-
-    c, cap, ld, s, h = rec.compatibility, rec.capacity, rec.load, rec.seam, rec.health
-    metric("dgr_worker_info", "gauge", "Model and build this worker serves (value 1).", [(
-        dict(model_identity=c.model_identity, model_name=c.model_name, arch=c.arch,
-             quantisation=c.quantisation, backend=c.backend, llama_cpp_commit=c.llama_cpp_commit,
-             patch_stack_hash=c.patch_stack_hash, dgr_version=c.dgr_version,
-             stage_identity=c.stage_identity, boundary_schema_version=c.boundary_schema_version),
-        1)])
-    metric("dgr_worker_layer_start", "gauge", "First owned layer.", [({}, cap.layer_start)])
-    metric("dgr_worker_layer_end", "gauge", "End of the owned range (exclusive).",
-           [({}, cap.layer_end)])
-    metric("dgr_worker_boundary_width", "gauge", "Floats per token at the boundary.",
-           [({}, c.boundary_width)])
-    metric("dgr_worker_slots", "gauge", "Session slots.", [({}, cap.slots_total)])
-    metric("dgr_worker_slots_free", "gauge", "Free session slots.", [({}, cap.slots_free)])
-    metric("dgr_worker_context_tokens", "gauge", "Context tokens over all slots.",
-           [({}, cap.context_tokens_total)])
-    metric("dgr_worker_context_tokens_free", "gauge", "Free context tokens over all slots.",
-           [({}, cap.context_tokens_free)])
-    metric("dgr_worker_memory_bytes", "gauge", "Memory of the owned range.",
-           [({"kind": "weights"}, cap.weight_bytes), ({"kind": "kv_cache"}, cap.kv_bytes)])
-    metric("process_resident_memory_bytes", "gauge", "Resident memory size in bytes.",
-           [({}, cap.rss_bytes)])
-    metric("dgr_worker_queue_depth", "gauge", "Steps waiting for the engine.",
-           [({}, ld.queue_depth)])
-    metric("dgr_worker_in_flight_steps", "gauge", "Steps admitted and not yet answered.",
-           [({}, ld.in_flight_steps)])
-    metric("dgr_worker_sessions", "gauge", "Sessions holding a slot.", [({}, ld.sessions)])
-    metric("dgr_worker_tokens_per_second", "gauge",
-           f"Tokens computed per second over the last {ld.window_s:g} s.", [({}, ld.tokens_per_s)])
-    metric("dgr_worker_boundary_bytes_per_token", "gauge",
-           "Boundary payload bytes per token, per codec (in: accepted, out: sent).",
-           [({"codec": k, "direction": "in"}, v) for k, v in s.boundary_bytes_per_token.items()]
-           + [({"codec": k, "direction": "out"}, v) for k, v in s.output_bytes_per_token.items()])
-    metric("dgr_worker_hop_latency_seconds", "summary",
-           "Frame arrival to reply ready at this worker, single-token steps (recent).",
-           [({"quantile": "0.5"}, s.hop_latency_ms_p50 / 1e3),
-            ({"quantile": "0.99"}, s.hop_latency_ms_p99 / 1e3)])
-    out.append(f"dgr_worker_hop_latency_seconds_count {float(s.hop_samples)!r}")
-    metric("dgr_worker_uptime_seconds", "gauge", "Seconds since the worker started.",
-           [({}, h.uptime_s)])
-    metric("dgr_worker_draining", "gauge", "1 while draining (shutting down).",
-           [({}, int(h.draining))])
-    metric("dgr_worker_steps_total", "counter", "Steps served.", [({}, h.steps_served)])
-    metric("dgr_worker_step_failures_total", "counter", "Steps refused or failed.",
-           [({}, h.steps_failed)])
-    metric("dgr_worker_engine_restarts_total", "counter", "Engine reloads in this process.",
-           [({}, h.engine_restarts)])
-    if counters is not None:
-        metric("dgr_worker_decode_steps_total", "counter", "Single-token steps computed.",
-               [({}, counters["decode_steps_total"])])
-        metric("dgr_worker_decode_compute_seconds_total", "counter",
-               "Engine compute time of single-token steps (sampling and transport excluded).",
-               [({}, counters["decode_compute_s_total"])])
-        metric("dgr_worker_tokens_computed_total", "counter", "Tokens computed, every step.",
-               [({}, counters["tokens_computed_total"])])
-        metric("dgr_worker_compute_seconds_total", "counter",
-               "Engine compute time of every step (sampling and transport excluded).",
-               [({}, counters["compute_s_total"])])
-    metric("dgr_worker_certified_lane", "gauge", "A certified lane this worker advertises.",
-           [({"lane_id": ln.lane_id, "codec": ln.codec,
-              "stages": ",".join(f"{a}:{b}" for a, b in ln.stages)}, 1) for ln in rec.lanes])
-    metric("dgr_worker_uncertified_lanes", "gauge",
-           "Lanes in the store that do not match this worker.", [({}, len(rec.uncertified))])
-    return "\n".join(out) + "\n"
+    """The text exposition of a capability record (and compute totals), as a scrape sees it."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(_Collector(lambda: (rec, counters)))
+    return generate_latest(reg).decode()
 
 
 class MetricsServer:
     """``GET /metrics`` for a ``dgr.worker.Worker`` whose event loop is running now.
 
-    Create it on the worker's loop (it remembers it); ``address`` is ``host:port`` once started.
+    Create it on the worker's loop (it remembers it), or pass ``loop``; ``start()`` serves it
+    on ``host:port`` (0: any free port) and ``address`` says where; ``render()`` is one scrape.
     """
 
     def __init__(self, worker, host: str = "127.0.0.1", port: int = 0, loop=None):
         self.worker = worker
         self.loop = loop or asyncio.get_running_loop()
-        outer = self
+        self.host, self.port = host, port
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(self._snapshot))
+        self.httpd = None
+        self._thread = None
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 - http.server's name
-                if self.path.split("?")[0] not in ("/metrics", "/"):
-                    self.send_error(404)
-                    return
-                try:
-                    body = outer.render().encode()
-                except Exception as e:  # noqa: BLE001
-                    self.send_error(503, str(e))
-                    return
-                self.send_response(200)
-                self.send_header("Content-Type", CONTENT_TYPE)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+    def _snapshot(self):
+        async def build():
+            return self.worker.capability(), self.worker.compute_counters()
 
-            def log_message(self, *args):  # quiet: scrapes are not session events
-                pass
-
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
-        self.httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="dgr-metrics",
-                                        daemon=True)
+        return asyncio.run_coroutine_threadsafe(build(), self.loop).result(10)
 
     @property
     def address(self) -> str:
+        if self.httpd is None:
+            raise RuntimeError("the metrics server is not started")
         host, port = self.httpd.server_address[:2]
         return f"{host}:{port}"
 
     def render(self) -> str:
-        async def build():
-            return self.worker.capability(), self.worker.compute_counters()
-
-        rec, counters = asyncio.run_coroutine_threadsafe(build(), self.loop).result(10)
-        return exposition(rec, counters)
+        return generate_latest(self.registry).decode()
 
     def start(self) -> MetricsServer:
-        self._thread.start()
+        self.httpd, self._thread = start_http_server(self.port, self.host, self.registry)
         return self
 
     def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        if self.httpd is not None:
+            self.httpd.shutdown()
+            self.httpd.server_close()
+            self._thread.join(5)

@@ -96,11 +96,7 @@ def _samples(text: str) -> dict[str, float]:
 def test_metrics_expose_the_describe_totals(stages):
     generate(stages, False, 2)  # something counted
     tw = stages[0]
-    ms = MetricsServer(tw.worker, port=0, loop=tw.loop)  # render only: not serving
-    try:
-        text = ms.render()
-    finally:
-        ms.httpd.server_close()
+    text = MetricsServer(tw.worker, port=0, loop=tw.loop).render()  # one scrape, not serving
     with Route([w.address for w in stages], relay=False) as route:
         info = route.describe()[0]
     for name in ("dgr_worker_decode_steps_total", "dgr_worker_decode_compute_seconds_total",

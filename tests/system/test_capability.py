@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -262,8 +263,12 @@ def test_worker_process_serves_lanes_and_metrics(tiny_llama, store):
         url = log.split("Prometheus metrics on ", 1)[1].split()[0]
         with urllib.request.urlopen(url, timeout=10) as r:
             text = r.read().decode()
-        assert f'dgr_worker_certified_lane{{lane_id="{rec.lanes[0].lane_id}",codec="raw",' \
-               f'stages="0:2,2:4"}} 1.0' in text
+        lanes = [ln for ln in text.splitlines() if ln.startswith("dgr_worker_certified_lane{")]
+        assert len(lanes) == 1, lanes
+        labels, value = lanes[0][len("dgr_worker_certified_lane{"):].rsplit("} ", 1)
+        assert value == "1.0"
+        assert dict(re.findall(r'(\w+)="([^"]*)"', labels)) == {  # in any order
+            "lane_id": rec.lanes[0].lane_id, "codec": "raw", "stages": "0:2,2:4"}
     finally:
         assert w.stop() == 0
 
