@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent
 
 
 def _load_vendor():
-    # Import dgr/vendor.py (stdlib only) without importing the dgr package itself.
+    # Import dgr/vendor/ (stdlib only) without importing the dgr package itself.
     pkg = importlib.util.spec_from_file_location("dgr", ROOT / "dgr" / "__init__.py",
                                                  submodule_search_locations=[str(ROOT / "dgr")])
     mod = importlib.util.module_from_spec(pkg)

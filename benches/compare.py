@@ -13,7 +13,7 @@ round-robin; the table reports medians over rounds, so a busy machine skews them
 header of the output prints the exact settings and command lines of every row family.
 
 * whole (dgr):   ``dgr.Engine(M, **SETTINGS)`` in a fresh process each round. decode: the
-  greedy loop of ``dgr.chain.generate_local`` (forward, read the logits row, sample), timed
+  greedy loop of ``dgr.core.local.generate_local`` (forward, read the logits row, sample), timed
   from the first token (the prompt's) to the last, N steps. prefill n: n / the wall time of
   ``generate_local(prompt n, max_tokens=1)`` (the call that submits the prompt to its first
   token, sampled). TTFT = that time for 128 tokens. CPU s/token: utime + stime of the process

@@ -2,7 +2,7 @@
 
     python benches/process_floor.py [--stages 3] [--rounds 5] [--tokens 128] [--json out.json]
 
-Three ways to decode with the same SmolLM2 ranges (``dgr.chain.split_layers``, the settings
+Three ways to decode with the same SmolLM2 ranges (``dgr.protocol.ranges.split_layers``, the settings
 of ``benchmarks.common.SETTINGS``: one thread, n_ctx 1024, ubatch 64, flash attention; one
 slot), all doing the same work: the same 16-token prompt, then ``--tokens`` greedy decode
 steps, each token the argmax of the last range's logits, fed back to the first range:
@@ -28,7 +28,7 @@ compute: median over the decode steps of each range's ``forward`` (perf_counter 
 process) for alone and pipes, for relay the mean compute of the single-token steps each worker computed during the
 run (deltas of its Describe totals).
 Parity: every row's tokens (the prompt's and the ``--tokens`` after it) equal the whole
-model's, ``dgr.chain.generate_local`` greedy, computed before the rest starts.
+model's, ``dgr.core.local.generate_local`` greedy, computed before the rest starts.
 ``--json FILE`` writes the rounds and the summary; ``summarize`` is pure, see
 tests/unit/test_bench_models.py.
 """

@@ -44,7 +44,7 @@ single-token steps: the compute is the delta of the worker's exact totals
 after the timed run; a stage whose count differs from the steps the driver sent it gets no
 hop); a least-squares fit of TPOT against the emulated RTTs
 (its slope should be S); parity of every run's tokens with the whole model's
-(``dgr.chain.generate_local``). The emulated RTT 0 row is the proxies' cost alone. Goal:
+(``dgr.core.local.generate_local``). The emulated RTT 0 row is the proxies' cost alone. Goal:
 P <= 1 ms. Each path and RTT decodes at most about ``--budget-s`` seconds in all (at most
 64 steps a run).
 """

@@ -1,4 +1,4 @@
-"""asv benchmarks of dgr.wire: encode/decode time, throughput and bytes per token per codec."""
+"""asv benchmarks of dgr.protocol.wire: encode/decode time, throughput and bytes per token per codec."""
 
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ def random_layouts(seed: int, n_layer: int, count: int, *, min_stages: int = 2,
 
     The first layout always has a stage of exactly one layer (anywhere, the first or last
     layer included); every layout differs from the even split of its stage count
-    (``dgr.chain.split_layers``), which the fixed parity tests cover already. The same
+    (``dgr.protocol.ranges.split_layers``), which the fixed parity tests cover already. The same
     arguments give the same layouts on every machine and Python version.
     """
     if not 2 <= min_stages <= max_stages < n_layer or count < 1:
