@@ -123,17 +123,6 @@ bool parse_type(const std::string & name, ggml_type * out) {
     return false;
 }
 
-// Architectures whose stage graph is adapted by the patch stack (a partial range needs it):
-// llama (patch 0005) and deepseek4 (patch 0006).
-bool arch_supports_ranges(const std::string & arch) {
-#if DGR_LAYER_RANGE
-    return arch == "llama" || arch == "deepseek4";
-#else
-    (void) arch;
-    return false;
-#endif
-}
-
 int64_t gguf_int(const gguf_context * g, const std::string & key, int64_t dflt) {
     const int64_t id = gguf_find_key(g, key.c_str());
     if (id < 0) return dflt;
@@ -164,7 +153,7 @@ Status inspect_gguf(const std::string & path, GgufFacts * facts) {
     if (::stat(path.c_str(), &st) != 0) {
         return Status(kModelNotFound, "model file not found: " + path + " (" + std::strerror(errno) +
                       "); give the path of a .gguf file, or fetch the default model with "
-                      "`python -m dgr.models fetch`");
+                      "`python -m dgr models fetch`");
     }
     if (!S_ISREG(st.st_mode)) {
         return Status(kModelNotFound, "model path is not a regular file: " + path);
@@ -229,6 +218,22 @@ Status inspect_gguf(const std::string & path, GgufFacts * facts) {
 }  // namespace
 
 bool HasLayerRanges() noexcept { return DGR_LAYER_RANGE != 0; }
+
+// The list is the patched llama.cpp's (one case per stage-graph patch: llama 0005, deepseek4
+// 0006); its loader refuses the other archs itself, this lets a load refuse them with a typed
+// error before reading any weight.
+bool ArchSupportsLayerRange(const std::string & arch) noexcept {
+#if DGR_LAYER_RANGE
+    try {
+        return llama_arch_supports_layer_range(arch.c_str());
+    } catch (...) {
+        return false;  // llama_arch_supports_layer_range builds std::strings (bad_alloc)
+    }
+#else
+    (void) arch;
+    return false;
+#endif
+}
 
 struct Engine::Impl {
     EngineConfig cfg;
@@ -342,7 +347,7 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
                       std::to_string(n_layer) + ") of " + cfg.model_path);
     }
     const bool partial = start != 0 || end != n_layer;
-    if (partial && !arch_supports_ranges(facts.arch)) {
+    if (partial && !ArchSupportsLayerRange(facts.arch)) {
         return Status(kUnsupportedArch, "layer ranges are not supported for architecture '" + facts.arch +
                       "' (its stage graph is not adapted by dgr's patch stack); load the whole model "
                       "(layers=None) or use a supported architecture");
@@ -536,6 +541,11 @@ Status Engine::Impl::Forward(int32_t slot, const int32_t * pos, const int32_t * 
     if (!pos) return Status(kInvalidPosition, "positions are required");
     if (m.first && !tokens) {
         return Status(kInvalidArgument, "the first stage (layers starting at 0) takes token ids");
+    }
+    if (m.first && boundary) {
+        return Status(kInvalidBoundary, "stage [" + std::to_string(in.layer_start) + ", " +
+                      std::to_string(in.layer_end) + ") is the first stage: it takes token ids, "
+                      "not a boundary");
     }
     if (!m.first && !boundary) {
         return Status(kInvalidBoundary, "stage [" + std::to_string(in.layer_start) + ", " +

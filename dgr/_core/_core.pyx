@@ -15,7 +15,7 @@ import numpy as np
 
 from dgr._core.includes.engine cimport (
     DGR_LLAMA_COMMIT, DGR_PATCH_STACK_HASH, DGR_VENDOR_KEY, CEngine, CEngineConfig, CEngineInfo,
-    CStatus, HasLayerRanges,
+    CStatus, ArchSupportsLayerRange, HasLayerRanges,
 )
 from dgr import errors as _errors
 
@@ -29,6 +29,17 @@ BUILD_INFO = {
     "vendor_key": DGR_VENDOR_KEY.decode(),
     "layer_ranges": HAS_LAYER_RANGES,
 }
+
+
+def arch_supports_layer_range(str arch):
+    """Whether a model of architecture ``arch`` (its GGUF ``general.architecture``, e.g.
+    ``"llama"``) may load a partial layer range.
+
+    The answer is the patched llama.cpp's (``llama_arch_supports_layer_range``: the archs
+    whose stage graph a patch adapts); False when this build has no layer ranges. Any
+    architecture loads whole.
+    """
+    return ArchSupportsLayerRange(arch.encode("utf-8"))
 
 
 cdef int check_status(const CStatus & st) except -1:
@@ -187,7 +198,9 @@ cdef class Engine:
         agrees with the ``len(pos)`` tokens of the step and its width with this stage's
         (nothing is converted or copied). A mismatch raises the error ``dgr.Engine.forward``
         raises for the same argument: ``InvalidPosition`` (pos), ``InvalidArgument``
-        (tokens, want, out), ``InvalidBoundary`` (boundary).
+        (tokens, want, out), ``InvalidBoundary`` (boundary). What the values mean (token ids
+        in the vocabulary, positions continuing the slot, which stage takes what) the C++
+        engine checks.
         """
         cdef cnp.ndarray p = _array(pos, "positions", np.int32, 1, _errors.InvalidPosition)
         if p.shape[0] > INT32_MAX:
@@ -208,9 +221,6 @@ cdef class Engine:
                 raise _errors.InvalidBoundary(
                     f"boundary must have shape [n_tokens, {self.n_embd_boundary}], "
                     f"got {list(boundary.shape)}")
-            if self.is_first:
-                raise _errors.InvalidBoundary(
-                    "this is the first stage: it takes token ids, not a boundary")
             if tokens is not None and len(boundary) != len(tokens):
                 raise _errors.InvalidBoundary(
                     f"boundary has {len(boundary)} rows but {len(tokens)} token ids were given")

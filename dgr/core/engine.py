@@ -26,7 +26,7 @@ def _load_path(model, layers, a: int, b: int):
     serves only the layers it holds. Files that are missing or not GGUF at all are left to the
     engine, which reports them with its own typed errors.
     """
-    from dgr.artifacts.manifest import precheck
+    from dgr.artifacts.verify import precheck
 
     try:
         return precheck(model, None if layers is None else (a, b))["load_path"]
@@ -169,41 +169,18 @@ class Engine(_CoreEngine):
         dgr.errors.InvalidToken, dgr.errors.InvalidPosition, dgr.errors.ContextFull,
         dgr.errors.UnknownSlot, dgr.errors.InvalidBoundary, dgr.errors.MissingTokenIds
         """
-        tok = None
-        if tokens is not None:
-            tok = np.ascontiguousarray(tokens, dtype=np.int32)
-            if tok.ndim != 1:
-                raise errors.InvalidArgument(f"tokens must be 1-D, got shape {tok.shape}")
-        bnd = None
-        if boundary is not None:
-            if not isinstance(boundary, np.ndarray) or boundary.dtype != np.float32:
-                raise errors.InvalidBoundary(
-                    f"boundary must be a float32 numpy array, got "
-                    f"{getattr(boundary, 'dtype', type(boundary).__name__)}")
-            if boundary.ndim != 2 or boundary.shape[1] != self.n_embd_boundary:
-                raise errors.InvalidBoundary(
-                    f"boundary must have shape [n_tokens, {self.n_embd_boundary}], "
-                    f"got {list(boundary.shape)}")
-            bnd = np.ascontiguousarray(boundary)
-            if self.is_first:
-                raise errors.InvalidBoundary(
-                    f"stage [{self.layers[0]}, {self.layers[1]}) is the first stage: it takes "
-                    "token ids, not a boundary")
-        n = len(tok) if tok is not None else (len(bnd) if bnd is not None else 0)
-        if tok is not None and bnd is not None and len(tok) != len(bnd):
-            raise errors.InvalidBoundary(
-                f"boundary has {len(bnd)} rows but {len(tok)} token ids were given")
+        # Only conversions here: the binding checks every buffer against the step (dtype,
+        # layout, lengths, widths) and the C++ engine what the values mean (vocabulary,
+        # positions, which stage takes what), each with the typed error named above.
+        tok = None if tokens is None else np.ascontiguousarray(tokens, dtype=np.int32)
+        # a float32 boundary of any layout is copied to C order; anything else is refused below
+        bnd = np.ascontiguousarray(boundary) if isinstance(boundary, np.ndarray) else boundary
         if isinstance(positions, (int, np.integer)):
+            rows = tok if tok is not None else (bnd if isinstance(bnd, np.ndarray) else None)
+            n = 0 if rows is None else len(rows)
             pos = np.arange(int(positions), int(positions) + n, dtype=np.int32)
         else:
             pos = np.ascontiguousarray(positions, dtype=np.int32)
-            if pos.ndim != 1:
-                raise errors.InvalidPosition(f"positions must be 1-D, got shape {pos.shape}")
-            if n and len(pos) != n:
-                what = "boundary rows" if tok is None else "tokens"
-                raise errors.InvalidPosition(f"{len(pos)} positions for {n} {what}")
-        if len(pos) == 0:
-            raise errors.InvalidArgument("forward needs at least one token")
         want = None
         if self.is_last:
             if isinstance(logits, str):
@@ -214,9 +191,5 @@ class Engine(_CoreEngine):
                         f"logits must be 'last', 'all' or a mask, got {logits!r}")
             else:
                 want = np.ascontiguousarray(logits, dtype=np.bool_).view(np.uint8)
-                if want.shape != (len(pos),):
-                    raise errors.InvalidArgument(
-                        f"logits mask must have one entry per token ({len(pos)}), "
-                        f"got shape {want.shape}")
         return self._forward(int(slot), pos, tok, bnd, want, out)
 

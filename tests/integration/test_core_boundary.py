@@ -1,8 +1,10 @@
 """The native boundary guards itself: ``dgr._core.Engine._forward``, called directly with
 buffers that do not fit the step (lengths, dtypes, layout, a short output, a boundary of the
-wrong width), raises the typed error before any C++ call and computes nothing; a valid call
-after them gives the bits of a fresh engine; and a C++ exception inside the engine comes back
-as ``EngineError`` instead of taking the process down. Tiny random llama, real engines."""
+wrong width), raises the typed error before any C++ call, and with arguments the stage does
+not take (a boundary on the first stage: the C++ engine's check) before anything is computed;
+a valid call after them gives the bits of a fresh engine; and a C++ exception inside the
+engine comes back as ``EngineError`` instead of taking the process down. Tiny random llama,
+real engines."""
 
 from __future__ import annotations
 

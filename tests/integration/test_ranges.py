@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
 import dgr
 from dgr import errors
-from dgr._core import HAS_LAYER_RANGES
+from dgr._core import HAS_LAYER_RANGES, arch_supports_layer_range
 from dgr.control.parity import compare
 from dgr.core.local import LocalChain
 from dgr.protocol.ranges import split_layers
@@ -154,21 +156,86 @@ def test_malformed_range_argument(tiny_llama):
         dgr.Engine(tiny_llama, layers=(1,), **TINY)
 
 
-def test_partial_range_on_unadapted_architecture(tmp_path):
+def _write_tiny_qwen2(path):
+    """A random 4-layer qwen2 GGUF: an architecture no patch gives a stage graph, whose whole
+    model llama.cpp loads (the tiny llama's shapes; qwen2's loader takes the same tensors)."""
     from dgr.testing.fixtures import gguf_module
 
     gguf = gguf_module()
-    p = tmp_path / "other.gguf"
-    w = gguf.GGUFWriter(str(p), "qwen2")
-    w.add_block_count(4)
-    w.add_context_length(128)
-    w.add_embedding_length(64)
+    rng = np.random.default_rng(0)
+    n_layer, n_embd, n_ff, n_vocab = 4, 64, 128, 128
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_context_length(4096)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(4)
+    w.add_head_count_kv(4)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_file_type(0)
+    w.add_tokenizer_model("test")
+    w.add_token_list([f"tok_{i}" for i in range(n_vocab)])
+    w.add_token_scores([0.0] * n_vocab)
+    w.add_token_types([1] * n_vocab)
+    shapes = {"token_embd.weight": (n_vocab, n_embd), "output_norm.weight": (n_embd,),
+              "output.weight": (n_vocab, n_embd)}
+    for il in range(n_layer):
+        shapes.update({f"blk.{il}.{name}.weight": shape for name, shape in [
+            ("attn_norm", (n_embd,)), ("attn_q", (n_embd, n_embd)), ("attn_k", (n_embd, n_embd)),
+            ("attn_v", (n_embd, n_embd)), ("attn_output", (n_embd, n_embd)),
+            ("ffn_norm", (n_embd,)), ("ffn_gate", (n_ff, n_embd)), ("ffn_up", (n_ff, n_embd)),
+            ("ffn_down", (n_embd, n_ff))]})
+    for name, shape in shapes.items():  # gguf-py takes numpy shapes (reversed ggml ne)
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.2).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(errors.UnsupportedArchitecture, match="qwen2"):
-        dgr.Engine(p, layers=(0, 2))
+    return path
+
+
+def test_partial_range_on_unadapted_architecture(tmp_path):
+    """An architecture outside llama.cpp's list: a partial range is refused with the typed
+    error before any weight is read; the whole model (implicit or explicit) loads and runs."""
+    p = _write_tiny_qwen2(tmp_path / "tiny-qwen2.gguf")
+    assert not arch_supports_layer_range("qwen2")
+    for layers in [(0, 2), (2, 4), (1, 3)]:
+        with pytest.raises(errors.UnsupportedArchitecture, match="qwen2"):
+            dgr.Engine(p, layers=layers, **TINY)
+    for layers in [None, (0, 4)]:
+        whole = dgr.Engine(p, layers=layers, **TINY)
+        assert (whole.arch, whole.layers, whole.is_first, whole.is_last) == (
+            "qwen2", (0, 4), True, True)
+        row = whole.forward(0, 0, [1, 2, 3])
+        assert row.shape == (1, 128) and np.isfinite(row).all()
+
+
+def _llama_cpp_archs() -> tuple[set[str], set[str]]:
+    """The architecture names in the patched tree's llm_arch_supports_layer_range switch
+    (src/llama-model.cpp), and all the names llama.cpp knows (src/llama-arch.cpp), read from
+    the source dgr was built from."""
+    from dgr.vendor import Vendor
+
+    src = Vendor().src / "src"
+    names = dict(re.findall(r'\{\s*(LLM_ARCH_\w+)\s*,\s*"([^"]+)"\s*\}',
+                            (src / "llama-arch.cpp").read_text()))
+    body = (src / "llama-model.cpp").read_text()
+    m = re.search(r"static bool llm_arch_supports_layer_range\(llm_arch arch\) \{(.*?)\n\}",
+                  body, re.S)
+    assert m, "llm_arch_supports_layer_range is not in the patched llama-model.cpp"
+    return {names[c] for c in re.findall(r"case (LLM_ARCH_\w+):", m.group(1))}, set(names.values())
+
+
+@needs_ranges
+def test_splittable_architectures_are_llama_cpps_list():
+    """dgr keeps no list of its own: the binding's answer, for every architecture llama.cpp
+    knows, is the switch the stage-graph patches fill in (llama 0005, deepseek4 0006)."""
+    listed, known = _llama_cpp_archs()
+    assert listed == {"llama", "deepseek4"}
+    assert {a for a in known if arch_supports_layer_range(a)} == listed
+    for arch in ("qwen2", "llama-embed", "deepseek2", "", "no-such-arch"):
+        assert not arch_supports_layer_range(arch)
 
 
 @needs_ranges

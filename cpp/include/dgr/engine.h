@@ -89,7 +89,8 @@ public:
     // Run n_tokens at positions pos[] of a slot through the owned layers. The arrays are read
     // through raw pointers: the caller guarantees their lengths (dgr/_core checks them).
     //   tokens:   required on the first stage and when needs_token_ids; else may be null
-    //   boundary: required on non-first stages: n_tokens * n_embd_boundary floats
+    //   boundary: required on non-first stages (n_tokens * n_embd_boundary floats), refused on
+    //             the first
     //   want:     last stage only: per-token 0/1, which rows return logits (null: last row)
     //   out:      receives n_out_rows * OutputWidth() floats (all rows on non-last stages)
     // Positions must continue the slot (pos[0] == NextPos(slot)) and be contiguous.
@@ -115,5 +116,10 @@ private:
 
 // Build facts: whether the patched llama.cpp supports layer ranges.
 bool HasLayerRanges() noexcept;
+
+// Whether a model of architecture `arch` (its GGUF general.architecture) may load a partial
+// layer range: asked of the patched llama.cpp (llama_arch_supports_layer_range), whose stage-
+// graph patches define the list; false without layer ranges. The whole model loads for any arch.
+bool ArchSupportsLayerRange(const std::string & arch) noexcept;
 
 }  // namespace dgr

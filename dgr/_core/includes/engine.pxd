@@ -81,6 +81,7 @@ cdef extern from "dgr/engine.h" namespace "dgr" nogil:
         CStatus RefreshMemory() except +
 
     bool HasLayerRanges()
+    bool ArchSupportsLayerRange(const string & arch)
 
 
 cdef extern from "dgr/build_info.h":
