@@ -1,5 +1,5 @@
 import sys
 
-from dgr.artifacts.manifest import main
+from dgr.artifacts.cli import main
 
 sys.exit(main())

@@ -74,7 +74,8 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 
 def remember_file_sha256(path: str | os.PathLike, hexdigest: str) -> None:
-    """Cache a digest computed elsewhere (``dgr.artifacts.build_manifest`` hashes every file)."""
+    """Cache a digest computed elsewhere (``dgr.artifacts.manifest.build_manifest`` hashes
+    every file)."""
     p = Path(path).resolve()
     with _lock:
         _store({_key(p): "sha256:" + hexdigest}, drop_prefixes=(f"{p}|",))
@@ -108,7 +109,7 @@ def model_identity(path: str | os.PathLike) -> str:
     ``path`` is a one-file model, any file of a split model, or a dgr slice. Hashing a large
     model takes a while, so per-file digests are cached under ``$DGR_CACHE`` keyed by the
     resolved path, size and modification time, and files verified against a manifest
-    (``dgr.artifacts.manifest.verify_for_worker``) are remembered: a worker restart does not
+    (``dgr.artifacts.verify.verify_for_worker``) are remembered: a worker restart does not
     rehash.
 
     Raises

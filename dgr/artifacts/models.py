@@ -78,12 +78,12 @@ def path(name: str | None = None, *, fetch_missing: bool = True) -> Path:
         return p
     if not fetch_missing:
         raise ModelFetchError(f"model {e.name} is not in {models_dir()}; run "
-                              f"`python -m dgr.models fetch {e.name}`")
+                              f"`python -m dgr models fetch {e.name}`")
     return fetch(e.name)
 
 
 def _progress(msg: str) -> None:
-    print(f"[dgr.models] {msg}", file=sys.stderr, flush=True)
+    print(f"[dgr.artifacts.models] {msg}", file=sys.stderr, flush=True)
 
 
 def fetch(name: str | None = None, *, force: bool = False) -> Path:

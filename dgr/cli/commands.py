@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--timeout", type=float, default=10.0, help="control call deadline (s)")
     _add_generation_args(g)
     g.set_defaults(func=_cmd_generate)
-    from dgr.artifacts import manifest as artifacts
+    from dgr.artifacts import cli as artifacts
 
     artifacts.add_subparser(sub)
     from dgr.cli.certify import add_certify_parser

@@ -19,14 +19,10 @@ from dgr import errors
 from dgr._core import HAS_LAYER_RANGES
 from dgr.artifacts import gguf as gguf_io
 from dgr.artifacts import identity
-from dgr.artifacts import manifest as artifacts
-from dgr.artifacts.manifest import (
-    Manifest,
-    build_manifest,
-    verify,
-    verify_for_worker,
-    write_manifest,
-)
+from dgr.artifacts import journal as artifact_journal
+from dgr.artifacts.manifest import Manifest, build_manifest, write_manifest
+from dgr.artifacts.slice import slice_model
+from dgr.artifacts.verify import _KILL_ENV, precheck, verify, verify_for_worker
 from dgr.core.local import generate_local
 from dgr.protocol.ranges import split_layers
 
@@ -42,7 +38,7 @@ SMOL = dict(n_ctx=1024, n_threads=1, n_ubatch=64, flash_attn=True)
 def _private_cache(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     monkeypatch.setattr(identity, "_cache_file", lambda: cache / "identity-cache.json")
-    monkeypatch.setattr(artifacts, "_cache_dir", lambda: cache / "artifacts")
+    monkeypatch.setattr(artifact_journal, "_cache_dir", lambda: cache / "artifacts")
 
 
 def _sha(path) -> str:
@@ -73,7 +69,7 @@ class SliceChain:
 
 
 def _slices(model, ranges, out_dir, manifest=None):
-    return [artifacts.slice_model(model, r, Path(out_dir) / f"s{a}-{b}.gguf",
+    return [slice_model(model, r, Path(out_dir) / f"s{a}-{b}.gguf",
                                   manifest=manifest)["path"] for r in ranges for a, b in [r]]
 
 
@@ -95,7 +91,7 @@ def test_engine_names_a_missing_split(tiny_llama, tmp_path):
     parts = gguf_io.split_gguf(tiny_llama, 3, tmp_path, "tiny")
     parts[2].unlink()
     with pytest.raises(errors.ArtifactMissing, match="tiny-00003-of-00003.gguf"):
-        artifacts.precheck(parts[0])
+        precheck(parts[0])
     with pytest.raises(errors.DgrError):  # the engine fails cleanly too (no abort)
         dgr.Engine(parts[0], **TINY)
 
@@ -105,7 +101,7 @@ def test_engine_names_a_missing_split(tiny_llama, tmp_path):
 
 def test_full_range_slice_loads_and_computes_like_the_model(tiny_llama, tmp_path):
     """The slice writer's GGUF is one llama.cpp loads (no range engine needed for [0, n))."""
-    s = artifacts.slice_model(tiny_llama, (0, 4), tmp_path / "s.gguf")["path"]
+    s = slice_model(tiny_llama, (0, 4), tmp_path / "s.gguf")["path"]
     whole, sl = dgr.Engine(tiny_llama, **TINY), dgr.Engine(s, **TINY)
     toks = (np.arange(30, dtype=np.int32) * 3) % 128
     assert sl.forward(0, 0, toks, logits="all").tobytes() == whole.forward(
@@ -114,7 +110,7 @@ def test_full_range_slice_loads_and_computes_like_the_model(tiny_llama, tmp_path
 
 
 def test_engine_refuses_a_whole_model_load_of_a_slice(tiny_llama, tmp_path):
-    s = artifacts.slice_model(tiny_llama, (1, 3), tmp_path / "s.gguf")["path"]
+    s = slice_model(tiny_llama, (1, 3), tmp_path / "s.gguf")["path"]
     with pytest.raises(errors.InvalidLayerRange, match=r"\[1, 3\)"):
         dgr.Engine(s, **TINY)
 
@@ -122,7 +118,7 @@ def test_engine_refuses_a_whole_model_load_of_a_slice(tiny_llama, tmp_path):
 @needs_ranges
 @pytest.mark.parametrize("layers", [(0, 2), (2, 4), (0, 1), (3, 4)])
 def test_engine_refuses_layers_a_slice_does_not_hold(tiny_llama, tmp_path, layers):
-    s = artifacts.slice_model(tiny_llama, (1, 3), tmp_path / "s.gguf")["path"]
+    s = slice_model(tiny_llama, (1, 3), tmp_path / "s.gguf")["path"]
     with pytest.raises(errors.InvalidLayerRange, match=r"\[1, 3\)"):
         dgr.Engine(s, layers=layers, **TINY)
 
@@ -224,7 +220,7 @@ def test_smollm2_manifest_verify_resume(smollm2, tmp_path):
     assert r.ok and r.bytes_read < 0.45 * size
     # killed after 12 of 24 chunks, the rerun hashes the other 12
     j = tmp_path / "j.json"
-    env = {**os.environ, "DGR_CACHE": str(tmp_path / "cache"), artifacts._KILL_ENV: "12"}
+    env = {**os.environ, "DGR_CACHE": str(tmp_path / "cache"), _KILL_ENV: "12"}
     proc = subprocess.run([sys.executable, "-m", "dgr.artifacts", "verify", str(mpath), "--dir",
                            str(smollm2.parent), "--journal", str(j), "--threads", "1",
                            "--quiet"], env=env, capture_output=True)
@@ -235,7 +231,7 @@ def test_smollm2_manifest_verify_resume(smollm2, tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_full_range_slice_is_the_model(smollm2, tmp_path):
-    info = artifacts.slice_model(smollm2, (0, 30), tmp_path / "s.gguf")
+    info = slice_model(smollm2, (0, 30), tmp_path / "s.gguf")
     assert info["tensor_bytes"] == sum(
         t.nbytes for t in gguf_io.read_header(smollm2, decode_arrays=False).tensors)
     whole, sl = dgr.Engine(smollm2, **SMOL), dgr.Engine(info["path"], **SMOL)
@@ -310,7 +306,7 @@ def _check_slices(model, tmp_path):
     ranges = split_layers(30, 3)
     total = sum(f["size"] for f in m.files)
     for r in ranges:
-        info = artifacts.slice_model(model, r, tmp_path / f"s{r[0]}.gguf", manifest=mpath)
+        info = slice_model(model, r, tmp_path / f"s{r[0]}.gguf", manifest=mpath)
         assert info["tensor_bytes"] == _owned_bytes(m, *r)
         # within a few percent of what the range needs (its tensors plus the metadata)
         assert info["needed_bytes"] <= info["size"] <= 1.02 * info["needed_bytes"], info

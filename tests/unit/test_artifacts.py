@@ -1,11 +1,13 @@
-"""dgr.artifacts and dgr.gguf_io on tiny generated GGUFs (no engine): manifests, verification
+"""dgr.artifacts and dgr.artifacts.gguf on tiny generated GGUFs (no engine): manifests, verification
 and its journal, precise failure reports, split models, slices, identity."""
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -15,16 +17,21 @@ from pathlib import Path
 import pytest
 
 from dgr import errors
+from dgr.artifacts import cli, identity
 from dgr.artifacts import gguf as gguf_io
-from dgr.artifacts import identity
-from dgr.artifacts import manifest as artifacts
+from dgr.artifacts import journal as artifact_journal
+from dgr.artifacts.journal import JOURNAL_SCHEMA
 from dgr.artifacts.manifest import (
+    SCHEMA,
     Manifest,
     build_manifest,
-    verify,
-    verify_for_worker,
+    needed_tensor_names,
+    tensor_role,
     write_manifest,
 )
+from dgr.artifacts.slice import slice_model
+from dgr.artifacts.storage import COUNTERS
+from dgr.artifacts.verify import _KILL_ENV, precheck, verify, verify_for_worker
 from dgr.testing.fixtures import TinyLlama, write_tiny_llama
 from dgr.testing.waits import read_until
 
@@ -36,7 +43,7 @@ def _private_cache(tmp_path, monkeypatch):
     """Journals and the identity cache go to a per-test directory (the vendor tree stays)."""
     cache = tmp_path / "cache"
     monkeypatch.setattr(identity, "_cache_file", lambda: cache / "identity-cache.json")
-    monkeypatch.setattr(artifacts, "_cache_dir", lambda: cache / "artifacts")
+    monkeypatch.setattr(artifact_journal, "_cache_dir", lambda: cache / "artifacts")
     return cache
 
 
@@ -137,19 +144,19 @@ def test_split_gguf_layout_and_discovery(tiny, split3):
 
 
 def test_tensor_roles():
-    assert artifacts.tensor_role("blk.12.attn_q.weight") == (12, "layer")
-    assert artifacts.tensor_role("token_embd.weight") == (None, "input")
-    assert artifacts.tensor_role("token_embd_norm.weight") == (None, "input")
-    assert artifacts.tensor_role("output.weight") == (None, "output")
-    assert artifacts.tensor_role("output_norm.bias") == (None, "output")
-    assert artifacts.tensor_role("rope_freqs.weight") == (None, "shared")
+    assert tensor_role("blk.12.attn_q.weight") == (12, "layer")
+    assert tensor_role("token_embd.weight") == (None, "input")
+    assert tensor_role("token_embd_norm.weight") == (None, "input")
+    assert tensor_role("output.weight") == (None, "output")
+    assert tensor_role("output_norm.bias") == (None, "output")
+    assert tensor_role("rope_freqs.weight") == (None, "shared")
 
 
 def test_needed_tensors_by_stage():
     names = ["token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight",
              *[f"blk.{i}.w" for i in range(5)]]   # blk.4 is an MTP layer past n_layer = 4
-    ts = [(n, *artifacts.tensor_role(n)) for n in names]
-    need = lambda a, b, tied=False: artifacts.needed_tensor_names(ts, a, b, 4, tied)  # noqa: E731
+    ts = [(n, *tensor_role(n)) for n in names]
+    need = lambda a, b, tied=False: needed_tensor_names(ts, a, b, 4, tied)  # noqa: E731
     assert need(0, 1) == {"token_embd.weight", "rope_freqs.weight", "blk.0.w"}
     assert need(1, 3) == {"rope_freqs.weight", "blk.1.w", "blk.2.w"}
     assert need(3, 4) == {"output_norm.weight", "output.weight", "rope_freqs.weight",
@@ -164,7 +171,7 @@ def test_needed_tensors_by_stage():
 def test_manifest_fields(tiny):
     m = build_manifest(tiny, chunk_size=CS)
     raw = tiny.read_bytes()
-    assert m["schema"] == artifacts.SCHEMA
+    assert m["schema"] == SCHEMA
     assert m["identity"] == "sha256:" + _sha(tiny) and m["identity_rule"] == "file-sha256"
     (f,) = m["files"]
     assert f["name"] == "tiny.gguf" and f["size"] == len(raw) and f["sha256"] == _sha(tiny)
@@ -255,7 +262,7 @@ def test_verify_ok_then_journal_makes_it_free(tiny, tiny_manifest, tmp_path):
 def test_verify_threads_and_default_journal(tiny, tiny_manifest):
     r = verify(tiny_manifest, threads=4)
     assert r.ok and r.bytes_read == tiny.stat().st_size
-    assert Path(r.journal).parent == artifacts._cache_dir()
+    assert Path(r.journal).parent == artifact_journal._cache_dir()
     assert verify(tiny_manifest, threads=4).bytes_read == 0
 
 
@@ -388,7 +395,7 @@ def test_corrupt_journal_is_ignored(tiny, tiny_manifest, tmp_path):
     j.write_text("{garbage")
     r = verify(tiny_manifest, journal=j)
     assert r.ok and r.bytes_read == r.bytes_planned
-    assert json.loads(j.read_text())["schema"] == artifacts.JOURNAL_SCHEMA
+    assert json.loads(j.read_text())["schema"] == JOURNAL_SCHEMA
 
 
 def _verify_cmd(manifest, journal, *extra):
@@ -398,18 +405,18 @@ def _verify_cmd(manifest, journal, *extra):
 
 def test_killed_verification_resumes_with_what_is_left(tiny, tiny_manifest, tmp_path):
     j = tmp_path / "j.json"
-    env = _env(DGR_CACHE=str(tmp_path / "cache"), **{artifacts._KILL_ENV: "7"})
+    env = _env(DGR_CACHE=str(tmp_path / "cache"), **{_KILL_ENV: "7"})
     # the child SIGKILLs itself right after chunk 7 is journaled
     proc = subprocess.run(_verify_cmd(tiny_manifest, j), env=env, capture_output=True)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
     entry = next(iter(json.loads(j.read_text())["files"].values()))
     assert entry["chunks"] == "0-6"
     size = tiny.stat().st_size
-    before = artifacts.COUNTERS["bytes_read"]
+    before = COUNTERS["bytes_read"]
     r = verify(tiny_manifest, journal=j, threads=1)
     assert r.ok
     assert r.bytes_journal == 7 * CS
-    assert r.bytes_read == size - 7 * CS == artifacts.COUNTERS["bytes_read"] - before
+    assert r.bytes_read == size - 7 * CS == COUNTERS["bytes_read"] - before
 
 
 # A verifier (``python -m dgr.artifacts verify ...``) that stops in the hashing of the chunk
@@ -417,10 +424,10 @@ def test_killed_verification_resumes_with_what_is_left(tiny, tiny_manifest, tmp_
 # flight. It says GATED and waits there until it is killed (stdin closed: exit 3).
 _GATED_VERIFY = r"""
 import os, sys
-from dgr.artifacts import manifest as artifacts
+from dgr.artifacts import cli, verify
 
 at = int(sys.argv[1])
-hash_range = artifacts._Reader.hash_range
+hash_range = verify._Reader.hash_range
 
 def gated(self, fd, start, end, alg="sha256"):
     if start == at:
@@ -429,8 +436,8 @@ def gated(self, fd, start, end, alg="sha256"):
         os._exit(3)
     return hash_range(self, fd, start, end, alg)
 
-artifacts._Reader.hash_range = gated
-sys.exit(artifacts.main(sys.argv[2:]))
+verify._Reader.hash_range = gated
+sys.exit(cli.main(sys.argv[2:]))
 """
 
 
@@ -471,35 +478,78 @@ def test_verification_killed_from_outside_resumes(tiny, tiny_manifest, tmp_path)
 
 
 def test_cli_verify_reports_and_exit_codes(tiny, tiny_manifest, tmp_path, capsys):
-    assert artifacts.main(["verify", str(tiny_manifest), "--no-journal", "--json",
+    assert cli.main(["verify", str(tiny_manifest), "--no-journal", "--json",
                            "--quiet"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["ok"] and out["bytes_read"] == tiny.stat().st_size
     t = Manifest.load(tiny_manifest).tensors_by_name["blk.1.attn_v.weight"]
     _flip(tiny, t["offset"] + 3)
-    assert artifacts.main(["verify", str(tiny_manifest), "--no-journal", "--range", "0:2"]) == 1
+    assert cli.main(["verify", str(tiny_manifest), "--no-journal", "--range", "0:2"]) == 1
     err = capsys.readouterr().err
     assert "FAILED" in err and "tiny.gguf: tensor blk.1.attn_v.weight different" in err
-    assert artifacts.main(["verify", str(tmp_path / "none.json")]) == 2
+    assert cli.main(["verify", str(tmp_path / "none.json")]) == 2
 
 
 def test_cli_manifest_and_registration(tiny, tmp_path, capsys):
     out = tmp_path / "m.json"
-    assert artifacts.main(["manifest", str(tiny), "--out", str(out), "--chunk-size", "16KiB",
+    assert cli.main(["manifest", str(tiny), "--out", str(out), "--chunk-size", "16KiB",
                            "--quiet"]) == 0
     assert Manifest.load(out).chunk_size == CS
-    assert artifacts.main(["manifest", str(tiny), "--tensor-hash", "xxh3_128", "--quiet"]) == 0
+    assert cli.main(["manifest", str(tiny), "--tensor-hash", "xxh3_128", "--quiet"]) == 0
     assert json.loads(capsys.readouterr().out)["hashes"]["tensor"] == "xxh3_128"
-    # the two lines dgr/cli.py uses to register the command
+    # the two lines dgr/cli/ uses to register the command
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m dgr")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    artifacts.add_subparser(sub)
+    cli.add_subparser(sub)
     args = ap.parse_args(["artifacts", "verify", str(out), "--dir", str(tiny.parent),
                           "--no-journal", "--quiet"])
     assert args.func(args) == 0
 
+
+
+_PROGRESS_LINE = re.compile(r"^\[(\w+)\] +([\d.]+)/([\d.]+) MiB +([\d.]+)% +[\d.?]+ MiB/s, (\S+)$")
+
+
+def test_progress_on_a_pipe_is_a_line_per_tenth(tiny, tiny_manifest, capsys):
+    """Not a terminal: the byte progress is one stderr line each tenth (MiB done/total,
+    percentage, rate, file); stdout keeps only the output; --quiet prints none."""
+    mib = f"{tiny.stat().st_size / 2**20:.1f}"
+    assert cli.main(["manifest", str(tiny), "--chunk-size", "16KiB"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["files"][0]["size"] == tiny.stat().st_size
+    assert cli.main(["verify", str(tiny_manifest), "--no-journal", "--threads", "1"]) == 0
+    err2 = capsys.readouterr().err
+    for what, text in (("manifest", err), ("verify", err2)):
+        lines = [m.groups() for m in map(_PROGRESS_LINE.match, text.splitlines()) if m]
+        assert lines and {x[0] for x in lines} == {what} and {x[4] for x in lines} == {"tiny.gguf"}
+        assert {x[2] for x in lines} == {mib}
+        tenths = [int(float(x[3]) // 10) for x in lines]
+        assert tenths == sorted(set(tenths)) and tenths[-1] == 10, text  # a line per new tenth
+        assert lines[-1][1] == mib
+    assert cli.main(["verify", str(tiny_manifest), "--no-journal", "--quiet"]) == 0
+    err3 = capsys.readouterr().err
+    assert err3.startswith("ok: ") and "MiB/s" not in err3
+
+
+def test_progress_on_a_terminal_is_redrawn_in_place(tiny, tiny_manifest, monkeypatch):
+    """On a terminal the bar is redrawn on one line (carriage returns, one newline at the end):
+    first at 0, last with every byte done."""
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    verify(tiny_manifest, journal=False, threads=1, progress=True)
+    text = term.getvalue()
+    mib = f"{tiny.stat().st_size / 2**20:.1f}"
+    assert text.startswith("\r[verify] |") and text.endswith("\n") and text.count("\n") == 1
+    draws = [d.rstrip() for d in text[1:-1].split("\r")]
+    assert f" 0.0/{mib} MiB   0.0% " in draws[0]
+    assert f" {mib}/{mib} MiB 100.0% " in draws[-1]
+    assert draws[-1].endswith(", tiny.gguf") and " MiB/s" in draws[-1]
 
 # ---- worker contract and identity -----------------------------------------------------------
 
@@ -523,7 +573,7 @@ def test_model_identity_definitions(tiny, split3, tmp_path):
     want = "sha256:" + hashlib.sha256(text.encode()).hexdigest()
     for p in split3:
         assert identity.model_identity(p) == want
-    s = artifacts.slice_model(tiny, (1, 3), tmp_path / "s.gguf")
+    s = slice_model(tiny, (1, 3), tmp_path / "s.gguf")
     assert identity.model_identity(s["path"]) == "sha256:" + _sha(tiny)
     split3[2].unlink()
     with pytest.raises(errors.ArtifactMissing, match="tiny-00003-of-00003.gguf"):
@@ -531,26 +581,26 @@ def test_model_identity_definitions(tiny, split3, tmp_path):
 
 
 def test_model_identity_from_a_manifest(tiny, tiny_manifest, monkeypatch):
-    assert artifacts.verify_for_worker(tiny_manifest, tiny, None) == "sha256:" + _sha(tiny)
+    assert verify_for_worker(tiny_manifest, tiny, None) == "sha256:" + _sha(tiny)
     monkeypatch.setattr(identity, "sha256_file", lambda p: pytest.fail("rehashed"))
     assert identity.model_identity(tiny) == "sha256:" + _sha(tiny)  # remembered as verified
     _flip(tiny, 100)
     with pytest.raises(errors.ArtifactMismatch, match="header"):
-        artifacts.verify_for_worker(tiny_manifest, tiny, None)
+        verify_for_worker(tiny_manifest, tiny, None)
 
 
 def test_precheck(tiny, split3, tmp_path):
-    s = Path(artifacts.slice_model(tiny, (1, 3), tmp_path / "s.gguf")["path"])
-    assert artifacts.precheck(s, (1, 3))["slice"] == (1, 3)
-    assert artifacts.precheck(s, (2, 3))["layers"] == (2, 3)
+    s = Path(slice_model(tiny, (1, 3), tmp_path / "s.gguf")["path"])
+    assert precheck(s, (1, 3))["slice"] == (1, 3)
+    assert precheck(s, (2, 3))["layers"] == (2, 3)
     for bad in [(0, 3), (1, 4), None]:
         with pytest.raises(errors.InvalidLayerRange, match=r"holding layers \[1, 3\)"):
-            artifacts.precheck(s, bad)
-    info = artifacts.precheck(split3[2], (0, 4))
+            precheck(s, bad)
+    info = precheck(split3[2], (0, 4))
     assert info["load_path"] == split3[0] and info["files"] == split3 and info["slice"] is None
     split3[1].unlink()
     with pytest.raises(errors.ArtifactMissing, match="tiny-00002-of-00003.gguf"):
-        artifacts.precheck(split3[0])
+        precheck(split3[0])
 
 
 # ---- slices -------------------------------------------------------------------------------
@@ -561,7 +611,7 @@ def test_precheck(tiny, split3, tmp_path):
 def test_slice_contents(tmp_path, layers, tied):
     src = write_tiny_llama(tmp_path / "m.gguf", TinyLlama(tied=tied))
     out = tmp_path / "s.gguf"
-    info = artifacts.slice_model(src, layers, out)
+    info = slice_model(src, layers, out)
     h, s = gguf_io.read_header(src), gguf_io.read_header(out)
     a, b = layers
     names = [t.name for t in s.tensors]
@@ -589,36 +639,36 @@ def test_slice_contents(tmp_path, layers, tied):
 
 
 def test_slice_of_split_model_and_of_a_slice(tiny, split3, tmp_path):
-    whole = gguf_io.read_header(artifacts.slice_model(tiny, (1, 3), tmp_path / "a.gguf")["path"])
+    whole = gguf_io.read_header(slice_model(tiny, (1, 3), tmp_path / "a.gguf")["path"])
     part = gguf_io.read_header(
-        artifacts.slice_model(split3[1], (1, 3), tmp_path / "b.gguf")["path"])
+        slice_model(split3[1], (1, 3), tmp_path / "b.gguf")["path"])
     assert [t.info_bytes for t in part.tensors] == [t.info_bytes for t in whole.tensors]
     assert not any(k.startswith("split.") for k in part.kv)
     assert part.kv["dgr.slice.source_identity"] == identity.model_identity(split3[0])
     assert ((tmp_path / "a.gguf").read_bytes()[whole.data_offset:]
             == (tmp_path / "b.gguf").read_bytes()[part.data_offset:])
-    again = artifacts.slice_model(tmp_path / "a.gguf", (2, 3), tmp_path / "c.gguf")
+    again = slice_model(tmp_path / "a.gguf", (2, 3), tmp_path / "c.gguf")
     c = gguf_io.read_header(again["path"])
     assert c.slice_range == (2, 3) and c.kv["dgr.slice.source_identity"] == "sha256:" + _sha(tiny)
     with pytest.raises(errors.InvalidLayerRange):
-        artifacts.slice_model(tmp_path / "a.gguf", (0, 2), tmp_path / "d.gguf")
+        slice_model(tmp_path / "a.gguf", (0, 2), tmp_path / "d.gguf")
     with pytest.raises(errors.InvalidLayerRange):
-        artifacts.slice_model(tiny, (3, 3), tmp_path / "d.gguf")
+        slice_model(tiny, (3, 3), tmp_path / "d.gguf")
 
 
 def test_slice_checked_against_a_manifest(tiny, tiny_manifest, tmp_path):
-    info = artifacts.slice_model(tiny, (0, 2), tmp_path / "s.gguf", manifest=tiny_manifest)
+    info = slice_model(tiny, (0, 2), tmp_path / "s.gguf", manifest=tiny_manifest)
     assert info["source"] == Manifest.load(tiny_manifest).identity
     t = gguf_io.read_header(tiny).by_name["blk.1.ffn_down.weight"]
     _flip(tiny, t.offset + 1)
     out = tmp_path / "bad.gguf"
     with pytest.raises(errors.ArtifactMismatch, match="blk.1.ffn_down.weight"):
-        artifacts.slice_model(tiny, (0, 2), out, manifest=tiny_manifest)
+        slice_model(tiny, (0, 2), out, manifest=tiny_manifest)
     assert not out.exists() and not list(tmp_path.glob(".bad.gguf*"))
 
 
 def test_verify_a_slice(tiny, tiny_manifest, tmp_path):
-    s = Path(artifacts.slice_model(tiny, (1, 3), tmp_path / "s.gguf")["path"])
+    s = Path(slice_model(tiny, (1, 3), tmp_path / "s.gguf")["path"])
     j = tmp_path / "j.json"
     r = verify(tiny_manifest, model=s, journal=j)
     assert r.ok and r.mode == "slice" and r.bytes_read == r.bytes_planned > 0
@@ -633,15 +683,15 @@ def test_verify_a_slice(tiny, tiny_manifest, tmp_path):
         ("different", "tensor blk.2.attn_output.weight")]
     assert verify(tiny_manifest, model=s, journal=j, layers=(1, 2)).ok   # not in that range
     other = write_tiny_llama(tmp_path / "o.gguf", TinyLlama(seed=3))
-    so = artifacts.slice_model(other, (1, 3), tmp_path / "so.gguf")["path"]
+    so = slice_model(other, (1, 3), tmp_path / "so.gguf")["path"]
     with pytest.raises(errors.ArtifactMismatch, match="a slice of sha256:"):
         verify_for_worker(tiny_manifest, so, (1, 3), journal=j)
 
 
 def test_killed_slice_verification_resumes_per_tensor(tiny, tiny_manifest, tmp_path):
-    s = artifacts.slice_model(tiny, (0, 2), tmp_path / "s.gguf")["path"]
+    s = slice_model(tiny, (0, 2), tmp_path / "s.gguf")["path"]
     j = tmp_path / "j.json"
-    env = _env(DGR_CACHE=str(tmp_path / "cache"), **{artifacts._KILL_ENV: "4"})
+    env = _env(DGR_CACHE=str(tmp_path / "cache"), **{_KILL_ENV: "4"})
     proc = subprocess.run(_verify_cmd(tiny_manifest, j, "--model", s), env=env,
                           capture_output=True)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()

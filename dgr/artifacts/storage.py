@@ -1,0 +1,65 @@
+"""The bytes of model artifacts, shared by manifests, verification, the journal and slices:
+the hash algorithms, the read block size, the count of bytes read, and atomic file writes."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from pathlib import Path
+
+from dgr.errors import InvalidManifest
+
+__all__ = ["TENSOR_HASHES", "BLOCK", "COUNTERS", "count_read", "hasher", "atomic_write"]
+
+TENSOR_HASHES = ("sha256", "xxh3_128")
+BLOCK = 4 << 20          # read size inside a chunk
+
+#: bytes read from artifacts by this process (manifest, verify, slice); tests watch it
+COUNTERS = {"bytes_read": 0}
+_counter_lock = threading.Lock()
+
+
+def count_read(n: int) -> None:
+    """Add ``n`` bytes read from an artifact to ``COUNTERS["bytes_read"]``."""
+    with _counter_lock:
+        COUNTERS["bytes_read"] += n
+
+
+def hasher(alg: str):
+    """A new hash object of ``alg`` (one of ``TENSOR_HASHES``)."""
+    if alg == "sha256":
+        return hashlib.sha256()
+    if alg == "xxh3_128":
+        import xxhash
+
+        return xxhash.xxh3_128()
+    raise InvalidManifest(f"unknown hash algorithm {alg!r} (known: {', '.join(TENSOR_HASHES)})")
+
+
+def atomic_write(path: Path, raw: bytes) -> None:
+    """Write ``raw`` to ``path`` atomically: a temporary file, fsync, rename, fsync of the
+    directory (a reader sees the old bytes or the new, never a part)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+    try:  # make the rename itself durable (power loss)
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+
