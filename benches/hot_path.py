@@ -38,6 +38,11 @@ class _CopyEngine:
 
     needs_token_ids = False
 
+    def __init__(self):
+        import threading
+
+        self.lock = threading.RLock()  # the engine's one lock, as dgr.Engine's
+
     def forward(self, slot, positions, tokens, boundary=None, out=None, logits=None):
         n = len(boundary)
         out[:n] = boundary
@@ -75,13 +80,14 @@ def main(argv=None) -> int:
     import numpy as np
 
     import dgr
+    from dgr.worker.relay import Forwarder
     from dgr.worker.stage import Worker
 
     settings = {**SETTINGS, "n_slots": 1}
     eng = dgr.Engine(smollm2_path(), layers=(10, 20), **settings)
     w = Worker(eng)
-    w.links = _NoSend()
-    w._returns["r"] = None
+    w.forwarder = Forwarder(w.layers[1], w.is_first, w.is_last)
+    w.forwarder.links = _NoSend()
     w._tls.out, w._tls.buf = None, bytearray()
     x = np.random.default_rng(0).standard_normal((1, w.width), dtype=np.float32)
     n = min(args.steps, settings["n_ctx"] - 1)

@@ -2,11 +2,12 @@
 
 :func:`record_for` builds it (schema: ``dgr.protocol.capability``) in-process from an engine
 and, when given, the live counters of a ``dgr.worker.Worker``; a worker serves it as JSON in
-``DescribeReply.capability_json``, and ``ShardClient.capability()`` decodes it. The record is *inputs*, not a routing decision:
-exact compatibility, range and capacity, queue and load, seam cost, health, and the certified
-lanes (``dgr.control.certificates``) whose records match this worker exactly. A lane whose record does not
-match (another llama.cpp commit, patch stack, engine setting, model bytes, CPU ISA) is listed
-under ``uncertified`` with the reasons, never under ``lanes``.
+``DescribeReply.capability_json``, and ``ShardClient.capability()`` decodes it. The record is
+*inputs*, not a routing decision: exact compatibility, range and capacity, queue and load,
+seam cost, health, and the certified lanes (``dgr.control.certificates``) whose records match
+this worker exactly. A lane whose record does not match (another llama.cpp commit, patch
+stack, engine setting, model bytes, CPU ISA) is listed under ``uncertified`` with the
+reasons, never under ``lanes``.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def record_for(engine, *, worker=None, cert_store: str | os.PathLike | None = No
 
     Without ``worker`` the record describes an idle engine (all slots free, no load). With
     ``cert_store`` the store's lanes are matched against this engine and build
-    (``dgr.certify.match``): matches go to ``lanes``, the others to ``uncertified``.
+    (``dgr.control.certificates.match``): matches go to ``lanes``, the others to ``uncertified``.
     """
     from dgr import __version__
     from dgr.protocol.settings import stage_identity
@@ -163,7 +164,6 @@ def record_for(engine, *, worker=None, cert_store: str | os.PathLike | None = No
         health = Health(
             uptime_s=time.monotonic() - worker.started, draining=bool(worker.draining),
             steps_served=int(worker.steps_total), steps_failed=int(worker.errors_total),
-            engine_restarts=int(getattr(worker, "engine_restarts", 0)),
             last_error=getattr(worker, "last_error", ""),
             last_error_age_s=(time.monotonic() - worker.last_error_at
                               if getattr(worker, "last_error_at", None) else -1.0))
@@ -174,7 +174,7 @@ def record_for(engine, *, worker=None, cert_store: str | os.PathLike | None = No
         inflight = computing = 0
         tps, span, hops, compute_ms = 0.0, 10.0, [], 0.0
         health = Health(uptime_s=0.0, draining=False, steps_served=0, steps_failed=0,
-                        engine_restarts=0, last_error="", last_error_age_s=-1.0)
+                        last_error="", last_error_age_s=-1.0)
     cap = Capacity(
         n_layer=int(info["n_layer"]), layer_start=layers[0], layer_end=layers[1],
         is_first=is_first, is_last=is_last, slots_total=n_slots, slots_free=slots_free,

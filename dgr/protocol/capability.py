@@ -17,7 +17,8 @@ __all__ = ["SCHEMA", "BACKEND", "Compatibility", "Capacity", "Load", "Seam", "He
 
 
 #: Version of this record's JSON form (bumped when a field changes meaning or goes away).
-SCHEMA = 1
+#: 2: ``health.engine_restarts`` is gone (it was always 0: a worker never reloads its engine).
+SCHEMA = 2
 
 
 #: The compute backend of this build of the core (llama.cpp's CPU backend).
@@ -25,7 +26,7 @@ BACKEND = "cpu"
 
 
 class Compatibility(msgspec.Struct, kw_only=True):
-    model_identity: str            # "sha256:<hex>" (dgr.identity)
+    model_identity: str            # "sha256:<hex>" (dgr.artifacts.identity)
     model_name: str
     arch: str
     quantisation: str              # GGUF general.file_type name, e.g. "Q4_1"
@@ -34,10 +35,10 @@ class Compatibility(msgspec.Struct, kw_only=True):
     patch_stack_hash: str          # dgr.vendor.Vendor().patch_stack_hash()
     dgr_version: str
     wire_format_version: int
-    boundary_schema_version: int   # dgr.wire.SCHEMA_VERSION
-    boundary_width: int            # floats per token at the boundary (streams * n_embd)
+    boundary_schema_version: int   # dgr.protocol.wire.SCHEMA_VERSION
+    boundary_width: int            # floats per token at the boundary (every residual stream)
     boundary_dtype: str            # "f32" (what "raw" carries)
-    settings: dict[str, Any]       # the numeric engine settings (dgr.engine.NUMERIC_SETTINGS)
+    settings: dict[str, Any]       # numeric engine settings (protocol.settings.NUMERIC_SETTINGS)
     stage_identity: str            # what Forward.model must carry
     cpu_isa: list[str]             # ISA flags that select compute kernels (certify compares them)
 
@@ -81,7 +82,6 @@ class Health(msgspec.Struct, kw_only=True):
     draining: bool
     steps_served: int
     steps_failed: int              # refused or failed steps (ErrorReply frames)
-    engine_restarts: int           # engine reloads in this process (a process restart resets all)
     last_error: str                # "" when none
     last_error_age_s: float        # -1 when none
 
@@ -92,7 +92,7 @@ class LaneRef(msgspec.Struct, kw_only=True):
     stages: list[list[int]]
     quantisation: str
     certified_at: str
-    parity: dict[str, Any]         # the measured figures (see dgr.certify.Parity)
+    parity: dict[str, Any]         # the measured figures (see dgr.control.certificates.Parity)
     record: str                    # file name in the certification store
 
 

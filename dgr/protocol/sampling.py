@@ -84,7 +84,7 @@ def sample_rows(logits: np.ndarray, positions: Sequence[int], sampling) -> list[
     """Sample one token per logits row; ``positions[i]`` is the position the token will take.
 
     Greedy (``sampling`` None, ``greedy`` or temperature 0) is the argmax. Otherwise each row
-    is drawn with ``dgr.sampling.Sampler`` seeded by ``(seed, position)``: a token depends on
+    is drawn with ``Sampler`` seeded by ``(seed, position)``: a token depends on
     its position, not on how many draws came before, so a re-prefill after a failover, or a
     reference computed elsewhere, draws the same tokens.
     """

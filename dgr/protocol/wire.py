@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import struct
-import threading
 from typing import Annotated, Any, Union
 
 import msgspec
@@ -23,6 +22,17 @@ from dgr.errors import (
     InvalidBoundary,
     UnknownCodec,
     from_code,
+)
+from dgr.protocol.codecs import (
+    CODECS,
+    COMPRESSIONS,
+    DEFAULT_LEVEL,
+    F32,
+    cctx,
+    dctx,
+    decode_payload,
+    encode_payload,
+    payload_size,
 )
 
 __all__ = [
@@ -57,10 +67,12 @@ __all__ = [
 MAGIC = b"DGRF"
 #: Incompatible changes (prefix, payload layouts, checksum, field meaning) bump this.
 FORMAT_VERSION = 1
-#: Compatible changes (a field appended with a default) bump this.
+#: Compatible changes (a field appended with a default, a field retired) bump this.
 #: 2: ``Forward.relay`` / ``reply_to`` / ``loop`` / ``steps`` / ``stop_tokens`` and the
 #: ``Hello`` message (direct relay, decode loop).
-SCHEMA_VERSION = 2
+#: 3: ``Forward.streams`` and ``Result.streams`` retired (always 1: the width alone is the
+#: boundary's); their slots stay, reserved (``_reserved``), so no other field moves.
+SCHEMA_VERSION = 3
 #: magic[4] version:u8 flags:u8 reserved:u16 header_len:u32 header_sum:u32, little endian.
 _PREFIX = struct.Struct("<4sBBHII")
 PREFIX_SIZE = _PREFIX.size  # 16
@@ -71,27 +83,20 @@ _KNOWN_FLAGS = 0  # no flag bits are defined in format version 1
 MAX_PAYLOAD = 256 << 20
 MAX_HEADER = 1 << 20
 
-CODECS = ("raw", "f16", "bf16", "q8")
-COMPRESSIONS = ("none", "zstd")
 WANTS = ("boundary", "logits", "token", "token+logits")
 RESULT_KINDS = ("none", "boundary", "logits")
 _DTYPES = ("f32",)
-#: zstd level used when ``compress=True`` and no level is given.
-DEFAULT_LEVEL = 3
 
 _I32_MAX = 2**31 - 1
 _I64_MAX = 2**63 - 1
-_F32 = np.dtype("<f4")
-_F16 = np.dtype("<f2")
-_U16 = np.dtype("<u2")
-_U32 = np.dtype("<u4")
-_I8 = np.dtype("i1")
 _ZPAD = bytes(PAYLOAD_ALIGN)
 
 # --- messages (docs/wire.md, "Header") ------------------------------------------
 # Append-only: a new field goes at the END of its struct, with a default, and bumps
 # SCHEMA_VERSION; anything else bumps FORMAT_VERSION. array_like: encoded as a msgpack
-# array [tag, field0, field1, ...]; receivers ignore trailing items they do not know.
+# array [tag, field0, field1, ...]; receivers ignore trailing items they do not know. A field
+# is decoded by its position, not its name: a retired one keeps its slot (``_reserved``:
+# senders write 1, receivers check its type only), or every later field would shift.
 
 _NonNeg32 = Annotated[int, msgspec.Meta(ge=0, le=_I32_MAX)]
 _Positive32 = Annotated[int, msgspec.Meta(ge=1, le=_I32_MAX)]
@@ -127,9 +132,10 @@ class Hop(msgspec.Struct, frozen=True, array_like=True, kw_only=True):
 class Forward(msgspec.Struct, tag=1, array_like=True, frozen=True, kw_only=True):
     """A step request: run layers from ``layer`` on ``n_tokens`` tokens of ``session``.
 
-    The optional array is the boundary ``[n_tokens, width]`` (``width = streams * n_embd``);
-    ``width == 0`` means no boundary (first stage: ``tokens`` only). ``encode`` fills
-    ``width``, ``dtype``, ``codec``, ``compression``, ``payload_len`` and ``checksum``.
+    The optional array is the boundary ``[n_tokens, width]`` (``width``: the receiving
+    stage's boundary width); ``width == 0`` means no boundary (first stage: ``tokens``
+    only). ``encode`` fills ``width``, ``dtype``, ``codec``, ``compression``,
+    ``payload_len`` and ``checksum``.
     ``rows`` picks the batch rows whose logits or token the receiver returns (``None``:
     the last row).
     """
@@ -142,7 +148,7 @@ class Forward(msgspec.Struct, tag=1, array_like=True, frozen=True, kw_only=True)
     n_tokens: _Positive32
     layer: _NonNeg32
     width: _NonNeg32 = 0
-    streams: _Positive32 = 1
+    _reserved: _Positive32 = 1  # schema <= 2: streams, always 1
     dtype: str = "f32"
     codec: str = "raw"
     compression: str = "none"
@@ -183,7 +189,7 @@ class Result(msgspec.Struct, tag=2, array_like=True, frozen=True, kw_only=True):
     layer: _NonNeg32 = 0
     rows: _NonNeg32 = 0
     cols: _NonNeg32 = 0
-    streams: _Positive32 = 1
+    _reserved: _Positive32 = 1  # schema <= 2: streams, always 1
     dtype: str = "f32"
     codec: str = "raw"
     compression: str = "none"
@@ -250,117 +256,10 @@ class Frame(msgspec.Struct, frozen=True, eq=False):
     array: Any = None
 
 
-# --- module-level codecs and contexts -------------------------------------------
+# --- module-level msgpack codecs ------------------------------------------------
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)
-_tls = threading.local()  # zstd contexts are not thread-safe: one set per thread
-
-
-def _cctx(level: int) -> zstandard.ZstdCompressor:
-    cache = getattr(_tls, "cctx", None)
-    if cache is None:
-        cache = _tls.cctx = {}
-    ctx = cache.get(level)
-    if ctx is None:
-        try:
-            ctx = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
-        except (zstandard.ZstdError, TypeError, ValueError, OverflowError) as e:
-            raise InvalidArgument(f"invalid zstd level {level!r}: {e}") from None
-        cache[level] = ctx
-    return ctx
-
-
-def _dctx() -> zstandard.ZstdDecompressor:
-    ctx = getattr(_tls, "dctx", None)
-    if ctx is None:
-        ctx = _tls.dctx = zstandard.ZstdDecompressor()
-    return ctx
-
-
-def payload_size(codec: str, rows: int, cols: int) -> int:
-    """Bytes of the uncompressed payload of a ``[rows, cols]`` array in ``codec``.
-
-    Raises
-    ------
-    UnknownCodec
-        ``codec`` is not one of ``CODECS``.
-    """
-    if codec == "raw":
-        return 4 * rows * cols
-    if codec == "f16" or codec == "bf16":
-        return 2 * rows * cols
-    if codec == "q8":
-        return rows * (4 + cols)
-    raise UnknownCodec(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
-
-
-def _enc_f16(a: np.ndarray) -> np.ndarray:
-    with np.errstate(over="raise", invalid="ignore"):
-        try:
-            return a.astype(_F16)
-        except FloatingPointError:
-            raise InvalidBoundary(
-                "a finite value exceeds the f16 range (|x| > 65504); use raw or bf16"
-            ) from None
-
-
-def _enc_bf16(a: np.ndarray) -> np.ndarray:
-    u = a.view(_U32)
-    # Round to nearest, ties to even, on the upper 16 bits (uint32 arithmetic wraps).
-    out = ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(_U16)
-    nan = np.isnan(a)
-    if nan.any():  # rounding may carry a NaN's payload into the sign or exponent
-        out[nan] = ((u[nan] >> 16) & 0x8000) | 0x7FC0
-    return out
-
-
-def _enc_q8(a: np.ndarray) -> bytes:
-    amax = np.max(np.abs(a), axis=1)
-    if not np.isfinite(amax).all():
-        raise InvalidBoundary("q8 needs finite values: a row holds inf or NaN; use raw")
-    scale = (amax / np.float32(127.0)).astype(_F32)  # may round to a subnormal or 0
-    col = scale[:, None]
-    # Divide (not multiply by 1/scale, which overflows for subnormal scales); rows whose
-    # scale underflowed to 0 encode as 0.
-    q = np.divide(a, col, out=np.zeros(a.shape, _F32), where=col > 0)
-    np.rint(q, out=q)
-    np.clip(q, -127, 127, out=q)
-    return b"".join((scale, q.astype(_I8)))
-
-
-def _encode_payload(a: np.ndarray, codec: str) -> Any:
-    """The codec bytes of ``a`` as one buffer object (no copy for raw)."""
-    if codec == "raw":
-        return a
-    if codec == "f16":
-        return _enc_f16(a)
-    if codec == "bf16":
-        return _enc_bf16(a)
-    if codec == "q8":
-        return _enc_q8(a)
-    raise UnknownCodec(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
-
-
-def _decode_payload(buf: Any, offset: int, codec: str, rows: int, cols: int) -> np.ndarray:
-    n = rows * cols
-    if codec == "raw":  # a view: read-only because decode's buffer is
-        return np.ndarray((rows, cols), _F32, buf, offset)
-    if codec == "f16":
-        arr = np.frombuffer(buf, _F16, n, offset).astype(_F32).reshape(rows, cols)
-    elif codec == "bf16":
-        u = np.frombuffer(buf, _U16, n, offset).astype(_U32)
-        arr = (u << 16).view(_F32).reshape(rows, cols)
-    else:  # q8
-        scale = np.frombuffer(buf, _F32, rows, offset)
-        if not (scale >= 0).all() or not np.isfinite(scale).all():
-            raise FrameError("q8 payload holds a negative or non-finite row scale")
-        q = np.frombuffer(buf, _I8, n, offset + 4 * rows).reshape(rows, cols)
-        arr = q.astype(_F32)
-        with np.errstate(over="ignore"):  # only a lying sender's scale can overflow
-            arr *= scale[:, None]
-    arr.flags.writeable = False
-    return arr
 
 
 # --- header semantics, shared by encode and decode ------------------------------
@@ -370,8 +269,6 @@ def _check_forward(h: Forward) -> str | None:
     n = h.n_tokens
     if n < 1:
         return f"Forward.n_tokens must be >= 1 (zero-token steps are rejected), got {n}"
-    if h.width % h.streams:
-        return f"Forward.width {h.width} is not a multiple of Forward.streams {h.streams}"
     if h.positions is not None:
         if len(h.positions) != n:
             return f"Forward.positions has {len(h.positions)} entries but n_tokens is {n}"
@@ -411,8 +308,6 @@ def _check_result(h: Result) -> str | None:
     else:
         if not h.rows or not h.cols:
             return f"Result.kind is {h.kind!r} but rows x cols is {h.rows} x {h.cols}"
-        if h.kind == "boundary" and h.cols % h.streams:
-            return f"Result.cols {h.cols} is not a multiple of Result.streams {h.streams}"
     return None
 
 
@@ -469,10 +364,10 @@ def _prepare(
     if type(array) is not np.ndarray:
         raise InvalidBoundary(f"array must be a numpy.ndarray, got {type(array).__name__}")
     dt = array.dtype
-    if dt is not _F32 and dt != _F32:
+    if dt is not F32 and dt != F32:
         if dt.kind != "f" or dt.itemsize != 4:
             raise InvalidBoundary(f"array dtype must be float32, got {dt}")
-        array = array.astype(_F32)  # big-endian float32: the wire is little endian
+        array = array.astype(F32)  # big-endian float32: the wire is little endian
     if array.ndim != 2:
         raise InvalidBoundary(f"array must be 2-D [rows, width], got shape {array.shape}")
     rows, cols = array.shape
@@ -491,15 +386,15 @@ def _prepare(
     else:
         raise InvalidArgument(f"{cls.__name__} carries no array")
 
-    payload = array if codec == "raw" else _encode_payload(array, codec)
+    payload = array if codec == "raw" else encode_payload(array, codec)
     comp = "none"
-    cctx = None
+    zc = None
     if compress:
-        cctx = _cctx(DEFAULT_LEVEL if level is None else level)
+        zc = cctx(DEFAULT_LEVEL if level is None else level)
         comp = "zstd"
     try:  # the raw codec compresses or hashes (and later copies) the caller's array itself
-        if cctx is not None:
-            payload = cctx.compress(payload)
+        if zc is not None:
+            payload = zc.compress(payload)
         csum = xxhash.xxh3_64_intdigest(payload)
     except zstandard.ZstdError as e:
         raise InvalidArgument(f"zstd compression failed: {e}") from None
@@ -777,7 +672,7 @@ def _decode(buf: Any, max_payload: int, max_header: int) -> Frame:
     if cols == 0:
         return Frame(h, None)
     if comp == "none":
-        return Frame(h, _decode_payload(buf, poff, codec, rows, cols))
+        return Frame(h, decode_payload(buf, poff, codec, rows, cols))
     data = mv[poff:]
     try:
         declared = zstandard.frame_content_size(data)
@@ -786,9 +681,9 @@ def _decode(buf: Any, max_payload: int, max_header: int) -> Frame:
     if declared != -1 and declared != expect:
         raise FrameError(f"zstd payload declares {declared} decoded bytes, expected {expect}")
     try:
-        out = _dctx().decompress(data, max_output_size=expect, allow_extra_data=False)
+        out = dctx().decompress(data, max_output_size=expect, allow_extra_data=False)
     except zstandard.ZstdError as e:
         raise FrameError(f"zstd payload is corrupt: {e}") from None
     if len(out) != expect:
         raise FrameError(f"zstd payload decoded to {len(out)} bytes, expected {expect}")
-    return Frame(h, _decode_payload(out, 0, codec, rows, cols))
+    return Frame(h, decode_payload(out, 0, codec, rows, cols))

@@ -181,7 +181,8 @@ class ShardClient:
         return StageInfo.from_proto(self.endpoint, r)
 
     async def capability(self, timeout: float | None = None):
-        """The worker's capability record (``dgr.capability.Capability``; docs/capability.md).
+        """The worker's capability record (``dgr.protocol.capability.Capability``;
+        docs/capability.md).
 
         Raises
         ------
@@ -193,7 +194,7 @@ class ShardClient:
         r = await self._unary("describe", self._stub.Describe, dgr_pb2.DescribeRequest(), timeout)
         if not r.capability_json:
             raise errors.RouteError(f"{self.endpoint}: this worker sends no capability record "
-                                    "(it predates dgr.capability)")
+                                    "(it predates dgr.control.capability)")
         return decode(r.capability_json)
 
     async def release(self, session: str, timeout: float | None = None) -> bool:

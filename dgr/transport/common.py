@@ -10,7 +10,8 @@ __all__ = ["SERVICE", "STEP_METHOD", "HEALTH_SERVICE", "MAX_MESSAGE", "server_op
            "channel_options"]
 
 SERVICE = "dgr.v1.Shard"
-#: The data-plane method: a bidirectional stream of raw dgr.wire frames (see proto/dgr.proto).
+#: The data-plane method: a bidirectional stream of raw dgr.protocol.wire frames
+#: (see proto/dgr.proto).
 STEP_METHOD = f"/{SERVICE}/Step"
 #: Service name under which the worker reports health (besides the overall "").
 HEALTH_SERVICE = SERVICE

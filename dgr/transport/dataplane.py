@@ -1,4 +1,5 @@
-"""The fast data plane: ``dgr.wire`` frames over persistent TCP connections (docs/dataplane.md).
+"""The fast data plane: ``dgr.protocol.wire`` frames over persistent TCP connections
+(docs/dataplane.md).
 
 gRPC stays the control plane (describe, release, health) and the portable data plane (the
 ``Step`` stream). This module carries the same frames over plain TCP, each preceded by its

@@ -154,6 +154,3 @@ class ShardServer:
     async def stop(self, grace: float | None = 1.0) -> None:
         """Stop: new RPCs are refused, open ones get ``grace`` seconds, then are cancelled."""
         await self._server.stop(grace)
-
-    async def wait_for_termination(self, timeout: float | None = None) -> bool:
-        return await self._server.wait_for_termination(timeout)

@@ -1,8 +1,11 @@
 """The worker side of a route: one stage serving a layer range (``python -m dgr.worker``).
 
 - ``dgr.worker.sessions``: the session/epoch table (the authority on every cache slot).
-- ``dgr.worker.stage``: ``Worker``, the stage: the step pipeline behind the gRPC ``Step`` stream
-  and the data plane, relay forwarding, describe.
+- ``dgr.worker.pipeline``: the step pipeline (admit, compute, finish, reply), one for the gRPC
+  ``Step`` stream and the data plane.
+- ``dgr.worker.relay``: where a data-plane step's frames go (return connections, relay to the
+  next stage, the decode loop).
+- ``dgr.worker.stage``: ``Worker``, the stage: the pipeline fed by both planes, describe, drain.
 - ``dgr.worker.process``: workers in a thread of this process or as child processes.
 - ``dgr.worker.main``: the command line of ``python -m dgr.worker``.
 """

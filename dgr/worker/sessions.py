@@ -23,7 +23,8 @@ class SlotEngine(Protocol):
     """What the table needs of an engine: dropping a slot's state.
 
     ``release`` must take effect after any compute already started on that slot and before
-    any compute started later (the worker queues it on the engine's compute thread).
+    any compute started later (the worker defers it to its next compute, which applies it
+    under the engine's lock before it runs).
     """
 
     def release(self, slot: int) -> None: ...
@@ -297,8 +298,8 @@ class SessionTable:
 
     def _drop(self, s: SessionInfo, event: str, detail: str) -> None:
         del self._sessions[s.session]
-        # With a step in flight this must run after it: the worker's engine adapter queues
-        # release() behind compute on the engine's single thread, so it does.
+        # With a step in flight this must run after it: the worker's engine adapter defers
+        # release() to the next compute, which holds the engine's lock, so it does.
         self.engine.release(s.slot)
         self._free.append(s.slot)
         self._emit(event, s.session, s.epoch, s.slot, detail)

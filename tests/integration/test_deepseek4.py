@@ -195,7 +195,7 @@ def test_chain_over_frames(dsv4, whole):
         x = None
         for st in stages:
             h = wire.Forward(model="m", session="s", epoch=0, first_pos=pos, n_tokens=len(toks),
-                             layer=st.layers[0], streams=CFG.hc,
+                             layer=st.layers[0],
                              tokens=[int(t) for t in toks] if st.needs_token_ids else None,
                              want="logits" if st.is_last else "boundary")
             f = wire.decode(wire.encode(h, x))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 
 import grpc
 import numpy as np
@@ -405,6 +406,58 @@ def test_two_in_process_stages(tiny_llama, reference):
         b.stop()
 
 
+@pytest.mark.skipif(not HAS_LAYER_RANGES, reason="needs the llama.cpp layer-range patches (dgr._core.HAS_LAYER_RANGES)")
+def test_inputs_that_cannot_run_are_refused_before_they_take_a_slot(tiny_llama):
+    # a frame whose boundary cannot run on this stage is refused at admission with the class
+    # the engine would raise, before the session table gives it a slot: the session it names
+    # keeps its state (a stranger's malformed frame must not drop or evict a session), and
+    # the worker goes on serving
+    a = ThreadedWorker(dgr.Engine(tiny_llama, layers=(0, 2), **SETTINGS), data_port=None)
+    b = ThreadedWorker(dgr.Engine(tiny_llama, layers=(2, 4), **SETTINGS), data_port=None)
+    x = np.random.default_rng(2).standard_normal((2, 64), dtype=np.float32)
+
+    def frame(w, session, array, tokens=None, pos=0, **kw):
+        return wire.encode(wire.Forward(model=w.worker.identity, session=session, epoch=1,
+                                        first_pos=pos, n_tokens=2, layer=w.worker.layers[0],
+                                        tokens=tokens, **kw), array)
+
+    cases = [  # (stage, frame, class)
+        (b, frame(b, "w", np.zeros((2, 63), np.float32), pos=2, want="token"),
+         errors.InvalidBoundary),  # the boundary's width is not this stage's
+        (b, frame(b, "t", None, tokens=[1, 2], want="token"),
+         errors.InvalidBoundary),  # a later stage takes a boundary
+        (a, frame(a, "f", x, tokens=[1, 2]), errors.InvalidBoundary),  # a first stage: ids
+        (a, frame(a, "l", None, tokens=[1, 2], want="token"),
+         errors.InvalidArgument),  # the worker's own: a middle stage returns a boundary
+    ]
+
+    async def go():
+        clients = {w: ShardClient(w.address) for w in (a, b)}
+        try:
+            streams = {w: c.stream() for w, c in clients.items()}
+            ok = reply(await streams[b].step(frame(b, "w", x, want="token")))
+            got = [reply(await streams[w].step(f)) for w, f, _ in cases]
+            kept = reply(await streams[b].step(frame(b, "w", x, pos=2, want="token")))
+            return ok, got, kept
+        finally:
+            for c in clients.values():
+                await c.close()
+
+    try:
+        ok, got, kept = run(go())
+        sessions = (len(a.worker.table), len(b.worker.table))
+    finally:
+        a.stop()
+        b.stop()
+    assert len(got) == len(cases) == 4
+    for (_, _, cls), r in zip(cases, got):
+        assert type(r) is wire.ErrorReply and type(r.to_exception()) is cls, (cls, r)
+    assert type(ok) is wire.Result and len(ok.tokens) == 1
+    # "w" kept its two positions through the refused frame that named it: it continues at 2
+    assert type(kept) is wire.Result and kept.first_pos == 2 and len(kept.tokens) == 1, kept
+    assert sessions == (0, 1)  # no refused step opened a session
+
+
 def test_grpc_status_of_an_unknown_method(served):
     async def go():
         async with grpc.aio.insecure_channel(served.address) as ch:
@@ -440,6 +493,7 @@ class ToyEngine:
                          "flash_attn": True, "type_k": "f16", "type_v": "f16"}
         self.state = {}
         self.calls = 0
+        self.lock = threading.RLock()  # the engine's one lock (dgr.Engine.lock)
 
     def describe(self):
         return {"identity": "sha256:toy", "model": "toy.gguf", "arch": "toy",
@@ -546,6 +600,7 @@ def test_route_waits_for_a_slot_when_the_worker_is_full():
 def test_a_step_released_while_it_waited_does_not_run_on_the_reused_slot():
     # x's step passed admission, then x was released (a driver's close, a drain) and its only
     # slot went to y before x's step reached the engine: x's step must not compute there
+    from dgr.worker.pipeline import Step
     from dgr.worker.stage import Worker
 
     w = Worker(ToyEngine(n_slots=1))
@@ -554,29 +609,93 @@ def test_a_step_released_while_it_waited_does_not_run_on_the_reused_slot():
         def step(session, pos, toks):
             h = wire.Forward(model=w.identity, session=session, epoch=1, first_pos=pos,
                              n_tokens=len(toks), layer=0, tokens=toks, want="token")
-            lease = w.table.acquire(session, 1, pos, len(toks))
-            return h, lease
+            return Step(h, None, w.table.acquire(session, 1, pos, len(toks)), 0.0)
 
-        h, lease = step("x", 0, [3, 5, 7])
-        w._counted_compute(lease, h, None)
-        w.table.commit(lease)
-        hx, lx = step("x", 3, [9])  # admitted, waiting for the engine
+        s = step("x", 0, [3, 5, 7])
+        w.compute(s)
+        w.table.commit(s.lease)
+        sx = step("x", 3, [9])  # admitted, waiting for the engine
         assert w.release("x")
-        hy, ly = step("y", 0, [3, 5, 7])  # the freed slot, at once
-        assert ly.slot == lx.slot
-        y0 = w._counted_compute(ly, hy, None)[2]
-        w.table.commit(ly)
+        sy = step("y", 0, [3, 5, 7])  # the freed slot, at once
+        assert sy.lease.slot == sx.lease.slot
+        y0 = w.compute(sy).tokens
+        w.table.commit(sy.lease)
         calls = eng.calls
         with pytest.raises(errors.CacheMiss, match="released while this step waited"):
-            w._counted_compute(lx, hx, None)
-        w.table.abort(lx)  # what a failed step does: a no-op, x is gone
-        assert eng.calls == calls and eng.state[ly.slot]["pos"] == 3  # y's cache untouched
-        hy, ly = step("y", 3, [9])
-        assert w._counted_compute(ly, hy, None)[2]  # y continues where it was
-        w.table.commit(ly)
+            w.compute(sx)
+        w.table.abort(sx.lease)  # what a failed step does: a no-op, x is gone
+        assert eng.calls == calls and eng.state[sy.lease.slot]["pos"] == 3  # y's cache untouched
+        sy = step("y", 3, [9])
+        assert w.compute(sy).tokens  # y continues where it was
+        w.table.commit(sy.lease)
         assert y0 is not None and w.table.get("y").next_pos == 4
     finally:
         w.executor.shutdown()
+
+
+class WatchedLock:
+    """A re-entrant lock that says whether the calling thread holds it, and in which of its
+    holds (counted each time it is taken while free)."""
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self._owner: int | None = None
+        self._depth = 0
+        self.holds = 0
+
+    def __enter__(self) -> WatchedLock:
+        self._lock.acquire()
+        if self._depth == 0:
+            self.holds += 1
+            self._owner = threading.get_ident()
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._owner = None
+        self._lock.release()
+
+    def hold(self) -> int | None:
+        """The calling thread's hold, None when it does not hold the lock."""
+        return self.holds if self._owner == threading.get_ident() else None
+
+
+def test_the_worker_computes_in_one_hold_of_the_engines_lock():
+    # the deferred releases, the check that the lease still holds its slot and the forward
+    # run in one hold of engine.lock: no other thread's compute can come between them
+    from dgr.worker.stage import Worker
+
+    eng = ToyEngine(n_slots=1)
+    eng.lock = WatchedLock()
+    w = Worker(eng)
+    seen: list[tuple[str, int | None]] = []
+
+    def watch(obj, name):
+        real = getattr(obj, name)
+
+        def call(*a, **kw):
+            seen.append((name, eng.lock.hold()))
+            return real(*a, **kw)
+        setattr(obj, name, call)
+
+    for obj, name in ((eng, "release"), (eng, "forward"), (w.table, "holds")):
+        watch(obj, name)
+    try:
+        # each new session's slot is released before its first step (x's and y's), and y
+        # takes x's, released when x was
+        for session in ("x", "y"):
+            r = reply(asyncio.run(w.step(fwd(w.identity, session, 1, 0, [3, 5, 7]))))
+            assert type(r) is wire.Result, r
+            assert w.release(session)
+    finally:
+        w.executor.shutdown()
+    names = [n for n, _ in seen]
+    assert names == ["holds", "release", "forward", "holds", "release", "release", "forward"]
+    held = [h for _, h in seen]
+    assert None not in held, seen
+    assert held[:3] == [held[0]] * 3 and held[3:] == [held[3]] * 4 and held[0] != held[3]
 
 
 async def _step_raw(address, session):

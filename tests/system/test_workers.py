@@ -106,7 +106,7 @@ def test_one_worker_bit_identical_to_the_whole_model(cluster, whole, smollm2, re
 
 def whole_model_steps(whole, prompt, n_tokens, sampling):
     """The reference of a sampled generation, computed here step by step: the whole model's
-    ``Engine.forward`` and ``dgr.sampling.sample_rows`` at each token's position (not
+    ``Engine.forward`` and ``dgr.protocol.sampling.sample_rows`` at each token's position (not
     ``generate_local``, not a route). Returns the tokens and the logits row each was drawn
     from (an end-of-generation token stops it, not kept)."""
     whole.release(0)

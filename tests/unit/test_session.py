@@ -1,4 +1,4 @@
-"""dgr.session.SessionTable against a fake engine and a fake clock."""
+"""dgr.worker.sessions.SessionTable against a fake engine and a fake clock."""
 
 from __future__ import annotations
 

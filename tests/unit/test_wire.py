@@ -1,4 +1,4 @@
-"""dgr.wire: round trips per codec, bit-exact raw, lossy error bounds, every validation rule."""
+"""dgr.protocol.wire: round trips per codec, bit-exact raw, lossy error bounds, every validation rule."""
 
 from __future__ import annotations
 
@@ -34,12 +34,12 @@ SETTINGS = settings(
 # The documented field order (docs/wire.md): append-only, so these tuples may only grow.
 FORWARD_FIELDS = (
     "schema", "model", "session", "epoch", "first_pos", "n_tokens", "layer", "width",
-    "streams", "dtype", "codec", "compression", "payload_len", "checksum", "positions",
+    "_reserved", "dtype", "codec", "compression", "payload_len", "checksum", "positions",
     "tokens", "want", "rows", "sampling", "relay", "reply_to", "loop", "steps", "stop_tokens",
 )
 RESULT_FIELDS = (
     "schema", "session", "epoch", "first_pos", "n_tokens", "kind", "layer", "rows", "cols",
-    "streams", "dtype", "codec", "compression", "payload_len", "checksum", "tokens",
+    "_reserved", "dtype", "codec", "compression", "payload_len", "checksum", "tokens",
 )
 ERROR_FIELDS = ("schema", "code", "message", "session", "epoch", "retry_after")
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "greedy")
@@ -79,7 +79,7 @@ def fwd_list(payload: bytes = b"", **kw: object) -> list:
     f = dict(
         schema=wire.SCHEMA_VERSION, model="m", session="s", epoch=1, first_pos=0, n_tokens=2,
         layer=3, width=4,
-        streams=1, dtype="f32", codec="raw", compression="none", payload_len=len(payload),
+        _reserved=1, dtype="f32", codec="raw", compression="none", payload_len=len(payload),
         checksum=xxhash.xxh3_64_intdigest(payload), positions=None, tokens=None,
         want="boundary", rows=None, sampling=None, relay=None, reply_to="", loop=None,
         steps=0, stop_tokens=None,
@@ -93,7 +93,7 @@ def fwd_list(payload: bytes = b"", **kw: object) -> list:
 def res_list(payload: bytes = b"", **kw: object) -> list:
     f = dict(
         schema=1, session="s", epoch=1, first_pos=0, n_tokens=2, kind="logits", layer=0,
-        rows=1, cols=4, streams=1, dtype="f32", codec="raw", compression="none",
+        rows=1, cols=4, _reserved=1, dtype="f32", codec="raw", compression="none",
         payload_len=len(payload), checksum=xxhash.xxh3_64_intdigest(payload), tokens=None,
     )
     for k, v in kw.items():
@@ -338,23 +338,43 @@ def test_result_with_logits_and_token() -> None:
         assert f.array.shape == (3, 49152)
 
 
-def test_result_boundary_with_streams() -> None:
+def test_result_boundary() -> None:
     a = rand(2, 4 * 32)
-    r = wire.Result(session="s", epoch=1, first_pos=0, n_tokens=2, kind="boundary", layer=7, streams=4)
+    r = wire.Result(session="s", epoch=1, first_pos=0, n_tokens=2, kind="boundary", layer=7)
     f = wire.decode(wire.encode(r, a))
-    assert f.header.streams == 4 and f.header.layer == 7 and np.array_equal(f.array, a)
+    assert f.header.layer == 7 and f.header.cols == 128 and np.array_equal(f.array, a)
+
+
+def test_the_retired_streams_slots_keep_every_other_field_in_place() -> None:
+    """Schema 3 retired ``streams`` (Forward field 9, Result field 10; always 1) but keeps
+    the slots: a schema-2 receiver reads the 1 it always read there, and a schema-2 sender's
+    frame decodes with every field where it was, its slot's value ignored (the width is the
+    boundary's, whatever divides it)."""
+    # what this build sends: 1 in the slot, exactly as a schema-2 sender did
+    sent = wire.encode(fwd(tokens=[1, 2]), rand(2, 6))
+    hlen = struct.unpack_from("<I", sent, 8)[0]
+    items = msgspec.msgpack.decode(sent[16:16 + hlen])
+    assert items[:10] == [1, wire.SCHEMA_VERSION, "m", "s", 1, 0, 2, 3, 6, 1]
+    assert items[10] == "f32" and items[16] == [1, 2]
+    # a schema-2 sender's Forward and Result with streams 3, which does not divide 4 (a
+    # schema-2 receiver refused that; nothing but tests ever sent it)
+    f = wire.decode(build(fwd_list(P8, schema=2, _reserved=3, tokens=[7, 8]), P8))
+    assert (f.header.width, f.header.dtype, f.header.tokens) == (4, "f32", [7, 8])
+    assert np.array_equal(f.array, np.arange(8, dtype=np.float32).reshape(2, 4))
+    r = wire.decode(build(res_list(P4, schema=2, kind="boundary", layer=2, _reserved=3), P4))
+    assert (r.header.kind, r.header.cols, r.header.dtype) == ("boundary", 4, "f32")
 
 
 def test_forward_with_everything() -> None:
     s = wire.Sampling(temperature=0.7, top_k=40, top_p=0.9, seed=2**64 - 1, greedy=False)
     h = fwd(
-        n_tokens=3, first_pos=10, positions=[10, 11, 12], tokens=[1, 2, 3], streams=4,
+        n_tokens=3, first_pos=10, positions=[10, 11, 12], tokens=[1, 2, 3],
         want="token+logits", rows=[0, 2], sampling=s, epoch=2**63 - 1,
     )
     a = rand(3, 4 * 64)
     f = wire.decode(wire.encode(h, a, codec="bf16", compress=True, level=19))
     assert f.header.sampling == s and f.header.rows == [0, 2] and f.header.epoch == 2**63 - 1
-    assert f.header.width == 256 and f.header.streams == 4
+    assert f.header.width == 256
 
 
 def test_error_reply_round_trip() -> None:
@@ -440,7 +460,6 @@ def test_zstd_contexts_are_per_thread() -> None:
         (lambda: wire.encode(fwd(), rand(2, 0)), InvalidBoundary, "width 0"),
         (lambda: wire.encode(fwd(width=8)), InvalidBoundary, "no array was given"),
         (lambda: wire.encode(fwd(n_tokens=0), rand(0, 4)), InvalidArgument, "zero-token steps"),
-        (lambda: wire.encode(fwd(streams=3), rand(2, 4)), InvalidArgument, "multiple of Forward.streams 3"),
         (lambda: wire.encode(fwd(tokens=[1]), rand(2, 4)), InvalidArgument, "tokens has 1 ids but n_tokens is 2"),
         (lambda: wire.encode(fwd()), InvalidArgument, "neither a boundary"),
         (lambda: wire.encode(fwd(epoch=2**64, tokens=[1, 2])), InvalidArgument, "cannot encode Forward"),
@@ -512,7 +531,7 @@ DECODE_CASES = [
     ("position count", build(fwd_list(P8, positions=[0]), P8), FrameError, "Forward.positions has 1 entries but n_tokens is 2"),
     ("first position", build(fwd_list(P8, positions=[1, 2]), P8), FrameError, r"positions\[0\] is 1 but first_pos is 0"),
     ("position overflow", build(fwd_list(P8, first_pos=2**31 - 1), P8), FrameError, "overflows int32 positions"),
-    ("streams", build(fwd_list(P8, streams=3), P8), FrameError, "width 4 is not a multiple of Forward.streams 3"),
+    ("reserved slot", build(fwd_list(P8, _reserved=0), P8), FrameError, r">= 1 - at `\$\[9\]` \(Forward._reserved\)"),
     ("nothing to run", build(fwd_list(b"", width=0)), FrameError, "neither a boundary"),
     ("want", build(fwd_list(P8, want="everything"), P8), FrameError, "unknown Forward.want 'everything'"),
     ("rows range", build(fwd_list(P8, rows=[0, 2]), P8), FrameError, "Forward.rows names row 2 but n_tokens is 2"),
@@ -520,7 +539,6 @@ DECODE_CASES = [
     ("result kind", build(res_list(P4, kind="probs"), P4), FrameError, "unknown Result.kind 'probs'"),
     ("result none+rows", build(res_list(P4, kind="none"), P4), FrameError, "Result.kind is 'none' but rows x cols is 1 x 4"),
     ("result empty", build(res_list(b"", rows=0, cols=0)), FrameError, "Result.kind is 'logits' but rows x cols is 0 x 0"),
-    ("result streams", build(res_list(P4, kind="boundary", streams=3), P4), FrameError, "Result.cols 4 is not a multiple"),
     ("error payload", build([3, 1, 5, "boom"], b"x" * 64), FrameError, "ErrorReply carries 64 payload bytes"),
     ("unknown dtype", build(fwd_list(P8, dtype="f64"), P8), UnknownCodec, "unknown dtype 'f64'"),
     ("unknown codec", build(fwd_list(P8, codec="q4"), P8), UnknownCodec, "unknown codec 'q4'"),

@@ -1,4 +1,4 @@
-"""Fuzzing dgr.wire.decode: only FrameError escapes, and lies never buy an allocation."""
+"""Fuzzing dgr.protocol.wire.decode: only FrameError escapes, and lies never buy an allocation."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def corpus() -> list[bytes]:
                     model="smollm2-135m-q4_1", session="sess-1", epoch=3, first_pos=17,
                     n_tokens=rows, layer=12, tokens=list(range(100, 100 + rows)),
                     positions=list(range(17, 17 + rows)), want="token", rows=[rows - 1],
-                    sampling=samp, streams=2 if cols % 2 == 0 else 1,
+                    sampling=samp,
                 )
                 out.append(wire.encode(h, a, codec=codec, compress=compress))
                 r = wire.Result(session="sess-1", epoch=3, first_pos=17, n_tokens=rows, kind="logits", tokens=[5])

@@ -1,0 +1,388 @@
+"""The stage's step pipeline: one sequence for the gRPC ``Step`` stream and the data plane.
+
+A step goes ``admit`` -> ``compute`` -> ``finish``, then its frames go out:
+
+- ``admit``: the checks that mean something at the protocol level (a step is a ``Forward``;
+  stage identity -> ``ModelMismatch``; the frame's layer and relay fields -> ``RouteError``;
+  a ``want`` this stage cannot serve), draining, then the session table's lease (session,
+  epoch, cache miss, context, free slots: ``dgr.worker.sessions``);
+- ``compute``: under the engine's lock, the slot releases the table deferred, the lease's
+  hold on its slot, the engine's forward (which guards its own inputs: boundary shape, a
+  first stage given a boundary, missing token ids, vocabulary, positions) and, on a last
+  stage, sampling;
+- ``finish``: commit (or abort: the session is dropped), the counters, the busy count;
+- ``reply``: the ``Result`` frame.
+
+``dgr.worker.stage.Worker`` feeds it from both planes (they differ in how a frame arrives
+and where its reply goes); ``dgr.worker.relay`` sends a relayed step on.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Container
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dgr import errors
+from dgr.protocol import wire
+from dgr.protocol.describe import COUNTERS
+from dgr.protocol.sampling import sample_rows
+from dgr.protocol.settings import settings_tag, stage_identity
+from dgr.transport.common import MAX_MESSAGE
+from dgr.worker.sessions import Lease, SessionTable
+
+__all__ = ["StagePipeline", "Step", "ComputeWindow"]
+
+log = logging.getLogger("dgr.worker")
+
+
+class ComputeWindow:
+    """Tokens and compute time of recent steps (throughput over the last ``span`` seconds),
+    and exact totals since the worker started (named as ``dgr.protocol.describe.COUNTERS``).
+
+    The totals are monotonic counters: a caller describes the worker before and after the
+    steps it timed and divides the deltas (``decode_compute_s_total`` /
+    ``decode_steps_total``: the mean compute of exactly those single-token steps), where
+    ``decode_ms`` (an EWMA of the last few) covers another window. Compute seconds are the
+    engine's forward call (sampling and transport excluded)."""
+
+    def __init__(self, span: float = 10.0):
+        self.span = span
+        self.items: collections.deque = collections.deque()
+        self.decode_ms = 0.0  # EWMA of single-token step compute time
+        self.started = time.monotonic()
+        self.decode_steps_total = 0  # single-token steps computed
+        self.decode_compute_s_total = 0.0  # their compute seconds, summed
+        self.tokens_computed_total = 0  # tokens computed, every step
+        self.compute_s_total = 0.0  # compute seconds of every step, summed
+
+    def add(self, n: int, seconds: float) -> None:
+        now = time.monotonic()
+        self.items.append((now, n, seconds))
+        self.tokens_computed_total += n
+        self.compute_s_total += seconds
+        if n == 1:
+            self.decode_steps_total += 1
+            self.decode_compute_s_total += seconds
+            self.decode_ms = seconds * 1e3 if not self.decode_ms else (
+                0.8 * self.decode_ms + 0.2 * seconds * 1e3)
+        while self.items and now - self.items[0][0] > self.span:
+            self.items.popleft()
+
+    def tokens_per_s(self) -> float:
+        """Tokens computed per second of wall time over the last ``span`` seconds (load)."""
+        now = time.monotonic()
+        while self.items and now - self.items[0][0] > self.span:
+            self.items.popleft()
+        span = min(self.span, max(now - self.started, 1e-3))
+        return sum(n for _, n, _ in self.items) / span
+
+
+@dataclass(eq=False)
+class Step:
+    """One admitted step: its frame and lease and, once computed, what the engine returned."""
+
+    header: wire.Forward
+    array: Any  # the boundary it came with (None on a first stage)
+    lease: Lease
+    t_arrive: float  # time.perf_counter() when its frame arrived
+    kind: str = "none"  # what ``result`` is: "boundary", "logits" or "none"
+    result: Any = None  # the boundary or the logits rows
+    tokens: list[int] | None = None  # sampled, one per wanted row
+    seconds: float = 0.0  # the engine's forward call
+
+
+class _DeferredRelease:
+    """The session table's view of the engine: a released slot is queued and dropped from the
+    engine by the next compute, before it runs (so a slot handed to a new session is always
+    empty when that session's first step runs, and table calls never wait for compute)."""
+
+    def __init__(self, pipeline: StagePipeline):
+        self.p = pipeline
+
+    def release(self, slot: int) -> None:
+        self.p._releases.append(slot)  # the caller holds the table lock
+
+
+class StagePipeline:
+    """The step sequence of a stage and the state it keeps: the engine and its facts, the
+    session table (under ``lock``), the counters, the drain flags.
+
+    ``dgr.worker.stage.Worker`` is this pipeline with the planes that feed it.
+    """
+
+    def __init__(self, engine, *, ttl: float = 600.0, evict_after: float = 5.0,
+                 max_message: int = MAX_MESSAGE):
+        self.engine = engine
+        self.max_payload = max_message
+        info = engine.describe()
+        self.info = info
+        self.settings = dict(engine.settings)
+        self.model_identity = info["identity"]
+        self.identity = stage_identity(self.model_identity, self.settings)
+        self.layers = tuple(engine.layers)
+        self.n_layer = info["n_layer"]
+        self.is_first, self.is_last = bool(engine.is_first), bool(engine.is_last)
+        self.width = int(engine.n_embd_boundary)
+        #: columns of what the engine returns: the boundary, or logits on the last stage
+        self.out_width = self.width if not engine.is_last else int(engine.n_vocab)
+        #: guards the session table (short sections only: the event loop takes it). The
+        #: engine's own lock (``engine.lock``) is held around every compute.
+        self.lock = threading.RLock()
+        self._releases: list[int] = []  # slots released by the table, not yet by the engine
+        self._counts = threading.Lock()  # counters bumped by the loop and data threads
+        self.table = SessionTable(_DeferredRelease(self), engine.n_slots, self.settings["n_ctx"],
+                                  ttl=ttl, evict_after=evict_after, listener=self._event)
+        self.draining = False
+        #: set when a drain stops waiting: admitted steps that have not started computing
+        #: are refused from then on (counted in ``not_run``)
+        self.stopped = False
+        self.not_run = 0
+        self.inflight = 0  # admitted and not finished
+        self.computing = 0  # computes hold the engine's lock: 0 or 1
+        self.steps_total = 0
+        self.errors_total = 0
+        self.window = ComputeWindow()
+        self.started = time.monotonic()
+        #: hop latency of 1-token steps (ms, arrival to reply ready), for the capability record
+        self.hop_ms: collections.deque = collections.deque(maxlen=1024)
+        self.last_error, self.last_error_at = "", None
+
+    def _event(self, event: str, session: str, epoch: int, slot: int, detail: str) -> None:
+        log.info("%s session=%s epoch=%d slot=%d%s", event, session, epoch, slot,
+                 f" ({detail})" if detail else "")
+
+    def compute_counters(self) -> dict[str, float]:
+        """The compute totals since start (``COUNTERS``), read together."""
+        w = self.window
+        with self._counts:
+            return {k: getattr(w, k) for k in COUNTERS}
+
+    # -- admit -----------------------------------------------------------------------------
+
+    def admit(self, frame: wire.Frame, t_arrive: float, *,
+              returns: Container[str] | None = None) -> Step:
+        """Check a decoded frame and lease its session's slot.
+
+        ``returns``: the routes with a return connection on this plane (the data plane's);
+        None where relayed frames cannot arrive (a gRPC ``Step`` stream).
+
+        Raises
+        ------
+        dgr.errors.DgrError
+            WorkerDraining, FrameError (not a step), ModelMismatch, RouteError,
+            InvalidArgument, and the session table's refusals.
+        """
+        h = frame.header
+        if self.draining:
+            raise errors.WorkerDraining(
+                "this worker is draining (shutting down): the step was not run")
+        self._check(h)
+        self._fits(h, frame.array)
+        if h.reply_to:
+            if returns is None:
+                raise errors.InvalidArgument("relayed frames (reply_to) travel on the data "
+                                             "plane, not on a gRPC Step stream")
+            if self.is_last and h.reply_to not in returns:
+                raise errors.RouteError(f"relayed frame names route {h.reply_to!r}, which sent "
+                                        "this worker no Hello (no return connection)")
+        with self.lock:
+            lease = self.table.acquire(h.session, h.epoch, h.first_pos, h.n_tokens)
+        self._busy(1)
+        return Step(h, frame.array, lease, t_arrive)
+
+    def _check(self, h) -> None:
+        """What a frame means for this stage, beyond what the engine checks of its inputs."""
+        if type(h) is not wire.Forward:
+            raise errors.FrameError(f"a step takes Forward frames, got {type(h).__name__}")
+        if h.model != self.identity:
+            theirs, _, their_tag = h.model.partition("+")
+            if theirs == self.model_identity:
+                raise errors.ModelMismatch(
+                    f"frame was built for numeric settings {their_tag or '(none)'}; this worker "
+                    f"runs {settings_tag(self.settings)}")
+            raise errors.ModelMismatch(
+                f"frame is for model {theirs or '(none)'}; this worker serves "
+                f"{self.model_identity} layers [{self.layers[0]}, {self.layers[1]})")
+        if h.layer != self.layers[0]:
+            raise errors.RouteError(
+                f"frame starts at layer {h.layer}; this worker serves layers "
+                f"[{self.layers[0]}, {self.layers[1]})")
+        if h.reply_to:  # relayed: want/sampling are the last stage's, carried along
+            if not self.is_last and not h.relay:
+                raise errors.RouteError(
+                    f"relayed frame ends its route at layer {self.layers[1]} of {self.n_layer}:"
+                    " Forward.relay names no next stage")
+            if self.is_last and h.relay:
+                raise errors.RouteError(
+                    f"this worker runs the last layers; Forward.relay names {len(h.relay)} more "
+                    "stage(s)")
+        elif not self.is_last and h.want != "boundary":
+            raise errors.InvalidArgument(
+                f"want={h.want!r} asks for the last stage's output; this stage ends at layer "
+                f"{self.layers[1]} of {self.n_layer} and returns a boundary")
+
+    def _fits(self, h: wire.Forward, array) -> None:
+        """Whether the frame's inputs can run on this stage at all, checked before the
+        session table gives it a slot: a frame that cannot run must not take a slot or evict
+        an idle session for one. The engine checks the same again when it runs (it guards
+        its inputs for every caller); this check is admission, and raises the same classes."""
+        if self.is_first:
+            if array is not None:
+                raise errors.InvalidBoundary(
+                    "this worker is the first stage: it takes token ids, not a boundary")
+            return
+        if array is None:
+            raise errors.InvalidBoundary(
+                f"this stage starts at layer {self.layers[0]}: the frame needs a boundary "
+                f"[{h.n_tokens}, {self.width}]")
+        if array.shape[1] != self.width:
+            raise errors.InvalidBoundary(
+                f"boundary width {array.shape[1]} differs from this stage's {self.width}")
+        if self.engine.needs_token_ids and h.tokens is None:
+            raise errors.MissingTokenIds(
+                f"layers [{self.layers[0]}, {self.layers[1]}) route by token id: send the "
+                "token ids with the boundary")
+
+    def _busy(self, delta: int) -> None:
+        with self._counts:
+            self.inflight += delta
+
+    # -- compute ---------------------------------------------------------------------------
+
+    def compute(self, step: Step, out: np.ndarray | None = None) -> Step:
+        """Run ``step`` on the engine (any thread); ``out``: a reusable output buffer.
+
+        Holds the engine's lock from the deferred releases to the end of the forward, so no
+        other thread's compute comes between "the lease still holds its slot" and the
+        compute on it.
+
+        Raises
+        ------
+        dgr.errors.WorkerDraining
+            The drain is over (the step was not run).
+        dgr.errors.CacheMiss
+            The session was released while the step waited for the engine.
+        dgr.errors.DgrError
+            The engine's typed errors (its inputs, its compute).
+        """
+        with self.engine.lock:
+            if self.stopped:  # the drain is over: the process exits, the engine with it
+                with self._counts:
+                    self.not_run += 1
+                raise errors.WorkerDraining(
+                    "this worker stopped draining (drain timeout): the step was not run")
+            lease = step.lease
+            with self.lock:
+                releases, self._releases = self._releases, []
+                holds = self.table.holds(lease)
+            for slot in releases:
+                self.engine.release(slot)
+            if not holds:  # released while it waited: its slot may be another session's now
+                raise errors.CacheMiss(
+                    f"session {lease.session!r} epoch {lease.epoch} was released while this "
+                    "step waited for the engine; the step was not run: re-prefill")
+            self.computing += 1
+            try:
+                self._forward(step, out)
+            finally:
+                self.computing -= 1
+        return step
+
+    def _forward(self, step: Step, out: np.ndarray | None) -> None:
+        """The engine's forward (and sampling on a last stage), the engine's lock held."""
+        eng, h, lease = self.engine, step.header, step.lease
+        n = h.n_tokens
+        # the engine uses token ids where its range needs them (and checks them then)
+        tokens = None if h.tokens is None else np.asarray(h.tokens, dtype=np.int32)
+        positions = (np.asarray(h.positions, dtype=np.int32) if h.positions is not None
+                     else h.first_pos)
+        kw: dict[str, Any] = {} if out is None else {"out": out}
+        t0 = time.perf_counter()
+        if not self.is_last:
+            step.result = eng.forward(lease.slot, positions, tokens, boundary=step.array, **kw)
+            step.seconds = time.perf_counter() - t0
+            step.kind = "boundary"
+            return
+        want = h.want
+        if want == "boundary":  # the last stage has no boundary: run, return nothing
+            rows: list[int] = []
+            mask: Any = np.zeros(n, dtype=bool)
+        elif h.rows is None:
+            rows, mask = [n - 1], "last"
+        else:
+            rows = sorted(set(h.rows))
+            mask = np.zeros(n, dtype=bool)
+            mask[rows] = True
+        logits = eng.forward(lease.slot, positions, tokens, boundary=step.array, logits=mask,
+                             **kw)
+        step.seconds = time.perf_counter() - t0
+        if want.startswith("token"):
+            first = h.first_pos
+            pos = [(h.positions[r] if h.positions is not None else first + r) + 1 for r in rows]
+            step.tokens = sample_rows(logits, pos, h.sampling)
+        if want in ("logits", "token+logits"):
+            step.kind, step.result = "logits", logits
+
+    def out_rows(self, h: wire.Forward) -> int:
+        """Rows of what the engine returns for ``h`` (a reused output buffer's need)."""
+        if not self.is_last:
+            return h.n_tokens
+        return 1 if h.rows is None else len(set(h.rows))
+
+    # -- finish ----------------------------------------------------------------------------
+
+    def finish(self, step: Step, failure: BaseException | None = None) -> None:
+        """After ``compute`` returned (``failure`` None) or raised: commit the step or drop
+        its session (its cache is suspect), count it, and end its busy count."""
+        lease = step.lease
+        with self.lock:
+            if failure is None:
+                self.table.commit(lease)
+            else:
+                self.table.abort(lease, f"{type(failure).__name__}: {failure}")
+        if failure is None:
+            with self._counts:
+                self.steps_total += 1
+                self.window.add(step.header.n_tokens, step.seconds)
+                if step.header.n_tokens == 1:
+                    self.hop_ms.append((time.perf_counter() - step.t_arrive) * 1e3)
+        self._busy(-1)
+
+    # -- frames ----------------------------------------------------------------------------
+
+    def reply(self, step: Step, buf: bytearray | None = None):
+        """The ``Result`` frame of a computed step: bytes, or encoded into ``buf`` (returned)."""
+        h = step.header
+        if step.kind == "boundary":
+            r = wire.Result(session=h.session, epoch=h.epoch, first_pos=h.first_pos,
+                            n_tokens=h.n_tokens, kind="boundary", layer=self.layers[1])
+            kw = dict(codec=h.codec if step.array is not None else "raw",
+                      compress=h.compression == "zstd")
+        else:
+            r = wire.Result(session=h.session, epoch=h.epoch, first_pos=h.first_pos,
+                            n_tokens=h.n_tokens, kind=step.kind, tokens=step.tokens)
+            kw = {}
+        res = None if step.result is None else np.ascontiguousarray(step.result)
+        if buf is None:
+            return wire.encode(r, res, **kw)
+        wire.encode_into(r, res, buf, **kw)
+        return buf
+
+    def error(self, exc: BaseException, session: str = "", epoch: int = 0) -> bytes:
+        """The ``ErrorReply`` frame of a refused or failed step (counted, logged)."""
+        with self._counts:
+            self.errors_total += 1
+        self.last_error, self.last_error_at = f"{type(exc).__name__}: {exc}", time.monotonic()
+        if isinstance(exc, (errors.SessionError, errors.ModelMismatch, errors.RouteError)):
+            log.info("refused session=%s epoch=%d: %s: %s", session or "-", epoch,
+                     type(exc).__name__, exc)
+        elif not isinstance(exc, errors.DgrError):
+            log.exception("step failed", exc_info=exc)
+        return wire.encode(wire.ErrorReply.from_exception(exc, session=session, epoch=epoch))

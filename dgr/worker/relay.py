@@ -1,0 +1,131 @@
+"""Where a data-plane step's frames go once it computed (docs/dataplane.md).
+
+- hop by hop (``Forward.reply_to`` empty): the reply goes back on the connection it came on;
+- direct relay, not the last stage: the next ``Forward`` (this stage's boundary) goes to the
+  next stage named by ``Forward.relay``, over a pooled link;
+- direct relay, last stage: the ``Result`` goes to the route's return connection (the
+  driver's, registered by its ``Hello``); with a decode loop (``Forward.steps``) the next
+  step goes to the route's first stage too.
+
+A refused or failed step's ``ErrorReply`` goes to the return connection as well when the
+step was relayed, else back to the sender.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+import msgspec
+
+from dgr.protocol import wire
+from dgr.transport.dataplane import FrameSocket, Links
+from dgr.worker.pipeline import Step
+
+__all__ = ["Forwarder"]
+
+log = logging.getLogger("dgr.worker")
+
+
+class Forwarder:
+    """The data plane's outgoing side of one stage: return connections and links.
+
+    Parameters
+    ----------
+    layer_end : int
+        The stage's range end (the layer a relayed boundary continues at).
+    is_first, is_last : bool
+        Whether the stage is its route's first and last.
+    """
+
+    def __init__(self, layer_end: int, is_first: bool, is_last: bool):
+        self.layer_end = layer_end
+        self.is_first, self.is_last = is_first, is_last
+        self.links = Links()
+        self._returns: dict[str, FrameSocket] = {}  # route id -> the driver's connection
+        self._lock = threading.Lock()
+
+    def __contains__(self, route: object) -> bool:
+        """Whether ``route`` has a return connection here."""
+        return route in self._returns
+
+    def hello(self, conn: FrameSocket, route: str) -> None:
+        """``conn`` is the return connection of ``route``: register it, then echo the Hello."""
+        conn.route = route
+        with self._lock:
+            self._returns[route] = conn
+        self.send_back(conn, "", wire.encode(wire.Hello(route=route)))
+
+    def forget(self, conn: FrameSocket) -> None:
+        """``conn`` ended: it is no longer its route's return connection."""
+        if conn.route:
+            with self._lock:
+                if self._returns.get(conn.route) is conn:
+                    del self._returns[conn.route]
+
+    def send_back(self, conn: FrameSocket, reply_to: str, frame) -> None:
+        """Send a reply: to the route's return connection when relayed, else to ``conn``."""
+        # without a return connection (no Hello) to the sender: a driver reads it there; a
+        # previous stage's link drops it
+        target = self._returns.get(reply_to, conn) if reply_to else conn
+        try:
+            target.send(frame)
+        except OSError as e:
+            log.info("return connection of route %s broke: %s", reply_to or conn.name, e)
+
+    def send_on(self, conn: FrameSocket, step: Step,
+                reply: Callable[[Step, bytearray], object], buf: bytearray) -> None:
+        """Send a computed step's frames; ``reply(step, buf)`` encodes its ``Result`` into
+        ``buf`` (only when it is sent), the calling thread's reusable frame buffer.
+
+        Raises
+        ------
+        dgr.errors.WorkerUnavailable
+            The next stage (or the loop's first) cannot be reached.
+        """
+        h = step.header
+        if not h.reply_to:
+            self.send_back(conn, "", reply(step, buf))
+        elif not self.is_last:
+            self.relay(step, buf)
+        else:
+            toks = step.tokens
+            loop = h.steps > 1 and toks and (h.stop_tokens is None
+                                             or toks[-1] not in h.stop_tokens)
+            # the loop step first, so stage 1 starts at once; but when this worker is
+            # stage 1 too, the next step runs here on another thread and its reply must
+            # not overtake this one: reply first then
+            if loop and not self.is_first:
+                self.loop(h, toks[-1])
+            self.send_back(conn, h.reply_to, reply(step, buf))
+            if loop and self.is_first:
+                self.loop(h, toks[-1])
+
+    def relay(self, step: Step, buf: bytearray) -> None:
+        """Forward this stage's boundary to the next stage named by ``Forward.relay``."""
+        h = step.header
+        nxt = h.relay[0]
+        # the same step for the next range: every other field (positions, want, rows,
+        # sampling, reply_to, the decode loop's) travels on as it came; encode refills the
+        # payload fields from the boundary
+        nh = msgspec.structs.replace(h, layer=self.layer_end, relay=h.relay[1:],
+                                     tokens=h.tokens if nxt.tokens else None)
+        codec = h.codec if step.array is not None else "raw"
+        wire.encode_into(nh, step.result[:h.n_tokens], buf, codec=codec,
+                         compress=h.compression == "zstd")
+        self.links.send(nxt.endpoint, buf)
+
+    def loop(self, h: wire.Forward, token: int) -> None:
+        """Decode loop (``Forward.steps``): feed the token just sampled to the first stage
+        (``loop[0]``) as the next step, without a round trip to the driver."""
+        first = h.loop[0]
+        nh = wire.Forward(model=h.model, session=h.session, epoch=h.epoch,
+                          first_pos=h.first_pos + h.n_tokens, n_tokens=1, layer=0,
+                          tokens=[token], want=h.want, sampling=h.sampling, relay=h.loop[1:],
+                          reply_to=h.reply_to, loop=h.loop, steps=h.steps - 1,
+                          stop_tokens=h.stop_tokens)
+        self.links.send(first.endpoint, wire.encode(nh))
+
+    def close(self) -> None:
+        self.links.close()
