@@ -1,6 +1,7 @@
 """The driver side of a route: runs sessions across a route's stages (no compiled core needed).
 
-- ``dgr.driver.route``: ``Route``/``AsyncRoute`` and their sessions.
+- ``dgr.driver.route``: the public names (``Route``/``AsyncRoute`` and their sessions,
+  ``check_route``, ``retryable``); it says which module holds which job.
 - ``dgr.driver.provider``: where stages come from (``RouteProvider``, ``StaticPool``).
 """
 

@@ -130,7 +130,7 @@ def test_decode_loop_matches_and_survives_a_broken_loop(stages, reference, monke
         # the last stage cannot reach the first once: the driver hears it from the last
         # stage, repairs the route and finishes step by step with the same tokens
         calls = []
-        real = type(last)._loop
+        real = type(last.forwarder).loop
 
         def flaky(self, h, token):
             calls.append(h.first_pos)
@@ -138,7 +138,7 @@ def test_decode_loop_matches_and_survives_a_broken_loop(stages, reference, monke
                 raise errors.WorkerUnavailable("next stage: injected loop failure")
             return real(self, h, token)
 
-        monkeypatch.setattr(type(last), "_loop", flaky)
+        monkeypatch.setattr(type(last.forwarder), "loop", flaky)
         g = s.complete(PROMPT, max_tokens=12, stop_on_eog=False)
         assert g.tokens == ref and s.recoveries == 1 and len(calls) == 3
         monkeypatch.undo()
@@ -155,8 +155,8 @@ def test_decode_loop_stops_at_max_tokens_and_stop_tokens(stages, reference):
     ref, _ = generate_local(reference, PROMPT[:5], max_tokens=10, stop_on_eog=False)
     one = ThreadedWorker(dgr.Engine(reference.model_path, **SETTINGS))
     loops: list[int] = []  # positions after which the worker fed the loop's next step
-    real_loop = one.worker._loop
-    one.worker._loop = lambda h, token: (loops.append(h.first_pos), real_loop(h, token))[1]
+    real_loop = one.worker.forwarder.loop
+    one.worker.forwarder.loop = lambda h, token: (loops.append(h.first_pos), real_loop(h, token))[1]
     handled = _Handled(one.worker)
     try:
         ep = f"127.0.0.1:{one.worker.data_server.port}"
@@ -249,7 +249,7 @@ def test_data_plane_hop_by_hop_and_errors(stages, reference):
         # Hello is echoed (the return path is registered before the echo)
         c.send(wire.encode(wire.Hello(route="r-hand")))
         assert wire.decode(bytes(c.recv())).header == wire.Hello(route="r-hand")
-        assert first.worker._returns["r-hand"] is not None
+        assert "r-hand" in first.worker.forwarder
     finally:
         c.close()
     with first.worker.lock:
@@ -402,7 +402,7 @@ def test_a_one_stage_decode_loop_delivers_tokens_in_order(tiny_llama, reference)
     ref, _ = generate_local(reference, PROMPT[:5], max_tokens=6, stop_on_eog=False)
     one = ThreadedWorker(dgr.Engine(tiny_llama, **SETTINGS))
     w = one.worker
-    real_loop = w._loop
+    real_loop = w.forwarder.loop
     handled = _Handled(w)
     waited = []
 
@@ -411,7 +411,7 @@ def test_a_one_stage_decode_loop_delivers_tokens_in_order(tiny_llama, reference)
         if h.first_pos == 5:  # until the worker has finished position 6 (replied to it)
             waited.append(handled.wait(6))
 
-    w._loop = slow_after_loop
+    w.forwarder.loop = slow_after_loop
     try:
         ep = f"127.0.0.1:{w.data_server.port}"
         c = _conn(ep)
@@ -453,12 +453,12 @@ def test_a_decode_loop_reply_out_of_step_is_repaired_not_fatal(stages, reference
                     tokens=[1]))))
 
     with Route([w.address for w in stages], relay=True) as r:
-        r.aroute._rings = OneBogusReply()
+        r.aroute.relay_links.rings = OneBogusReply()
         s = r.session()
         g = s.complete(PROMPT[:9], max_tokens=10, stop_on_eog=False)
         # the old loop may still hold a step at a stage when the replay reaches it
         # (SessionError, retried): one recovery or two
-        assert r.aroute._rings.done and g.tokens == ref and 1 <= g.recoveries <= 2
+        assert r.aroute.relay_links.rings.done and g.tokens == ref and 1 <= g.recoveries <= 2
         s.close()
 
 
@@ -470,15 +470,15 @@ def test_decode_loop_runs_at_most_a_window_ahead_of_the_reader(stages, reference
         s = r.session()
         assert s.complete(PROMPT[:9], max_tokens=20, stop_on_eog=False).tokens == ref  # 5 windows
         loops: list[int] = []  # positions after which the last stage fed the next step
-        real_loop = last._loop
-        monkeypatch.setattr(last, "_loop",
+        real_loop = last.forwarder.loop
+        monkeypatch.setattr(last.forwarder, "loop",
                             lambda h, token: (loops.append(h.first_pos), real_loop(h, token))[1])
         it = s.generate(PROMPT[:9], max_tokens=20, stop_on_eog=False)
         before = last.steps_total
         toks = [next(it) for _ in range(3)]  # the prefill's token and 2 of the first window
         # a reader that pauses: the whole first window reaches the driver (the last stage
         # decides whether to loop on before it replies), then nothing more is started
-        ring = r.aroute._rings[(s.id, s.epoch)]
+        ring = r.aroute.relay_links.rings[(s.id, s.epoch)]
         _wait_until(lambda: ring.qsize() >= 2, "the first window's last two tokens arrive")
         ahead = last.steps_total - before - 2  # decode steps the last stage ran (9 prompt
         assert ahead == 4, ahead  # tokens: 2 prefill chunks); the first window only

@@ -1,0 +1,293 @@
+"""``AsyncRoute``: a route over running workers (asyncio): its stages and clients, its data
+links, step deadlines and recovery policy; sessions run on it (``dgr.driver.session``).
+
+A route is an ordered list of shard workers that together cover every layer of one model with
+identical numeric settings. The driver tokenizes (through the first worker, or a local
+tokenizer), prefills in chunks of at most ``n_ubatch`` tokens, relays each step's boundary
+from stage to stage, has the last stage sample (or return logits), and streams tokens. It
+keeps the token history and the step composition, so when a worker loses the session (cache
+miss, unknown session, restart, deadline) it raises the epoch, replays the history exactly as
+it was first computed and carries on: the generation's tokens are the same as without the
+failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Any, Sequence
+
+import numpy as np
+
+from dgr import errors
+from dgr.driver.checks import check_route
+from dgr.driver.deadlines import Deadlines
+from dgr.driver.links import RelayLinks
+from dgr.driver.provider import RouteProvider, StaticPool, parse_endpoints
+from dgr.driver.recovery import Recovery
+from dgr.driver.results import Generation
+from dgr.driver.session import AsyncRouteSession
+from dgr.driver.tokenizers import LocalTokenizer, RemoteTokenizer
+from dgr.protocol import wire
+from dgr.protocol.describe import StageInfo
+from dgr.transport.client import DEFAULT_STEP_TIMEOUT, DEFAULT_TIMEOUT, ShardClient
+from dgr.transport.dataplane import AsyncLink
+
+log = logging.getLogger("dgr.driver.route")
+
+__all__ = ["AsyncRoute"]
+
+
+class AsyncRoute:
+    """A route over running workers, asyncio API (``Route`` is the blocking one).
+
+    Parameters
+    ----------
+    endpoints : str or sequence of str
+        ``host:port`` of each stage, in any order (they are ordered by layer range).
+    timeout : float
+        Deadline of control calls (describe, release, tokenize), seconds.
+    step_timeout : float
+        Deadline of one step on one stage, seconds.
+    connect_timeout : float
+        How long recovery waits for a stage to come back (a restarted worker loads its range
+        first), seconds.
+    codec : str
+        Boundary codec on the wire (``"raw"``: bit-exact, the default; ``"f16"``, ``"bf16"``,
+        ``"q8"`` are lossy, opt-in). ``compress`` adds zstd.
+    tokenizer : object, optional
+        Anything with ``tokenize(text, add_special, parse_special)`` and
+        ``detokenize(tokens)`` (e.g. a local ``dgr.Engine`` of the same model). Default: the
+        first worker's tokenizer, over its control RPCs.
+    max_retries : int
+        Recoveries (re-prefill under a new epoch) attempted for one step.
+    provider : dgr.driver.RouteProvider, optional
+        Where replacements for a failed stage come from (and where failures are reported).
+        Default: a ``StaticPool`` of ``endpoints`` plus ``spares``. Without ``endpoints`` the
+        first route comes from ``provider.route()``.
+    spares : sequence of str
+        More workers for the default pool (same ranges as the route's stages).
+    deadline_floor, deadline_factor : float
+        A step's deadline on a stage is ``max(deadline_floor, deadline_factor * p99)`` of
+        that stage's recent step times (per token for multi-token steps), at most
+        ``step_timeout``; ``step_timeout`` until 8 steps were measured.
+    probe_timeout : float
+        Deadline of the connect and describe that vet a replacement worker, seconds.
+    backoff : float
+        First pause between recovery attempts (doubles each time, at most 2 s), seconds.
+    relay : bool, optional
+        Direct relay over the workers' fast data plane (docs/dataplane.md): the driver sends
+        each step to the first stage, every stage forwards its boundary straight to the next
+        and the last stage answers the driver; a prompt's chunks are all sent at once, so the
+        stages work on consecutive chunks at the same time (pipelined prefill). Same tokens
+        and logits as ``relay=False``, which relays every boundary through the driver over
+        gRPC. Recovery always replays over gRPC (it finds which stage failed). Needs every
+        worker to serve a data port and the raw codec. Default (None): relay when the codec is
+        raw and every stage's data port answers at ``connect``, else the gRPC path.
+    loop : bool
+        With relay, ``generate`` hands decoding to the stages: the last stage feeds each token
+        it samples straight back to the first stage (``Forward.steps``), so no driver round
+        trip sits between two tokens; the driver streams the tokens as they arrive. It stops
+        at ``max_tokens`` and at end-of-generation tokens. False: one driver round trip per
+        token.
+    loop_window : int
+        The decode loop runs this many tokens at a time; the next window starts when the
+        reader asks for its first token. So the stages run at most this far ahead of a
+        consumer that is slow or stops early (a stop string, a closed stream), and one
+        driver hop per window is added (32 by default).
+    """
+
+
+    def __init__(self, endpoints: str | Sequence[str] | None = None, *,
+                 timeout: float = DEFAULT_TIMEOUT,
+                 step_timeout: float = DEFAULT_STEP_TIMEOUT, connect_timeout: float = 30.0,
+                 codec: str = "raw", compress: bool = False, tokenizer: Any = None,
+                 max_retries: int = 3, provider: RouteProvider | None = None,
+                 spares: Sequence[str] = (), deadline_floor: float = 2.0,
+                 deadline_factor: float = 10.0, probe_timeout: float = 1.0,
+                 backoff: float = 0.05, relay: bool | None = None, loop: bool = True,
+                 loop_window: int = 32):
+        if codec not in wire.CODECS:
+            raise errors.UnknownCodec(f"unknown codec {codec!r} (known: {', '.join(wire.CODECS)})")
+        self._relay_arg = relay
+        if relay is None:  # auto: direct relay where it applies (checked again at connect)
+            relay = codec == "raw" and not compress
+        elif relay and (codec != "raw" or compress):
+            raise errors.InvalidArgument(
+                f"relay=True carries raw f32 boundaries stage to stage; codec={codec!r}, "
+                f"compress={compress} need relay=False")
+        if endpoints is None and provider is None:
+            raise errors.RouteError("a route needs endpoints or a provider")
+        self.endpoints = parse_endpoints(endpoints) if endpoints is not None else []
+        self.provider = provider if provider is not None else StaticPool(
+            self.endpoints + parse_endpoints(list(spares)) if spares else self.endpoints)
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.codec = codec
+        self.compress = compress
+        self.max_retries = max_retries
+        self.probe_timeout = probe_timeout
+        self.backoff = backoff
+        self._tokenizer_arg = tokenizer
+        self.clients: list[ShardClient] = []
+        self.stages: list[StageInfo] = []
+        self.tokenizer: Any = None
+        #: step deadlines sized from each stage's recent step times
+        self.deadlines = Deadlines(step_timeout, deadline_floor, deadline_factor)
+        #: the recovery policy: stage replacement, epoch bump and re-prefill
+        self.recovery = Recovery(self)
+        # direct relay: data links, replies awaited by (session, epoch, first_pos)
+        self.relay = bool(relay)
+        self.route_id = uuid.uuid4().hex
+        self.relay_links = RelayLinks(self.route_id, lambda: self.stages, probe_timeout)
+        self.loop = bool(loop)
+        if loop_window < 1:
+            raise errors.InvalidArgument(f"loop_window must be >= 1, got {loop_window}")
+        self.loop_window = int(loop_window)
+        self.relay_steps = 0
+
+    # -- setup ---------------------------------------------------------------------------
+
+    async def connect(self) -> AsyncRoute:
+        """Describe every stage and check that together they form one route.
+
+        Raises
+        ------
+        dgr.errors.WorkerUnavailable
+            A stage cannot be reached.
+        dgr.errors.ModelMismatch, dgr.errors.RouteError, dgr.errors.WorkerDraining
+            See ``check_route``.
+        """
+        if not self.endpoints:
+            self.endpoints = parse_endpoints(await self.provider.route())
+        if not self.clients:
+            self.clients = [ShardClient(e, timeout=self.timeout) for e in self.endpoints]
+        infos = await asyncio.gather(*(c.describe() for c in self.clients))
+        order = check_route(infos)
+        by_ep = {c.endpoint: c for c in self.clients}
+        self.stages = order
+        self.clients = [by_ep[s.endpoint] for s in order]
+        self.deadlines.reset(len(order))
+        self.recovery.reset(len(order))
+        if self._relay_arg is None:
+            self.relay = self.relay and all(st.data_port for st in order)
+            if self.relay:
+                # every stage answered over gRPC just now: a data port that cannot be reached
+                # (a firewall, a proxy that forwards gRPC only) means the gRPC path, not errors
+                try:
+                    await self.links()
+                except errors.DgrError as e:
+                    log.warning("direct relay unavailable (%s): steps go over gRPC", e)
+                    self.relay = False
+        tok = self._tokenizer_arg
+        self.tokenizer = LocalTokenizer(tok) if tok is not None else RemoteTokenizer(self)
+        return self
+
+    async def __aenter__(self) -> AsyncRoute:
+        return await self.connect()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        self.relay_links.close()
+        clients, self.clients = self.clients + self.recovery.retired, []
+        self.recovery.retired = []
+        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+
+    # -- direct relay --------------------------------------------------------------------
+
+    async def links(self) -> list[AsyncLink]:
+        """Open data links to every stage (once; reopened after a loss); see
+        ``RelayLinks.links``."""
+        return await self.relay_links.links()
+
+    def hops(self) -> list[wire.Hop]:
+        """``Forward.relay`` of the current route (after ``links()``)."""
+        return self.relay_links.hops()
+
+    def loop_hops(self) -> list[wire.Hop]:
+        """``Forward.loop`` of the current route: every stage, the first included."""
+        return self.relay_links.loop_hops()
+
+    # -- deadlines and failover ----------------------------------------------------------
+
+    @property
+    def step_timeout(self) -> float:
+        """The longest deadline of one step on one stage, seconds."""
+        return self.deadlines.step_timeout
+
+    @property
+    def deadline_floor(self) -> float:
+        return self.deadlines.floor
+
+    @property
+    def deadline_factor(self) -> float:
+        return self.deadlines.factor
+
+    def deadline(self, i: int, n_tokens: int) -> float:
+        """Deadline of an ``n_tokens`` step on stage ``i`` (``len(stages)``: a relayed step
+        through the whole route), sized from its recent steps."""
+        return self.deadlines.deadline(i, n_tokens)
+
+    @property
+    def replacements(self) -> list[tuple[tuple[int, int], str, str]]:
+        """Stage replacements done by this route: (layers, old endpoint, new endpoint)."""
+        return self.recovery.replacements
+
+    async def unresponsive_stage(self) -> int | None:
+        """The first stage that does not answer a describe within ``probe_timeout`` (None:
+        all answer)."""
+        return await self.recovery.unresponsive_stage()
+
+    async def replace_stage(self, i: int, failed: ShardClient, err: BaseException) -> bool:
+        """Replace stage ``i`` (its client ``failed`` failed with ``err``); see
+        ``Recovery.replace_stage``."""
+        return await self.recovery.replace_stage(i, failed, err)
+
+    # -- facts ---------------------------------------------------------------------------
+
+    @property
+    def identity(self) -> str:
+        """Model identity plus numeric settings: what every frame of this route names."""
+        return self.stages[0].identity
+
+    @property
+    def n_ubatch(self) -> int:
+        return int(self.stages[0].settings["n_ubatch"])
+
+    @property
+    def eog_tokens(self) -> frozenset:
+        return self.stages[-1].eog_tokens
+
+    @property
+    def settings(self) -> dict:
+        return dict(self.stages[0].settings)
+
+    async def describe(self) -> list[StageInfo]:
+        """Fresh describe records of every stage, in route order."""
+        return list(await asyncio.gather(*(c.describe() for c in self.clients)))
+
+    # -- use -----------------------------------------------------------------------------
+
+    def session(self, session_id: str | None = None) -> AsyncRouteSession:
+        """A new route session (its id names it on every worker)."""
+        if not self.stages:
+            raise errors.RouteError("connect() the route first")
+        return AsyncRouteSession(self, session_id or uuid.uuid4().hex)
+
+    async def tokenize(self, text: str, add_special: bool = True,
+                       parse_special: bool = False) -> np.ndarray:
+        return await self.tokenizer.tokenize(text, add_special, parse_special)
+
+    async def detokenize(self, tokens: Sequence[int]) -> str:
+        return await self.tokenizer.detokenize(tokens)
+
+    async def complete(self, prompt: str | Sequence[int], **kw) -> Generation:
+        """Generate in a fresh session and release it; see ``AsyncRouteSession.complete``."""
+        s = self.session()
+        try:
+            return await s.complete(prompt, **kw)
+        finally:
+            await s.close()

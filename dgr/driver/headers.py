@@ -1,0 +1,39 @@
+"""The ``wire.Forward`` headers the driver sends: built here, for every path."""
+
+from __future__ import annotations
+
+from dgr.protocol import wire
+from dgr.protocol.describe import StageInfo
+from dgr.protocol.sampling import SamplingParams
+
+__all__ = ["forward_header", "wire_sampling"]
+
+
+def wire_sampling(p: SamplingParams | None) -> wire.Sampling | None:
+    """``Forward.sampling`` of ``p`` (None: greedy, the stage's default)."""
+    if p is None or p.greedy:
+        return None
+    return wire.Sampling(temperature=float(p.temperature), top_k=int(p.top_k),
+                         top_p=float(p.top_p), seed=int(p.seed))
+
+
+def forward_header(session: str, epoch: int, stage: StageInfo, pos: int, toks: list[int], *,
+                   want: str, sampling: wire.Sampling | None, last: bool = True,
+                   tokens: bool = True, relay: list[wire.Hop] | None = None,
+                   reply_to: str = "", loop: list[wire.Hop] | None = None, steps: int = 0,
+                   stop_tokens: list[int] | None = None) -> wire.Forward:
+    """The step of ``toks`` at ``pos`` of ``session`` (``epoch``), sent to ``stage``.
+
+    ``last``: the step ends where the driver reads the reply, so it asks for ``want`` with
+    ``sampling``; otherwise it asks for the boundary only. ``tokens``: the frame carries the
+    token ids (the first stage, and a stage whose range routes by token id). ``relay``,
+    ``reply_to``: the stages after ``stage`` and the route to answer (direct relay);
+    ``loop``, ``steps``, ``stop_tokens``: the decode loop (every stage, tokens to run, where
+    the last stage stops it).
+    """
+    return wire.Forward(model=stage.identity, session=session, epoch=epoch, first_pos=pos,
+                        n_tokens=len(toks), layer=stage.layers[0],
+                        tokens=toks if tokens else None,
+                        want=want if last else "boundary",
+                        sampling=sampling if last else None, relay=relay, reply_to=reply_to,
+                        loop=loop, steps=steps, stop_tokens=stop_tokens)

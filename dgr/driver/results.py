@@ -1,0 +1,45 @@
+"""What the driver reports: per-stage timings of a session, and a generation's outcome."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Generation", "StageStats"]
+
+
+@dataclass
+class StageStats:
+    """Per-stage timings seen by the driver (decode steps are single-token steps)."""
+
+    endpoint: str
+    layers: tuple[int, int]
+    steps: int = 0
+    decode_steps: int = 0
+    decode_rtt_s: float = 0.0  # time from sending the frame to having the reply, decode steps
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    @property
+    def decode_rtt_ms(self) -> float:
+        return 1e3 * self.decode_rtt_s / self.decode_steps if self.decode_steps else 0.0
+
+
+@dataclass
+class Generation:
+    """The outcome of ``complete``: tokens, text, why it stopped, and timings."""
+
+    tokens: list[int]
+    text: str
+    stop_reason: str              # "eos", "length" or "stop"
+    prompt_tokens: int
+    time_to_first_token_s: float
+    decode_s: float               # from the first token to the last
+    recoveries: int = 0           # re-prefills after a failure
+    logits: list[np.ndarray] | None = None
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = len(self.tokens) - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0

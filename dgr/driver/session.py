@@ -1,0 +1,241 @@
+"""One route session (asyncio): its epoch, token history and step composition, the step path
+it runs on, and the recovery policy applied around that path."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, AsyncIterator, Sequence
+
+import numpy as np
+
+from dgr import errors
+from dgr.driver.headers import wire_sampling
+from dgr.driver.paths import HopByHop, StepPath, path_for
+from dgr.driver.recovery import retryable
+from dgr.driver.results import Generation, StageStats
+from dgr.protocol import wire
+from dgr.protocol.sampling import SamplingParams
+
+__all__ = ["AsyncRouteSession"]
+
+
+class AsyncRouteSession:
+    """One route session: its streams, epoch, token history and step composition.
+
+    ``route`` is the ``AsyncRoute`` it runs on. Its steps take the route's path
+    (``dgr.driver.paths.path_for``: hop by hop, direct relay, or relay with the decode loop);
+    a step that fails with a ``retryable`` error is repaired by the route's recovery policy
+    (new epoch, history replayed, the failed stage replaced) and tried again, at most
+    ``route.max_retries`` times.
+    """
+
+    def __init__(self, route: Any, session_id: str):
+        self.route = route
+        self.id = session_id
+        self.epoch = 0
+        #: tokens whose state every stage holds under the current epoch
+        self.history: list[int] = []
+        #: (first_pos, n_tokens) of each step that built ``history`` (replayed on recovery)
+        self.steps: list[tuple[int, int]] = []
+        #: logits rows that sampled each token (only with ``logits=True``)
+        self.logits: list[np.ndarray] = []
+        self.recoveries = 0
+        self.stats = [StageStats(s.endpoint, s.layers) for s in route.stages]
+        self._cleanup: set[asyncio.Task] = set()  # releases on replaced workers
+        #: the gRPC path (its step streams): recovery replays over it whatever ``path`` is
+        self.hop_by_hop = HopByHop(self)
+        #: the path this session's steps take, from the route's configuration
+        self.path: StepPath = path_for(self)
+
+    # -- the steps, with recovery around them ---------------------------------------------
+
+    async def _run_chunks(self, chunks: list[list[int]], want: str,
+                          sampling: wire.Sampling | None) -> wire.Frame:
+        """Steps at the end of ``history`` (``want``/``sampling`` apply to the last one) on
+        this session's path, repaired by re-prefill when a stage lost the session (on a
+        replacement worker when the stage itself failed); the last step's reply."""
+        recovery = self.route.recovery
+        done = 0
+        err: BaseException | None = None
+        for attempt in range(self.route.max_retries + 1):
+            try:
+                if err is not None:
+                    await recovery.recover(self, err, attempt)
+                async for f in self.path.prefill(chunks[done:], want, sampling):
+                    done += 1
+            except errors.DgrError as e:
+                if not retryable(e):  # bad request, model mismatch, no healthy worker, ...
+                    raise
+                err = e
+                continue
+            return f
+        assert err is not None
+        raise err
+
+    async def _decode(self, tok: int, n: int, want: str, sampling: wire.Sampling | None,
+                      eog: frozenset, logits: bool) -> AsyncIterator[int]:
+        """The ``n`` tokens after ``tok`` (which is fed first) from this session's path,
+        repaired as ``_run_chunks`` repairs a step. A path whose decode broke hands over to
+        its ``fallback`` (the decode loop to one relayed step per token), its failure
+        repaired as the first attempt of the next step; every step gets ``max_retries``
+        repairs."""
+        recovery = self.route.recovery
+        path = self.path
+        made = 0
+        err: BaseException | None = None
+        attempt = 0
+        while made < n:
+            tokens = None
+            try:
+                if err is not None:
+                    await recovery.recover(self, err, attempt)
+                tokens = path.decode(tok, n - made, want, sampling, eog, logits)
+                async for tok in tokens:
+                    made += 1
+                    err, attempt = None, 0
+                    yield tok
+            except errors.DgrError as e:
+                if not retryable(e):
+                    raise
+                if path.fallback is not path:
+                    # ``tok`` (the last token yielded) is not in ``history`` yet: repair the
+                    # route, then feed it step by step
+                    path = path.fallback
+                else:
+                    attempt += 1
+                    if attempt > self.route.max_retries:
+                        raise
+                err = e
+            finally:
+                if tokens is not None:
+                    await tokens.aclose()
+
+    def _extend(self, toks: list[int]) -> None:
+        self.steps.append((len(self.history), len(toks)))
+        self.history.extend(toks)
+
+    def _take(self, f: wire.Frame, logits: bool) -> int:
+        if logits:
+            self.logits.append(np.array(f.array[-1]))
+        return int(f.header.tokens[-1])
+
+    # -- public --------------------------------------------------------------------------
+
+    async def reset(self) -> None:
+        """Start over: the next step begins a new epoch at position 0."""
+        self.epoch += 1
+        self.history, self.steps, self.logits = [], [], []
+
+    async def prefill(self, tokens: Sequence[int], *, sample: bool = True,
+                      sampling: SamplingParams | None = None, logits: bool = False
+                      ) -> int | None:
+        """Append ``tokens`` in chunks of at most ``n_ubatch``; returns the next token sampled
+        from the last row (None with ``sample=False``)."""
+        toks = [int(t) for t in np.asarray(tokens, dtype=np.int64).reshape(-1)]
+        if not toks:
+            raise errors.InvalidArgument("prefill needs at least one token")
+        if self.epoch == 0:
+            self.epoch = 1
+        ub = self.route.n_ubatch
+        want = ("token+logits" if logits else "token") if sample else (
+            "logits" if logits else "boundary")
+        ws = wire_sampling(sampling)
+        chunks = [toks[a:a + ub] for a in range(0, len(toks), ub)]
+        f = await self._run_chunks(chunks, want, ws)
+        return self._take(f, logits) if sample else None
+
+    async def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 64,
+                       sampling: SamplingParams | None = None, stop: Sequence[str] = (),
+                       stop_on_eog: bool = True, logits: bool = False,
+                       add_special: bool = True, parse_special: bool = True
+                       ) -> AsyncIterator[int]:
+        """Prefill ``prompt`` (from position 0, new epoch) and yield sampled tokens.
+
+        Stops after ``max_tokens``, at an end-of-generation token (not yielded) or once the
+        text contains one of ``stop`` (the token completing it is yielded). ``logits=True``
+        (parity mode) also keeps, in ``self.logits``, the last-row logits that sampled each
+        token, computed exactly as a whole-model ``Engine.forward(..., logits="last")``.
+
+        Raises
+        ------
+        dgr.errors.DgrError
+            A failure recovery could not repair (``WorkerDraining``, ``StaleEpoch``,
+            ``ModelMismatch``, ``WorkerUnavailable`` after ``connect_timeout``, ...).
+        """
+        r = self.route
+        if isinstance(prompt, str):
+            prompt = await r.tokenize(prompt, add_special, parse_special)
+        prompt = [int(t) for t in np.asarray(prompt).reshape(-1)]
+        if not prompt:
+            raise errors.InvalidArgument("the prompt has no tokens")
+        if max_tokens < 1:
+            return
+        await self.reset()
+        self.stop_reason = "length"
+        want = "token+logits" if logits else "token"
+        ws = wire_sampling(sampling)
+        eog = r.eog_tokens if stop_on_eog else frozenset()
+        stops = [s for s in stop if s]
+        out: list[int] = []
+        tok = await self.prefill(prompt, sampling=sampling, logits=logits)
+        tokens = None  # the tokens after the prefill's, made on demand
+        try:
+            while True:
+                if tok in eog:
+                    self.stop_reason = "eos"
+                    return
+                out.append(tok)
+                yield tok
+                if stops:
+                    text = await r.detokenize(out)
+                    if any(s in text for s in stops):
+                        self.stop_reason = "stop"
+                        return
+                if len(out) == max_tokens:
+                    return
+                if tokens is None:
+                    tokens = self._decode(tok, max_tokens - len(out), want, ws, eog, logits)
+                tok = await anext(tokens)
+        finally:
+            if tokens is not None:
+                await tokens.aclose()
+
+    async def complete(self, prompt: str | Sequence[int], *, max_tokens: int = 64,
+                       sampling: SamplingParams | None = None, stop: Sequence[str] = (),
+                       stop_on_eog: bool = True, logits: bool = False,
+                       add_special: bool = True, parse_special: bool = True) -> Generation:
+        """Run ``generate`` to the end and return tokens, text and timings."""
+        r = self.route
+        if isinstance(prompt, str):
+            prompt = await r.tokenize(prompt, add_special, parse_special)
+        n_prompt = len(prompt)
+        t0 = time.perf_counter()
+        t_first = None
+        toks: list[int] = []
+        rec0 = self.recoveries
+        async for t in self.generate(prompt, max_tokens=max_tokens, sampling=sampling,
+                                     stop=stop, stop_on_eog=stop_on_eog, logits=logits):
+            if t_first is None:
+                t_first = time.perf_counter()
+            toks.append(t)
+        t1 = time.perf_counter()
+        text = await r.detokenize(toks) if toks else ""
+        if self.stop_reason == "stop":
+            cut = min((text.find(s) for s in stop if s and s in text), default=-1)
+            if cut >= 0:
+                text = text[:cut]
+        return Generation(tokens=toks, text=text, stop_reason=self.stop_reason,
+                          prompt_tokens=n_prompt, time_to_first_token_s=(t_first or t1) - t0,
+                          decode_s=t1 - (t_first or t1), recoveries=self.recoveries - rec0,
+                          logits=list(self.logits) if logits else None)
+
+    async def release(self) -> None:
+        """Free this session's slot on every stage now (ignores stages that are gone)."""
+        await asyncio.gather(*(c.release(self.id) for c in self.route.clients),
+                             return_exceptions=True)
+
+    async def close(self) -> None:
+        """Release the session and close its streams."""
+        await self.hop_by_hop.close()
+        await self.release()
