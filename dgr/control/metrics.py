@@ -12,8 +12,7 @@ from __future__ import annotations
 import asyncio
 
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
-from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily,
-                                    Metric)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 __all__ = ["families", "exposition", "MetricsServer", "CONTENT_TYPE"]
