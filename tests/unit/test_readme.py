@@ -43,3 +43,15 @@ def test_the_readme_has_two_commands_and_ci_runs_the_test_one():
     assert [tag for _, tag in cmds] == ["demo", "tests"], cmds
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert cmds[1][0] in ci.splitlines(), "'.ci/run' does not run the README's test command"
+
+
+def test_every_project_path_the_docs_name_exists():
+    """docs/*.md and the README name modules by path; a move must update them."""
+    names = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = doc.read_text(encoding="utf-8")
+        for p in re.findall(r"`((?:dgr|benches|tests|cpp|proto|docs)/[A-Za-z0-9_./-]+)", text):
+            names.append((doc.name, p.split("::")[0].rstrip(".")))
+    assert len(names) >= 30, names  # the docs were read
+    missing = sorted({(d, p) for d, p in names if not (ROOT / p).exists()})
+    assert not missing, f"the docs name paths that do not exist: {missing}"
