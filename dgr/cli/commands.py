@@ -254,12 +254,7 @@ def _cmd_run(args) -> int:
         prompt = whole.tokenize(_chat(args, args.prompt), True, True)
         _say(f"route {','.join(endpoints)}")
         _say(f"prompt: {args.prompt!r} ({len(prompt)} tokens)\n")
-        before = route.describe()  # the workers' compute totals before the generation
-        session, tokens, ts, tf, te = _stream(route, args, prompt, whole.detokenize)
-        rc = _report(route, session, args, list(prompt), tokens, ts, tf, te,
-                     whole if args.check else None, before)
-        session.close()
-        return rc
+        return _generate(route, args, prompt, whole.detokenize, whole if args.check else None)
     except KeyboardInterrupt:
         _say("interrupted")
         return 130
@@ -273,6 +268,16 @@ def _cmd_run(args) -> int:
             codes = cluster.stop()
             _say(f"workers stopped (exit status {', '.join(map(str, codes))}); logs: "
                  + " ".join(w.log_path for w in cluster.workers))
+
+
+def _generate(route, args, prompt, detokenize, whole) -> int:
+    """Stream one generation over ``route`` and report it (checked against ``whole``, the
+    whole model here, unless None); the exit status."""
+    before = route.describe()  # the workers' compute totals before the generation
+    session, tokens, ts, tf, te = _stream(route, args, prompt, detokenize)
+    rc = _report(route, session, args, list(prompt), tokens, ts, tf, te, whole, before)
+    session.close()
+    return rc
 
 
 def _relay(args):
@@ -295,11 +300,7 @@ def _cmd_generate(args) -> int:
             whole = _local_reference(args, route)
         prompt = route.tokenize(_chat(args, args.prompt), True, True)
         _say(f"prompt: {args.prompt!r} ({len(prompt)} tokens)\n")
-        before = route.describe()  # the workers' compute totals before the generation
-        session, tokens, ts, tf, te = _stream(route, args, prompt, route.detokenize)
-        rc = _report(route, session, args, list(prompt), tokens, ts, tf, te, whole, before)
-        session.close()
-        return rc
+        return _generate(route, args, prompt, route.detokenize, whole)
     except KeyboardInterrupt:
         _say("interrupted")
         return 130
