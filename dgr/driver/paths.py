@@ -25,7 +25,7 @@ from dgr.driver.checks import stage_error
 from dgr.driver.headers import forward_header
 from dgr.driver.recovery import release_quietly
 from dgr.protocol import wire
-from dgr.transport.client import ShardClient, StepStream, _timeout
+from dgr.transport.client import ShardClient, StepStream, timeout_after
 
 __all__ = ["DecodeLoop", "HopByHop", "Relay", "StepPath", "path_for"]
 
@@ -287,7 +287,7 @@ class DecodeLoop(Relay):
                 for _ in range(window):
                     t0 = time.perf_counter()
                     try:
-                        async with _timeout(r.deadline(len(r.stages), 1)):
+                        async with timeout_after(r.deadline(len(r.stages), 1)):
                             item = await q.get()
                     except TimeoutError:
                         raise errors.StepDeadlineExceeded(

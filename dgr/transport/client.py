@@ -17,7 +17,7 @@ from dgr.transport.common import MAX_MESSAGE, STEP_METHOD, channel_options
 from dgr.transport.status import CODE_KEY, from_rpc_error, from_status
 
 __all__ = ["ShardClient", "StepStream", "DEFAULT_TIMEOUT", "DEFAULT_STEP_TIMEOUT",
-           "DEFAULT_STREAM_TIMEOUT"]
+           "DEFAULT_STREAM_TIMEOUT", "timeout_after"]
 
 #: Deadline of a control call (describe, release, tokenize, health), seconds.
 DEFAULT_TIMEOUT = 10.0
@@ -27,12 +27,12 @@ DEFAULT_STEP_TIMEOUT = 60.0
 DEFAULT_STREAM_TIMEOUT = 6 * 3600.0
 
 if sys.version_info >= (3, 11):
-    _timeout = asyncio.timeout
+    timeout_after = asyncio.timeout
 else:  # pragma: no cover - Python 3.10
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
-    async def _timeout(delay):
+    async def timeout_after(delay):
         task = asyncio.current_task()
         fired = []
 
@@ -77,7 +77,7 @@ class StepStream:
             raise errors.WorkerUnavailable(f"{self.client.endpoint}: this step stream is closed")
         call = self._call
         try:
-            async with _timeout(timeout):
+            async with timeout_after(timeout):
                 try:
                     await call.write(frame)
                     reply = await call.read()
