@@ -41,6 +41,7 @@ __all__ = [
     "ArtifactMismatch",
     "ArtifactTruncated",
     "InvalidManifest",
+    "StorageLocationError",
 ]
 
 
@@ -312,6 +313,13 @@ class InvalidManifest(ArtifactError, ValueError):
     """A manifest that cannot be read, has an unknown schema, or does not describe this model."""
 
     code = 56
+
+
+class StorageLocationError(DgrError, ValueError):
+    """A production artifact (or an explicit artifact store) asked for under ``/home``, where no
+    model artifact may be placed; the message says where to put it instead."""
+
+    code = 57
 
 
 def all_classes() -> list[type[DgrError]]:

@@ -10,6 +10,7 @@ import sys
 
 from dgr.artifacts.manifest import DEFAULT_CHUNK_SIZE, TENSOR_HASHES, build_manifest, write_manifest
 from dgr.artifacts.slice import slice_model
+from dgr.artifacts.store import resolve_output
 from dgr.artifacts.verify import verify
 from dgr.errors import DgrError
 
@@ -33,8 +34,13 @@ def _parse_size(s: str) -> int:
 
 
 def _build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    store = argparse.ArgumentParser(add_help=False)
+    store.add_argument("--store", metavar="DIR", default=None,
+                       help="artifact store: a relative --out is written here (default: "
+                            "$DGR_STORE, else the current directory); nothing under /home")
     sub = p.add_subparsers(dest="artifacts_cmd", required=True)
-    mk = sub.add_parser("manifest", help="hash a model's files into a JSON manifest",
+    mk = sub.add_parser("manifest", parents=[store],
+                        help="hash a model's files into a JSON manifest",
                         description="Hash a model (a GGUF, or a split GGUF: give any split or "
                                     "all of them) into a manifest: files, chunks, tensors, "
                                     "identity (docs/artifacts.md).")
@@ -61,7 +67,8 @@ def _build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     vf.add_argument("--threads", type=int, default=None, help="parallel chunk hashing")
     vf.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     vf.add_argument("--quiet", action="store_true", help="no progress bar")
-    sl = sub.add_parser("slice", help="write a GGUF with only one stage's tensors",
+    sl = sub.add_parser("slice", parents=[store],
+                        help="write a GGUF with only one stage's tensors",
                         description="Write a GGUF holding the tensors a stage owning layers "
                                     "[A, B) loads (plus the embeddings on the first stage and "
                                     "the head on the last), the full metadata and the range.")
@@ -84,6 +91,8 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
 
 def _run(args) -> int:
     try:
+        if args.artifacts_cmd in ("manifest", "slice") and args.out is not None:
+            args.out = str(resolve_output(args.out, args.store))  # refused under /home
         if args.artifacts_cmd == "manifest":
             data = build_manifest(args.paths, chunk_size=args.chunk_size,
                                   tensor_hash=args.tensor_hash, progress=not args.quiet)

