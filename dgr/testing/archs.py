@@ -1,0 +1,458 @@
+"""Tiny random GGUF models for (nearly) every architecture, from upstream's own generator.
+
+The pinned llama.cpp ships ``tests/test-llama-archs.cpp``; with ``-a REGEX -o DIR`` it builds
+a random dense and/or MoE model per matching architecture (``<arch>-dense.gguf``,
+``<arch>-moe.gguf``) through ``llama_model_init_from_user`` and saves it with
+``llama_model_saver``. The vendor build has tests off, so this module compiles the file
+itself, once per vendor key, into ``$DGR_CACHE/archs-<key>/`` (never into the repository),
+against the cached static libraries (``libllama-common`` included, which any of the vendor
+tools pulls in).
+
+Two documented source tweaks are applied to a copy of the file before compiling
+(:data:`TWEAKS`; each anchor must match exactly once, or the build stops with a
+:class:`~dgr.errors.VendorError`):
+
+1. ``uint32_t n_layer = 2;`` (the default for most architectures) becomes
+   :data:`N_LAYER` (4), so every fixture has a first, a middle and a last stage. The
+   per-layer hparams arrays the generator writes are built in loops over ``n_layer``, so they
+   follow; architectures with their own count (llama4 4, deepseek4 4, gemma3n 22, ...) keep it.
+2. Saving one model is wrapped in ``try``/``catch``: an architecture whose hparams do not
+   fit the new layer count (upstream throws, which ends the whole run) is reported on stderr
+   as ``DGR_ARCHS_FAILED <arch> <dense|moe>: <why>`` and the run goes on with the next.
+
+The seed is fixed (:data:`SEED`), so the same vendor key always writes the same bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import queue
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dgr.errors import VendorError
+
+__all__ = ["N_LAYER", "PROBE_SETTINGS", "SEED", "TWEAKS", "Written", "arch_of", "format_table",
+           "generator", "probe", "probe_all", "tweaked_source", "write"]
+
+N_LAYER = 4
+SEED = 1234
+GENERATOR_SOURCE = "tests/test-llama-archs.cpp"
+FAILED_TAG = "DGR_ARCHS_FAILED"
+
+_SAVE_OLD = """\
+            auto model_and_ctx = get_model_and_ctx(gguf_ctx.get(), nullptr, seed, stdev, {});
+            const std::string path = dir + "/" + llm_arch_name(arch) + (moe ? "-moe.gguf" : "-dense.gguf");
+            LOG_INF("%s: Saving %s model (%s) to %s...\\n", __func__, llm_arch_name(arch), moe ? "MoE" : "dense", path.c_str());
+            llama_model_save_to_file(model_and_ctx.first.get(), path.c_str());
+"""
+_SAVE_NEW = """\
+            try {
+                auto model_and_ctx = get_model_and_ctx(gguf_ctx.get(), nullptr, seed, stdev, {});
+                const std::string path = dir + "/" + llm_arch_name(arch) + (moe ? "-moe.gguf" : "-dense.gguf");
+                LOG_INF("%s: Saving %s model (%s) to %s...\\n", __func__, llm_arch_name(arch), moe ? "MoE" : "dense", path.c_str());
+                llama_model_save_to_file(model_and_ctx.first.get(), path.c_str());
+            } catch (const std::exception & err) {
+                fprintf(stderr, "FAILED_TAG %s %s: %s\\n", llm_arch_name(arch), moe ? "moe" : "dense", err.what());
+            }
+""".replace("FAILED_TAG", FAILED_TAG)
+
+#: (anchor, replacement) pairs applied to upstream's source, each anchor exactly once
+TWEAKS: tuple[tuple[str, str], ...] = (
+    ("    uint32_t n_layer = 2;\n", f"    uint32_t n_layer = {N_LAYER}; // dgr: was 2\n"),
+    (_SAVE_OLD, _SAVE_NEW),
+)
+
+
+def _say(msg: str) -> None:
+    print(f"[dgr.testing.archs] {msg}", file=sys.stderr, flush=True)
+
+
+def tweaked_source(text: str) -> str:
+    """Upstream's generator source with :data:`TWEAKS` applied (each anchor exactly once)."""
+    for old, new in TWEAKS:
+        n = text.count(old)
+        if n != 1:
+            raise VendorError(f"{GENERATOR_SOURCE}: a dgr tweak's anchor occurs {n} times, "
+                              f"expected once (the pinned tree changed?):\n{old}")
+        text = text.replace(old, new)
+    return text
+
+
+def _vendor():
+    from dgr.vendor import Vendor
+
+    return Vendor()
+
+
+def _workspace(vendor) -> Path:
+    return vendor.cache / f"archs-{vendor.key()}"
+
+
+def _prune_other_keys(vendor) -> None:
+    """Drop the generator workspaces of other vendor keys (about 1.7 GB of models each): they
+    belong to another llama.cpp build and are rewritten in seconds when needed again."""
+    keep = _workspace(vendor).name
+    for d in vendor.cache.glob("archs-*"):
+        if d.is_dir() and d.name != keep:
+            _say(f"removing {d} (models of another llama.cpp build)")
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _common_libraries(vendor) -> list[Path]:
+    b = vendor.build_dir / "common"
+    return [b / "libllama-common.a", b / "libllama-common-base.a"]
+
+
+def generator() -> Path:
+    """The compiled generator for this vendor key; compiled on first use (progress on stderr).
+
+    Raises
+    ------
+    dgr.errors.VendorError
+        The vendor tree is not built, the source is missing or changed, or the compile fails
+        (the compiler's output tail is in the message).
+    """
+    v = _vendor()
+    src = v.src / GENERATOR_SOURCE
+    if not v.is_built():
+        raise VendorError(f"llama.cpp is not built at {v.workspace}: "
+                          "run `python -m dgr.vendor build`")
+    if not src.exists():
+        raise VendorError(f"{src} is missing from the pinned tree")
+    text = tweaked_source(src.read_text())
+    ws = _workspace(v)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    exe = ws / f"test-llama-archs-{digest}"
+    if exe.exists():
+        return exe
+    if not all(p.exists() for p in _common_libraries(v)):
+        # libllama-common is built by any vendor tool; llama-completion is the smallest one
+        _say("building libllama-common (via the vendor's llama-completion target)")
+        v.build(["llama-completion"])
+        if not all(p.exists() for p in _common_libraries(v)):
+            raise VendorError(f"building llama-completion left no {_common_libraries(v)}")
+    ws.mkdir(parents=True, exist_ok=True)
+    cpp = ws / f"test-llama-archs-{digest}.cpp"
+    cpp.write_text(text)
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "c++"
+    includes = [*v.include_dirs(), v.src / "common", v.src / "vendor", v.build_dir / "common"]
+    tmp = exe.with_name(exe.name + f".tmp{os.getpid()}")
+    cmd = [cxx, "-std=c++17", "-O1", str(cpp), "-o", str(tmp),
+           *(f"-I{d}" for d in includes),
+           *map(str, _common_libraries(v)), *map(str, v.libraries()), *v.link_args()]
+    _say(f"compiling {GENERATOR_SOURCE} (llama.cpp {v.commit[:12]}, {N_LAYER} layers) into {ws}")
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired as e:
+        raise VendorError(f"compiling {GENERATOR_SOURCE} took over {e.timeout} s") from None
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise VendorError(f"compiling {GENERATOR_SOURCE} failed (exit {proc.returncode}):\n"
+                          f"{' '.join(cmd)}\n{(proc.stderr or proc.stdout)[-3000:]}")
+    tmp.replace(exe)
+    _say(f"compiled in {time.monotonic() - t0:.0f} s: {exe}")
+    return exe
+
+
+@dataclass(frozen=True)
+class Written:
+    """What one generator run produced: the files, and the models it could not write."""
+
+    files: tuple[Path, ...]
+    #: ``(arch, "dense" | "moe", reason)`` for each model the generator threw on
+    failed: tuple[tuple[str, str, str], ...]
+
+    @property
+    def archs(self) -> list[str]:
+        """Architecture names with at least one file, in file order."""
+        out: list[str] = []
+        for f in self.files:
+            a = arch_of(f)
+            if a not in out:
+                out.append(a)
+        return out
+
+
+def arch_of(path: Path) -> str:
+    """The architecture a generator file is named after (``qwen3moe-moe.gguf`` -> ``qwen3moe``)."""
+    return re.sub(r"-(dense|moe)\.gguf$", "", Path(path).name)
+
+
+def write(arch_regex: str = "", out_dir: str | Path | None = None, *,
+          timeout: float = 600) -> Written:
+    """Write the generator's models for every architecture whose name matches ``arch_regex``
+    (a ``std::regex`` search, as ``-a`` takes it; empty for all) into ``out_dir``.
+
+    Without ``out_dir`` the models go to the cache (``$DGR_CACHE/archs-<vendor key>/``, one
+    directory per regex) and a finished run is reused. With ``out_dir`` the generator always
+    runs. The run's progress is on stderr.
+
+    Raises
+    ------
+    dgr.errors.VendorError
+        The generator cannot be built, or its run fails or outlasts ``timeout`` seconds.
+    """
+    exe = generator()
+    cached = out_dir is None
+    if cached:
+        _prune_other_keys(_vendor())
+        tag = hashlib.sha256(f"{exe.name}\0{SEED}\0{arch_regex}".encode()).hexdigest()[:12]
+        out = _workspace(_vendor()) / f"models-{tag}"
+        stamp = out / "written.json"
+        try:
+            rec = json.loads(stamp.read_text())
+            files = tuple(out / f for f in rec["files"])
+            if all(f.exists() for f in files):
+                return Written(files, tuple(tuple(x) for x in rec["failed"]))
+        except (OSError, ValueError, KeyError):
+            pass
+    else:
+        out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # write into a fresh directory beside the target, then move the files in
+    tmp = Path(tempfile.mkdtemp(prefix=".archs-", dir=out))
+    cmd = [str(exe), "-s", str(SEED), "-o", str(tmp)] + (["-a", arch_regex] if arch_regex else [])
+    _say(f"writing models for {arch_regex or 'every architecture'!r} into {out}")
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace",
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise VendorError(f"{' '.join(cmd)} ran over {timeout} s") from None
+    pattern = rf"^{FAILED_TAG} (\S+) (dense|moe): (.*)$"
+    failed = tuple((m.group(1), m.group(2), m.group(3).strip())
+                   for m in re.finditer(pattern, proc.stderr, re.M))
+    if proc.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise VendorError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n"
+                          f"{proc.stderr[-3000:]}")
+    files = []
+    for f in sorted(tmp.glob("*.gguf")):
+        dest = out / f.name
+        f.replace(dest)
+        files.append(dest)
+    shutil.rmtree(tmp, ignore_errors=True)
+    _say(f"wrote {len(files)} models in {time.monotonic() - t0:.1f} s"
+         + (f"; the generator failed on {len(failed)}: "
+            + ", ".join(f"{a} ({k})" for a, k, _ in failed) if failed else ""))
+    if cached:
+        stamp.write_text(json.dumps({"files": [f.name for f in files],
+                                     "failed": [list(x) for x in failed]}, indent=1))
+    return Written(tuple(files), failed)
+
+
+# -- probing: whole load, forward, and the split verdict ------------------------------
+
+#: engine settings of every probe (small, single-threaded, so runs are deterministic)
+PROBE_SETTINGS = dict(n_ctx=256, n_threads=1, n_ubatch=8, flash_attn=True)
+PROBE_PROMPT = 11  # tokens: one full ubatch of 8 and a ragged tail of 3
+PROBE_DECODE = 3
+_CHILD = "import sys; from dgr.testing.archs import _probe_main; _probe_main(sys.argv[1:])"
+
+
+def _splits(n_layer: int) -> list[list[tuple[int, int]]]:
+    """One cut at every interior boundary, then all single-layer stages (when 3+ layers)."""
+    out = [[(0, k), (k, n_layer)] for k in range(1, n_layer)]
+    if n_layer > 2:
+        out.append([(i, i + 1) for i in range(n_layer)])
+    return out
+
+
+def probe(path: str | Path) -> dict:
+    """Load ``path`` whole and run a forward; then try a split.
+
+    Returns ``{"file", "arch", "n_layer", "whole", "forward_finite", "supported", "split",
+    "split_ok"}``. ``whole`` is ``"ok"`` or ``"error: <Type>: <message>"``. For an
+    architecture :func:`dgr._core.arch_supports_layer_range` refuses, ``split`` tells whether
+    a ``(0, 1)`` stage raised :class:`~dgr.errors.UnsupportedArchitecture` naming the arch;
+    for one it accepts, every split of :func:`_splits` is compared with the whole model
+    (prompt rows and greedy decode, bit for bit).
+    """
+    path = Path(path)
+    with tempfile.TemporaryFile("w+", errors="replace") as log, _fd2_into(log):
+        return _probe(path, log)
+
+
+@contextlib.contextmanager
+def _fd2_into(log):
+    """Send fd 2 (where llama.cpp logs) into ``log`` for the block, then copy it to stderr."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(log.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        log.seek(0)
+        sys.stderr.write(log.read())
+        sys.stderr.flush()
+
+
+def _probe(path: Path, log) -> dict:
+    import numpy as np
+
+    from dgr import errors
+    from dgr._core import arch_supports_layer_range
+    from dgr.control.parity import compare
+    from dgr.core.engine import Engine
+
+    def why(e: Exception) -> str:
+        """The error, and llama.cpp's last load error when it logged one (DGR_LLAMA_LOG)."""
+        out = f"{type(e).__name__}: {e}".replace(str(path), path.name)
+        log.seek(0)
+        found = re.findall(r"error loading model: (.*)", log.read())
+        log.seek(0, os.SEEK_END)
+        return out + (f" [llama.cpp: {found[-1].strip()}]" if found else "")
+
+    rec: dict = {"file": path.name, "arch": arch_of(path), "n_layer": None, "whole": None,
+                 "forward_finite": None, "supported": None, "split": None, "split_ok": False}
+    try:
+        whole = Engine(path, **PROBE_SETTINGS)
+        rec["arch"], rec["n_layer"] = whole.arch, whole.n_layer
+        n_vocab = whole.describe()["n_vocab"]
+        prompt = (np.arange(PROBE_PROMPT, dtype=np.int32) * 7 + 3) % n_vocab
+        lg = whole.forward(0, 0, prompt)
+        rec["forward_finite"] = bool(np.isfinite(lg).all())
+        rec["whole"] = "ok"
+    except Exception as e:  # noqa: BLE001 - the verdict records any failure
+        rec["whole"] = f"error: {why(e)}"
+        return rec
+    arch, n = rec["arch"], rec["n_layer"]
+    rec["supported"] = bool(arch_supports_layer_range(arch))
+    if not rec["supported"]:
+        try:
+            Engine(path, layers=(0, 1), **PROBE_SETTINGS)
+            rec["split"] = "NOT refused: a (0, 1) stage loaded"
+        except errors.UnsupportedArchitecture as e:
+            named = arch in str(e)
+            rec["split"] = "refused" if named else f"refused without naming {arch!r}: {e}"
+            rec["split_ok"] = named
+        except Exception as e:  # noqa: BLE001
+            rec["split"] = f"wrong error: {why(e)}"
+        return rec
+    done = []
+    try:
+        for ranges in _splits(n):
+            rep = compare(path, ranges, prompt, decode_steps=PROBE_DECODE, whole=whole,
+                          **PROBE_SETTINGS)
+            name = "-".join(f"{a}:{b}" for a, b in ranges)
+            if not rep.bit_identical:
+                bad = [(s.step, s.max_abs_diff) for s in rep.steps if not s.bit_identical]
+                rec["split"] = (f"FAIL {name}: prompt rows identical {rep.prompt_rows_identical}, "
+                                f"steps differ {bad}")
+                return rec
+            done.append(name)
+    except Exception as e:  # noqa: BLE001
+        rec["split"] = f"error after {len(done)} splits: {why(e)}"
+        return rec
+    rec["split"] = f"pass {len(done)} splits bit-exact"
+    rec["split_ok"] = True
+    return rec
+
+
+def _probe_main(files: list[str]) -> None:
+    """Child side of :func:`probe_all`: a ``start`` line before, a result line after, each file."""
+    for f in files:
+        print(json.dumps({"start": f}), flush=True)
+        print(json.dumps({"result": probe(f)}), flush=True)
+
+
+def _pump(stream, lines: queue.Queue) -> None:
+    """Copy a child's stdout lines into ``lines``, then ``None`` at its end."""
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
+def probe_all(files, *, per_file_timeout: float = 120,
+              log_dir: str | Path | None = None) -> list[dict]:
+    """:func:`probe` every file in child processes, so an abort in llama.cpp costs one file.
+
+    A child runs the files in order; when it dies (an abort, a signal) or a file outlasts
+    ``per_file_timeout`` seconds, that file is recorded as ``whole: "crash: ..."`` /
+    ``"timeout ..."`` (with the last lines of the child's stderr) and a fresh child takes the
+    rest. Children's stderr (llama.cpp's warnings and errors, ``DGR_LLAMA_LOG=1``, unless
+    set otherwise) goes to ``log_dir`` (a temporary directory by default).
+    """
+    files = [str(f) for f in files]
+    results: dict[str, dict] = {}
+    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="dgr-archs-probe-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    todo = list(files)
+    run = 0
+    while todo:
+        run += 1
+        log = logs / f"probe-{run}.stderr"
+        with open(log, "w") as err:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _CHILD, *todo],
+                stdout=subprocess.PIPE, stderr=err, text=True,
+                env={"DGR_LLAMA_LOG": "1", **os.environ})  # llama.cpp's warnings and errors
+        lines: queue.Queue = queue.Queue()
+        reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
+        reader.start()
+        current = None
+        why = None
+        while True:
+            try:
+                line = lines.get(timeout=per_file_timeout)
+            except queue.Empty:
+                why = f"timeout: no result in {per_file_timeout} s"
+                proc.kill()
+                break
+            if line is None:
+                break
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue  # not ours: something else wrote to the child's stdout
+            if not isinstance(msg, dict):
+                continue
+            if "start" in msg:
+                current = msg["start"]
+            else:
+                results[current] = msg["result"]
+                todo.remove(current)
+                current = None
+        rc = proc.wait(timeout=60)
+        reader.join(timeout=60)
+        proc.stdout.close()
+        if current is None:
+            if todo:  # died between files: do not loop forever
+                current = todo[0]
+            else:
+                break
+        tail = [x for x in log.read_text(errors="replace").splitlines() if x.strip()][-3:]
+        why = why or f"crash: exit {rc}"
+        results[current] = {"file": Path(current).name, "arch": arch_of(Path(current)),
+                            "n_layer": None, "whole": f"{why}: {' | '.join(tail)[-400:]}",
+                            "forward_finite": None, "supported": None, "split": None,
+                            "split_ok": False}
+        todo.remove(current)
+    return [results[f] for f in files]
+
+
+def format_table(rows: list[dict]) -> str:
+    """A plain-text table: file / arch / layers / whole load / split result."""
+    head = ("file", "arch", "layers", "whole load", "split")
+    body = [(r["file"], r["arch"], "?" if r["n_layer"] is None else str(r["n_layer"]),
+             r["whole"] + ("" if r["forward_finite"] in (None, True) else " (non-finite logits)"),
+             r["split"] or "-") for r in rows]
+    widths = [max(len(x[i]) for x in [head, *body]) for i in range(4)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths) + "  {}"
+    return "\n".join(fmt.format(*x) for x in [head, *body])
