@@ -39,6 +39,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from dgr.errors import VendorError
 
@@ -456,3 +457,76 @@ def format_table(rows: list[dict]) -> str:
     widths = [max(len(x[i]) for x in [head, *body]) for i in range(4)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths) + "  {}"
     return "\n".join(fmt.format(*x) for x in [head, *body])
+
+
+def format_markdown(rows: list[dict], failed: Sequence[tuple[str, str, str]] = ()) -> str:
+    """The support table of docs/architectures.md: one row per architecture (its dense and
+    MoE files together), whole load and split verdict, with the date and the pinned commit."""
+    v = _vendor()
+    by_arch: dict[str, list[dict]] = {}
+    for r in rows:
+        by_arch.setdefault(r["arch"], []).append(r)
+    lines = [
+        "# Architectures",
+        "",
+        "Every architecture the pinned llama.cpp's own fixture generator "
+        "(`tests/test-llama-archs.cpp`, grown to 4 layers by `dgr.testing.archs`) writes, "
+        "loaded by dgr whole and split. Written by `python -m dgr.testing.archs --markdown "
+        "docs/architectures.md` from a probe of every file, each in a child process; "
+        "`tests/integration/test_archs.py` makes the same checks in the suite and "
+        "`tests/unit/test_architectures_doc.py` that this table is current.",
+        "",
+        f"- date: {time.strftime('%Y-%m-%d', time.gmtime())}",
+        f"- llama.cpp commit: `{v.commit}`, patch stack `{v.patch_stack_hash()[:16]}`",
+        f"- {len(by_arch)} architectures, {len(rows)} files; "
+        f"{sum(1 for rs in by_arch.values() if all(r['split_ok'] and r['supported'] for r in rs))}"
+        " split bit-exact at every interior boundary and in single-layer stages",
+        "",
+        "**split**: `pass N` (N splits compared bit for bit with the whole model); `refused` "
+        "(a partial range raises `UnsupportedArchitecture` naming the architecture: its stage "
+        "graph does not honour a range yet); `FAIL` (see the reason).",
+        "",
+        "| architecture | files | layers | whole load + forward | split |",
+        "|---|---|---|---|---|",
+    ]
+    for arch in sorted(by_arch):
+        rs = by_arch[arch]
+        files = ", ".join(r["file"].removesuffix(".gguf").removeprefix(arch + "-") for r in rs)
+        layers = ", ".join(sorted({"?" if r["n_layer"] is None else str(r["n_layer"])
+                                   for r in rs}))
+        whole = "ok" if all(r["whole"] == "ok" for r in rs) else "; ".join(
+            f"{r['file']}: {r['whole']}" for r in rs if r["whole"] != "ok")
+        if all(r["split_ok"] and r["supported"] for r in rs):
+            split = "pass " + ", ".join(r["split"].split()[1] for r in rs)
+        elif all(r["split_ok"] for r in rs):
+            split = "refused"
+        else:
+            split = "FAIL: " + "; ".join(f"{r['file']}: {r['split']}" for r in rs
+                                         if not r["split_ok"])
+        lines.append(f"| `{arch}` | {files} | {layers} | {whole} | {split} |")
+    for arch, kind, why in failed:
+        lines.append(f"| `{arch}` | {kind} | - | not written: {why} | - |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m dgr.testing.archs",
+        description="Write every architecture's fixture (cached), probe each in a child "
+                    "process (whole load, forward, split parity or refusal) and print the table.")
+    ap.add_argument("--arch", default="", help="architecture regex (default: all)")
+    ap.add_argument("--markdown", help="also write the support table (docs/architectures.md)")
+    args = ap.parse_args(argv)
+    written = write(args.arch)
+    rows = probe_all(written.files)
+    print(format_table(rows))
+    if args.markdown:
+        Path(args.markdown).write_text(format_markdown(rows, written.failed))
+        _say(f"wrote {args.markdown}")
+    return 0 if all(r["whole"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

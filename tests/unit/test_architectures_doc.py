@@ -1,0 +1,34 @@
+"""docs/architectures.md is the current support table: written for the pinned llama.cpp commit
+and this patch stack (a patch change can change every verdict, so it must be rewritten with
+``python -m dgr.testing.archs --markdown docs/architectures.md``), and it covers the
+architectures issue 16 names."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from dgr.vendor import Vendor
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = (ROOT / "docs" / "architectures.md").read_text(encoding="utf-8")
+NAMED = ("qwen2", "qwen3", "qwen3moe", "gemma3", "deepseek2", "glm4moe", "gpt-oss", "llama4",
+         "phi3", "mistral3", "llama", "deepseek4")
+
+
+def test_the_table_is_for_this_pin_and_patch_stack():
+    v = Vendor(ROOT)
+    m = re.search(r"llama\.cpp commit: `([0-9a-f]{40})`, patch stack `([0-9a-f]{16})`", DOC)
+    assert m, "docs/architectures.md names no commit and patch stack"
+    assert m.group(1) == v.commit
+    assert m.group(2) == v.patch_stack_hash()[:16], (
+        "the patch stack changed since docs/architectures.md was written: rerun "
+        "python -m dgr.testing.archs --markdown docs/architectures.md")
+
+
+def test_the_table_covers_the_named_architectures():
+    rows = dict(re.findall(r"^\| `([\w.-]+)` \|.*\| ([^|]+) \|$", DOC, re.M))
+    assert len(rows) >= 100, len(rows)
+    missing = [a for a in NAMED if a not in rows]
+    assert not missing, missing
+    assert all(v.split()[0] in ("pass", "refused", "FAIL:", "-") for v in rows.values()), rows
