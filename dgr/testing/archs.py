@@ -470,7 +470,7 @@ def format_markdown(rows: list[dict], failed: Sequence[tuple[str, str, str]] = (
         "# Architectures",
         "",
         "Every architecture the pinned llama.cpp's own fixture generator "
-        "(`tests/test-llama-archs.cpp`, grown to 4 layers by `dgr.testing.archs`) writes, "
+        "(`test-llama-archs.cpp` of its tests, grown to 4 layers by `dgr.testing.archs`) writes, "
         "loaded by dgr whole and split. Written by `python -m dgr.testing.archs --markdown "
         "docs/architectures.md` from a probe of every file, each in a child process; "
         "`tests/integration/test_archs.py` makes the same checks in the suite and "

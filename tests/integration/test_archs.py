@@ -38,23 +38,6 @@ def probed(tmp_path_factory):
     return written, rows
 
 
-#: Files a split of which fails on a known loader bug, not yet fixed: the generator writes the
-#: optional per-layer ``*.scale`` / ``*.input_scale`` tensors, and patch 0001's partial load
-#: never asks for those of layers outside the range (upstream's scale pass asks only when the
-#: parent weight exists), so ``done_getting_tensors`` counts them missing. The check below
-#: fails as soon as the bug is fixed, so this list cannot outlive it.
-KNOWN_SCALE_TENSOR_BUG = {"llama-dense.gguf", "llama-moe.gguf", "deepseek4-moe.gguf"}
-
-
-def _known_bug(r) -> bool:
-    if r["file"] not in KNOWN_SCALE_TENSOR_BUG:
-        return False
-    assert not r["split_ok"] and "wrong number of tensors" in r["split"], (
-        f"{r['file']} no longer fails on the scale-tensor bug: {r['split']}; "
-        "remove it from KNOWN_SCALE_TENSOR_BUG")
-    return True
-
-
 def _rows(probed, arch):
     rows = [r for r in probed[1] if r["arch"] == arch]
     assert rows, f"the generator wrote no {arch} model"
@@ -119,8 +102,6 @@ def test_split_refused_or_bit_exact(probed, arch):
     supported = arch_supports_layer_range(arch)
     for r in _rows(probed, arch):
         assert r["supported"] is supported, r
-        if _known_bug(r):
-            continue
         assert r["split_ok"], f"{arch} ({r['file']}, supported={supported}): {r['split']}"
         if supported:
             assert r["split"] == f"pass {r['n_layer']} splits bit-exact", r
@@ -131,7 +112,7 @@ def test_split_refused_or_bit_exact(probed, arch):
 @pytest.mark.slow
 def test_every_written_model_refuses_or_passes_a_split(probed):
     bad = [f"{r['arch']} ({r['file']}): {r['split']}" for r in probed[1]
-           if r["whole"] == "ok" and not r["split_ok"] and not _known_bug(r)]
+           if r["whole"] == "ok" and not r["split_ok"]]
     assert not bad, "splits neither refused nor bit-exact:\n  " + "\n  ".join(bad)
 
 
