@@ -156,21 +156,22 @@ def test_malformed_range_argument(tiny_llama):
         dgr.Engine(tiny_llama, layers=(1,), **TINY)
 
 
-def _write_tiny_qwen2(path):
-    """A random 4-layer qwen2 GGUF: an architecture no patch gives a stage graph, whose whole
-    model llama.cpp loads (the tiny llama's shapes; qwen2's loader takes the same tensors)."""
+def write_tiny_dense(path, arch: str, qk_norm: bool = False):
+    """A random 4-layer dense GGUF of a llama-like ``arch`` (qwen2, qwen3, mistral3: their
+    loaders take the tiny llama's tensors; ``qk_norm`` adds qwen3's per-layer
+    ``attn_q_norm``/``attn_k_norm``), whose whole model llama.cpp loads."""
     from dgr.testing.fixtures import gguf_module
 
     gguf = gguf_module()
     rng = np.random.default_rng(0)
-    n_layer, n_embd, n_ff, n_vocab = 4, 64, 128, 128
-    w = gguf.GGUFWriter(str(path), "qwen2")
+    n_layer, n_embd, n_ff, n_vocab, n_head = 4, 64, 128, 128, 4
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(4096)
     w.add_embedding_length(n_embd)
     w.add_block_count(n_layer)
     w.add_feed_forward_length(n_ff)
-    w.add_head_count(4)
-    w.add_head_count_kv(4)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_file_type(0)
@@ -180,12 +181,14 @@ def _write_tiny_qwen2(path):
     w.add_token_types([1] * n_vocab)
     shapes = {"token_embd.weight": (n_vocab, n_embd), "output_norm.weight": (n_embd,),
               "output.weight": (n_vocab, n_embd)}
+    layer = [("attn_norm", (n_embd,)), ("attn_q", (n_embd, n_embd)), ("attn_k", (n_embd, n_embd)),
+             ("attn_v", (n_embd, n_embd)), ("attn_output", (n_embd, n_embd)),
+             ("ffn_norm", (n_embd,)), ("ffn_gate", (n_ff, n_embd)), ("ffn_up", (n_ff, n_embd)),
+             ("ffn_down", (n_embd, n_ff))]
+    if qk_norm:
+        layer += [("attn_q_norm", (n_embd // n_head,)), ("attn_k_norm", (n_embd // n_head,))]
     for il in range(n_layer):
-        shapes.update({f"blk.{il}.{name}.weight": shape for name, shape in [
-            ("attn_norm", (n_embd,)), ("attn_q", (n_embd, n_embd)), ("attn_k", (n_embd, n_embd)),
-            ("attn_v", (n_embd, n_embd)), ("attn_output", (n_embd, n_embd)),
-            ("ffn_norm", (n_embd,)), ("ffn_gate", (n_ff, n_embd)), ("ffn_up", (n_ff, n_embd)),
-            ("ffn_down", (n_embd, n_ff))]})
+        shapes.update({f"blk.{il}.{name}.weight": shape for name, shape in layer})
     for name, shape in shapes.items():  # gguf-py takes numpy shapes (reversed ggml ne)
         w.add_tensor(name, (rng.standard_normal(shape) * 0.2).astype(np.float32))
     w.write_header_to_file()
@@ -196,19 +199,37 @@ def _write_tiny_qwen2(path):
 
 
 def test_partial_range_on_unadapted_architecture(tmp_path):
-    """An architecture outside llama.cpp's list: a partial range is refused with the typed
-    error before any weight is read; the whole model (implicit or explicit) loads and runs."""
-    p = _write_tiny_qwen2(tmp_path / "tiny-qwen2.gguf")
-    assert not arch_supports_layer_range("qwen2")
+    """An architecture outside llama.cpp's list (mistral3: no patch gives it a stage graph): a
+    partial range is refused with the typed error before any weight is read; the whole model
+    (implicit or explicit) loads and runs."""
+    p = write_tiny_dense(tmp_path / "tiny-mistral3.gguf", "mistral3")
+    assert not arch_supports_layer_range("mistral3")
     for layers in [(0, 2), (2, 4), (1, 3)]:
-        with pytest.raises(errors.UnsupportedArchitecture, match="qwen2"):
+        with pytest.raises(errors.UnsupportedArchitecture, match="mistral3"):
             dgr.Engine(p, layers=layers, **TINY)
     for layers in [None, (0, 4)]:
         whole = dgr.Engine(p, layers=layers, **TINY)
         assert (whole.arch, whole.layers, whole.is_first, whole.is_last) == (
-            "qwen2", (0, 4), True, True)
+            "mistral3", (0, 4), True, True)
         row = whole.forward(0, 0, [1, 2, 3])
         assert row.shape == (1, 128) and np.isfinite(row).all()
+
+
+@needs_ranges
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("ranges", _all_splits(4), ids=lambda r: "-".join(f"{a}:{b}" for a, b in r))
+def test_tiny_qwen_split_parity(tmp_path, arch, ranges):
+    """qwen2 and qwen3 (patch 0007): every interior cut and single-layer stages give every
+    prompt row and every decode step's logits bit for bit as the whole model."""
+    p = write_tiny_dense(tmp_path / f"tiny-{arch}.gguf", arch, qk_norm=arch == "qwen3")
+    assert arch_supports_layer_range(arch)
+    prompt = (np.arange(37, dtype=np.int32) * 7) % 128  # 37 tokens = 5 chunks of ubatch 8
+    rep = compare(p, ranges, prompt, decode_steps=16, **TINY)
+    assert rep.prompt_rows_identical
+    assert rep.bit_identical, [(s.step, s.max_abs_diff) for s in rep.steps if not s.bit_identical]
+    assert len(rep.steps) == 17
+    first, last = dgr.Engine(p, layers=ranges[0], **TINY), dgr.Engine(p, layers=ranges[-1], **TINY)
+    assert (first.arch, first.is_first, first.is_last, last.is_last) == (arch, True, False, True)
 
 
 def _llama_cpp_archs() -> tuple[set[str], set[str]]:
@@ -230,11 +251,12 @@ def _llama_cpp_archs() -> tuple[set[str], set[str]]:
 @needs_ranges
 def test_splittable_architectures_are_llama_cpps_list():
     """dgr keeps no list of its own: the binding's answer, for every architecture llama.cpp
-    knows, is the switch the stage-graph patches fill in (llama 0005, deepseek4 0006)."""
+    knows, is the switch the stage-graph patches fill in (llama 0005, deepseek4 0006, qwen2 and
+    qwen3 0007)."""
     listed, known = _llama_cpp_archs()
-    assert listed == {"llama", "deepseek4"}
+    assert listed == {"llama", "deepseek4", "qwen2", "qwen3"}
     assert {a for a in known if arch_supports_layer_range(a)} == listed
-    for arch in ("qwen2", "llama-embed", "deepseek2", "", "no-such-arch"):
+    for arch in ("mistral3", "qwen3moe", "llama-embed", "deepseek2", "", "no-such-arch"):
         assert not arch_supports_layer_range(arch)
 
 
