@@ -32,3 +32,13 @@ def test_the_table_covers_the_named_architectures():
     missing = [a for a in NAMED if a not in rows]
     assert not missing, missing
     assert all(v.split()[0] in ("pass", "refused", "FAIL:", "-") for v in rows.values()), rows
+
+
+def test_the_readme_names_the_architectures_that_pass():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    m = re.search(r"stage graph honours a range today: ((?:`[\w.-]+`(?:, )?)+)", readme)
+    assert m, "README does not say which architectures split"
+    named = sorted(re.findall(r"`([\w.-]+)`", m.group(1)))
+    passing = sorted(a for a, v in re.findall(r"^\| `([\w.-]+)` \|.*\| ([^|]+) \|$", DOC, re.M)
+                     if v.startswith("pass"))
+    assert named == passing, (named, passing)
