@@ -150,7 +150,7 @@ def _cmd_certify(args) -> int:
     from dgr import errors
     from dgr.artifacts import models
     from dgr.core.engine import Engine
-    from dgr.protocol.ranges import parse_splits, split_layers
+    from dgr.protocol.ranges import ranges_for
 
     def say(msg):
         print(f"[dgr] {msg}", file=sys.stderr, flush=True)
@@ -159,8 +159,7 @@ def _cmd_certify(args) -> int:
         model = args.model or str(models.path(models.DEFAULT_MODEL))
         settings = engine_settings.from_args(args)
         n_layer = Engine(model, n_ctx=64).n_layer
-        ranges = (parse_splits([int(x) for x in args.splits.split(",")], n_layer)
-                  if args.splits else split_layers(n_layer, args.stages))
+        ranges = ranges_for(args.splits, args.stages, n_layer)
         rec, path = certify(model, ranges, codec=args.codec, settings=settings,
                             prompt=args.prompt, max_tokens=args.max_tokens, store=args.store,
                             start_timeout=args.start_timeout, progress=say)

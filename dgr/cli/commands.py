@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import signal
 import sys
@@ -216,7 +215,7 @@ def _cmd_run(args) -> int:
     from dgr.artifacts import models
     from dgr.core.engine import Engine
     from dgr.driver.route import Route
-    from dgr.protocol.ranges import parse_splits, split_layers
+    from dgr.protocol.ranges import ranges_for
     from dgr.worker.process import LocalCluster
 
     _install_interrupts()
@@ -228,10 +227,7 @@ def _cmd_run(args) -> int:
         _say(f"model {model}")
         whole = Engine(model, **settings)
         n_layer = whole.n_layer
-        if args.splits:
-            ranges = parse_splits([int(x) for x in args.splits.split(",")], n_layer)
-        else:
-            ranges = split_layers(n_layer, args.stages)
+        ranges = ranges_for(args.splits, args.stages, n_layer)
         _say(f"{len(ranges)} stage(s) over {n_layer} layers: "
              + " ".join(f"[{a},{b})" for a, b in ranges))
         from dgr._core import HAS_LAYER_RANGES
@@ -372,11 +368,15 @@ def main(argv: list[str] | None = None) -> int:
     from dgr.cli.certify import add_certify_parser
 
     add_certify_parser(sub)  # certify, lanes
-    for name, module, what in _TOOLS:
-        t = sub.add_parser(name, help=what, add_help=False,
-                           description=f"{what} (python -m dgr {name} --help for its options)")
-        t.add_argument("argv", nargs=argparse.REMAINDER)
-        t.set_defaults(func=functools.partial(_tool, module))
+    for name, _, what in _TOOLS:  # listed in --help; run below with their own parsers
+        sub.add_parser(name, help=what, add_help=False)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    tools = {name: module for name, module, _ in _TOOLS}
+    if argv and argv[0] in tools:
+        # argparse.REMAINDER does not take a subcommand's leading --options: hand them over
+        import importlib
+
+        return importlib.import_module(tools[argv[0]]).main(argv[1:])
     args = ap.parse_args(argv)
     return args.func(args)
 
@@ -385,8 +385,3 @@ def main(argv: list[str] | None = None) -> int:
 _TOOLS = (("parity", "dgr.control.parity", "compare a split model with the whole model, per step"),
           ("models", "dgr.artifacts.models", "the model registry: fetch, list, path"))
 
-
-def _tool(module: str, args) -> int:
-    import importlib
-
-    return importlib.import_module(module).main(args.argv)

@@ -18,7 +18,7 @@ import numpy as np
 
 from dgr.core.local import LocalChain
 from dgr.protocol import settings as engine_settings
-from dgr.protocol.ranges import parse_splits, split_layers
+from dgr.protocol.ranges import ranges_for
 
 __all__ = ["StepResult", "ParityReport", "compare", "main"]
 
@@ -127,10 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model or str(model_path())
         settings = engine_settings.from_args(args)
         whole = Engine(model, **settings)
-        if args.splits:
-            ranges = parse_splits([int(x) for x in args.splits.split(",") if x], whole.n_layer)
-        else:
-            ranges = split_layers(whole.n_layer, args.stages)
+        ranges = ranges_for(args.splits, args.stages, whole.n_layer)
         prompt = whole.tokenize(args.prompt)
         rep = compare(model, ranges, prompt, args.steps, whole=whole, **settings)
     except errors.DgrError as e:

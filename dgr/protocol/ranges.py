@@ -6,7 +6,7 @@ from typing import Sequence
 
 from dgr.errors import InvalidLayerRange
 
-__all__ = ["split_layers", "parse_splits"]
+__all__ = ["split_layers", "parse_splits", "ranges_for"]
 
 
 def split_layers(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
@@ -29,3 +29,16 @@ def parse_splits(points: Sequence[int], n_layer: int) -> list[tuple[int, int]]:
         raise InvalidLayerRange(f"split points {list(points)} must be distinct and inside "
                                 f"(0, {n_layer})")
     return list(zip(pts, pts[1:]))
+
+
+def ranges_for(splits: str | None, stages: int, n_layer: int) -> list[tuple[int, int]]:
+    """The stage ranges a command line asks for: at the interior split points of ``splits``
+    (``"10,20"``; empty items ignored) when given, else ``stages`` even ranges."""
+    if not splits:
+        return split_layers(n_layer, stages)
+    try:
+        points = [int(x) for x in splits.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidLayerRange(f"split points must be integers, e.g. 10,20; got {splits!r}") \
+            from None
+    return parse_splits(points, n_layer)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dgr import errors
-from dgr.protocol.ranges import parse_splits, split_layers
+from dgr.protocol.ranges import parse_splits, ranges_for, split_layers
 from dgr.protocol.sampling import Sampler, SamplingParams
 
 
@@ -55,3 +55,14 @@ def test_parse_splits():
     for bad in ([0], [30], [10, 10], [-1]):
         with pytest.raises(errors.InvalidLayerRange):
             parse_splits(bad, 30)
+
+
+def test_ranges_for_a_command_line():
+    """--splits wins over --stages; empty items are ignored; a non-integer point is a typed
+    error (the commands print it), not a traceback."""
+    assert ranges_for("10,20", 5, 30) == [(0, 10), (10, 20), (20, 30)]
+    assert ranges_for("10,,20,", 5, 30) == [(0, 10), (10, 20), (20, 30)]
+    assert ranges_for(None, 3, 30) == split_layers(30, 3)
+    assert ranges_for("", 2, 30) == split_layers(30, 2)
+    with pytest.raises(errors.InvalidLayerRange, match="integers"):
+        ranges_for("10,x", 3, 30)
