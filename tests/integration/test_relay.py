@@ -427,6 +427,9 @@ def test_a_one_stage_decode_loop_delivers_tokens_in_order(tiny_llama, reference)
                 tokens=[ref[0]], want="token", reply_to="one", relay=[],
                 loop=[wire.Hop(endpoint=ep, tokens=True)], steps=5)))
             got = [wire.decode(bytes(c.recv())).header for _ in range(5)]
+            # position 5's thread may still be waking from its wait when position 9's reply
+            # is read: wait for that frame to finish before looking at what it recorded
+            assert handled.wait(5)
             assert waited == [True]
             assert [h.first_pos for h in got] == [5, 6, 7, 8, 9]
             assert [h.tokens[0] for h in got] == ref[1:6]
