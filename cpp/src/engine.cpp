@@ -219,8 +219,8 @@ Status inspect_gguf(const std::string & path, GgufFacts * facts) {
 
 bool HasLayerRanges() noexcept { return DGR_LAYER_RANGE != 0; }
 
-// The list is the patched llama.cpp's (one case per stage-graph patch: llama 0005, deepseek4
-// 0006, qwen2 and qwen3 0008; docs/architectures.md); its loader refuses the other archs
+// The list is the patched llama.cpp's (the cases the stage-graph patches add: llama 0005,
+// deepseek4 0006, qwen2 and qwen3 0008, 76 more 0011; docs/architectures.md); its loader refuses the other archs
 // itself, this lets a load refuse them with a typed error before reading any weight.
 bool ArchSupportsLayerRange(const std::string & arch) noexcept {
 #if DGR_LAYER_RANGE
@@ -243,6 +243,12 @@ struct Engine::Impl {
     const llama_vocab * vocab = nullptr;
     llama_batch batch{};
     llama_token * batch_token = nullptr;  // llama_batch_init's own token array, restored before free
+    // M-RoPE (llama_model_rope_type MROPE/IMROPE): llama.cpp reads an embedding batch's
+    // positions section-major, n_pos_sections per row (pos[j*n_tokens + i]), where a token
+    // batch has one; a non-first stage's boundary rows get the text layout the token path
+    // builds (sections 0-2 the position, section 3 zero), in this buffer of n_ubatch rows
+    int32_t n_pos_sections = 1;
+    std::vector<llama_pos> pos_sections;
     bool first = true;
     bool last = true;
 
@@ -447,6 +453,11 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
     m.batch = llama_batch_init((int32_t) cfg.n_ubatch, 0, 1);
     m.batch_token = m.batch.token;
     m.batch.token = nullptr;
+    const llama_rope_type rope = llama_model_rope_type(m.model);
+    if (!m.first && (rope == LLAMA_ROPE_TYPE_MROPE || rope == LLAMA_ROPE_TYPE_IMROPE)) {
+        m.n_pos_sections = 4;  // GGML_MROPE_SECTIONS
+        m.pos_sections.assign((size_t) cfg.n_ubatch * m.n_pos_sections, 0);
+    }
     for (uint32_t i = 0; i < cfg.n_ubatch; ++i) m.batch.n_seq_id[i] = 1;
     *out = std::move(e);
     return Status();
@@ -628,7 +639,24 @@ Status Engine::Impl::Forward(int32_t slot, const int32_t * pos, const int32_t * 
                 if (m.last) o = want ? (want[c0 + i] ? 1 : 0) : (c0 + i == n_tokens - 1 ? 1 : 0);
                 b.logits[i] = o;
             }
-            const int32_t rc = llama_decode(m.ctx, b);
+            // an embedding batch without token ids on an M-RoPE model: the sectioned positions
+            llama_pos * const own_pos = b.pos;
+            if (!b.token && b.embd && m.n_pos_sections > 1) {
+                llama_pos * ps = m.pos_sections.data();
+                for (int32_t i = 0; i < n; ++i) {
+                    ps[i] = ps[n + i] = ps[2 * n + i] = own_pos[i];
+                    ps[3 * n + i] = 0;
+                }
+                b.pos = ps;
+            }
+            int32_t rc;
+            try {
+                rc = llama_decode(m.ctx, b);
+            } catch (...) {
+                b.pos = own_pos;  // llama_batch_free frees the batch's own array
+                throw;
+            }
+            b.pos = own_pos;
             b.token = nullptr;
             b.embd = nullptr;
             if (rc != 0) {

@@ -258,6 +258,11 @@ def write(arch_regex: str = "", out_dir: str | Path | None = None, *,
 # -- probing: whole load, forward, and the split verdict ------------------------------
 
 #: engine settings of every probe (small, single-threaded, so runs are deterministic)
+#: the families people split across machines (DeepSeek V3/R1 and Kimi ``deepseek2``, Qwen3 MoE,
+#: GLM-4.5, gpt-oss, Llama 4, dense Qwen2/2.5/3, Gemma 3, Mistral 3, Phi-3, Llama, DeepSeek V4):
+#: the suite requires each to be written by the generator and to split bit-exact
+FAMILIES = ("qwen2", "qwen3", "qwen3moe", "gemma3", "deepseek2", "glm4moe", "gpt-oss", "llama4",
+            "phi3", "mistral3", "llama", "deepseek4")
 PROBE_SETTINGS = dict(n_ctx=256, n_threads=1, n_ubatch=8, flash_attn=True)
 PROBE_PROMPT = 11  # tokens: one full ubatch of 8 and a ragged tail of 3
 PROBE_DECODE = 3

@@ -18,9 +18,11 @@ from dgr._core import arch_supports_layer_range
 from dgr.errors import VendorError
 from dgr.testing import archs
 
-#: the architectures issue 16 names; each must be written, load whole and run a forward
-REQUIRED = ("qwen2", "qwen3", "qwen3moe", "gemma3", "deepseek2", "glm4moe", "gpt-oss", "llama4",
-            "phi3", "mistral3", "llama", "deepseek4")
+#: the families people split (dgr.testing.archs.FAMILIES): each must be written, load whole,
+#: run a forward and split bit-exact
+REQUIRED = archs.FAMILIES
+#: M-RoPE models: a later stage's boundary batch needs the sectioned positions the engine fills
+MROPE = ("qwen2vl", "qwen3vlmoe", "hunyuan_vl", "glm4moe")
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +109,16 @@ def test_split_refused_or_bit_exact(probed, arch):
             assert r["split"] == f"pass {r['n_layer']} splits bit-exact", r
         else:
             assert r["split"] == "refused", r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", REQUIRED + MROPE)
+def test_family_splits_bit_exact(probed, arch):
+    """The families people split, and the M-RoPE models whose later stages take sectioned
+    positions, are accepted and pass every split (not merely refused cleanly)."""
+    assert arch_supports_layer_range(arch)
+    for r in _rows(probed, arch):
+        assert r["split"] == f"pass {r['n_layer']} splits bit-exact", r
 
 
 @pytest.mark.slow

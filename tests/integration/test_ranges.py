@@ -13,6 +13,7 @@ from dgr._core import HAS_LAYER_RANGES, arch_supports_layer_range
 from dgr.control.parity import compare
 from dgr.core.local import LocalChain
 from dgr.protocol.ranges import split_layers
+from dgr.testing.archs import FAMILIES
 
 needs_ranges = pytest.mark.skipif(not HAS_LAYER_RANGES,
                                   reason="the built llama.cpp carries no layer-range patches")
@@ -157,8 +158,8 @@ def test_malformed_range_argument(tiny_llama):
 
 
 def write_tiny_dense(path, arch: str, qk_norm: bool = False):
-    """A random 4-layer dense GGUF of a llama-like ``arch`` (qwen2, qwen3, mistral3: their
-    loaders take the tiny llama's tensors; ``qk_norm`` adds qwen3's per-layer
+    """A random 4-layer dense GGUF of a llama-like ``arch`` (qwen2, qwen3, mistral3, nanbeige:
+    their loaders take the tiny llama's tensors; ``qk_norm`` adds qwen3's per-layer
     ``attn_q_norm``/``attn_k_norm``), whose whole model llama.cpp loads."""
     from dgr.testing.fixtures import gguf_module
 
@@ -199,28 +200,29 @@ def write_tiny_dense(path, arch: str, qk_norm: bool = False):
 
 
 def test_partial_range_on_unadapted_architecture(tmp_path):
-    """An architecture outside llama.cpp's list (mistral3: no patch gives it a stage graph): a
-    partial range is refused with the typed error before any weight is read; the whole model
-    (implicit or explicit) loads and runs."""
-    p = write_tiny_dense(tmp_path / "tiny-mistral3.gguf", "mistral3")
-    assert not arch_supports_layer_range("mistral3")
+    """An architecture outside llama.cpp's list (nanbeige: its looped layers read the output
+    norm mid-trunk, so no patch gives it a stage graph): a partial range is refused with the
+    typed error before any weight is read; the whole model (implicit or explicit) loads and
+    runs."""
+    p = write_tiny_dense(tmp_path / "tiny-nanbeige.gguf", "nanbeige")
+    assert not arch_supports_layer_range("nanbeige")
     for layers in [(0, 2), (2, 4), (1, 3)]:
-        with pytest.raises(errors.UnsupportedArchitecture, match="mistral3"):
+        with pytest.raises(errors.UnsupportedArchitecture, match="nanbeige"):
             dgr.Engine(p, layers=layers, **TINY)
     for layers in [None, (0, 4)]:
         whole = dgr.Engine(p, layers=layers, **TINY)
         assert (whole.arch, whole.layers, whole.is_first, whole.is_last) == (
-            "mistral3", (0, 4), True, True)
+            "nanbeige", (0, 4), True, True)
         row = whole.forward(0, 0, [1, 2, 3])
         assert row.shape == (1, 128) and np.isfinite(row).all()
 
 
 @needs_ranges
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral3"])
 @pytest.mark.parametrize("ranges", _all_splits(4), ids=lambda r: "-".join(f"{a}:{b}" for a, b in r))
-def test_tiny_qwen_split_parity(tmp_path, arch, ranges):
-    """qwen2 and qwen3 (patch 0007): every interior cut and single-layer stages give every
-    prompt row and every decode step's logits bit for bit as the whole model."""
+def test_tiny_llama_like_split_parity(tmp_path, arch, ranges):
+    """qwen2 and qwen3 (patch 0008), mistral3 (0011): every interior cut and single-layer stages
+    give every prompt row and every decode step's logits bit for bit as the whole model."""
     p = write_tiny_dense(tmp_path / f"tiny-{arch}.gguf", arch, qk_norm=arch == "qwen3")
     assert arch_supports_layer_range(arch)
     prompt = (np.arange(37, dtype=np.int32) * 7) % 128  # 37 tokens = 5 chunks of ubatch 8
@@ -252,11 +254,11 @@ def _llama_cpp_archs() -> tuple[set[str], set[str]]:
 def test_splittable_architectures_are_llama_cpps_list():
     """dgr keeps no list of its own: the binding's answer, for every architecture llama.cpp
     knows, is the switch the stage-graph patches fill in (llama 0005, deepseek4 0006, qwen2 and
-    qwen3 0007)."""
+    qwen3 0008, 76 more 0011), and it holds every family issue 16 names."""
     listed, known = _llama_cpp_archs()
-    assert listed == {"llama", "deepseek4", "qwen2", "qwen3"}
+    assert set(FAMILIES) <= listed and len(listed) == 80
     assert {a for a in known if arch_supports_layer_range(a)} == listed
-    for arch in ("mistral3", "qwen3moe", "llama-embed", "deepseek2", "", "no-such-arch"):
+    for arch in ("nanbeige", "mamba", "qwen3next", "llama-embed", "gemma3n", "", "no-such-arch"):
         assert not arch_supports_layer_range(arch)
 
 
