@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable, Sequence
 
-from dgr.errors import InvalidModel, ModelNotFound
+from dgr.errors import ArtifactTruncated, InvalidModel, ModelNotFound
 
 __all__ = [
     "gguf_module", "GGML_TYPES", "GGUFTensor", "GGUFHeader", "SkippedArray", "read_header",
-    "tensor_nbytes",
+    "tensor_nbytes", "check_data_in_file",
     "SPLIT_RE", "split_paths", "model_files", "encode_kv", "write_gguf", "split_gguf",
 ]
 
@@ -135,6 +135,23 @@ class GGUFHeader:
     def data_end(self) -> int:
         """End of the last tensor's bytes (what the file must at least hold)."""
         return max((t.offset + t.nbytes for t in self.tensors), default=self.data_offset)
+
+
+def check_data_in_file(h: GGUFHeader) -> GGUFHeader:
+    """Return ``h`` when every tensor's data lies inside its file; a file cut short (a prefix
+    of a larger file, whose header is whole but whose tensors end past its last byte) raises.
+
+    Raises
+    ------
+    dgr.errors.ArtifactTruncated
+        Naming the file's size, where its tensors end, and the first tensor cut.
+    """
+    if h.file_size < h.data_end:
+        cut = [t.name for t in h.tensors if t.offset + t.nbytes > h.file_size]
+        raise ArtifactTruncated(
+            f"{h.path.name} is truncated: {h.file_size} bytes, its tensors end at {h.data_end} "
+            f"(tensor data past the end of the file: {len(cut)} tensors cut, from {cut[0]})")
+    return h
 
 
 def tensor_nbytes(ggml_type: int, shape: Sequence[int]) -> int:
@@ -374,8 +391,15 @@ def write_gguf(out: str | os.PathLike, *, version: int, kv_pairs: Iterable[bytes
     hashing).
     The file appears under ``out`` only when complete (written to a temporary name, fsynced,
     renamed). Returns the file size.
+
+    Raises
+    ------
+    dgr.errors.StorageLocationError
+        ``out`` lies under ``/home``, where no model artifact may be placed (nothing written).
     """
-    out = Path(out)
+    from dgr.artifacts.store import check_production_path  # the /home rule (store.py)
+
+    out = check_production_path(out, what="a GGUF file")
     pairs = list(kv_pairs)
     head = bytearray(GGUF_MAGIC + struct.pack("<IQQ", version, len(tensors), len(pairs)))
     for kvb in pairs:
@@ -436,20 +460,31 @@ def split_gguf(src: str | os.PathLike, n_splits: int, out_dir: str | os.PathLike
     The first split holds every key plus the ``split.*`` keys; the others hold only the
     ``split.*`` keys; tensors are distributed in order, evenly by count. Names follow
     ``<prefix>-0000k-of-0000N.gguf``.
+
+    Raises
+    ------
+    dgr.errors.StorageLocationError
+        The splits would lie under ``/home`` (refused before anything is read or written).
+    dgr.errors.ArtifactTruncated
+        ``src`` is cut short (its tensors end past its last byte).
     """
-    h = read_header(src)
+    from dgr.artifacts.store import check_production_path  # the /home rule (store.py)
+
+    out_dir = Path(out_dir) if out_dir is not None else Path(src).parent
+    prefix = prefix or Path(src).stem
+    paths = split_paths(out_dir / f"{prefix}-00001-of-{n_splits:05d}.gguf")
+    for path in paths:
+        check_production_path(path, what="a split GGUF")
+    h = check_data_in_file(read_header(src))
     if h.split_count > 1:
         raise InvalidModel(f"{src} is already split")
     if not 1 <= n_splits <= max(len(h.tensors), 1):
         raise ValueError(f"cannot split {len(h.tensors)} tensors into {n_splits} files")
-    out_dir = Path(out_dir) if out_dir is not None else Path(src).parent
-    prefix = prefix or Path(src).stem
     groups, base, extra, i = [], *divmod(len(h.tensors), n_splits), 0
     for k in range(n_splits):
         n = base + (1 if k < extra else 0)
         groups.append(h.tensors[i:i + n])
         i += n
-    paths = split_paths(out_dir / f"{prefix}-00001-of-{n_splits:05d}.gguf")
     for k, (path, group) in enumerate(zip(paths, groups)):
         split_kv = [encode_kv("split.no", T_U16, k), encode_kv("split.count", T_U16, n_splits),
                     encode_kv("split.tensors.count", T_I32, len(h.tensors))]

