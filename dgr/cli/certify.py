@@ -12,7 +12,13 @@ is a stage of the layout); any other record is reported as uncertified with the 
 Compiling a backend is not certifying it: there is no lane without a record.
 
 Pass criterion: codec ``raw`` needs the same tokens and bit-identical logits rows; a lossy
-codec needs the same tokens (top-1 agreement 1.0); the measured max |diff| is recorded.
+codec needs the same tokens (top-1 agreement 1.0); the measured max |diff| is recorded. With
+``--failover`` (3+ stages) a spare worker serves the middle stage's range and a second
+generation SIGKILLs the middle primary after half the tokens: it must still give the whole
+model's tokens, with one recovery, on the spare. The record's ``scenario`` says how the lane
+was certified (worker processes, stages, step path, the failover) and what the certified
+generation cost: per stage its layers, endpoint, worker RSS, compute per decode step and, hop
+by hop, the hop's transport; the decode ms/token and the mean cost per seam.
 """
 
 from __future__ import annotations
@@ -27,8 +33,11 @@ import numpy as np
 
 from dgr.control.certificates import (
     Certification,
+    Failover,
     Lane,
     Parity,
+    Scenario,
+    StageCost,
     lane_id,
     load_store,
     store_path,
@@ -37,7 +46,7 @@ from dgr.control.certificates import (
 from dgr.protocol import settings as engine_settings
 from dgr.protocol import wire
 
-__all__ = ["certify", "add_certify_parser", "DEFAULT_PROMPT"]
+__all__ = ["certify", "add_certify_parser", "scenario_line", "DEFAULT_PROMPT"]
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Explain why the sky is blue."
 
@@ -45,15 +54,26 @@ DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Explain why the s
 def certify(model: str | os.PathLike, ranges: Sequence[tuple[int, int]], *,
             codec: str = "raw", settings: dict | None = None, prompt: str = DEFAULT_PROMPT,
             max_tokens: int = 16, store: str | os.PathLike | None = None,
-            start_timeout: float = 180.0, progress=None) -> tuple[Certification, Path | None]:
+            start_timeout: float = 180.0, failover: bool = False, relay: bool | None = None,
+            progress=None) -> tuple[Certification, Path | None]:
     """Run the lane's parity suite through worker processes; store the record if it passes.
+
+    ``failover``: also start a spare worker for the middle stage (index ``n // 2``, 3 or
+    more stages) and run a second generation that SIGKILLs the middle primary after half the
+    tokens; the lane then passes only if that generation still has the whole model's tokens,
+    counted one recovery and ended with the spare serving the stage. The record's
+    ``scenario`` says how the lane was certified and what each stage and seam cost.
+    ``relay``: the route's direct relay (``dgr.driver.route.Route``; None: where it applies).
+    Hop by hop (False) the scenario has each hop's cost (round trip minus compute); with
+    relay, the transport per link only.
 
     Returns the record and the file written (None when the lane did not pass).
     """
     import time
 
-    from dgr import __version__
+    from dgr import __version__, errors
     from dgr.artifacts.identity import model_identity
+    from dgr.cli.costs import route_costs
     from dgr.control import capability
     from dgr.core.engine import Engine
     from dgr.core.local import generate_local
@@ -62,37 +82,49 @@ def certify(model: str | os.PathLike, ranges: Sequence[tuple[int, int]], *,
 
     if codec not in wire.CODECS:
         raise wire.UnknownCodec(f"unknown codec {codec!r} (known: {', '.join(wire.CODECS)})")
+    ranges = [(int(a), int(b)) for a, b in ranges]
+    n_stages = len(ranges)
+    if failover and n_stages < 3:
+        raise errors.InvalidArgument(
+            f"a failover certification needs 3 or more stages (a middle stage with a "
+            f"neighbour on each side), not {n_stages}")
     say = progress or (lambda msg: None)
     t0 = time.monotonic()
     model = os.fspath(model)
     whole = Engine(model, **(settings or {}))
     settings = dict(whole.settings)
     n_layer = whole.n_layer
-    ranges = [(int(a), int(b)) for a, b in ranges]
     tokens = [int(t) for t in whole.tokenize(prompt, True, True)]
-    say(f"whole model loaded; {len(ranges)} stage(s) "
-        + " ".join(f"[{a},{b})" for a, b in ranges) + f", codec {codec}")
+    mid = n_stages // 2
+    say(f"whole model loaded; {n_stages} stage(s) "
+        + " ".join(f"[{a},{b})" for a, b in ranges) + f", codec {codec}"
+        + (f"; failover of stage {mid} [{ranges[mid][0]},{ranges[mid][1]}) onto a spare"
+           if failover else ""))
     ref, ref_rows = generate_local(whole, tokens, max_tokens=max_tokens, logits=True)
-    cluster = LocalCluster(model, [None if r == (0, n_layer) else r for r in ranges],
+    procs = [None if r == (0, n_layer) else r for r in ranges]
+    cluster = LocalCluster(model, procs + ([procs[mid]] if failover else []),
                            settings=settings)
+    fo = None
     try:
         endpoints = cluster.start(timeout=start_timeout)
-        say("workers listening on " + ",".join(endpoints))
-        with Route(endpoints, tokenizer=whole, codec=codec) as route:
+        primaries = endpoints[:n_stages]
+        say("workers listening on " + ",".join(primaries)
+            + (f"; spare for stage {mid} on {endpoints[-1]}" if failover else ""))
+        with Route(primaries, tokenizer=whole, codec=codec, relay=relay) as route:
+            before = route.describe()  # the workers' compute totals before the generation
             session = route.session()
-            got = list(session.generate(tokens, max_tokens=max_tokens, logits=True))
+            got, dec_s = _timed(session.generate(tokens, max_tokens=max_tokens, logits=True))
             rows = list(session.logits)
+            costs = route_costs(route, session, before, route.describe(),
+                                max(len(got) - 1, 0), dec_s)
+            rss = [_rss_bytes(w.proc.pid) for w in cluster.workers[:n_stages]]
             session.close()
+        if failover:
+            fo = _failover(cluster, primaries, mid, whole, codec, relay, tokens, max_tokens,
+                           ref, ref_rows, say)
     finally:
         cluster.stop()
-    n = min(len(rows), len(ref_rows))
-    bits = n == len(ref_rows) == len(rows) and all(
-        a.tobytes() == b.tobytes() for a, b in zip(ref_rows, rows))
-    diff = max((float(np.max(np.abs(a.astype(np.float64) - b)))
-                for a, b in zip(ref_rows, rows)), default=0.0)
-    top1 = (float(np.mean([int(np.argmax(a)) == int(np.argmax(b))
-                           for a, b in zip(ref_rows, rows)])) if n else 0.0)
-    same = got == ref
+    same, n, bits, diff, top1 = _compare(got, rows, ref, ref_rows)
     if codec == "raw":
         criterion, passed = "same tokens and bit-identical logits rows", same and bits
     else:
@@ -100,6 +132,15 @@ def certify(model: str | os.PathLike, ranges: Sequence[tuple[int, int]], *,
     par = Parity(prompt_tokens=len(tokens), generated_tokens=len(got), tokens_match=same,
                  logits_rows=n, logits_bit_identical=bits, max_abs_diff=diff,
                  top1_agreement=top1, criterion=criterion, passed=passed)
+    scenario = Scenario(
+        workers="processes on loopback", stages=n_stages, path=costs.path,
+        decode_tokens=costs.decode_tokens, decode_ms_per_token=costs.ms_per_token,
+        links=costs.links, transport_ms_per_token=costs.transport_ms, seam_ms=costs.seam_ms,
+        costs=[StageCost(layers=list(sc.layers), endpoint=sc.endpoint, rss_bytes=r,
+                         decode_steps=sc.decode_steps, compute_ms=sc.compute_ms,
+                         rtt_ms=sc.rtt_ms, hop_ms=sc.hop_ms)
+               for sc, r in zip(costs.stages, rss)],
+        notes=list(costs.notes), failover=fo)
     bi = capability.build_info()
     cpu_model, flags, isa = capability.cpu_features()
     lane = Lane(backend=bi["backend"], model_identity=model_identity(model),
@@ -110,8 +151,93 @@ def certify(model: str | os.PathLike, ranges: Sequence[tuple[int, int]], *,
         patch_stack_hash=bi["patch_stack_hash"], wire_schema_version=wire.SCHEMA_VERSION,
         cpu_model=cpu_model, cpu_isa=list(isa), cpu_flags=list(flags), parity=par,
         certified_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        dgr_version=__version__, seconds=round(time.monotonic() - t0, 3))
-    return rec, (write(rec, store) if passed else None)
+        dgr_version=__version__, seconds=round(time.monotonic() - t0, 3), arch=whole.arch,
+        scenario=scenario)
+    ok = passed and (fo is None or fo.passed)
+    return rec, (write(rec, store) if ok else None)
+
+
+FAILOVER_CRITERION = ("the whole model's tokens, 1 recovery, the stage served by the spare "
+                      "(logits after the re-prefill recorded, not required)")
+
+
+def _failover(cluster, primaries: list[str], mid: int, whole, codec: str, relay: bool | None,
+              tokens: list[int], max_tokens: int, ref: list[int], ref_rows: list,
+              say) -> Failover:
+    """A second generation on ``primaries`` with the spare (``cluster``'s last worker) in
+    the route's pool: the middle primary is SIGKILLed after half the whole model's tokens.
+
+    The route steps one token per driver round trip (no decode loop), so no token is
+    computed ahead of the kill: the first step after it meets the dead stage."""
+    from dgr.cli.costs import step_path
+    from dgr.driver.route import Route
+
+    victim, spare = cluster.workers[mid], cluster.workers[-1]
+    k = len(ref) // 2
+    with Route(primaries, tokenizer=whole, codec=codec, relay=relay, spares=[spare.endpoint],
+               loop=False) as route:
+        session = route.session()
+        it = iter(session.generate(tokens, max_tokens=max_tokens, logits=True))
+        got = [tok for _, tok in zip(range(k), it)]
+        say(f"failover: SIGKILL of stage {mid} ({victim.endpoint}) after {len(got)} token(s)")
+        victim.kill()
+        got += list(it)
+        rows = list(session.logits)
+        recoveries = session.recoveries
+        replaced_by = route.stages[mid].endpoint
+        layers = tuple(route.stages[mid].layers)
+        replacements = list(route.aroute.replacements)
+        path = step_path(route)
+        session.close()
+    same, n, bits, diff, _ = _compare(got, rows, ref, ref_rows)
+    moved = replacements == [(layers, victim.endpoint, spare.endpoint)]
+    passed = k >= 1 and same and recoveries == 1 and moved and replaced_by == spare.endpoint
+    say(f"failover: {len(got)} tokens, tokens match {same}, {recoveries} recovery(ies), stage "
+        f"{mid} now on {replaced_by}; logits bit-identical {bits} (max|diff| {diff:.3g})")
+    return Failover(stage=mid, layers=list(layers), killed=victim.endpoint,
+                    how=f"SIGKILL after {k} of {len(ref)} tokens", spare=spare.endpoint,
+                    replaced_by=replaced_by, path=path, recoveries=recoveries,
+                    generated_tokens=len(got), tokens_match=same, logits_rows=n,
+                    logits_bit_identical=bits, max_abs_diff=diff,
+                    criterion=FAILOVER_CRITERION, passed=passed)
+
+
+def _timed(tokens) -> tuple[list[int], float]:
+    """Drain a token iterator: (tokens, seconds from the first token to the last)."""
+    import time
+
+    out: list[int] = []
+    t_first = t_last = None
+    for tok in tokens:
+        t_last = time.perf_counter()
+        if t_first is None:
+            t_first = t_last
+        out.append(int(tok))
+    return out, (t_last - t_first) if t_first is not None else 0.0
+
+
+def _compare(got, rows, ref, ref_rows) -> tuple[bool, int, bool, float, float]:
+    """(same tokens, rows compared, rows bit-identical, max |diff|, top-1 agreement)."""
+    n = min(len(rows), len(ref_rows))
+    bits = n == len(ref_rows) == len(rows) and all(
+        a.tobytes() == b.tobytes() for a, b in zip(ref_rows, rows))
+    diff = max((float(np.max(np.abs(a.astype(np.float64) - b)))
+                for a, b in zip(ref_rows, rows)), default=0.0)
+    top1 = (float(np.mean([int(np.argmax(a)) == int(np.argmax(b))
+                           for a, b in zip(ref_rows, rows)])) if n else 0.0)
+    return list(got) == list(ref), n, bits, diff, top1
+
+
+def _rss_bytes(pid: int) -> int:
+    """VmRSS of process ``pid`` in bytes (/proc/<pid>/status; 0 where unreadable)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 # -- command line (registered in dgr.cli) ----------------------------------------------------
@@ -133,7 +259,17 @@ def add_certify_parser(sub) -> None:
     c.add_argument("--prompt", default=DEFAULT_PROMPT)
     c.add_argument("--max-tokens", type=int, default=16)
     c.add_argument("--store", help="certification store directory")
-    c.add_argument("--start-timeout", type=float, default=180.0)
+    c.add_argument("--start-timeout", type=float, default=180.0,
+                   help="seconds each worker may take to listen, counted from when the "
+                        "previous one listened; all start at once (default 180)")
+    c.add_argument("--failover", action="store_true",
+                   help="also start a spare for the middle stage and run a second generation "
+                        "that SIGKILLs the middle worker after half the tokens: the lane "
+                        "passes only if the tokens still match (3 or more stages)")
+    c.add_argument("--relay", choices=["auto", "on", "off"], default="auto",
+                   help="direct relay over the workers' data plane: auto (default) where it "
+                        "applies; off steps hop by hop over gRPC, which records each hop's "
+                        "cost (round trip minus compute) in the scenario")
     engine_settings.add_arguments(c)
     c.set_defaults(func=_cmd_certify)
     ls = sub.add_parser("lanes", help="list the certification store's lanes",
@@ -162,7 +298,9 @@ def _cmd_certify(args) -> int:
         ranges = ranges_for(args.splits, args.stages, n_layer)
         rec, path = certify(model, ranges, codec=args.codec, settings=settings,
                             prompt=args.prompt, max_tokens=args.max_tokens, store=args.store,
-                            start_timeout=args.start_timeout, progress=say)
+                            start_timeout=args.start_timeout, failover=args.failover,
+                            relay={"auto": None, "on": True, "off": False}[args.relay],
+                            progress=say)
     except KeyboardInterrupt:
         say("interrupted")
         return 130
@@ -173,8 +311,15 @@ def _cmd_certify(args) -> int:
     say(f"lane {rec.lane_id}: {p.generated_tokens} tokens, tokens match {p.tokens_match}, "
         f"logits bit-identical {p.logits_bit_identical} over {p.logits_rows} rows, "
         f"max|diff| {p.max_abs_diff:.3g}, top-1 {p.top1_agreement:.3f} ({p.criterion})")
+    say(f"scenario: {scenario_line(rec.scenario)}")
+    fo = rec.scenario.failover if rec.scenario is not None else None
+    if fo is not None and not fo.passed:
+        say(f"failover FAILED: {fo.generated_tokens} tokens, tokens match {fo.tokens_match}, "
+            f"{fo.recoveries} recovery(ies), stage {fo.stage} on {fo.replaced_by} (spare "
+            f"{fo.spare}); needs {fo.criterion}")
     if path is None:
-        say("NOT certified: the parity suite failed; nothing written")
+        say("NOT certified: " + ("the failover generation failed" if p.passed
+                                 else "the parity suite failed") + "; nothing written")
         return 1
     say(f"certified; record {path}")
     print(path)
@@ -182,6 +327,7 @@ def _cmd_certify(args) -> int:
 
 
 def _cmd_lanes(args) -> int:
+    from dgr._core import arch_supports_layer_range
     from dgr.control import capability
 
     bi = capability.build_info()
@@ -199,12 +345,39 @@ def _cmd_lanes(args) -> int:
                     and rec.patch_stack_hash == bi["patch_stack_hash"]
                     and list(rec.cpu_isa) == list(isa))
         s = lane.settings
+        # a split lane holds only where this build splits the architecture (docs/architectures.md)
+        split_ok = len(lane.stages) == 1 or (rec.arch and arch_supports_layer_range(rec.arch))
         print(f"{rec.lane_id}  {lane.backend}  {lane.model_name} ({lane.model_identity[:19]})  "
+              f"{rec.arch or '?'}  "
               f"{lane.quantisation}  codec={lane.codec}  stages="
               + ",".join(f"[{a},{b})" for a, b in lane.stages)
               + f"  ctx{s.get('n_ctx')} slots{s.get('n_slots')} t{s.get('n_threads')} "
                 f"ub{s.get('n_ubatch')} fa{int(bool(s.get('flash_attn')))} "
                 f"k{s.get('type_k')} v{s.get('type_v')}  "
                 f"{'passed' if rec.parity.passed else 'FAILED'}  {rec.certified_at}  "
-                f"{'this build' if build_ok else 'OTHER BUILD'}")
+                f"{'this build' if build_ok else 'OTHER BUILD'}"
+                + ("" if split_ok else f"  NOT SPLITTABLE here ({rec.arch or 'arch unknown'})"))
+        print(f"  scenario: {scenario_line(rec.scenario)}")
     return 0
+
+
+def scenario_line(sc: Scenario | None) -> str:
+    """A record's scenario in one line: stages, failover, decode ms/token, the largest
+    worker RSS, the mean seam (transport per link) cost."""
+    if sc is None:
+        return "not recorded (a record from before scenarios were kept)"
+
+    def ms(v) -> str:
+        return "-" if v is None else f"{v:.3f} ms"
+
+    fo = sc.failover
+    if fo is None:
+        fail = "failover no"
+    else:
+        fail = (f"failover yes: stage {fo.stage} [{fo.layers[0]},{fo.layers[1]}) SIGKILLed, "
+                f"{fo.recoveries} recover{'y' if fo.recoveries == 1 else 'ies'}, tokens "
+                f"{'match' if fo.tokens_match else 'DIFFER'}" + ("" if fo.passed else " FAILED"))
+    rss = max((c.rss_bytes for c in sc.costs), default=0)
+    return (f"{sc.stages} stages ({sc.workers}, {sc.path}); {fail}; decode "
+            f"{ms(sc.decode_ms_per_token)}/token; max RSS {rss / 2**20:.1f} MiB/stage; "
+            f"seam {ms(sc.seam_ms)}")

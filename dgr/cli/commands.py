@@ -94,8 +94,8 @@ def _report(route, session, args, prompt, tokens, t0, t_first, t1, whole, before
     decode token is the mean over the single-token steps its worker computed between that
     describe and one taken now (exact totals, not the moving average ``recent_step_ms``),
     so compute and transport add up to the time per token measured over the same steps."""
+    from dgr.cli.costs import route_costs
     from dgr.core.local import generate_local
-    from dgr.protocol.describe import compute_between
 
     n_dec = len(tokens) - 1
     dec_s = t1 - t_first
@@ -125,71 +125,38 @@ def _report(route, session, args, prompt, tokens, t0, t_first, t1, whole, before
             rc = 1
         if timing.get("decode_steps"):
             whole_tps = timing["decode_steps"] / timing["decode_s"]
-    infos = route.describe()
-    comp = compute_between(before, infos)
-    why = list(dict.fromkeys(c for c in comp if isinstance(c, str)))  # each reason once
-
-    def ms(c) -> float:  # a stage's mean compute per single-token step, ms
-        return 1e3 * c[1] / c[0]
-
+    costs = route_costs(route, session, before, route.describe(), n_dec, dec_s)
     if route.aroute.relay:
         # direct relay: the driver sees whole-route steps; transport = TPOT - compute
         _say("stage  layers      endpoint               data port  steps  compute ms")
-        for i, (info, c) in enumerate(zip(infos, comp)):
-            a, b = info.layers
-            fig = f"{c[0]:5d}  {ms(c):10.3f}" if not isinstance(c, str) else f"{'-':>5}  {'-':>10}"
-            _say(f"{i:>5}  [{a:>2}, {b:>2})  {info.endpoint:<21} {info.data_port:9d}  {fig}")
+        for i, sc in enumerate(costs.stages):
+            a, b = sc.layers
+            fig = (f"{sc.decode_steps:5d}  {sc.compute_ms:10.3f}" if sc.compute_ms is not None
+                   else f"{'-':>5}  {'-':>10}")
+            _say(f"{i:>5}  [{a:>2}, {b:>2})  {sc.endpoint:<21} {sc.data_port:9d}  {fig}")
         _say(f"compute ms: mean over the single-token steps each worker computed during the "
              f"generation (steps; {n_dec} decode token(s) timed)")
-        for w in why:
+        for w in costs.notes:
             _say(w)
-        if route_tps and not why:
-            tpot = 1e3 / route_tps
-            total = sum(ms(c) for c in comp)
-            extra = tpot - total
-            # the decode loop: s1 -> ... -> sN -> s1; token by token: driver -> s1 ... -> driver
-            n = len(infos) if route.aroute.loop else len(infos) + 1
-            if extra >= 0:
-                _say(f"direct relay{' with decode loop' if route.aroute.loop else ''}: "
-                     f"{tpot:.3f} ms/token = {total:.3f} ms compute + {extra:.3f} ms "
-                     f"transport over {n} links ({extra / n:.3f} ms per link)")
-            else:
-                _say(f"direct relay: the stages' compute per token ({total:.3f} ms) exceeds "
-                     f"the {tpot:.3f} ms/token measured: the workers computed other steps "
-                     "(another session) alongside these: no transport figure")
+        if costs.transport_ms is not None:
+            _say(f"direct relay{' with decode loop' if route.aroute.loop else ''}: "
+                 f"{costs.ms_per_token:.3f} ms/token = {costs.compute_ms:.3f} ms compute + "
+                 f"{costs.transport_ms:.3f} ms transport over {costs.links} links "
+                 f"({costs.seam_ms:.3f} ms per link)")
     else:
-        # the cost of each hop: the driver's round trip minus the worker's compute, over the
-        # same single-token steps (the driver's count and the worker's must agree)
-        rows = []
-        for st, info, c in zip(session.stats, infos, comp):
-            bpt = (st.bytes_sent + st.bytes_received) / max(st.steps, 1)
-            hop = None
-            if isinstance(c, str):
-                pass
-            elif c[0] != st.decode_steps:
-                why.append(f"{info.endpoint} computed {c[0]} single-token steps, this session "
-                           f"sent it {st.decode_steps} (other sessions on it): no hop figure")
-            elif st.decode_rtt_ms - ms(c) < 0:  # each round trip holds its step's compute
-                why.append(f"{info.endpoint}: compute {ms(c):.3f} ms exceeds the round trip "
-                           f"{st.decode_rtt_ms:.3f} ms over the same steps: no hop figure")
-            else:
-                hop = st.decode_rtt_ms - ms(c)
-            rows.append((st, None if isinstance(c, str) else ms(c), hop, bpt))
         _say("stage  layers      endpoint               rtt ms  compute ms  hop ms  bytes/step")
-        for i, (st, cms, hop, bpt) in enumerate(rows):
-            a, b = st.layers
-            cf = f"{cms:10.3f}" if cms is not None else f"{'-':>10}"
-            hf = f"{hop:6.3f}" if hop is not None else f"{'-':>6}"
-            _say(f"{i:>5}  [{a:>2}, {b:>2})  {st.endpoint:<21} {st.decode_rtt_ms:7.3f}  {cf}  "
-                 f"{hf}  {bpt:10.0f}")
-        for w in why:
+        for i, sc in enumerate(costs.stages):
+            a, b = sc.layers
+            cf = f"{sc.compute_ms:10.3f}" if sc.compute_ms is not None else f"{'-':>10}"
+            hf = f"{sc.hop_ms:6.3f}" if sc.hop_ms is not None else f"{'-':>6}"
+            _say(f"{i:>5}  [{a:>2}, {b:>2})  {sc.endpoint:<21} {sc.rtt_ms:7.3f}  {cf}  "
+                 f"{hf}  {sc.bytes_per_step:10.0f}")
+        for w in costs.notes:
             _say(w)
-        if rows and all(r[0].decode_steps for r in rows) and all(r[2] is not None for r in rows):
-            hop = [r[2] for r in rows]
-            n = len(rows)
-            msg = f"transport per token: {sum(hop):.3f} ms over {n} hop(s)"
-            if n > 1:
-                msg += f"; per seam (a seam adds one hop): {sum(hop) / n:.3f} ms"
+        if costs.transport_ms is not None:
+            msg = f"transport per token: {costs.transport_ms:.3f} ms over {costs.links} hop(s)"
+            if costs.links > 1:
+                msg += f"; per seam (a seam adds one hop): {costs.seam_ms:.3f} ms"
             _say(msg)
     if whole_tps:
         _say(f"whole model in this process: decode {whole_tps:.1f} tokens/s; "

@@ -16,6 +16,7 @@ import functools
 import os
 import time
 
+from dgr._core import arch_supports_layer_range
 from dgr.control import certificates
 from dgr.protocol import wire
 from dgr.protocol.capability import (
@@ -146,7 +147,8 @@ def record_for(engine, *, worker=None, cert_store: str | os.PathLike | None = No
     model_path = info["model"]
     comp = Compatibility(
         model_identity=info["identity"], model_name=os.path.basename(model_path),
-        arch=info["arch"], quantisation=quantisation(model_path), backend=bi["backend"],
+        arch=info["arch"], arch_splittable=bool(arch_supports_layer_range(info["arch"])),
+        quantisation=quantisation(model_path), backend=bi["backend"],
         llama_cpp_commit=bi["llama_cpp_commit"], patch_stack_hash=bi["patch_stack_hash"],
         dgr_version=__version__, wire_format_version=wire.FORMAT_VERSION,
         boundary_schema_version=wire.SCHEMA_VERSION, boundary_width=width,

@@ -21,8 +21,8 @@ import msgspec
 
 from dgr.protocol.capability import LaneRef, Uncertified
 
-__all__ = ["Lane", "Parity", "Certification", "store_path", "lane_id", "load_store", "write",
-           "mismatches", "match"]
+__all__ = ["Lane", "Parity", "StageCost", "Failover", "Scenario", "Certification", "store_path",
+           "lane_id", "load_store", "write", "mismatches", "match"]
 
 
 class Lane(msgspec.Struct, kw_only=True, frozen=True):
@@ -47,6 +47,54 @@ class Parity(msgspec.Struct, kw_only=True):
     passed: bool
 
 
+class StageCost(msgspec.Struct, kw_only=True):
+    """One stage over the certified generation (None: no figure; ``Scenario.notes`` say why)."""
+
+    layers: list[int]
+    endpoint: str
+    rss_bytes: int                    # VmRSS of its worker process after the generation (0: unread)
+    decode_steps: int | None = None   # single-token steps its worker computed during it
+    compute_ms: float | None = None   # their mean compute (the worker's exact totals), ms
+    rtt_ms: float | None = None       # hop by hop: the driver's mean round trip per decode step
+    hop_ms: float | None = None       # hop by hop: rtt_ms - compute_ms, the hop's transport
+
+
+class Failover(msgspec.Struct, kw_only=True):
+    """A stage killed during a second generation, and how the route went on."""
+
+    stage: int                        # index of the killed stage (the middle one, n // 2)
+    layers: list[int]
+    killed: str                       # the primary's endpoint
+    how: str                          # e.g. "SIGKILL after 8 of 16 tokens"
+    spare: str                        # the spare worker's endpoint (a process started for it)
+    replaced_by: str                  # the stage's endpoint once the generation ended
+    path: str                         # the session's step path (dgr.cli.costs.step_path)
+    recoveries: int                   # re-prefills the session counted
+    generated_tokens: int
+    tokens_match: bool                # the whole model's tokens
+    logits_rows: int
+    logits_bit_identical: bool        # recorded, not required (rows after a re-prefill)
+    max_abs_diff: float
+    criterion: str
+    passed: bool
+
+
+class Scenario(msgspec.Struct, kw_only=True):
+    """How a lane was certified, and what its certified generation cost per stage and seam."""
+
+    workers: str                      # how the stages ran, e.g. "processes on loopback"
+    stages: int
+    path: str                         # step path: "hop-by-hop", "relay" or "relay+loop"
+    decode_tokens: int                # tokens timed (those after the first)
+    decode_ms_per_token: float | None
+    links: int                        # transport links a decode token crosses
+    transport_ms_per_token: float | None
+    seam_ms: float | None             # transport_ms_per_token / links
+    costs: list[StageCost]
+    notes: list[str] = []             # why a figure is missing
+    failover: Failover | None = None  # None: no failover exercised
+
+
 class Certification(msgspec.Struct, kw_only=True):
     schema: int = 1
     lane_id: str
@@ -61,6 +109,9 @@ class Certification(msgspec.Struct, kw_only=True):
     certified_at: str          # ISO 8601, UTC
     dgr_version: str
     seconds: float
+    arch: str = ""             # the model's architecture ("": a record from before it was kept)
+    #: how it was certified (None: a record from before scenarios were kept); not in the lane
+    scenario: Scenario | None = None
 
 
 def store_path(path: str | os.PathLike | None = None) -> Path:
@@ -140,6 +191,9 @@ def mismatches(rec: Certification, comp, layers: Sequence[int]) -> list[str]:
     if list(rec.cpu_isa) != list(comp.cpu_isa):
         why.append("CPU ISA flags differ: "
                    + " ".join(sorted(set(rec.cpu_isa) ^ set(comp.cpu_isa))))
+    if len(lane.stages) > 1 and not getattr(comp, "arch_splittable", False):
+        why.append(f"architecture {comp.arch} does not split in this build (its graph does not "
+                   "honour a layer range: docs/architectures.md)")
     if [int(layers[0]), int(layers[1])] not in [list(s) for s in lane.stages]:
         why.append(f"layers [{layers[0]}, {layers[1]}) are not a stage of "
                    f"{[tuple(s) for s in lane.stages]}")

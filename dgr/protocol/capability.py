@@ -18,7 +18,8 @@ __all__ = ["SCHEMA", "BACKEND", "Compatibility", "Capacity", "Load", "Seam", "He
 
 #: Version of this record's JSON form (bumped when a field changes meaning or goes away).
 #: 2: ``health.engine_restarts`` is gone (it was always 0: a worker never reloads its engine).
-SCHEMA = 2
+#: 3: ``compatibility.arch_splittable``; a multi-stage lane needs it true.
+SCHEMA = 3
 
 
 #: The compute backend of this build of the core (llama.cpp's CPU backend).
@@ -29,6 +30,10 @@ class Compatibility(msgspec.Struct, kw_only=True):
     model_identity: str            # "sha256:<hex>" (dgr.artifacts.identity)
     model_name: str
     arch: str
+    # whether this build splits ``arch`` bit-exact (its graph honours a layer range: the
+    # patched llama.cpp's list, each entry proven by the support table, docs/architectures.md);
+    # false: only a whole-model (one-stage) lane can hold
+    arch_splittable: bool = False
     quantisation: str              # GGUF general.file_type name, e.g. "Q4_1"
     backend: str
     llama_cpp_commit: str

@@ -16,13 +16,14 @@ import threading
 import time
 import urllib.request
 
+import msgspec
 import numpy as np
 import pytest
 
 import dgr
 from dgr import errors
 from dgr.cli import certify
-from dgr.control import capability
+from dgr.control import capability, certificates
 from dgr.protocol import capability as schema
 from dgr.protocol import wire
 from dgr.protocol.settings import stage_identity
@@ -247,6 +248,30 @@ def test_certified_lane_is_advertised_only_while_it_matches(tiny_llama, store, m
     monkeypatch.undo()
     rec = lanes_of(tiny_llama, store)
     assert [ln.lane_id for ln in rec.lanes] == [cert.lane_id]
+    assert rec.compatibility.arch == cert.arch == "llama" and rec.compatibility.arch_splittable
+
+
+def test_a_split_lane_needs_an_architecture_this_build_splits(tiny_llama, store, monkeypatch):
+    """Only architectures that pass the support table are advertised split: with llama off
+    the build's list, the two-stage lane is uncertified (the reason names the arch) and
+    ``dgr lanes`` flags it."""
+    monkeypatch.setattr(capability, "arch_supports_layer_range", lambda arch: arch != "llama")
+    rec = lanes_of(tiny_llama, store, (2, 4))
+    assert not rec.compatibility.arch_splittable and rec.lanes == []
+    assert rec.uncertified[0].reasons == [
+        "architecture llama does not split in this build (its graph does not honour a layer "
+        "range: docs/architectures.md)"]
+    monkeypatch.undo()
+    assert [ln.lane_id for ln in lanes_of(tiny_llama, store, (2, 4)).lanes] == [
+        certify.load_store(store)[0][1].lane_id]
+    # the listing: a record of a model whose arch does not split here is flagged
+    (_, cert), = certify.load_store(store)
+    other = store.parent / "certs-other-arch"
+    certificates.write(msgspec.structs.replace(cert, arch="mamba"), other)
+    ls = subprocess.run([sys.executable, "-m", "dgr", "lanes", "--store", str(other)],
+                        capture_output=True, text=True, timeout=60)
+    assert ls.returncode == 0 and "  mamba  " in ls.stdout
+    assert "NOT SPLITTABLE here (mamba)" in ls.stdout
 
 
 def test_worker_process_serves_lanes_and_metrics(tiny_llama, store):
@@ -310,3 +335,96 @@ def test_a_lane_that_fails_parity_is_not_written(tiny_llama, tmp_path, monkeypat
     assert path is None and not rec.parity.passed and rec.parity.tokens_match
     assert not rec.parity.logits_bit_identical and 0 < rec.parity.max_abs_diff < 2e-3
     assert certify.load_store(tmp_path) == []
+
+
+# -- certification scenarios: failover of the middle stage, per-stage costs ------------------
+
+def test_failover_certification_records_its_scenario(tiny_llama, tmp_path):
+    """``certify --failover`` over 4 single-layer stages: a spare serves stage 2's range, the
+    second generation SIGKILLs stage 2's worker after half the tokens and still has the whole
+    model's tokens on the spare; the record keeps the scenario and ``dgr lanes`` shows it."""
+    d = tmp_path / "certs"
+    env = dict(os.environ, DGR_CERT_STORE=str(d))
+    r = subprocess.run([sys.executable, "-m", "dgr", "certify", "--model", str(tiny_llama),
+                        "--stages", "4", "--ctx", "128", "--slots", "2", "--ubatch", "8",
+                        "--max-tokens", "8", "--failover"], capture_output=True, text=True,
+                       env=env, timeout=180)
+    assert r.returncode == 0, r.stderr
+    (name,) = os.listdir(d)
+    assert r.stdout.strip() == str(d / name)
+    (_, rec), = certify.load_store(d)
+    assert rec.parity.passed and rec.lane.stages == [[0, 1], [1, 2], [2, 3], [3, 4]]
+    sc = rec.scenario
+    assert (sc.workers, sc.stages, sc.path) == ("processes on loopback", 4, "relay+loop")
+    assert sc.decode_tokens == 7 and sc.decode_ms_per_token > 0 and sc.links == 4
+    assert [c.layers for c in sc.costs] == rec.lane.stages
+    assert len({c.endpoint for c in sc.costs}) == 4
+    for c in sc.costs:
+        assert c.rss_bytes > 0 and c.decode_steps == 7 and c.compute_ms >= 0
+    fo = sc.failover
+    assert (fo.stage, fo.layers, fo.recoveries) == (2, [2, 3], 1)
+    assert fo.how == "SIGKILL after 4 of 8 tokens"
+    assert fo.killed == sc.costs[2].endpoint and fo.spare not in {c.endpoint for c in sc.costs}
+    assert fo.replaced_by == fo.spare and fo.path == "relay"
+    assert fo.tokens_match and fo.generated_tokens == 8 and fo.passed
+    assert "scenario: 4 stages" in r.stderr
+    # the lane id is the lane's alone: the scenario is not part of it
+    assert rec.lane_id == certificates.lane_id(rec.lane)
+    ls = subprocess.run([sys.executable, "-m", "dgr", "lanes"], capture_output=True, text=True,
+                        env=env, timeout=60)
+    assert ls.returncode == 0, ls.stderr
+    line, = [ln for ln in ls.stdout.splitlines() if ln.startswith("  scenario: ")]
+    assert line.startswith("  scenario: 4 stages (processes on loopback, relay+loop); "
+                           "failover yes: stage 2 [2,3) SIGKILLed, 1 recovery, tokens match; "
+                           "decode "), line
+    rss = max(c.rss_bytes for c in sc.costs) / 2**20
+    assert f"max RSS {rss:.1f} MiB/stage; seam " in line
+    assert line.endswith(" ms" if sc.seam_ms is not None else "seam -"), line
+    # a record written before scenarios were kept still decodes, and is listed as such
+    old = msgspec.json.decode((d / name).read_bytes())
+    del old["scenario"]
+    other = tmp_path / "old"
+    other.mkdir()
+    (other / name).write_bytes(msgspec.json.encode(old))
+    (_, back), = certify.load_store(other)
+    assert back.scenario is None and back.lane_id == rec.lane_id
+    ls = subprocess.run([sys.executable, "-m", "dgr", "lanes", "--store", str(other)],
+                        capture_output=True, text=True, timeout=60)
+    assert "  scenario: not recorded" in ls.stdout, ls.stdout
+
+
+def test_a_failover_whose_tokens_differ_is_not_written(tiny_llama, tmp_path, monkeypatch):
+    """The plain generation passes, the failover generation (the second generate) yields a
+    wrong first token: the lane fails, nothing is written, the record says why. Hop by hop,
+    each stage's hop cost (round trip minus compute) is recorded."""
+    from dgr.driver.sync import RouteSession
+
+    real = RouteSession.generate
+    calls = []
+
+    def generate(self, *a, **kw):
+        calls.append(self)
+        toks = real(self, *a, **kw)
+        if len(calls) == 1:
+            return toks
+        return (t + (i == 0) for i, t in enumerate(toks))
+
+    monkeypatch.setattr(RouteSession, "generate", generate)
+    rec, path = certify.certify(tiny_llama, [(0, 2), (2, 3), (3, 4)], settings=CERT_SETTINGS,
+                                max_tokens=6, store=tmp_path, failover=True, relay=False)
+    assert len(calls) == 2
+    assert path is None and certify.load_store(tmp_path) == []
+    assert rec.parity.passed and rec.parity.tokens_match
+    fo = rec.scenario.failover
+    assert not fo.passed and not fo.tokens_match
+    assert (fo.stage, fo.layers, fo.recoveries, fo.generated_tokens) == (1, [2, 3], 1, 6)
+    assert fo.replaced_by == fo.spare != fo.killed and fo.path == "hop-by-hop"
+    sc = rec.scenario
+    assert sc.path == "hop-by-hop" and sc.links == 3 and sc.notes == []
+    for c in sc.costs:
+        assert c.rtt_ms > 0 and c.hop_ms >= 0 and c.rtt_ms >= c.compute_ms >= 0
+    assert sc.transport_ms_per_token == pytest.approx(sum(c.hop_ms for c in sc.costs))
+    assert sc.seam_ms == pytest.approx(sc.transport_ms_per_token / 3)
+    # a failover needs a middle stage between two others
+    with pytest.raises(errors.InvalidArgument, match="3 or more stages"):
+        certify.certify(tiny_llama, [(0, 2), (2, 4)], failover=True, store=tmp_path)
