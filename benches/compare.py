@@ -1,5 +1,5 @@
-"""Side by side on SmolLM2: the whole model, dgr routes of 2-4 stages (gRPC hop by hop and
-direct relay) and llama.cpp RPC, all with dgr's settings.
+"""Side by side on SmolLM2 (or ``--model``): the whole model, dgr routes of 2-4 stages (gRPC
+hop by hop and direct relay) and llama.cpp RPC, all with dgr's settings.
 
     python benches/compare.py [--rounds 3] [--stages 2,3,4] [--quick] [--json out.json]
                               [--rtt-ms 5,20 [--rtt-stages 3]] [--sessions 1,4,16]
@@ -104,10 +104,16 @@ N_PROMPT_DECODE = 16
 PREFILLS = (128, 512)
 N_VOCAB = 49152
 LOOP_WINDOW = 32  # AsyncRoute's loop_window for relay<k>, passed explicitly
+MODEL: str | None = None  # --model: another GGUF than SmolLM2 (e.g. benches/qwen2_7b.py's)
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
 # --- helpers ---------------------------------------------------------------------------------
+
+def model_path() -> str:
+    """The GGUF every row runs: ``--model``, else the registry's SmolLM2."""
+    return MODEL or smollm2_path()
+
 
 def cpu_seconds(pid: int) -> float:
     """utime + stime of ``pid`` (seconds) from /proc/<pid>/stat."""
@@ -189,7 +195,7 @@ def whole_measure(n_decode: int = N_DECODE, prefills=PREFILLS) -> dict:
     import dgr
     from dgr.core.local import generate_local
 
-    eng = dgr.Engine(smollm2_path(), **SETTINGS)
+    eng = dgr.Engine(model_path(), **SETTINGS)
     prompts = {**_prompts(), **{n: [int(t) for t in prompt_tokens(n, N_VOCAB)]
                                 for n in prefills}}
     generate_local(eng, prompts[N_PROMPT_DECODE], max_tokens=2, stop_on_eog=False)  # warm up
@@ -220,6 +226,7 @@ def timed_decode(eng, prompt, n_decode: int) -> dict:
 
 def whole_in_own_process(n_decode: int = N_DECODE, prefills=PREFILLS) -> dict:
     code = (f"import sys, json; sys.path.insert(0, {HERE!r}); import compare; "
+            f"compare.MODEL = {MODEL!r}; "
             f"print(json.dumps(compare.whole_measure({n_decode}, {tuple(prefills)!r})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=600).stdout
@@ -393,7 +400,7 @@ def whole_tokens(prompts, n: int, n_slots: int = 1) -> list[list[int]]:
     import dgr
     from dgr.core.local import generate_local
 
-    eng = dgr.Engine(smollm2_path(), **{**SETTINGS, "n_slots": n_slots})
+    eng = dgr.Engine(model_path(), **{**SETTINGS, "n_slots": n_slots})
     out = []
     for p in prompts:
         toks, _ = generate_local(eng, p, max_tokens=n, stop_on_eog=False)
@@ -684,7 +691,7 @@ def run_compare(stages=(2, 3, 4), rounds: int = 3, n_decode: int = N_DECODE,
     import dgr
 
     log = log or (lambda m: None)
-    path = smollm2_path()
+    path = model_path()
     eng = dgr.Engine(path, **SETTINGS)
     n_layer, width = eng.n_layer, eng.n_embd_boundary
     settings = dict(eng.settings)  # what dgr runs: SETTINGS and the engine's defaults
@@ -850,7 +857,7 @@ def summarize(samples, stages, rounds, n_decode, prefills, emulated=(), model=No
             return None
         return [statistics.median(v[i] for v in lists) for i in range(len(lists[0]))]
 
-    out = {"model": smollm2_path() if model is None else model,
+    out = {"model": model_path() if model is None else model,
            "settings": SETTINGS if settings is None else settings, "rounds": rounds,
            "n_decode": n_decode, "n_prompt_decode": N_PROMPT_DECODE,
            "prefills": list(prefills), "loadavg": os.getloadavg(), "baselines": BASELINE,
@@ -937,7 +944,7 @@ def print_table(res: dict, file=sys.stdout) -> None:
     p = res["prefills"]
     la = res["loadavg"]
     print_header(res, file)
-    print(f"\nSmolLM2 {os.path.basename(res['model'])}, {res['n_decode']} decode steps, "
+    print(f"\n{os.path.basename(res['model'])}, {res['n_decode']} decode steps, "
           f"median of {res['rounds']} rounds; load average {la[0]:.2f} {la[1]:.2f} "
           f"{la[2]:.2f}", file=file)
     hdr = (f"{'configuration':<22} {'decode t/s':>10} " +
@@ -1032,8 +1039,12 @@ def main(argv=None) -> int:
     ap.add_argument("--sessions", default="",
                     help="concurrent-session counts, e.g. 1,4,16 (dgr/relay, --session-stages)")
     ap.add_argument("--session-stages", default="3", help="stage counts run with --sessions")
+    ap.add_argument("--model", help="run every row on this GGUF instead of SmolLM2 (e.g. the "
+                                    "7B-shaped qwen2 of benches/qwen2_7b.py)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
+    global MODEL
+    MODEL = args.model
 
     stages = [int(x) for x in args.stages.split(",") if x]
     rounds, n_decode, prefills = args.rounds, args.tokens, PREFILLS
