@@ -49,7 +49,11 @@ def channel_options(max_message: int = MAX_MESSAGE) -> list[tuple[str, Any]]:
         ("grpc.http2.max_pings_without_data", 0),
         # reconnect quickly to a worker restarted under the same address
         ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 2_000),
+        # gRPC reads its minimum connect timeout (the time a TCP + HTTP/2 handshake may take)
+        # from this argument: at 100 ms, no link with a round trip above ~100 ms (a WAN) and
+        # no loaded worker (30 processes starting on 2 cores) could connect at all. 20 s is
+        # gRPC's own default; the calls' deadlines still bound every wait.
+        ("grpc.min_reconnect_backoff_ms", 20_000),
         ("grpc.enable_retries", 0),  # the route driver decides what to retry
     ]

@@ -93,6 +93,21 @@ def test_unary_error_travels_as_typed_status(served):
     run(with_client(served.address, go))
 
 
+def test_a_worker_behind_a_300_ms_round_trip_connects(served):
+    """The HTTP/2 handshake of a long link takes more than a round trip: the channel's minimum
+    connect timeout must allow it (it was 100 ms: no link with a larger round trip, nor a
+    worker on a loaded machine, could connect at all)."""
+    from dgr.testing.linkemu import LinkEmulator
+
+    with LinkEmulator(served.address, delay_ms=150) as link:  # 150 ms each way
+        async def go(c):
+            info = await c.describe()
+            assert info.layers == (0, 4)
+            await c.describe()  # and the connection stays up for the next call
+
+        run(with_client(link.endpoint, go))
+
+
 def test_unreachable_worker_is_worker_unavailable():
     async def go(c):
         with pytest.raises(errors.WorkerUnavailable, match="127.0.0.1:1"):
