@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Sequence
 
 import numpy as np
@@ -10,6 +11,7 @@ import numpy as np
 from dgr import errors
 from dgr._core import Engine as _CoreEngine
 from dgr.artifacts.identity import model_identity
+from dgr.core.refusals import refusal_reason
 
 __all__ = ["Engine", "NUMERIC_SETTINGS"]
 
@@ -100,7 +102,16 @@ class Engine(_CoreEngine):
         for name in ("n_ctx", "n_slots", "n_threads", "n_ubatch"):
             if name in kw and (not isinstance(kw[name], (int, np.integer)) or kw[name] < 1):
                 raise errors.InvalidArgument(f"{name} must be a positive integer, got {kw[name]!r}")
-        return super().__new__(cls, os.fspath(_load_path(model, layers, a, b)), a, b, **kw)
+        try:
+            return super().__new__(cls, os.fspath(_load_path(model, layers, a, b)), a, b, **kw)
+        except errors.UnsupportedArchitecture as e:
+            m = re.search(r"architecture '([^']+)'", str(e))
+            if m is None:
+                raise
+            # the engine names the architecture; say what stands in the way of a split
+            raise errors.UnsupportedArchitecture(
+                f"{e}; {m.group(1)} is refused because {refusal_reason(m.group(1))} "
+                "(docs/architectures.md)") from None
 
     # -- facts ------------------------------------------------------------------------
 

@@ -467,6 +467,8 @@ def format_table(rows: list[dict]) -> str:
 def format_markdown(rows: list[dict], failed: Sequence[tuple[str, str, str]] = ()) -> str:
     """The support table of docs/architectures.md: one row per architecture (its dense and
     MoE files together), whole load and split verdict, with the date and the pinned commit."""
+    from dgr.core.refusals import refusal_reason
+
     v = _vendor()
     by_arch: dict[str, list[dict]] = {}
     for r in rows:
@@ -488,8 +490,8 @@ def format_markdown(rows: list[dict], failed: Sequence[tuple[str, str, str]] = (
         " split bit-exact at every interior boundary and in single-layer stages",
         "",
         "**split**: `pass N` (N splits compared bit for bit with the whole model); `refused` "
-        "(a partial range raises `UnsupportedArchitecture` naming the architecture: its stage "
-        "graph does not honour a range yet); `FAIL` (see the reason).",
+        "(a partial range raises `UnsupportedArchitecture` naming the architecture and the "
+        "reason given here, `dgr.core.refusals`); `FAIL` (see the reason).",
         "",
         "| architecture | files | layers | whole load + forward | split |",
         "|---|---|---|---|---|",
@@ -504,7 +506,7 @@ def format_markdown(rows: list[dict], failed: Sequence[tuple[str, str, str]] = (
         if all(r["split_ok"] and r["supported"] for r in rs):
             split = "pass " + ", ".join(r["split"].split()[1] for r in rs)
         elif all(r["split_ok"] for r in rs):
-            split = "refused"
+            split = f"refused ({refusal_reason(arch)})"
         else:
             split = "FAIL: " + "; ".join(f"{r['file']}: {r['split']}" for r in rs
                                          if not r["split_ok"])

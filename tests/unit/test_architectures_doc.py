@@ -48,3 +48,21 @@ def test_the_readme_names_the_architectures_that_pass():
     named = set(re.findall(r"`([\w.-]+)`", m.group(3)))
     assert named == set(NAMED), named ^ set(NAMED)
     assert named <= passing, named - passing
+
+
+def test_every_refused_architecture_has_its_reason_and_no_splittable_one_is_explained():
+    """The table's refusals carry dgr.core.refusals' reason (what UnsupportedArchitecture
+    says), and that module explains no architecture the build splits (a stale entry)."""
+    from dgr._core import arch_supports_layer_range
+    from dgr.core import refusals
+
+    rows = dict(re.findall(r"^\| `([\w.-]+)` \|.*\| ([^|]+) \|$", DOC, re.M))
+    refused = {a: v for a, v in rows.items() if v.startswith("refused")}
+    assert refused, "no refused architecture in the table"
+    for arch, verdict in refused.items():
+        assert verdict == f"refused ({refusals.refusal_reason(arch)})", (arch, verdict)
+    explained = refusals.MEMORY | refusals.NON_CAUSAL | set(refusals.SPECIFIC)
+    assert not [a for a in explained if arch_supports_layer_range(a)]
+    assert "recurrent" in refusals.refusal_reason("mamba")
+    assert "non-causal" in refusals.refusal_reason("llada")
+    assert "not been cut" in refusals.refusal_reason("no-such-arch")
