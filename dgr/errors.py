@@ -42,6 +42,8 @@ __all__ = [
     "ArtifactTruncated",
     "InvalidManifest",
     "StorageLocationError",
+    "ChatTemplateError",
+    "ChatTemplateMissing",
 ]
 
 
@@ -320,6 +322,23 @@ class StorageLocationError(DgrError, ValueError):
     model artifact may be placed; the message says where to put it instead."""
 
     code = 57
+
+
+# --- serving ------------------------------------------------------------------------
+
+
+class ChatTemplateError(DgrError, ValueError):
+    """A model's chat template failed to render (syntax error, ``raise_exception``, an unsafe
+    attribute the sandbox refused, an undefined value); the message is the template's own."""
+
+    code = 58
+
+
+class ChatTemplateMissing(ChatTemplateError):
+    """The model's GGUF carries no ``tokenizer.chat_template``, so chat messages cannot be
+    turned into a prompt."""
+
+    code = 59
 
 
 def all_classes() -> list[type[DgrError]]:

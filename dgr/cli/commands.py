@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import time
 
+from dgr.cli.interrupts import install_interrupts
 from dgr.protocol import settings as engine_settings
 
 __all__ = ["main"]
@@ -164,19 +164,6 @@ def _report(route, session, args, prompt, tokens, t0, t_first, t1, whole, before
     return rc
 
 
-def _install_interrupts() -> None:
-    """Ctrl-C (SIGINT) and SIGTERM raise KeyboardInterrupt, so the cleanup runs.
-
-    SIGINT gets Python's default handler back even when this process inherited it ignored:
-    a non-interactive shell starts background commands with SIGINT ignored, and Python then
-    installs no handler of its own, so Ctrl-C would not stop a generation.
-    """
-    def on_term(signum, frame):
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, on_term)
-
-
 def _cmd_run(args) -> int:
     from dgr import errors
     from dgr.artifacts import models
@@ -185,7 +172,7 @@ def _cmd_run(args) -> int:
     from dgr.protocol.ranges import ranges_for
     from dgr.worker.process import LocalCluster
 
-    _install_interrupts()
+    install_interrupts()
     cluster = None
     route = None
     try:
@@ -251,7 +238,7 @@ def _cmd_generate(args) -> int:
     from dgr import errors
     from dgr.driver.route import Route
 
-    _install_interrupts()
+    install_interrupts()
     route = None
     try:
         route = Route(args.route, codec=args.codec, timeout=args.timeout,
@@ -335,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     from dgr.cli.certify import add_certify_parser
 
     add_certify_parser(sub)  # certify, lanes
+    from dgr.cli.serve import add_serve_parser
+
+    add_serve_parser(sub)
     for name, _, what in _TOOLS:  # listed in --help; run below with their own parsers
         sub.add_parser(name, help=what, add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)

@@ -1,0 +1,114 @@
+"""``python -m dgr serve``: the OpenAI-compatible HTTP front (``dgr.serve``) on uvicorn.
+
+With no arguments it starts the local 3-stage cluster on the default model (as ``python -m
+dgr run`` does) and serves it on http://127.0.0.1:8000/v1; ``--route host:port,...`` serves
+workers that are already running instead. The chat template comes from the model's GGUF
+(``--model``; with ``--route`` and no ``--model``, only ``/v1/completions`` is served).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from dgr.protocol import settings as engine_settings
+
+__all__ = ["add_serve_parser"]
+
+
+def _say(msg: str) -> None:
+    print(f"[dgr] {msg}", file=sys.stderr, flush=True)
+
+
+def add_serve_parser(sub) -> None:
+    s = sub.add_parser(
+        "serve", help="serve a route over the OpenAI HTTP API (chat, completions, streaming)",
+        description="Serve a route over the OpenAI-compatible HTTP API: GET /v1/models, POST "
+                    "/v1/chat/completions and /v1/completions (stream: true for server-sent "
+                    "events), GET /health and GET /metrics. Without --route it starts N local "
+                    "workers on the model (default: the registry's default model, 3 stages) "
+                    "and stops them on exit. Point any OpenAI client at "
+                    "http://HOST:PORT/v1 (any API key).")
+    s.add_argument("--model", help="GGUF path: the model of the local workers, and the source "
+                                   "of the chat template (default: the registry's default)")
+    s.add_argument("--route", help="comma-separated host:port of running workers, in any order "
+                                   "(default: start local workers)")
+    s.add_argument("--stages", type=int, default=3, help="local workers (default 3)")
+    s.add_argument("--splits", help="interior split layers of the local workers, e.g. 10,20")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
+                                                       "127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    s.add_argument("--model-name", help="the model id clients send (default: the GGUF's file "
+                                        "name without .gguf)")
+    s.add_argument("--queue-timeout", type=float, default=2.0,
+                   help="seconds a request waits for a free slot before a 429 (default 2)")
+    s.add_argument("--start-timeout", type=float, default=180.0,
+                   help="seconds to wait for the local workers to listen")
+    s.add_argument("--relay", choices=["auto", "on", "off"], default="auto",
+                   help="direct relay over the workers' data plane (default: where it applies)")
+    engine_settings.add_arguments(s)
+    s.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args) -> int:
+    import uvicorn
+
+    from dgr import errors
+    from dgr.artifacts import models
+    from dgr.driver.route import AsyncRoute
+    from dgr.serve.app import create_app
+
+    cluster = None
+    try:
+        model = args.model
+        if args.route:
+            endpoints = [e for e in args.route.split(",") if e]
+        else:
+            from dgr.cli.interrupts import install_interrupts
+            from dgr.core.engine import Engine
+            from dgr.protocol.ranges import ranges_for
+            from dgr.worker.process import LocalCluster
+
+            install_interrupts()
+            model = model or str(models.path(models.DEFAULT_MODEL))
+            settings = engine_settings.from_args(args)
+            n_layer = Engine(model, n_ctx=64).n_layer
+            ranges = ranges_for(args.splits, args.stages, n_layer)
+            _say(f"model {model}; {len(ranges)} stage(s): "
+                 + " ".join(f"[{a},{b})" for a, b in ranges))
+            cluster = LocalCluster(model, [None if r == (0, n_layer) else r for r in ranges],
+                                   settings=settings)
+            t0 = time.monotonic()
+            endpoints = cluster.start(
+                timeout=args.start_timeout,
+                progress=lambda i, n, msg: _say(f"{msg} ({time.monotonic() - t0:.1f} s)"))
+        template = None
+        if model:
+            from dgr.serve.templates import ChatTemplate
+
+            template = ChatTemplate.from_gguf(model)
+            if not template.available:
+                _say(f"{os.path.basename(model)} has no chat template: /v1/chat/completions "
+                     "answers 400; /v1/completions works")
+        name = args.model_name or (os.path.basename(model).removesuffix(".gguf") if model
+                                   else "dgr")
+        relay = {"auto": None, "on": True, "off": False}[args.relay]
+        app = create_app(AsyncRoute(endpoints, relay=relay), model=name,
+                         template=template if template is not None and template.available
+                         else None,
+                         queue_timeout=args.queue_timeout)
+        _say(f"serving '{name}' over {len(endpoints)} stage(s) on "
+             f"http://{args.host}:{args.port}/v1 (Ctrl-C stops)")
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        return 0
+    except KeyboardInterrupt:
+        _say("interrupted")
+        return 130
+    except errors.DgrError as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if cluster is not None:
+            codes = cluster.stop()
+            _say(f"workers stopped (exit status {', '.join(map(str, codes))})")

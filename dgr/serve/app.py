@@ -1,0 +1,435 @@
+"""The OpenAI-compatible HTTP front of a route: an ASGI app (Starlette), docs/serve.md.
+
+    from dgr.driver.route import AsyncRoute
+    from dgr.serve.app import create_app
+    app = create_app(AsyncRoute(["10.0.0.1:50051", "10.0.0.2:50051"]), model="smollm2")
+    # uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Endpoints follow the OpenAI API reference: ``GET /v1/models``, ``POST /v1/completions`` and
+``POST /v1/chat/completions`` (``stream: true`` as server-sent events ending in ``data:
+[DONE]``), ``GET /health`` and ``GET /metrics`` (Prometheus). Every error has the OpenAI shape
+``{"error": {"message", "type", "param", "code"}}`` and its HTTP status: a malformed request
+400, an unknown model 404, a prompt and completion longer than the context 400 naming both
+lengths, every slot busy 429 with ``Retry-After`` once a request waited ``queue_timeout``
+seconds, the route down 503.
+
+One route session per request, released on every stage when the request ends, however it
+ends: a client that disconnects mid-stream cancels its generation, and the session is
+released at once. Requests beyond the route's slots (the fewest any stage has) wait, at most
+``queue_timeout`` seconds, for one to free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import anyio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route as HttpRoute
+
+from dgr import errors
+from dgr.protocol.sampling import SamplingParams
+
+__all__ = ["create_app", "ApiError"]
+
+
+class ApiError(Exception):
+    """An OpenAI-shaped error: HTTP ``status``, ``type``, ``param`` and ``code``."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers or {}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.type,
+                                       "param": self.param, "code": self.code}},
+                            status_code=self.status, headers=self.headers)
+
+
+def _from_dgr(e: errors.DgrError) -> ApiError:
+    """The HTTP status of a dgr error met while serving a request."""
+    name = type(e).__name__
+    if isinstance(e, errors.ResourceExhausted):
+        return ApiError(429, str(e), type="rate_limit_error", code=name,
+                        headers={"Retry-After": "1"})
+    if isinstance(e, (errors.WorkerUnavailable, errors.StepDeadlineExceeded,
+                      errors.RouteError, errors.ModelMismatch)):
+        return ApiError(503, f"the route is unavailable: {e}", type="server_error", code=name)
+    if isinstance(e, (errors.InvalidArgument, errors.InvalidToken, errors.ContextFull,
+                      errors.InvalidPosition)) or isinstance(e, ValueError):
+        return ApiError(400, str(e), code=name)
+    return ApiError(500, f"{name}: {e}", type="server_error", code=name)
+
+
+# -- request fields ----------------------------------------------------------------------------
+
+def _field(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) and bool not in kinds:
+        raise ApiError(400, f"'{name}' must be {' or '.join(k.__name__ for k in kinds)}",
+                       param=name)
+    if not isinstance(v, kinds):
+        raise ApiError(400, f"'{name}' must be {' or '.join(k.__name__ for k in kinds)}, got "
+                            f"{type(v).__name__}", param=name)
+    return v
+
+
+class Params:
+    """What a completion request asks for, checked (every bad field a 400 naming it)."""
+
+    def __init__(self, body: dict, *, chat: bool):
+        self.stream = bool(_field(body, "stream", (bool,), False))
+        opts = _field(body, "stream_options", (dict,), {})
+        self.include_usage = bool(opts.get("include_usage", False)) if self.stream else False
+        n = _field(body, "n", (int,), 1)
+        if n != 1:
+            raise ApiError(400, f"'n' must be 1 (one choice per request), got {n}", param="n")
+        names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
+        self.max_tokens = None
+        for name in names:
+            v = _field(body, name, (int,))
+            if v is not None:
+                if v < 1:
+                    raise ApiError(400, f"'{name}' must be >= 1, got {v}", param=name)
+                self.max_tokens = v
+                break
+        if self.max_tokens is None and not chat:
+            self.max_tokens = 16  # the OpenAI completions default
+        temperature = float(_field(body, "temperature", (int, float), 1.0))
+        top_p = float(_field(body, "top_p", (int, float), 1.0))
+        seed = _field(body, "seed", (int,), None)
+        if not 0.0 <= temperature <= 2.0:
+            raise ApiError(400, f"'temperature' must be in [0, 2], got {temperature}",
+                           param="temperature")
+        if not 0.0 < top_p <= 1.0:
+            raise ApiError(400, f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
+        self.sampling = SamplingParams(
+            temperature=temperature, top_p=top_p,
+            seed=seed if seed is not None else uuid.uuid4().int & 0x7FFFFFFF)
+        stop = body.get("stop")
+        if stop is None:
+            self.stop: list[str] = []
+        elif isinstance(stop, str):
+            self.stop = [stop]
+        elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 4:
+            self.stop = [s for s in stop if s]
+        else:
+            raise ApiError(400, "'stop' must be a string or a list of at most 4 strings",
+                           param="stop")
+        if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
+            raise ApiError(400, "logprobs are not served by this route yet", param="logprobs")
+
+
+# -- the app -----------------------------------------------------------------------------------
+
+def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
+               metrics_registry=None) -> Starlette:
+    """The ASGI app serving ``route`` (an ``AsyncRoute``) as the model named ``model``.
+
+    ``template``: a ``dgr.serve.templates.ChatTemplate`` for the chat endpoint (None: chat
+    requests get a 400 saying the model has no chat template; completions still work). The
+    route is connected at startup if it is not yet, and closed at shutdown.
+    """
+    from dgr.serve import metrics as serve_metrics
+
+    state: dict[str, Any] = {"slots": None, "capacity": 0, "in_flight": 0}
+    created = int(time.time())
+    m = serve_metrics.ServeMetrics(metrics_registry)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if not route.stages:
+            await route.connect()
+        cap = min(int(s.settings["n_slots"]) for s in route.stages)
+        state["capacity"] = cap
+        state["slots"] = asyncio.Semaphore(cap)
+        try:
+            yield
+        finally:
+            await route.close()
+
+    def n_ctx() -> int:
+        return min(int(s.settings["n_ctx"]) for s in route.stages)
+
+    async def body_of(request: Request) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        name = body.get("model")
+        if name is not None and name != model:
+            raise ApiError(404, f"the model '{name}' does not exist; this route serves "
+                                f"'{model}'", param="model", code="model_not_found")
+        return body
+
+    async def acquire_slot() -> None:
+        try:
+            await asyncio.wait_for(state["slots"].acquire(), queue_timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(429, f"every one of the route's {state['capacity']} slot(s) is busy "
+                                f"(waited {queue_timeout:g} s); retry later",
+                           type="rate_limit_error", code="slots_busy",
+                           headers={"Retry-After": "1"}) from None
+
+    async def prompt_tokens(body: dict, chat: bool) -> tuple[list[int], str]:
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+            if template is None:
+                raise ApiError(400, f"the model '{model}' has no chat template: use "
+                                    "/v1/completions", param="messages",
+                               code="no_chat_template")
+            try:
+                text, add_bos = template.render_prompt(messages, add_generation_prompt=True)
+            except errors.DgrError as e:
+                raise ApiError(400, str(e), param="messages", code=type(e).__name__) from None
+            ids = await route.tokenize(text, add_bos, True)
+        else:
+            p = body.get("prompt")
+            if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+                p = p[0]
+            if isinstance(p, str):
+                text = p
+                ids = await route.tokenize(p, True, True)
+            elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
+                                                   for t in p):
+                text, ids = "", p
+            else:
+                raise ApiError(400, "'prompt' must be a string or a list of token ids (one "
+                                    "prompt per request)", param="prompt")
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ApiError(400, "the prompt has no tokens", param="prompt")
+        return ids, text
+
+    def budget(ids: list[int], params: Params) -> int:
+        ctx = n_ctx()
+        if params.max_tokens is None:
+            if len(ids) >= ctx:
+                raise ApiError(400, f"this model's maximum context length is {ctx} tokens; the "
+                                    f"prompt has {len(ids)}", code="context_length_exceeded")
+            return ctx - len(ids)
+        if len(ids) + params.max_tokens > ctx:
+            raise ApiError(400, f"this model's maximum context length is {ctx} tokens, but "
+                                f"{len(ids) + params.max_tokens} were requested ({len(ids)} in "
+                                f"the prompt, {params.max_tokens} for the completion)",
+                           param="max_tokens", code="context_length_exceeded")
+        return params.max_tokens
+
+    async def complete(request: Request, chat: bool) -> Response:
+        endpoint = "chat" if chat else "completions"
+        t0 = time.perf_counter()
+        try:
+            body = await body_of(request)
+            params = Params(body, chat=chat)
+            ids, _ = await prompt_tokens(body, chat)
+            max_tokens = budget(ids, params)
+            await acquire_slot()
+        except ApiError as e:
+            m.request(endpoint, e.status)
+            return e.response()
+        except errors.DgrError as e:
+            err = _from_dgr(e)
+            m.request(endpoint, err.status)
+            return err.response()
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        gen = _Generation(route, ids, max_tokens, params, metrics=m, t0=t0)
+        if params.stream:
+            return StreamingResponse(
+                _sse(gen, rid, chat, model, created, params.include_usage, state, endpoint, m),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        state["in_flight"] += 1
+        try:
+            text = ""
+            async for piece in gen.pieces():
+                text += piece
+        except errors.DgrError as e:
+            err = _from_dgr(e)
+            m.request(endpoint, err.status)
+            return err.response()
+        finally:
+            state["in_flight"] -= 1
+            await gen.close()
+            state["slots"].release()
+        m.request(endpoint, 200)
+        usage = gen.usage()
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": gen.finish_reason}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None,
+                      "finish_reason": gen.finish_reason}
+            obj = "text_completion"
+        return JSONResponse({"id": rid, "object": obj, "created": created, "model": model,
+                             "choices": [choice], "usage": usage,
+                             "system_fingerprint": None})
+
+    async def chat_completions(request: Request) -> Response:
+        return await complete(request, chat=True)
+
+    async def completions(request: Request) -> Response:
+        return await complete(request, chat=False)
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": model, "object": "model", "created": created, "owned_by": "dgr"}]})
+
+    async def health(request: Request) -> Response:
+        try:
+            infos = await route.describe()
+        except errors.DgrError as e:
+            return JSONResponse({"status": "unavailable", "error": f"{type(e).__name__}: {e}"},
+                                status_code=503)
+        stages = [{"endpoint": s.endpoint, "layers": list(s.layers), "draining": s.draining,
+                   "free_slots": s.free_slots, "sessions": s.sessions} for s in infos]
+        ok = not any(s.draining for s in infos)
+        return JSONResponse({"status": "ok" if ok else "draining", "model": model,
+                             "in_flight": state["in_flight"], "capacity": state["capacity"],
+                             "stages": stages}, status_code=200 if ok else 503)
+
+    async def metrics(request: Request) -> Response:
+        body, ctype = m.exposition()
+        return Response(body, media_type=ctype)
+
+    async def not_found(request: Request, exc) -> Response:
+        return ApiError(404, f"no route {request.method} {request.url.path}",
+                        code="not_found").response()
+
+    async def method_not_allowed(request: Request, exc) -> Response:
+        return ApiError(405, f"{request.method} is not allowed on {request.url.path}",
+                        code="method_not_allowed").response()
+
+    async def server_error(request: Request, exc) -> Response:
+        return ApiError(500, f"internal error: {type(exc).__name__}", type="server_error",
+                        code="internal_error").response()
+
+    return Starlette(
+        routes=[HttpRoute("/v1/models", models, methods=["GET"]),
+                HttpRoute("/v1/chat/completions", chat_completions, methods=["POST"]),
+                HttpRoute("/v1/completions", completions, methods=["POST"]),
+                HttpRoute("/health", health, methods=["GET"]),
+                HttpRoute("/metrics", metrics, methods=["GET"])],
+        exception_handlers={404: not_found, 405: method_not_allowed, 500: server_error},
+        lifespan=lifespan)
+
+
+class _Generation:
+    """One request's generation on its own route session: the text as it grows (held back
+    while it may still become a stop string or ends inside a UTF-8 sequence)."""
+
+    def __init__(self, route, ids: list[int], max_tokens: int, params: Params, *, metrics,
+                 t0: float):
+        self.route, self.ids, self.max_tokens, self.params = route, ids, max_tokens, params
+        self.session = route.session()
+        self.tokens: list[int] = []
+        self.finish_reason = "length"
+        self.metrics, self.t0 = metrics, t0
+        self._closed = False
+
+    async def pieces(self) -> AsyncIterator[str]:
+        """The completion's text, piece by piece (stop strings cut, never sent)."""
+        sent = ""
+        stops = self.params.stop
+        first = True
+        async for tok in self.session.generate(self.ids, max_tokens=self.max_tokens,
+                                               sampling=self.params.sampling, stop=stops):
+            if first:
+                self.metrics.first_token(time.perf_counter() - self.t0)
+                first = False
+            self.tokens.append(int(tok))
+            text = await self.route.detokenize(self.tokens)
+            cut = min((text.find(s) for s in stops if s in text), default=-1)
+            if cut >= 0:
+                text = text[:cut]
+            else:
+                # hold back a tail that may be the start of a stop string or of a character
+                hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])),
+                           default=0)
+                if text.endswith("\ufffd"):
+                    hold = max(hold, 1)
+                text = text[:len(text) - hold]
+            if len(text) > len(sent) and text.startswith(sent):
+                piece, sent = text[len(sent):], text
+                yield piece
+        reason = getattr(self.session, "stop_reason", "length")
+        self.finish_reason = "length" if reason == "length" else "stop"
+        text = await self.route.detokenize(self.tokens) if self.tokens else ""
+        cut = min((text.find(s) for s in stops if s in text), default=-1)
+        if cut >= 0:
+            text = text[:cut]
+        if len(text) > len(sent) and text.startswith(sent):
+            yield text[len(sent):]
+        self.metrics.tokens(len(self.tokens))
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": len(self.ids), "completion_tokens": len(self.tokens),
+                "total_tokens": len(self.ids) + len(self.tokens)}
+
+    async def close(self) -> None:
+        """Release the session on every stage (also when the request was cancelled)."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            await self.session.close()
+
+
+async def _sse(gen: _Generation, rid: str, chat: bool, model: str, created: int,
+               include_usage: bool, state: dict, endpoint: str, m) -> AsyncIterator[bytes]:
+    """Server-sent events of one streamed completion, ending in ``data: [DONE]``."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def event(choices: list, **extra) -> bytes:
+        d = {"id": rid, "object": obj, "created": created, "model": model,
+             "system_fingerprint": None, "choices": choices, **extra}
+        return b"data: " + json.dumps(d, ensure_ascii=False).encode() + b"\n\n"
+
+    def choice(piece: str | None, finish: str | None, role: bool = False) -> dict:
+        if chat:
+            delta: dict = {"role": "assistant", "content": ""} if role else {}
+            if piece is not None:
+                delta["content"] = piece
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+
+    state["in_flight"] += 1
+    status = 200
+    try:
+        if chat:
+            yield event([choice(None, None, role=True)])
+        try:
+            async for piece in gen.pieces():
+                yield event([choice(piece, None)])
+        except errors.DgrError as e:
+            err = _from_dgr(e)
+            status = err.status
+            yield b"data: " + json.dumps({"error": {"message": err.message, "type": err.type,
+                                                    "param": None, "code": err.code}}).encode() \
+                + b"\n\n"
+            return
+        yield event([choice(None if chat else "", gen.finish_reason)])
+        if include_usage:
+            yield event([], usage=gen.usage())
+        yield b"data: [DONE]\n\n"
+    finally:
+        state["in_flight"] -= 1
+        await gen.close()
+        state["slots"].release()
+        m.request(endpoint, status)

@@ -1,0 +1,41 @@
+"""Prometheus metrics of the HTTP front (``GET /metrics``), in their own registry."""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+
+__all__ = ["ServeMetrics"]
+
+
+class ServeMetrics:
+    """Requests by endpoint and HTTP status, generated tokens, time to first token."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._requests = Counter("dgr_serve_requests", "HTTP completion requests answered",
+                                 ["endpoint", "status"], registry=self.registry)
+        self._tokens = Counter("dgr_serve_completion_tokens",
+                               "Tokens generated for completion requests",
+                               registry=self.registry)
+        self._ttft = Histogram("dgr_serve_time_to_first_token_seconds",
+                               "From a request's arrival to its first generated token",
+                               buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+                               registry=self.registry)
+
+    def request(self, endpoint: str, status: int) -> None:
+        self._requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def tokens(self, n: int) -> None:
+        self._tokens.inc(n)
+
+    def first_token(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

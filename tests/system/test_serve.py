@@ -1,0 +1,317 @@
+"""The OpenAI-compatible HTTP front (dgr.serve) over a real 2-stage SmolLM2 route, driven by
+the official ``openai`` client: models, chat and completions (streamed and not), stop strings,
+usage, the greedy text equal to the route's own greedy output, the error shapes and statuses,
+the slot limit (429), and a client that disconnects mid-stream (its sessions released)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+
+import pytest
+
+import dgr
+from dgr.driver.route import AsyncRoute, Route
+from dgr.worker.process import ThreadedWorker
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+pytestmark = pytest.mark.slow
+
+SETTINGS = dict(n_ctx=256, n_slots=2, n_threads=1, n_ubatch=32)
+NAME = "smollm2"
+PROMPT = "The capital of France is"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+class Served:
+    """uvicorn serving ``app`` from a thread; ``base`` is its http://host:port."""
+
+    def __init__(self, app):
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
+                                                    log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            assert self.thread.is_alive(), "uvicorn exited at startup"
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.host, self.port = "127.0.0.1", port
+        self.base = f"http://127.0.0.1:{port}"
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def stages(smollm2):
+    ws = [ThreadedWorker(dgr.Engine(smollm2, layers=r, **SETTINGS)) for r in [(0, 15), (15, 30)]]
+    yield ws
+    for w in ws:
+        w.stop()
+
+
+@pytest.fixture(scope="module")
+def template(smollm2):
+    from dgr.serve.templates import ChatTemplate
+
+    return ChatTemplate.from_gguf(smollm2)
+
+
+def _serve(stages, template, **kw):
+    from dgr.serve.app import create_app
+
+    app = create_app(AsyncRoute([w.address for w in stages]), model=NAME, template=template,
+                     **kw)
+    return Served(app)
+
+
+@pytest.fixture(scope="module")
+def served(stages, template):
+    s = _serve(stages, template, queue_timeout=0.5)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served.base + "/v1", api_key="unused", max_retries=0,
+                         timeout=60)
+
+
+@pytest.fixture(scope="module")
+def route(stages):
+    with Route([w.address for w in stages]) as r:
+        yield r
+
+
+def _greedy_text(route, ids, max_tokens):
+    g = route.complete(ids, max_tokens=max_tokens)
+    return g.text, g
+
+
+def _sessions(stages) -> list[int]:
+    return [len(w.worker.table) for w in stages]
+
+
+def test_models_list(client):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == [NAME]
+
+
+def test_completion_equals_the_routes_greedy_text(client, route):
+    r = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=12, temperature=0)
+    ids = route.tokenize(PROMPT, True, True)
+    text, g = _greedy_text(route, ids, 12)
+    assert r.choices[0].text == text and text
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.usage.completion_tokens == len(g.tokens)
+    assert r.usage.total_tokens == len(ids) + len(g.tokens)
+    assert r.choices[0].finish_reason == ("length" if g.stop_reason == "length" else "stop")
+
+
+def test_chat_completion_equals_the_routes_greedy_text_of_the_template(client, route,
+                                                                      template):
+    r = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=16,
+                                       temperature=0)
+    text, add_bos = template.render_prompt(MESSAGES, add_generation_prompt=True)
+    ids = route.tokenize(text, add_bos, True)
+    want, g = _greedy_text(route, ids, 16)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want and want
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(g.tokens)
+
+
+def test_streamed_chat_gives_the_same_text_and_usage_last(client):
+    whole = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=16,
+                                           temperature=0)
+    chunks = list(client.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and
+              c.choices[0].finish_reason]
+    assert finish == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1
+
+
+def test_streamed_completion_ends_with_done(served):
+    conn = http.client.HTTPConnection(served.host, served.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(
+        {"model": NAME, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stream": True}),
+        {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/event-stream")
+    events = [ln for ln in resp.read().decode().split("\n\n") if ln]
+    conn.close()
+    assert events[-1] == "data: [DONE]"
+    body = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert all(b["object"] == "text_completion" for b in body)
+    assert body[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_stop_sequence_cuts_the_text(client, route):
+    full = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=16,
+                                     temperature=0).choices[0].text
+    words = full.split()
+    assert len(words) >= 3, full
+    stop = words[2]
+    r = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=16, temperature=0,
+                                  stop=[stop, "never-appears"])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == full[:full.find(stop)]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=NAME, prompt=PROMPT, max_tokens=16, temperature=0, stop=stop, stream=True))
+    assert streamed == r.choices[0].text
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kw = dict(model=NAME, prompt=PROMPT, max_tokens=8, temperature=0.9, top_p=0.95, seed=7)
+    a, b = (client.completions.create(**kw).choices[0].text for _ in range(2))
+    assert a == b
+
+
+@pytest.mark.parametrize("kw, status, needle", [
+    (dict(n=2), 400, "'n' must be 1"),
+    (dict(model="gpt-4"), 404, "does not exist"),
+    (dict(max_tokens=100000), 400, "maximum context length is 256 tokens"),
+    (dict(temperature=5), 400, "temperature"),
+    (dict(stop=[1, 2]), 400, "stop"),
+    (dict(logprobs=True), 400, "logprobs"),
+])
+def test_errors_have_the_openai_shape_and_status(client, kw, status, needle):
+    args = dict(model=NAME, messages=MESSAGES, max_tokens=4)
+    args.update(kw)
+    with pytest.raises(openai.APIStatusError) as e:
+        client.chat.completions.create(**args)
+    assert e.value.status_code == status
+    err = e.value.body["error"] if "error" in e.value.body else e.value.body
+    assert needle in err["message"] and set(err) >= {"message", "type", "param", "code"}
+
+
+def test_too_long_names_both_lengths(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt=PROMPT, max_tokens=255)
+    msg = e.value.body["message"] if "message" in e.value.body else e.value.body["error"][
+        "message"]
+    assert "256 tokens" in msg and "255 for the completion" in msg
+
+
+def test_bad_json_and_unknown_paths(served):
+    conn = http.client.HTTPConnection(served.host, served.port, timeout=30)
+    for path, body, status in [("/v1/chat/completions", b"{not json", 400),
+                               ("/v1/completions", b"[1, 2]", 400),
+                               ("/v1/nothing", b"{}", 404)]:
+        conn.request("POST", path, body, {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        data = json.loads(r.read())
+        assert r.status == status and set(data["error"]) == {"message", "type", "param",
+                                                             "code"}, (path, data)
+    conn.close()
+
+
+def test_health_and_metrics(served):
+    conn = http.client.HTTPConnection(served.host, served.port, timeout=30)
+    conn.request("GET", "/health")
+    r = conn.getresponse()
+    h = json.loads(r.read())
+    assert r.status == 200 and h["status"] == "ok" and len(h["stages"]) == 2
+    assert [s["layers"] for s in h["stages"]] == [[0, 15], [15, 30]]
+    conn.request("GET", "/metrics")
+    r = conn.getresponse()
+    text = r.read().decode()
+    assert r.status == 200 and "dgr_serve_requests_total" in text
+    assert 'endpoint="chat",status="200"' in text
+    conn.close()
+
+
+def _open_stream(served, max_tokens=200):
+    conn = http.client.HTTPConnection(served.host, served.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(
+        {"model": NAME, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.8,
+         "seed": 1, "stream": True}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    resp.fp.readline()  # the first event: a generation is running on its session
+    return conn, resp
+
+
+def test_every_slot_busy_is_429_with_retry_after(served, stages):
+    held = [_open_stream(served) for _ in range(2)]  # the route has 2 slots
+    try:
+        conn = http.client.HTTPConnection(served.host, served.port, timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps(
+            {"model": NAME, "prompt": PROMPT, "max_tokens": 4}),
+            {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        data = json.loads(r.read())
+        conn.close()
+        assert r.status == 429 and r.getheader("Retry-After") == "1"
+        assert data["error"]["type"] == "rate_limit_error" and "busy" in data["error"]["message"]
+    finally:
+        for c, _ in held:
+            c.close()
+
+
+def test_a_client_that_disconnects_mid_stream_releases_its_sessions(served, stages):
+    deadline = time.monotonic() + 10
+    while any(_sessions(stages)) and time.monotonic() < deadline:
+        time.sleep(0.05)  # earlier tests' sessions are gone
+    assert _sessions(stages) == [0, 0]
+    conn, resp = _open_stream(served)
+    assert _sessions(stages) == [1, 1]
+    conn.close()  # mid-stream: 200 tokens asked, one event read
+    t0 = time.monotonic()
+    while any(_sessions(stages)) and time.monotonic() - t0 < 5:
+        time.sleep(0.02)
+    released = time.monotonic() - t0
+    assert _sessions(stages) == [0, 0]
+    assert released < 1.0, f"sessions released {released:.2f} s after the disconnect"
+
+
+def test_the_serve_command_starts_a_cluster_serves_it_and_stops_it(smollm2):
+    """``python -m dgr serve``: local workers, the API on the port asked, Ctrl-C stops both."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = subprocess.Popen([sys.executable, "-m", "dgr", "serve", "--model", str(smollm2),
+                          "--stages", "2", "--port", str(port), "--ctx", "256", "--slots", "1",
+                          "--model-name", "tiny-route"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert p.poll() is None, p.stdout.read()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    health = json.loads(r.read())
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "dgr serve did not come up"
+                time.sleep(0.2)
+        assert len(health["stages"]) == 2 and health["status"] == "ok"
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
+        assert [m.id for m in c.models.list().data] == ["tiny-route"]
+        r = c.chat.completions.create(model="tiny-route", messages=MESSAGES, max_tokens=4,
+                                      temperature=0)
+        assert r.choices[0].message.content and r.usage.completion_tokens >= 1
+    finally:
+        p.send_signal(signal.SIGINT)
+        out, _ = p.communicate(timeout=60)
+    assert p.returncode in (0, 130), out
+    assert "workers stopped (exit status 0, 0)" in out, out
