@@ -37,7 +37,10 @@ from starlette.routing import Route as HttpRoute
 from dgr import errors
 from dgr.protocol.sampling import SamplingParams
 
-__all__ = ["create_app", "ApiError"]
+__all__ = ["create_app", "ApiError", "MAX_BODY"]
+
+#: the largest request body read (bytes); a larger one is a 413 before it is parsed
+MAX_BODY = 8 << 20
 
 
 class ApiError(Exception):
@@ -164,8 +167,14 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
         return min(int(s.settings["n_ctx"]) for s in route.stages)
 
     async def body_of(request: Request) -> dict:
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY:
+                raise ApiError(413, f"the request body is larger than {MAX_BODY} bytes",
+                               code="request_too_large")
         try:
-            body = json.loads(await request.body())
+            body = json.loads(bytes(raw))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the request body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
@@ -248,13 +257,11 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
             m.request(endpoint, err.status)
             return err.response()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        gen = _Generation(route, ids, max_tokens, params, metrics=m, t0=t0)
+        gen = _Generation(route, ids, max_tokens, params, metrics=m, t0=t0, state=state)
         if params.stream:
-            return StreamingResponse(
-                _sse(gen, rid, chat, model, created, params.include_usage, state, endpoint, m),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        state["in_flight"] += 1
+            return _Stream(_sse(gen, rid, chat, model, created, params.include_usage, endpoint, m),
+                           gen, media_type="text/event-stream",
+                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             text = ""
             async for piece in gen.pieces():
@@ -264,9 +271,7 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
             m.request(endpoint, err.status)
             return err.response()
         finally:
-            state["in_flight"] -= 1
             await gen.close()
-            state["slots"].release()
         m.request(endpoint, 200)
         usage = gen.usage()
         if chat:
@@ -335,8 +340,11 @@ class _Generation:
     while it may still become a stop string or ends inside a UTF-8 sequence)."""
 
     def __init__(self, route, ids: list[int], max_tokens: int, params: Params, *, metrics,
-                 t0: float):
+                 t0: float, state: dict):
         self.route, self.ids, self.max_tokens, self.params = route, ids, max_tokens, params
+        # the request holds one of the route's slots (acquired before): close() gives it back
+        self.state = state
+        state["in_flight"] += 1
         self.session = route.session()
         self.tokens: list[int] = []
         self.finish_reason = "length"
@@ -383,16 +391,35 @@ class _Generation:
                 "total_tokens": len(self.ids) + len(self.tokens)}
 
     async def close(self) -> None:
-        """Release the session on every stage (also when the request was cancelled)."""
+        """Release the session on every stage and the request's slot, once (also when the
+        request was cancelled, or its stream never started)."""
         if self._closed:
             return
         self._closed = True
+        self.state["in_flight"] -= 1
+        self.state["slots"].release()
         with anyio.CancelScope(shield=True):
             await self.session.close()
 
 
+class _Stream(StreamingResponse):
+    """A streamed completion whose generation is closed when the ASGI call ends, however it
+    ends: a client gone before the first event never starts the event generator, whose own
+    ``finally`` would then never run."""
+
+    def __init__(self, content, gen: _Generation, **kw):
+        super().__init__(content, **kw)
+        self._gen = gen
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._gen.close()
+
+
 async def _sse(gen: _Generation, rid: str, chat: bool, model: str, created: int,
-               include_usage: bool, state: dict, endpoint: str, m) -> AsyncIterator[bytes]:
+               include_usage: bool, endpoint: str, m) -> AsyncIterator[bytes]:
     """Server-sent events of one streamed completion, ending in ``data: [DONE]``."""
     obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -409,7 +436,6 @@ async def _sse(gen: _Generation, rid: str, chat: bool, model: str, created: int,
             return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         return {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
 
-    state["in_flight"] += 1
     status = 200
     try:
         if chat:
@@ -429,7 +455,5 @@ async def _sse(gen: _Generation, rid: str, chat: bool, model: str, created: int,
             yield event([], usage=gen.usage())
         yield b"data: [DONE]\n\n"
     finally:
-        state["in_flight"] -= 1
         await gen.close()
-        state["slots"].release()
         m.request(endpoint, status)

@@ -210,7 +210,8 @@ def test_bad_json_and_unknown_paths(served):
     conn = http.client.HTTPConnection(served.host, served.port, timeout=30)
     for path, body, status in [("/v1/chat/completions", b"{not json", 400),
                                ("/v1/completions", b"[1, 2]", 400),
-                               ("/v1/nothing", b"{}", 404)]:
+                               ("/v1/nothing", b"{}", 404),
+                               ("/v1/completions", b" " * (9 << 20), 413)]:
         conn.request("POST", path, body, {"Content-Type": "application/json"})
         r = conn.getresponse()
         data = json.loads(r.read())
