@@ -1,0 +1,240 @@
+"""Load on the HTTP front: k concurrent streaming clients against ``python -m dgr serve`` (a local
+cluster of ``--stages`` workers) and against ``llama-server`` of the pinned tree on the whole
+model, side by side in one run.
+
+    python benches/serve_load.py [--clients 1,4,16] [--tokens 64] [--requests 2]
+                                 [--stages 3] [--json out.json]
+
+Both servers get the same model (the registry's default), one thread per process, ``n_ubatch``
+= ``n_batch`` 64, flash attention on, 1024 context tokens per slot and as many slots as the
+largest client count. Each client sends ``--requests`` streamed ``/v1/chat/completions``
+requests one after the other (its own user message, temperature 0, ``max_tokens``
+``--tokens``), reading the server-sent events as they arrive. Per request: TTFT = from
+sending the request to the first content event; time per output token = (last content event
+- first) / (content events - 1); output tokens = the ``usage`` of the last event (both servers
+send it with ``stream_options.include_usage``). Per client count and server: requests/s and
+output tokens/s over the wall time of the whole batch, TTFT and TPOT p50 and p99.
+
+llama-server is built once from the pinned, patched tree into ``$DGR_CACHE/llama-server-<key>``
+(``LLAMA_BUILD_SERVER=ON``, no UI assets, no network). Note what differs: dgr runs a process
+per stage (each with its own thread), so on this 2-core machine up to 2 of its stages compute
+at once; llama-server computes in one process with one thread but batches its slots' tokens
+into one decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+N_CTX, N_UBATCH = 1024, 64
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def llama_server() -> str:
+    """The pinned tree's llama-server, built once into the cache (a few minutes cold)."""
+    from dgr.vendor import Vendor
+
+    v = Vendor()
+    exe = v.cache / f"llama-server-{v.key}" / "bin" / "llama-server"
+    if exe.exists():
+        return str(exe)
+    v.build()  # fetches and patches the tree if needed
+    b = exe.parent.parent
+    cmake = shutil.which("cmake") or "cmake"
+    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+    subprocess.run([cmake, "-S", str(v.src), "-B", str(b), *gen, "-DCMAKE_BUILD_TYPE=Release",
+                    "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_SERVER=ON",
+                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                    "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF",
+                    "-DLLAMA_USE_PREBUILT_UI=OFF", "-DGGML_RPC=OFF"], check=True,
+                   stdout=subprocess.DEVNULL)
+    print(f"building llama-server into {b} ...", file=sys.stderr, flush=True)
+    subprocess.run([cmake, "--build", str(b), "--target", "llama-server", "-j",
+                    str(v.jobs())], check=True, stdout=subprocess.DEVNULL)
+    return str(exe)
+
+
+def _wait_healthy(port: int, proc: subprocess.Popen, what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            c.request("GET", "/health")
+            r = c.getresponse()
+            r.read()
+            c.close()
+            if r.status == 200:
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} not healthy within {timeout:g} s")
+        time.sleep(0.25)
+
+
+def one_request(port: int, model: str, message: str, max_tokens: int) -> dict:
+    """One streamed chat completion: TTFT, TPOT, output tokens."""
+    body = json.dumps({"model": model, "stream": True, "max_tokens": max_tokens,
+                       "temperature": 0, "stream_options": {"include_usage": True},
+                       "messages": [{"role": "user", "content": message}]})
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    t0 = time.perf_counter()
+    c.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    r = c.getresponse()
+    if r.status != 200:
+        raise RuntimeError(f"HTTP {r.status}: {r.read()[:300]!r}")
+    times, usage = [], None
+    for raw in r:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        ev = json.loads(line[6:])
+        if ev.get("usage"):
+            usage = ev["usage"]
+        for ch in ev.get("choices") or []:
+            if (ch.get("delta") or {}).get("content"):
+                times.append(time.perf_counter())
+    c.close()
+    t_end = time.perf_counter()
+    n = usage["completion_tokens"] if usage else len(times)
+    return {"ttft_s": (times[0] - t0) if times else t_end - t0,
+            "tpot_s": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
+            "tokens": n, "wall_s": t_end - t0}
+
+
+def run_load(port: int, model: str, k: int, n_requests: int, max_tokens: int) -> dict:
+    """k clients at once, each ``n_requests`` requests in a row."""
+    results: list[dict] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def client(i: int) -> None:
+        for j in range(n_requests):
+            msg = f"Write a short story about a robot named R{i}-{j} who learns to paint."
+            try:
+                res = one_request(port, model, msg, max_tokens)
+            except Exception as e:  # noqa: BLE001 - the report counts failures
+                with lock:
+                    errors.append(f"{type(e).__name__}: {e}")
+                continue
+            with lock:
+                results.append(res)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(k)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+
+    def pct(xs, q):
+        xs = sorted(x for x in xs if x is not None)
+        if not xs:
+            return None
+        return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+    ttft = [r["ttft_s"] for r in results]
+    tpot = [r["tpot_s"] for r in results]
+    return {"clients": k, "requests": len(results), "failed": len(errors),
+            "errors": errors[:3], "wall_s": wall,
+            "requests_per_s": len(results) / wall,
+            "output_tokens_per_s": sum(r["tokens"] for r in results) / wall,
+            "output_tokens": sum(r["tokens"] for r in results),
+            "ttft_ms_p50": 1e3 * statistics.median(ttft) if ttft else None,
+            "ttft_ms_p99": 1e3 * pct(ttft, 0.99) if ttft else None,
+            "tpot_ms_p50": 1e3 * pct(tpot, 0.5) if pct(tpot, 0.5) else None,
+            "tpot_ms_p99": 1e3 * pct(tpot, 0.99) if pct(tpot, 0.99) else None}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--clients", default="1,4,16")
+    ap.add_argument("--tokens", type=int, default=64, help="max_tokens of each request")
+    ap.add_argument("--requests", type=int, default=2, help="requests per client, in a row")
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--model", help="GGUF (default: the registry's default model)")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    from dgr.artifacts import models
+
+    model = args.model or str(models.path(models.DEFAULT_MODEL))
+    ks = [int(x) for x in args.clients.split(",") if x]
+    slots = max(ks)
+    name = "bench"
+    exe = llama_server()
+    dgr_port, ls_port = _free_port(), _free_port()
+    dgr_cmd = [sys.executable, "-m", "dgr", "serve", "--model", model, "--stages",
+               str(args.stages), "--port", str(dgr_port), "--model-name", name,
+               "--ctx", str(N_CTX), "--slots", str(slots), "--threads", "1", "--ubatch",
+               str(N_UBATCH), "--flash-attn", "on", "--queue-timeout", "600"]
+    ls_cmd = [exe, "-m", model, "--host", "127.0.0.1", "--port", str(ls_port), "-t", "1",
+              "-tb", "1", "-c", str(N_CTX * slots), "-np", str(slots), "-b", str(N_UBATCH),
+              "-ub", str(N_UBATCH), "-fa", "on", "--alias", name, "--no-webui"]
+    print("dgr:         " + " ".join(dgr_cmd), file=sys.stderr)
+    print("llama-server: " + " ".join(ls_cmd), file=sys.stderr, flush=True)
+    log = open(os.devnull, "w")
+    procs = {"dgr": subprocess.Popen(dgr_cmd, stdout=log, stderr=log),
+             "llama-server": subprocess.Popen(ls_cmd, stdout=log, stderr=log)}
+    ports = {"dgr": dgr_port, "llama-server": ls_port}
+    out = {"model": model, "stages": args.stages, "tokens": args.tokens,
+           "requests_per_client": args.requests, "commands": {"dgr": dgr_cmd,
+                                                               "llama-server": ls_cmd},
+           "rows": []}
+    try:
+        for what, p in procs.items():
+            _wait_healthy(ports[what], p, what)
+        for what in procs:  # warm-up: one request each
+            one_request(ports[what], name, "Hello.", 8)
+        for k in ks:
+            for what in procs:  # side by side: each client count on both, in turn
+                row = run_load(ports[what], name, k, args.requests, args.tokens)
+                row["server"] = what
+                out["rows"].append(row)
+                print(f"{what:<13} k={k:<3} {row['requests_per_s']:6.2f} req/s "
+                      f"{row['output_tokens_per_s']:7.1f} tok/s  TTFT p50 "
+                      f"{row['ttft_ms_p50'] or 0:8.1f} p99 {row['ttft_ms_p99'] or 0:8.1f} ms  "
+                      f"TPOT p50 {row['tpot_ms_p50'] or 0:6.1f} p99 {row['tpot_ms_p99'] or 0:6.1f}"
+                      f" ms  failed {row['failed']}", flush=True)
+    finally:
+        for p in procs.values():
+            p.send_signal(2)  # SIGINT: dgr serve stops its workers
+        for p in procs.values():
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    print("\n| clients | server | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | "
+          "TPOT p50 ms | TPOT p99 ms |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    for r in out["rows"]:
+        print(f"| {r['clients']} | {r['server']} | {r['requests_per_s']:.2f} | "
+              f"{r['output_tokens_per_s']:.1f} | {r['ttft_ms_p50'] or 0:.0f} | "
+              f"{r['ttft_ms_p99'] or 0:.0f} | {r['tpot_ms_p50'] or 0:.1f} | "
+              f"{r['tpot_ms_p99'] or 0:.1f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
