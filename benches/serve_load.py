@@ -51,7 +51,7 @@ def llama_server() -> str:
     from dgr.vendor import Vendor
 
     v = Vendor()
-    exe = v.cache / f"llama-server-{v.key}" / "bin" / "llama-server"
+    exe = v.cache / f"llama-server-{v.key()}" / "bin" / "llama-server"
     if exe.exists():
         return str(exe)
     v.build()  # fetches and patches the tree if needed
