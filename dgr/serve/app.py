@@ -120,7 +120,9 @@ class Params:
             raise ApiError(400, f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
         self.sampling = SamplingParams(
             temperature=temperature, top_p=top_p,
-            seed=seed if seed is not None else uuid.uuid4().int & 0x7FFFFFFF)
+            # OpenAI's seed is any int64; the wire's is a uint64 (two's complement kept)
+            seed=(seed & 0xFFFFFFFFFFFFFFFF) if seed is not None
+            else uuid.uuid4().int & 0x7FFFFFFF)
         stop = body.get("stop")
         if stop is None:
             self.stop: list[str] = []

@@ -178,6 +178,9 @@ def test_seeded_sampling_is_reproducible(client):
     kw = dict(model=NAME, prompt=PROMPT, max_tokens=8, temperature=0.9, top_p=0.95, seed=7)
     a, b = (client.completions.create(**kw).choices[0].text for _ in range(2))
     assert a == b
+    kw["seed"] = -3  # any int64, as OpenAI's API takes
+    c, d = (client.completions.create(**kw).choices[0].text for _ in range(2))
+    assert c == d and c
 
 
 @pytest.mark.parametrize("kw, status, needle", [
