@@ -337,6 +337,21 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
         lifespan=lifespan)
 
 
+def _visible(text: str, stops: list[str], *, final: bool) -> str:
+    """What of ``text`` may be sent: cut at the first stop string; before the end
+    (``final`` False), also without a tail that may still become a stop string or that ends
+    inside a UTF-8 sequence."""
+    cut = min((text.find(s) for s in stops if s in text), default=-1)
+    if cut >= 0:
+        return text[:cut]
+    if final:
+        return text
+    hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    if text.endswith("\ufffd"):
+        hold = max(hold, 1)
+    return text[:len(text) - hold]
+
+
 class _Generation:
     """One request's generation on its own route session: the text as it grows (held back
     while it may still become a stop string or ends inside a UTF-8 sequence)."""
@@ -355,35 +370,21 @@ class _Generation:
 
     async def pieces(self) -> AsyncIterator[str]:
         """The completion's text, piece by piece (stop strings cut, never sent)."""
-        sent = ""
+        sent = full = ""
         stops = self.params.stop
-        first = True
         async for tok in self.session.generate(self.ids, max_tokens=self.max_tokens,
                                                sampling=self.params.sampling, stop=stops):
-            if first:
+            if not self.tokens:
                 self.metrics.first_token(time.perf_counter() - self.t0)
-                first = False
             self.tokens.append(int(tok))
-            text = await self.route.detokenize(self.tokens)
-            cut = min((text.find(s) for s in stops if s in text), default=-1)
-            if cut >= 0:
-                text = text[:cut]
-            else:
-                # hold back a tail that may be the start of a stop string or of a character
-                hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])),
-                           default=0)
-                if text.endswith("\ufffd"):
-                    hold = max(hold, 1)
-                text = text[:len(text) - hold]
+            full = await self.route.detokenize(self.tokens)
+            text = _visible(full, stops, final=False)
             if len(text) > len(sent) and text.startswith(sent):
                 piece, sent = text[len(sent):], text
                 yield piece
         reason = getattr(self.session, "stop_reason", "length")
         self.finish_reason = "length" if reason == "length" else "stop"
-        text = await self.route.detokenize(self.tokens) if self.tokens else ""
-        cut = min((text.find(s) for s in stops if s in text), default=-1)
-        if cut >= 0:
-            text = text[:cut]
+        text = _visible(full, stops, final=True)
         if len(text) > len(sent) and text.startswith(sent):
             yield text[len(sent):]
         self.metrics.tokens(len(self.tokens))
