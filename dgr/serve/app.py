@@ -36,6 +36,13 @@ from starlette.routing import Route as HttpRoute
 
 from dgr import errors
 from dgr.protocol.sampling import SamplingParams
+from dgr.serve.logprobs import (
+    MAX_TOP_CHAT,
+    MAX_TOP_COMPLETIONS,
+    chat_logprobs,
+    completion_logprobs,
+    token_logprob,
+)
 
 __all__ = ["create_app", "ApiError", "MAX_BODY"]
 
@@ -133,8 +140,25 @@ class Params:
         else:
             raise ApiError(400, "'stop' must be a string or a list of at most 4 strings",
                            param="stop")
-        if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
-            raise ApiError(400, "logprobs are not served by this route yet", param="logprobs")
+        if chat:
+            # chat: "logprobs": bool, "top_logprobs": 0..20 alternatives (needs logprobs)
+            self.logprobs = bool(_field(body, "logprobs", (bool,), False))
+            top = _field(body, "top_logprobs", (int,), None)
+            if top is not None and not self.logprobs:
+                raise ApiError(400, "'top_logprobs' needs 'logprobs': true",
+                               param="top_logprobs")
+            if top is not None and not 0 <= top <= MAX_TOP_CHAT:
+                raise ApiError(400, f"'top_logprobs' must be in [0, {MAX_TOP_CHAT}], got {top}",
+                               param="top_logprobs")
+            self.top_logprobs = top or 0
+        else:
+            # completions: "logprobs": 0..5, the number of alternatives (null: none)
+            top = _field(body, "logprobs", (int,), None)
+            if top is not None and not 0 <= top <= MAX_TOP_COMPLETIONS:
+                raise ApiError(400, f"'logprobs' must be in [0, {MAX_TOP_COMPLETIONS}], got "
+                                    f"{top}", param="logprobs")
+            self.logprobs = top is not None
+            self.top_logprobs = top or 0
 
 
 # -- the app -----------------------------------------------------------------------------------
@@ -149,7 +173,8 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
     """
     from dgr.serve import metrics as serve_metrics
 
-    state: dict[str, Any] = {"slots": None, "capacity": 0, "in_flight": 0}
+    # "pieces": each token id's text, as detokenized alone (for log probabilities)
+    state: dict[str, Any] = {"slots": None, "capacity": 0, "in_flight": 0, "pieces": {}}
     created = int(time.time())
     m = serve_metrics.ServeMetrics(metrics_registry)
 
@@ -276,12 +301,13 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
             await gen.close()
         m.request(endpoint, 200)
         usage = gen.usage()
+        lp = await gen.take_logprobs(chat)
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": gen.finish_reason}
+                      "logprobs": lp, "finish_reason": gen.finish_reason}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None,
+            choice = {"index": 0, "text": text, "logprobs": lp,
                       "finish_reason": gen.finish_reason}
             obj = "text_completion"
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": model,
@@ -367,16 +393,29 @@ class _Generation:
         self.finish_reason = "length"
         self.metrics, self.t0 = metrics, t0
         self._closed = False
+        #: log probabilities of ``tokens`` (with ``params.logprobs``), and how many were sent
+        self.logprobs: list = []
+        self._lp_sent = 0
+        self._lp_offset = 0
 
     async def pieces(self) -> AsyncIterator[str]:
         """The completion's text, piece by piece (stop strings cut, never sent)."""
         sent = full = ""
         stops = self.params.stop
+        want_lp = self.params.logprobs
         async for tok in self.session.generate(self.ids, max_tokens=self.max_tokens,
-                                               sampling=self.params.sampling, stop=stops):
+                                               sampling=self.params.sampling, stop=stops,
+                                               logits=want_lp):
             if not self.tokens:
                 self.metrics.first_token(time.perf_counter() - self.t0)
             self.tokens.append(int(tok))
+            if want_lp:
+                # the row that sampled this token (the session keeps one per sampled token,
+                # in order); dropped once read: a row is n_vocab floats
+                rows = self.session.logits
+                i = len(self.tokens) - 1
+                self.logprobs.append(token_logprob(rows[i], tok, self.params.top_logprobs))
+                rows[i] = None
             full = await self.route.detokenize(self.tokens)
             text = _visible(full, stops, final=False)
             if len(text) > len(sent) and text.startswith(sent):
@@ -388,6 +427,27 @@ class _Generation:
         if len(text) > len(sent) and text.startswith(sent):
             yield text[len(sent):]
         self.metrics.tokens(len(self.tokens))
+
+    async def take_logprobs(self, chat: bool, *, chunk: bool = False) -> dict | None:
+        """The ``logprobs`` of the tokens generated since the last call, in the endpoint's
+        shape (None when the request did not ask for them, or for a streamed ``chunk`` when
+        no token is new)."""
+        if not self.params.logprobs:
+            return None
+        items = self.logprobs[self._lp_sent:]
+        if chunk and not items:
+            return None
+        self._lp_sent = len(self.logprobs)
+        pieces = self.state["pieces"]
+        for tid in {t for it in items for t in (it.token, *(a for a, _ in it.top))}:
+            if tid not in pieces:
+                pieces[tid] = await self.route.detokenize([tid])
+        if chat:
+            return chat_logprobs(items, pieces)
+        out = completion_logprobs(items, pieces, self._lp_offset)
+        self._lp_offset = out["text_offset"][-1] + len(out["tokens"][-1]) if items \
+            else self._lp_offset
+        return out
 
     def usage(self) -> dict:
         return {"prompt_tokens": len(self.ids), "completion_tokens": len(self.tokens),
@@ -431,13 +491,14 @@ async def _sse(gen: _Generation, rid: str, chat: bool, model: str, created: int,
              "system_fingerprint": None, "choices": choices, **extra}
         return b"data: " + json.dumps(d, ensure_ascii=False).encode() + b"\n\n"
 
-    def choice(piece: str | None, finish: str | None, role: bool = False) -> dict:
+    def choice(piece: str | None, finish: str | None, role: bool = False,
+               lp: dict | None = None) -> dict:
         if chat:
             delta: dict = {"role": "assistant", "content": ""} if role else {}
             if piece is not None:
                 delta["content"] = piece
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        return {"index": 0, "text": piece or "", "logprobs": lp, "finish_reason": finish}
 
     status = 200
     try:
@@ -445,7 +506,7 @@ async def _sse(gen: _Generation, rid: str, chat: bool, model: str, created: int,
             yield event([choice(None, None, role=True)])
         try:
             async for piece in gen.pieces():
-                yield event([choice(piece, None)])
+                yield event([choice(piece, None, lp=await gen.take_logprobs(chat, chunk=True))])
         except errors.DgrError as e:
             err = _from_dgr(e)
             status = err.status
@@ -453,7 +514,8 @@ async def _sse(gen: _Generation, rid: str, chat: bool, model: str, created: int,
                                                     "param": None, "code": err.code}}).encode() \
                 + b"\n\n"
             return
-        yield event([choice(None if chat else "", gen.finish_reason)])
+        yield event([choice(None if chat else "", gen.finish_reason,
+                            lp=await gen.take_logprobs(chat, chunk=True))])
         if include_usage:
             yield event([], usage=gen.usage())
         yield b"data: [DONE]\n\n"

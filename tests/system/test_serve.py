@@ -189,7 +189,8 @@ def test_seeded_sampling_is_reproducible(client):
     (dict(max_tokens=100000), 400, "maximum context length is 256 tokens"),
     (dict(temperature=5), 400, "temperature"),
     (dict(stop=[1, 2]), 400, "stop"),
-    (dict(logprobs=True), 400, "logprobs"),
+    (dict(top_logprobs=3), 400, "needs 'logprobs': true"),
+    (dict(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
 ])
 def test_errors_have_the_openai_shape_and_status(client, kw, status, needle):
     args = dict(model=NAME, messages=MESSAGES, max_tokens=4)
@@ -199,6 +200,63 @@ def test_errors_have_the_openai_shape_and_status(client, kw, status, needle):
     assert e.value.status_code == status
     err = e.value.body["error"] if "error" in e.value.body else e.value.body
     assert needle in err["message"] and set(err) >= {"message", "type", "param", "code"}
+
+
+def _expected_logprobs(route, ids, max_tokens, k):
+    """(token, logprob, top-k ids) of the route's greedy generation, from its own logits rows
+    (parity mode), computed here with numpy's float64 log-softmax."""
+    import numpy as np
+
+    g = route.complete(ids, max_tokens=max_tokens, logits=True)
+    out = []
+    for tok, row in zip(g.tokens, g.logits):
+        x = row.astype(np.float64)
+        lse = x.max() + np.log(np.exp(x - x.max()).sum())
+        out.append((tok, x[tok] - lse, list(np.argsort(-x, kind="stable")[:k])))
+    return g, out
+
+
+def test_chat_logprobs_are_the_log_softmax_of_the_routes_logits(client, route, template):
+    r = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=8,
+                                       temperature=0, logprobs=True, top_logprobs=3)
+    text, add_bos = template.render_prompt(MESSAGES, add_generation_prompt=True)
+    g, want = _expected_logprobs(route, route.tokenize(text, add_bos, True), 8, 3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(g.tokens) == len(want)
+    for c, (tok, lp, top) in zip(content, want):
+        assert c.token == route.detokenize([tok])
+        assert c.logprob == pytest.approx(lp, abs=1e-9) and c.logprob <= 0
+        assert c.bytes == list(c.token.encode())
+        # greedy: the sampled token is the most likely one
+        assert [t.token for t in c.top_logprobs] == [route.detokenize([int(t)]) for t in top]
+        assert c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-12)
+    assert "".join(c.token for c in content) == r.choices[0].message.content
+
+
+def test_streamed_logprobs_cover_every_token_once(client):
+    whole = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=8,
+                                           temperature=0, logprobs=True, top_logprobs=2)
+    chunks = list(client.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=8, temperature=0, stream=True,
+        logprobs=True, top_logprobs=2))
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for c in ch.choices[0].logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == \
+        [(c.token, c.logprob) for c in whole.choices[0].logprobs.content]
+
+
+def test_completion_logprobs_shape(client, route):
+    r = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=6, temperature=0,
+                                  logprobs=2)
+    _, want = _expected_logprobs(route, route.tokenize(PROMPT, True, True), 6, 2)
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([w[1] for w in want], abs=1e-9)
+    assert [len(t) for t in lp.top_logprobs] == [2] * len(want)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(want))]
+    assert "".join(lp.tokens) == r.choices[0].text
+    without = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=6,
+                                        temperature=0)
+    assert without.choices[0].logprobs is None and without.choices[0].text == r.choices[0].text
 
 
 def test_too_long_names_both_lengths(client):
