@@ -99,7 +99,8 @@ def _cmd_serve(args) -> int:
                          else None,
                          queue_timeout=args.queue_timeout)
         _say(f"serving '{name}' over {len(endpoints)} stage(s) on "
-             f"http://{args.host}:{args.port}/v1 (Ctrl-C stops)")
+             f"http://{args.host}:{args.port}/v1; status page http://{args.host}:{args.port}/ "
+             "(Ctrl-C stops)")
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
         return 0
     except KeyboardInterrupt:

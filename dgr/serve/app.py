@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import pathlib
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -31,8 +32,10 @@ from typing import Any, AsyncIterator
 import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Mount
 from starlette.routing import Route as HttpRoute
+from starlette.staticfiles import StaticFiles
 
 from dgr import errors
 from dgr.protocol.sampling import SamplingParams
@@ -48,6 +51,8 @@ __all__ = ["create_app", "ApiError", "MAX_BODY"]
 
 #: the largest request body read (bytes); a larger one is a 413 before it is parsed
 MAX_BODY = 8 << 20
+#: the status page's files (``GET /``, ``/static/...``), packaged with dgr
+STATIC = pathlib.Path(__file__).with_name("static")
 
 
 class ApiError(Exception):
@@ -172,11 +177,17 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
     route is connected at startup if it is not yet, and closed at shutdown.
     """
     from dgr.serve import metrics as serve_metrics
+    from dgr.serve import status as serve_status
 
     # "pieces": each token id's text, as detokenized alone (for log probabilities)
-    state: dict[str, Any] = {"slots": None, "capacity": 0, "in_flight": 0, "pieces": {}}
+    # "active": the requests generating now (id -> _Generation); "waiting": those queued for
+    # a slot
+    state: dict[str, Any] = {"slots": None, "capacity": 0, "in_flight": 0, "pieces": {},
+                             "active": {}, "waiting": 0}
     created = int(time.time())
     m = serve_metrics.ServeMetrics(metrics_registry)
+    traffic = serve_status.Traffic()
+    watch = serve_status.StageWatch(route)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -213,6 +224,7 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
         return body
 
     async def acquire_slot() -> None:
+        state["waiting"] += 1
         try:
             await asyncio.wait_for(state["slots"].acquire(), queue_timeout)
         except asyncio.TimeoutError:
@@ -220,6 +232,8 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
                                 f"(waited {queue_timeout:g} s); retry later",
                            type="rate_limit_error", code="slots_busy",
                            headers={"Retry-After": "1"}) from None
+        finally:
+            state["waiting"] -= 1
 
     async def prompt_tokens(body: dict, chat: bool) -> tuple[list[int], str]:
         if chat:
@@ -284,7 +298,8 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
             m.request(endpoint, err.status)
             return err.response()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        gen = _Generation(route, ids, max_tokens, params, metrics=m, t0=t0, state=state)
+        gen = _Generation(route, ids, max_tokens, params, metrics=m, t0=t0, state=state,
+                          rid=rid, endpoint=endpoint, traffic=traffic)
         if params.stream:
             return _Stream(_sse(gen, rid, chat, model, created, params.include_usage, endpoint, m),
                            gen, media_type="text/event-stream",
@@ -341,6 +356,27 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
         body, ctype = m.exposition()
         return Response(body, media_type=ctype)
 
+    async def status(request: Request) -> Response:
+        stages = await watch.stages()
+        t = traffic.snapshot()
+        path = ("relay+loop" if route.loop else "relay") if route.relay else "hop-by-hop"
+        now = time.perf_counter()
+        reqs = [{"id": g.rid, "endpoint": g.endpoint, "prompt_tokens": len(g.ids),
+                 "completion_tokens": len(g.tokens), "age_s": now - g.t0,
+                 "ttft_ms": None if g.ttft_s is None else 1e3 * g.ttft_s}
+                for g in list(state["active"].values())]
+        return JSONResponse({
+            "model": model, "path": path, "capacity": state["capacity"],
+            "in_flight": state["in_flight"], "waiting": state["waiting"],
+            "healthy": all(s["health"] == "ok" for s in stages),
+            "traffic": t, "stages": stages, "requests": reqs,
+            "seam_ms": serve_status.seam_ms(t["tpot_ms"], stages,
+                                            serve_status.links_of(path, len(stages)))},
+            headers={"Cache-Control": "no-store"})
+
+    async def page(request: Request) -> Response:
+        return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
     async def not_found(request: Request, exc) -> Response:
         return ApiError(404, f"no route {request.method} {request.url.path}",
                         code="not_found").response()
@@ -354,7 +390,10 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
                         code="internal_error").response()
 
     return Starlette(
-        routes=[HttpRoute("/v1/models", models, methods=["GET"]),
+        routes=[HttpRoute("/", page, methods=["GET"]),
+                HttpRoute("/status", status, methods=["GET"]),
+                Mount("/static", app=StaticFiles(directory=STATIC), name="static"),
+                HttpRoute("/v1/models", models, methods=["GET"]),
                 HttpRoute("/v1/chat/completions", chat_completions, methods=["POST"]),
                 HttpRoute("/v1/completions", completions, methods=["POST"]),
                 HttpRoute("/health", health, methods=["GET"]),
@@ -383,11 +422,15 @@ class _Generation:
     while it may still become a stop string or ends inside a UTF-8 sequence)."""
 
     def __init__(self, route, ids: list[int], max_tokens: int, params: Params, *, metrics,
-                 t0: float, state: dict):
+                 t0: float, state: dict, rid: str, endpoint: str, traffic):
         self.route, self.ids, self.max_tokens, self.params = route, ids, max_tokens, params
+        self.rid, self.endpoint, self.traffic = rid, endpoint, traffic
+        self.ttft_s: float | None = None
+        self._t_last = 0.0  # when the previous token came
         # the request holds one of the route's slots (acquired before): close() gives it back
         self.state = state
         state["in_flight"] += 1
+        state["active"][rid] = self
         self.session = route.session()
         self.tokens: list[int] = []
         self.finish_reason = "length"
@@ -406,8 +449,15 @@ class _Generation:
         async for tok in self.session.generate(self.ids, max_tokens=self.max_tokens,
                                                sampling=self.params.sampling, stop=stops,
                                                logits=want_lp):
+            now = time.perf_counter()
             if not self.tokens:
-                self.metrics.first_token(time.perf_counter() - self.t0)
+                self.ttft_s = now - self.t0
+                self.metrics.first_token(self.ttft_s)
+                self.traffic.first_token(self.ttft_s)
+                self.traffic.token(None)
+            else:
+                self.traffic.token(now - self._t_last)
+            self._t_last = now
             self.tokens.append(int(tok))
             if want_lp:
                 # the row that sampled this token (the session keeps one per sampled token,
@@ -460,6 +510,7 @@ class _Generation:
             return
         self._closed = True
         self.state["in_flight"] -= 1
+        self.state["active"].pop(self.rid, None)
         self.state["slots"].release()
         with anyio.CancelScope(shield=True):
             await self.session.close()

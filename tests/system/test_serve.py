@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import http.client
 import json
-import threading
 import time
 
 import pytest
 
 import dgr
 from dgr.driver.route import AsyncRoute, Route
+from dgr.testing.serving import Served
 from dgr.worker.process import ThreadedWorker
 
 openai = pytest.importorskip("openai")
@@ -25,28 +25,6 @@ SETTINGS = dict(n_ctx=256, n_slots=2, n_threads=1, n_ubatch=32)
 NAME = "smollm2"
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-class Served:
-    """uvicorn serving ``app`` from a thread; ``base`` is its http://host:port."""
-
-    def __init__(self, app):
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
-                                                    log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            assert self.thread.is_alive(), "uvicorn exited at startup"
-            time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.host, self.port = "127.0.0.1", port
-        self.base = f"http://127.0.0.1:{port}"
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,146 @@
+"""What the status page (``GET /``) shows, as JSON (``GET /status``): the route's stages and
+the front's recent traffic.
+
+Per stage, from a fresh describe of its worker (each asked alone, so one stage down does not
+hide the others): layers, endpoint, health, slots in use, sessions, queued steps, and its
+compute per decode token. That figure is the mean over the single-token steps the worker
+computed since the page's previous poll, from the worker's exact totals
+(``decode_compute_s_total`` / ``decode_steps_total``). Without new steps the last figure is
+kept, with its age.
+
+For the front, over the last ``WINDOW_S`` seconds: output tokens/s summed over requests, the
+median time to first token, and the mean time per output token (the gaps between a request's
+consecutive tokens). The seam figure is that time per output token, minus every stage's
+compute, spread over the links a token crosses (``dgr.cli.costs`` explains the links of each
+step path). With several requests in flight it also holds their waits for each other, and the
+page says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Traffic", "StageWatch", "WINDOW_S", "links_of"]
+
+#: the span of the "recent" figures, seconds
+WINDOW_S = 10.0
+#: how long a stage's describe may take before the page shows it as down, seconds
+DESCRIBE_TIMEOUT_S = 2.0
+
+
+class Traffic:
+    """The front's recent tokens and first-token times (a ``WINDOW_S`` sliding window)."""
+
+    def __init__(self, window_s: float = WINDOW_S, clock=time.monotonic):
+        self.window_s, self.clock = window_s, clock
+        self._tokens: collections.deque[tuple[float, float | None]] = collections.deque()
+        self._ttft: collections.deque[tuple[float, float]] = collections.deque()
+        self.started = clock()
+
+    def _trim(self, now: float) -> None:
+        for q in (self._tokens, self._ttft):
+            while q and q[0][0] < now - self.window_s:
+                q.popleft()
+
+    def token(self, gap_s: float | None) -> None:
+        """One output token; ``gap_s``: the time since the request's previous token (None for
+        its first)."""
+        now = self.clock()
+        self._tokens.append((now, gap_s))
+        self._trim(now)
+
+    def first_token(self, seconds: float) -> None:
+        now = self.clock()
+        self._ttft.append((now, seconds))
+        self._trim(now)
+
+    def snapshot(self) -> dict[str, Any]:
+        now = self.clock()
+        self._trim(now)
+        span = min(self.window_s, max(now - self.started, 1e-9))
+        gaps = [g for _, g in self._tokens if g is not None]
+        ttft = [s for _, s in self._ttft]
+        return {"window_s": self.window_s,
+                "tokens_per_s": len(self._tokens) / span,
+                "ttft_ms": 1e3 * statistics.median(ttft) if ttft else None,
+                "tpot_ms": 1e3 * statistics.fmean(gaps) if gaps else None}
+
+
+def links_of(path: str, n_stages: int) -> int:
+    """Transport links one decode token crosses on a step path (``dgr.cli.costs``)."""
+    return n_stages + 1 if path == "relay" else n_stages
+
+
+@dataclass
+class _Compute:
+    steps: int
+    compute_s: float
+    ms: float | None = None
+    at: float | None = None  # monotonic time of the figure
+
+
+class StageWatch:
+    """Each stage's describe, and its compute per decode token between two polls."""
+
+    def __init__(self, route, clock=time.monotonic):
+        self.route, self.clock = route, clock
+        self._last: dict[str, _Compute] = {}
+
+    async def _describe(self, client):
+        return await asyncio.wait_for(client.describe(), DESCRIBE_TIMEOUT_S)
+
+    async def stages(self) -> list[dict[str, Any]]:
+        route = self.route
+        by_ep = {c.endpoint: c for c in route.clients}
+        order = [s.endpoint for s in route.stages]
+        known = {s.endpoint: s for s in route.stages}
+        got = await asyncio.gather(*(self._describe(by_ep[e]) for e in order),
+                                   return_exceptions=True)
+        now = self.clock()
+        out = []
+        for i, (ep, info) in enumerate(zip(order, got)):
+            static = known[ep]
+            d: dict[str, Any] = {"index": i, "endpoint": ep, "layers": list(static.layers),
+                                 "n_slots": int(static.settings["n_slots"])}
+            if isinstance(info, BaseException):
+                d.update(health="down", error=f"{type(info).__name__}: {info}"[:300])
+                out.append(d)
+                continue
+            d.update(health="draining" if info.draining else "ok", error=None,
+                     slots_used=d["n_slots"] - info.free_slots, sessions=info.sessions,
+                     queue_depth=info.queue_depth, free_context=info.free_context,
+                     recent_tokens_per_s=info.recent_tokens_per_s,
+                     steps_total=info.steps_total, errors_total=info.errors_total)
+            d.update(self._compute(ep, info, now))
+            out.append(d)
+        return out
+
+    def _compute(self, ep: str, info, now: float) -> dict[str, Any]:
+        if info.decode_steps_total is None:  # a worker older than the totals
+            return {"compute_ms": info.recent_step_ms or None, "compute_age_s": None}
+        prev = self._last.get(ep)
+        cur = _Compute(info.decode_steps_total, info.decode_compute_s_total)
+        if prev is not None and cur.steps >= prev.steps:
+            if cur.steps > prev.steps:
+                cur.ms = 1e3 * (cur.compute_s - prev.compute_s) / (cur.steps - prev.steps)
+                cur.at = now
+            else:
+                cur.ms, cur.at = prev.ms, prev.at
+        self._last[ep] = cur
+        return {"compute_ms": cur.ms,
+                "compute_age_s": None if cur.at is None else now - cur.at}
+
+
+def seam_ms(tpot_ms: float | None, stages: list[dict[str, Any]], links: int
+            ) -> float | None:
+    """Time per output token minus every stage's compute, per link (None: no figure)."""
+    comp = [s.get("compute_ms") for s in stages]
+    if tpot_ms is None or not links or any(c is None for c in comp):
+        return None
+    rest = tpot_ms - sum(comp)
+    return rest / links if rest >= 0 else None
