@@ -1,0 +1,210 @@
+"""Nothing a client sends crashes the HTTP front or leaks a session: random request bodies
+(any JSON, typed fields with values of any type, raw bytes) against ``create_app`` over a fake
+route, through the ASGI interface itself. Every answer is a 200 or an OpenAI-shaped error with
+a client status (never a 500), every streamed answer ends in ``[DONE]`` or an error event,
+and after each request every session the front opened is closed and no slot is held."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from dgr import errors  # noqa: E402
+from dgr.serve.app import create_app  # noqa: E402
+
+N_VOCAB = 64
+EOG = 0
+
+
+class FakeSession:
+    def __init__(self, route):
+        self.route, self.logits, self.stop_reason = route, [], "length"
+        route.opened += 1
+
+    def _sampled(self, tok, logits):
+        # as the real session: one logits row per sampled token, kept before it is yielded
+        if logits:
+            row = np.zeros(N_VOCAB, dtype=np.float32)
+            row[tok] = 3.0
+            self.logits.append(row)
+        return tok
+
+    async def generate(self, ids, *, max_tokens, sampling, stop, logits=False):
+        if any(t == 7 for t in ids):  # a prompt with token 7: the route fails mid-way
+            yield self._sampled(9, logits)
+            raise errors.WorkerUnavailable("stage 1 went away")
+        for i in range(max_tokens):
+            yield self._sampled(1 + (sum(ids) + i) % (N_VOCAB - 1), logits)
+            await asyncio.sleep(0)
+
+    async def close(self):
+        self.route.closed += 1
+
+
+class FakeRoute:
+    relay, loop = True, True
+
+    def __init__(self):
+        self.opened = self.closed = 0
+        self.stages = [SimpleNamespace(endpoint=f"s{i}:1", layers=(i, i + 1),
+                                       settings={"n_slots": 2, "n_ctx": 64}) for i in range(2)]
+        self.clients = []
+
+    async def connect(self):
+        pass
+
+    async def close(self):
+        pass
+
+    async def tokenize(self, text, add_special=True, parse_special=False):
+        return [1] + [ord(c) % N_VOCAB for c in text]
+
+    async def detokenize(self, tokens):
+        return "".join(chr(ord("a") + t % 26) for t in tokens)
+
+    def session(self):
+        return FakeSession(self)
+
+    async def describe(self):
+        return []
+
+
+class Template:
+    def render_prompt(self, messages, add_generation_prompt=True):
+        if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+            raise errors.ChatTemplateError("a message needs a string content")
+        return "".join(m["content"] for m in messages), True
+
+
+async def _call(app, path: str, body: bytes) -> tuple[int, dict, bytes]:
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
+             "query_string": b"", "root_path": "", "server": ("test", 80),
+             "client": ("test", 1), "headers": [(b"content-type", b"application/json"),
+                                                (b"content-length", str(len(body)).encode())]}
+    sent = False
+    out: dict = {"status": None, "headers": {}, "body": b""}
+
+    async def receive():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.sleep(3600)
+
+    async def send(msg):
+        if msg["type"] == "http.response.start":
+            out["status"] = msg["status"]
+            out["headers"] = {k.decode(): v.decode() for k, v in msg["headers"]}
+        elif msg["type"] == "http.response.body":
+            out["body"] += msg.get("body", b"")
+
+    await asyncio.wait_for(app(scope, receive, send), 30)
+    return out["status"], out["headers"], out["body"]
+
+
+FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
+          "top_p", "seed", "stop", "n", "stream", "stream_options", "logprobs",
+          "top_logprobs"]
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
+    | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4),
+    max_leaves=10)
+good_messages = st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant"]), "content": st.text(max_size=20)}),
+    min_size=1, max_size=3)
+common = dict(max_tokens=st.integers(1, 40), stream=st.booleans(),
+              temperature=st.floats(0, 2), top_p=st.floats(0.01, 1),
+              stop=st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=4),
+              stream_options=st.fixed_dictionaries({"include_usage": st.booleans()}),
+              seed=st.integers(-2**63, 2**63 - 1), n=st.just(1), model=st.just("m"))
+#: in-range requests (most answered 200), with or without each optional field
+valid_chat = st.fixed_dictionaries({"messages": good_messages}, optional={
+    **common, "max_completion_tokens": st.integers(1, 40), "logprobs": st.booleans()})
+valid_completion = st.fixed_dictionaries(
+    {"prompt": st.text(min_size=1, max_size=20) | st.lists(st.integers(0, 100), min_size=1,
+                                                            max_size=5)},
+    optional={**common, "logprobs": st.integers(0, 5)})
+#: any field with a value of any type
+random_fields = st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=8)
+requests = st.one_of(
+    st.tuples(st.sampled_from([True, False]), random_fields),
+    st.tuples(st.just(True), valid_chat),
+    st.tuples(st.just(False), valid_completion),
+    # an in-range request with one field replaced by anything
+    st.tuples(st.booleans(), st.tuples(valid_chat | valid_completion, st.sampled_from(FIELDS),
+                                       json_values).map(lambda x: {**x[0], x[1]: x[2]})))
+
+
+def _check(status, headers, raw, route):
+    assert status in (200, 400, 404, 413, 429, 503), (status, raw[:300])
+    if status != 200:
+        err = json.loads(raw)["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    elif headers.get("content-type", "").startswith("text/event-stream"):
+        events = [e for e in raw.decode().split("\n\n") if e]
+        assert all(e.startswith("data: ") for e in events)
+        last = events[-1][6:]
+        assert last == "[DONE]" or "error" in json.loads(last)
+    else:
+        d = json.loads(raw)
+        assert d["choices"] and {"prompt_tokens", "completion_tokens"} <= set(d["usage"])
+    assert route.opened == route.closed, "a session was not closed"
+
+
+@pytest.fixture(scope="module")
+def served():
+    route = FakeRoute()
+    app = create_app(route, model="m", template=Template(), queue_timeout=0.05)
+    loop = asyncio.new_event_loop()
+    lifespan = app.router.lifespan_context(app)
+    loop.run_until_complete(lifespan.__aenter__())
+    yield app, route, loop
+    loop.run_until_complete(lifespan.__aexit__(None, None, None))
+    loop.close()
+
+
+@settings(max_examples=400, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                 HealthCheck.too_slow])
+@given(req=requests)
+def test_any_json_body_is_answered_and_leaks_nothing(served, req):
+    app, route, loop = served
+    chat, body = req
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    status, headers, raw = loop.run_until_complete(_call(app, path, json.dumps(body).encode()))
+    _check(status, headers, raw, route)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(raw=st.binary(max_size=64), chat=st.booleans())
+def test_any_bytes_are_answered(served, raw, chat):
+    app, route, loop = served
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    status, headers, out = loop.run_until_complete(_call(app, path, raw))
+    _check(status, headers, out, route)
+
+
+def test_a_route_failing_mid_stream_ends_the_stream_with_an_error_and_closes(served):
+    app, route, loop = served
+    body = {"prompt": [1, 7, 3], "max_tokens": 5, "stream": True}
+    status, headers, raw = loop.run_until_complete(
+        _call(app, "/v1/completions", json.dumps(body).encode()))
+    assert status == 200
+    last = json.loads(raw.decode().strip().split("\n\n")[-1][6:])
+    assert last["error"]["code"] == "WorkerUnavailable"
+    assert route.opened == route.closed
+    status, _, raw = loop.run_until_complete(
+        _call(app, "/v1/completions", json.dumps({**body, "stream": False}).encode()))
+    assert status == 503 and route.opened == route.closed
