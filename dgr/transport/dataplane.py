@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import select
 import socket
 import struct
 import threading
@@ -87,6 +88,8 @@ class FrameSocket:
         self.closed = False
         #: set by the owner: e.g. the route id a driver named in its ``Hello``
         self.route = ""
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN)
 
     def _fill(self, view: memoryview) -> bool:
         """Read exactly ``len(view)`` bytes; False on a clean EOF before the first byte."""
@@ -125,6 +128,13 @@ class FrameSocket:
         if size and not self._fill(view):
             raise ConnectionError("connection closed after a frame length")
         return view
+
+    def pending(self) -> bool:
+        """Whether bytes of a further frame already wait to be read (a poll, no wait)."""
+        try:
+            return bool(self._poll.poll(0))
+        except (OSError, ValueError):  # closed
+            return False
 
     def send(self, frame) -> None:
         """Send one frame (bytes-like); thread-safe.

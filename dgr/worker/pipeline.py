@@ -1,15 +1,18 @@
 """The stage's step pipeline: one sequence for the gRPC ``Step`` stream and the data plane.
 
-A step goes ``admit`` -> ``compute`` -> ``finish``, then its frames go out:
+A step goes ``accept`` -> ``lease`` -> ``compute`` -> ``finish``, then its frames go out:
 
-- ``admit``: the checks that mean something at the protocol level (a step is a ``Forward``;
-  stage identity -> ``ModelMismatch``; the frame's layer and relay fields -> ``RouteError``;
-  a ``want`` this stage cannot serve), draining, then the session table's lease (session,
-  epoch, cache miss, context, free slots: ``dgr.worker.sessions``);
-- ``compute``: under the engine's lock, the slot releases the table deferred, the lease's
-  hold on its slot, the engine's forward (which guards its own inputs: boundary shape, a
-  first stage given a boundary, missing token ids, vocabulary, positions) and, on a last
-  stage, sampling;
+- ``accept`` (as its frame arrives): the checks that mean something at the protocol level (a
+  step is a ``Forward``; stage identity -> ``ModelMismatch``; the frame's layer and relay
+  fields -> ``RouteError``; a ``want`` this stage cannot serve), draining, the inputs' shape;
+- ``lease`` (as it is about to run: the stage loop, ``dgr.worker.scheduler``, takes it into
+  a batch): the session table's lease (session, epoch, cache miss, context, free slots:
+  ``dgr.worker.sessions``); ``admit`` is both at once;
+- ``compute`` / ``compute_batch``: under the engine's lock, the slot releases the table
+  deferred, each lease's hold on its slot, the engine's forward of one step or of several
+  sessions' steps at once (the engine guards its own inputs: boundary shape, a first stage
+  given a boundary, missing token ids, vocabulary, positions) and, on a last stage,
+  sampling;
 - ``finish``: commit (or abort: the session is dropped), the counters, the busy count;
 - ``reply``: the ``Result`` frame.
 
@@ -90,12 +93,13 @@ class Step:
 
     header: wire.Forward
     array: Any  # the boundary it came with (None on a first stage)
-    lease: Lease
+    lease: Lease | None  # None until ``StagePipeline.lease`` (the stage loop, before compute)
     t_arrive: float  # time.perf_counter() when its frame arrived
     kind: str = "none"  # what ``result`` is: "boundary", "logits" or "none"
     result: Any = None  # the boundary or the logits rows
     tokens: list[int] | None = None  # sampled, one per wanted row
-    seconds: float = 0.0  # the engine's forward call
+    seconds: float = 0.0  # the engine's forward call (its share of a batch's, by tokens)
+    batch: tuple[int, int] | None = None  # (batch id, steps in it), set by the stage loop
 
 
 class _DeferredRelease:
@@ -137,6 +141,7 @@ class StagePipeline:
         self.lock = threading.RLock()
         self._releases: list[int] = []  # slots released by the table, not yet by the engine
         self._counts = threading.Lock()  # counters bumped by the loop and data threads
+        self._tls = threading.local()  # per thread: reused output buffers
         self.table = SessionTable(_DeferredRelease(self), engine.n_slots, self.settings["n_ctx"],
                                   ttl=ttl, evict_after=evict_after, listener=self._event)
         self.draining = False
@@ -168,7 +173,27 @@ class StagePipeline:
 
     def admit(self, frame: wire.Frame, t_arrive: float, *,
               returns: Container[str] | None = None) -> Step:
-        """Check a decoded frame and lease its session's slot.
+        """Check a decoded frame and lease its session's slot (``accept`` then ``lease``).
+
+        Raises
+        ------
+        dgr.errors.DgrError
+            WorkerDraining, FrameError (not a step), ModelMismatch, RouteError,
+            InvalidArgument, and the session table's refusals.
+        """
+        step = self.accept(frame, t_arrive, returns=returns)
+        try:
+            self.lease(step)
+        except BaseException:
+            self._busy(-1)
+            raise
+        return step
+
+    def accept(self, frame: wire.Frame, t_arrive: float, *,
+               returns: Container[str] | None = None) -> Step:
+        """Check a decoded frame: everything but the session table. The step has no lease
+        yet: ``lease`` takes it when the step is about to run (the stage loop does, so a
+        session's next step may arrive while its previous one still waits or computes).
 
         ``returns``: the routes with a return connection on this plane (the data plane's);
         None where relayed frames cannot arrive (a gRPC ``Step`` stream).
@@ -177,7 +202,7 @@ class StagePipeline:
         ------
         dgr.errors.DgrError
             WorkerDraining, FrameError (not a step), ModelMismatch, RouteError,
-            InvalidArgument, and the session table's refusals.
+            InvalidArgument, InvalidBoundary, MissingTokenIds.
         """
         h = frame.header
         if self.draining:
@@ -192,10 +217,21 @@ class StagePipeline:
             if self.is_last and h.reply_to not in returns:
                 raise errors.RouteError(f"relayed frame names route {h.reply_to!r}, which sent "
                                         "this worker no Hello (no return connection)")
-        with self.lock:
-            lease = self.table.acquire(h.session, h.epoch, h.first_pos, h.n_tokens)
         self._busy(1)
-        return Step(h, frame.array, lease, t_arrive)
+        return Step(h, frame.array, None, t_arrive)
+
+    def lease(self, step: Step) -> None:
+        """Lease ``step``'s session slot from the session table (``step.lease``).
+
+        Raises
+        ------
+        dgr.errors.DgrError
+            The session table's refusals (StaleEpoch, CacheMiss, ContextFull,
+            ResourceExhausted, SessionError, ...).
+        """
+        h = step.header
+        with self.lock:
+            step.lease = self.table.acquire(h.session, h.epoch, h.first_pos, h.n_tokens)
 
     def _check(self, h) -> None:
         """What a frame means for this stage, beyond what the engine checks of its inputs."""
@@ -256,8 +292,8 @@ class StagePipeline:
 
     # -- compute ---------------------------------------------------------------------------
 
-    def compute(self, step: Step, out: np.ndarray | None = None) -> Step:
-        """Run ``step`` on the engine (any thread); ``out``: a reusable output buffer.
+    def compute(self, step: Step) -> Step:
+        """Run one admitted ``step`` on the engine (any thread): ``compute_batch`` of one.
 
         Holds the engine's lock from the deferred releases to the end of the forward, so no
         other thread's compute comes between "the lease still holds its slot" and the
@@ -272,28 +308,149 @@ class StagePipeline:
         dgr.errors.DgrError
             The engine's typed errors (its inputs, its compute).
         """
+        (failure,) = self.compute_batch([step])
+        if failure is not None:
+            raise failure
+        return step
+
+    def compute_batch(self, steps: list[Step], batch_id: int = 0
+                      ) -> list[BaseException | None]:
+        """Run several accepted steps (of different sessions) as one forward; returns each
+        step's failure (None: computed). A step without a lease takes it first (``lease``:
+        the session table's refusals fail that step alone). ``compute``'s checks hold for
+        each step: one released while it waited gets ``CacheMiss``, the others still run.
+        Each step that runs gets ``batch = (batch_id, steps run together)``.
+
+        The engine computes the steps in one ``forward_batch`` when it has one and there are
+        several; if that refuses its inputs (a typed error about one step's tokens,
+        positions or boundary), each step is run alone, so one bad step fails alone. The
+        results are views of this thread's output buffer, valid until its next compute.
+        """
+        fails: list[BaseException | None] = [None] * len(steps)
         with self.engine.lock:
-            if self.stopped:  # the drain is over: the process exits, the engine with it
+            if self.stopped:
                 with self._counts:
-                    self.not_run += 1
-                raise errors.WorkerDraining(
+                    self.not_run += len(steps)
+                e = errors.WorkerDraining(
                     "this worker stopped draining (drain timeout): the step was not run")
-            lease = step.lease
+                return [e] * len(steps)
+            for i, s in enumerate(steps):  # the session table's lease, now that it runs
+                if s.lease is None:
+                    try:
+                        self.lease(s)
+                    except Exception as e:  # noqa: BLE001 - this step's refusal
+                        fails[i] = e
             with self.lock:
                 releases, self._releases = self._releases, []
-                holds = self.table.holds(lease)
+                holds = [f is None and self.table.holds(s.lease) for s, f in zip(steps, fails)]
             for slot in releases:
                 self.engine.release(slot)
-            if not holds:  # released while it waited: its slot may be another session's now
-                raise errors.CacheMiss(
-                    f"session {lease.session!r} epoch {lease.epoch} was released while this "
-                    "step waited for the engine; the step was not run: re-prefill")
+            run = []
+            for i, (s, held) in enumerate(zip(steps, holds)):
+                if held:
+                    run.append(i)
+                elif fails[i] is None:
+                    fails[i] = errors.CacheMiss(
+                        f"session {s.lease.session!r} epoch {s.lease.epoch} was released "
+                        "while this step waited for the engine; the step was not run: "
+                        "re-prefill")
+            for i in run:
+                steps[i].batch = (batch_id, len(run))
             self.computing += 1
             try:
-                self._forward(step, out)
+                batched = len(run) > 1 and hasattr(self.engine, "forward_batch")
+                if batched:
+                    try:
+                        self._forward_batch([steps[i] for i in run])
+                        return fails
+                    except (errors.InvalidArgument, errors.InvalidToken,
+                            errors.InvalidPosition, errors.InvalidBoundary,
+                            errors.MissingTokenIds, errors.UnknownSlot,
+                            errors.ContextFull) as e:
+                        log.info("batch of %d refused (%s: %s): running its steps alone",
+                                 len(run), type(e).__name__, e)
+                    except Exception as e:  # noqa: BLE001 - the engine failed computing
+                        for i in run:
+                            fails[i] = e
+                        return fails
+                # each step its own rows of the buffer: all stay valid until handed on
+                need = [self.out_rows(steps[i].header) for i in run]
+                buf, a = self._thread_out(rows=sum(need)), 0
+                for i, k in zip(run, need):
+                    try:
+                        self._forward(steps[i], buf[a:a + k])
+                    except Exception as e:  # noqa: BLE001 - this step's failure
+                        fails[i] = e
+                    a += k
             finally:
                 self.computing -= 1
-        return step
+        return fails
+
+    def _thread_out(self, h: wire.Forward | None = None, rows: int = 0) -> np.ndarray:
+        """This thread's reused output buffer, grown to ``rows`` (or what ``h`` needs)."""
+        tls = self._tls
+        need = max(rows, self.out_rows(h) if h is not None else 0, 1)
+        out = getattr(tls, "out", None)
+        if out is None or out.shape[0] < need:
+            out = tls.out = np.empty((need, self.out_width), np.float32)
+        return out
+
+    def _forward_batch(self, steps: list[Step]) -> None:
+        """One ``Engine.forward_batch`` over ``steps`` (the engine's lock held), then each
+        step's rows, sampled tokens and share of the compute time."""
+        eng = self.engine
+        hs = [s.header for s in steps]
+        n = sum(h.n_tokens for h in hs)
+        slots = np.concatenate([np.full(h.n_tokens, s.lease.slot, np.int32)
+                                for s, h in zip(steps, hs)])
+        positions = np.concatenate([
+            np.asarray(h.positions, np.int32) if h.positions is not None
+            else np.arange(h.first_pos, h.first_pos + h.n_tokens, dtype=np.int32) for h in hs])
+        if all(h.tokens is not None for h in hs):
+            tokens = np.concatenate([np.asarray(h.tokens, np.int32) for h in hs])
+        elif self.is_first or eng.needs_token_ids:
+            raise errors.MissingTokenIds("a step of the batch has no token ids")
+        else:
+            tokens = None
+        boundary = None if self.is_first else np.concatenate([s.array for s in steps])
+        t0 = time.perf_counter()
+        if not self.is_last:
+            res = eng.forward_batch(slots, positions, tokens, boundary,
+                                    out=self._thread_out(rows=n))
+            seconds = time.perf_counter() - t0
+            a = 0
+            for s, h in zip(steps, hs):
+                s.kind, s.result = "boundary", res[a:a + h.n_tokens]
+                s.seconds = seconds * h.n_tokens / n
+                a += h.n_tokens
+            return
+        mask = np.zeros(n, dtype=bool)
+        picks: list[list[int]] = []
+        a = 0
+        for h in hs:
+            if h.want == "boundary":
+                rows: list[int] = []
+            elif h.rows is None:
+                rows = [h.n_tokens - 1]
+            else:
+                rows = sorted(set(h.rows))
+            mask[[a + r for r in rows]] = True
+            picks.append(rows)
+            a += h.n_tokens
+        res = eng.forward_batch(slots, positions, tokens, boundary, logits=mask,
+                                out=self._thread_out(rows=int(mask.sum())))
+        seconds = time.perf_counter() - t0
+        r0 = 0
+        for s, h, rows in zip(steps, hs, picks):
+            logits = res[r0:r0 + len(rows)]
+            r0 += len(rows)
+            s.seconds = seconds * h.n_tokens / n
+            if h.want.startswith("token"):
+                pos = [(h.positions[r] if h.positions is not None else h.first_pos + r) + 1
+                       for r in rows]
+                s.tokens = sample_rows(logits, pos, h.sampling)
+            if h.want in ("logits", "token+logits"):
+                s.kind, s.result = "logits", logits
 
     def _forward(self, step: Step, out: np.ndarray | None) -> None:
         """The engine's forward (and sampling on a last stage), the engine's lock held."""
@@ -342,11 +499,12 @@ class StagePipeline:
         """After ``compute`` returned (``failure`` None) or raised: commit the step or drop
         its session (its cache is suspect), count it, and end its busy count."""
         lease = step.lease
-        with self.lock:
-            if failure is None:
-                self.table.commit(lease)
-            else:
-                self.table.abort(lease, f"{type(failure).__name__}: {failure}")
+        if lease is not None:  # a step refused its lease holds nothing in the table
+            with self.lock:
+                if failure is None:
+                    self.table.commit(lease)
+                else:
+                    self.table.abort(lease, f"{type(failure).__name__}: {failure}")
         if failure is None:
             with self._counts:
                 self.steps_total += 1

@@ -8,15 +8,12 @@ stream's reply; ``dgr.worker.relay`` on the data plane).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-
-import numpy as np
 
 from dgr import __version__, errors
 from dgr.protocol import wire
@@ -24,6 +21,7 @@ from dgr.protocol.settings import NUMERIC_SETTINGS
 from dgr.transport.common import MAX_MESSAGE
 from dgr.transport.server import ShardServer
 from dgr.worker.pipeline import StagePipeline, Step
+from dgr.worker.scheduler import StageLoop
 
 __all__ = ["Worker"]
 
@@ -40,20 +38,24 @@ class Worker(StagePipeline):
     ttl, evict_after : float
         Session idle expiry and minimum idle time before LRU eviction (seconds).
     inline : bool
-        Compute on the event loop thread instead of the worker's compute thread (saves a
-        thread handoff per step; health and describe then wait for the running step).
+        Compute a gRPC step on the event loop thread when the stage loop is idle, instead of
+        on the stage loop's thread (saves a thread handoff per step; health and describe
+        then wait for the running step).
     inline_below_ms : float
-        Compute a single-token step on the event loop thread when recent single-token steps
-        took less than this (ms) and the compute thread is idle; everything else runs on the
-        compute thread. 0 (default): never. Bounds how long the loop can be blocked while
+        The same for a single-token step only, when recent single-token steps took less
+        than this (ms). 0 (default): never. Bounds how long the loop can be blocked while
         saving the handoff where a step is short (decode of a small range).
+    batching : bool
+        Run the ready steps of several sessions as one forward (``dgr.worker.scheduler``);
+        False: one step per forward.
     name : str
         Label for log lines (the listen address once known).
     """
 
     def __init__(self, engine, *, ttl: float = 600.0, evict_after: float = 5.0,
                  inline: bool = False, name: str = "", max_message: int = MAX_MESSAGE,
-                 cert_store: str | None = None, inline_below_ms: float = 0.0):
+                 cert_store: str | None = None, inline_below_ms: float = 0.0,
+                 batching: bool = True):
         super().__init__(engine, ttl=ttl, evict_after=evict_after, max_message=max_message)
         self.inline = inline
         self.inline_below_ms = float(inline_below_ms)
@@ -61,15 +63,12 @@ class Worker(StagePipeline):
         self.name = name
         self.cert_store = cert_store  # certified lanes advertised in the capability record
         self.eog_tokens = [t for t in range(engine.n_vocab) if engine.is_eog(t)]
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="dgr-compute")
-        # work submitted to the compute thread and not finished: inline compute is allowed
-        # only at 0, so steps of the gRPC path keep their order
-        self._pending = 0
-        self._pending_lock = threading.Lock()
+        #: the stage's scheduler: every step of both planes computes through it
+        self.loop = StageLoop(self, max_tokens=int(self.settings["n_ubatch"]),
+                              batching=batching)
         # fast data plane (dgr.transport.dataplane): set by serve_data()
         self.data_server = None
         self.forwarder = None
-        self._tls = threading.local()  # per data-connection-thread reusable buffers
         #: optional span log (``--trace``): one JSON line per data-plane step, times from
         #: time.perf_counter() (CLOCK_MONOTONIC on Linux: comparable across processes)
         self.trace = None
@@ -137,45 +136,43 @@ class Worker(StagePipeline):
     # -- gRPC Step stream ----------------------------------------------------------------
 
     async def step(self, data: bytes) -> bytes:
-        """One gRPC ``Step`` frame: compute off the event loop, reply with a frame."""
+        """One gRPC ``Step`` frame: computed by the stage loop, replied with a frame."""
         t_arrive = time.perf_counter()
         h = None
         try:
             frame = wire.decode(data, max_payload=self.max_payload)
             h = frame.header
-            step = self.admit(frame, t_arrive)
+            step = self.accept(frame, t_arrive)
         except Exception as e:  # noqa: BLE001 - every refusal is an ErrorReply
             return self.error(e, *_who(h))
-        try:
-            if self.inline or (h.n_tokens == 1 and self.inline_below_ms > 0
-                               and 0 < self.window.decode_ms < self.inline_below_ms
-                               and not self._pending):
-                self.inline_steps += 1
-                self.compute(step)
+        aloop = asyncio.get_running_loop()
+        fut = aloop.create_future()
+
+        def settle(out) -> None:
+            if not fut.done():
+                fut.set_result(out)
+
+        def done(step: Step, failure: BaseException | None) -> None:
+            # on the thread that computed: the results view its buffer, so encode here
+            out = (self.reply(step), None) if failure is None else (None, failure)
+            if inline:
+                settle(out)
             else:
-                await asyncio.wrap_future(self._submit(self.compute, step))
-        except BaseException as e:
-            self.finish(step, e)
-            if not isinstance(e, Exception):
-                raise
-            return self.error(e, h.session, h.epoch)
-        self.finish(step)
-        return self.reply(step)
+                try:
+                    aloop.call_soon_threadsafe(settle, out)
+                except RuntimeError:  # the event loop closed: nobody waits for the reply
+                    pass
 
-    def _submit(self, fn, *args):
-        """Run ``fn`` on the compute thread (FIFO), counted in ``_pending`` until it ends."""
-        with self._pending_lock:
-            self._pending += 1
-        fut = self.executor.submit(fn, *args)
-        fut.add_done_callback(self._finished)
-        return fut
-
-    def _finished(self, fut) -> None:
-        with self._pending_lock:
-            self._pending -= 1
-        if fut.cancelled():  # its stream was cancelled (a drain) before it started
-            with self._counts:
-                self.not_run += 1
+        inline = self.inline or (h.n_tokens == 1 and self.inline_below_ms > 0
+                                 and 0 < self.window.decode_ms < self.inline_below_ms)
+        if self.loop.submit(step, done, inline=inline):
+            self.inline_steps += 1
+        reply, failure = await fut
+        if failure is not None:
+            if not isinstance(failure, Exception):
+                raise failure
+            return self.error(failure, h.session, h.epoch)
+        return reply
 
     # -- fast data plane (dgr.transport.dataplane, docs/dataplane.md) ----------------------
 
@@ -199,9 +196,6 @@ class Worker(StagePipeline):
 
     def _data_connection(self, conn) -> None:
         """One data-plane connection (its own thread): frames in order until EOF."""
-        tls = self._tls
-        tls.out = None  # reusable output buffer of this thread
-        tls.buf = bytearray()  # reusable encode buffer of this thread
         try:
             while True:
                 try:
@@ -216,7 +210,10 @@ class Worker(StagePipeline):
             self.forwarder.forget(conn)
 
     def _data_frame(self, conn, view) -> None:
-        """One data-plane frame: a ``Hello``, or a step computed on this thread."""
+        """One data-plane frame: a ``Hello``, or a step for the stage loop. The step runs on
+        this thread when the engine is idle and no further frame already waits on this
+        connection; otherwise it queues and this thread reads on, so frames that arrive
+        together (one stage's batch, relayed) compute together."""
         t_arrive = time.perf_counter()
         fw = self.forwarder
         h = None
@@ -226,41 +223,42 @@ class Worker(StagePipeline):
             if type(h) is wire.Hello:  # a driver's return connection
                 fw.hello(conn, h.route)
                 return
-            step = self.admit(frame, t_arrive, returns=fw)
-            try:
-                self.compute(step, self._out_buffer(h))
-            except BaseException as e:
-                self.finish(step, e)
-                raise
-            self.finish(step)
-            t_done = time.perf_counter()
+            step = self.accept(frame, t_arrive, returns=fw)
         except Exception as e:  # noqa: BLE001 - every refusal is an ErrorReply
             fw.send_back(conn, getattr(h, "reply_to", ""), self.error(e, *_who(h)))
             return
-        # the engine is free again: encode and send outside its lock (buffers are this
-        # thread's own)
+        self.loop.submit(step, functools.partial(self._data_done, conn),
+                         inline=not conn.pending())
+
+    def _data_done(self, conn, step: Step, failure: BaseException | None) -> None:
+        """A data-plane step finished: send its frames on (or its error back). Runs on the
+        thread that computed it, outside the engine's lock (its buffers are that thread's)."""
+        fw, h = self.forwarder, step.header
+        if failure is not None:
+            fw.send_back(conn, h.reply_to, self.error(failure, h.session, h.epoch))
+            return
+        t_done = time.perf_counter()
         try:
-            fw.send_on(conn, step, self.reply, self._tls.buf)
+            fw.send_on(conn, step, self.reply, self._thread_buf())
         except Exception as e:  # noqa: BLE001 - e.g. the next stage is unreachable
             fw.send_back(conn, h.reply_to, self.error(e, h.session, h.epoch))
         if self.trace is not None:
             self._trace(step, t_done)
 
-    def _out_buffer(self, h: wire.Forward) -> np.ndarray:
-        """This thread's reused output buffer (the boundary, or a last stage's logits rows),
-        grown to what ``h`` needs."""
-        tls = self._tls
-        need = self.out_rows(h)
-        out = tls.out
-        if out is None or out.shape[0] < need:
-            out = tls.out = np.empty((max(need, 1), self.out_width), np.float32)
-        return out
+    def _thread_buf(self) -> bytearray:
+        """This thread's reusable frame-encode buffer."""
+        buf = getattr(self._tls, "buf", None)
+        if buf is None:
+            buf = self._tls.buf = bytearray()
+        return buf
 
     def _trace(self, step: Step, t_done: float) -> None:
         h = step.header
         span = {"stage": list(self.layers), "session": h.session, "epoch": h.epoch,
                 "pos": h.first_pos, "n": h.n_tokens, "arrive": step.t_arrive,
-                "compute_end": t_done, "compute_s": step.seconds, "sent": time.perf_counter()}
+                "compute_end": t_done, "compute_s": step.seconds, "sent": time.perf_counter(),
+                "batch": step.batch[0] if step.batch else 0,
+                "batch_steps": step.batch[1] if step.batch else 1}
         with self._counts:
             self.trace.write(json.dumps(span) + "\n")
 
@@ -292,7 +290,7 @@ class Worker(StagePipeline):
         self.stop_data()
         with self.lock:
             self.table.clear()
-        self.executor.shutdown(wait=True)
+        await asyncio.to_thread(self.loop.stop)
         # a step computing on a data connection's thread cannot be interrupted: wait for it,
         # the process must not exit (and tear the engine down) under it
         with self.engine.lock:

@@ -162,7 +162,10 @@ def test_queue_depth_under_load(last_stage):
 
         rec, after = run(with_client(last_stage.address, load))
         assert (rec.load.in_flight_steps, rec.load.queue_depth) == (3, 2)  # one computes
-        assert (rec.capacity.slots_free, rec.load.sessions) == (0, 3)
+        # a queued step leases its session's slot when the stage loop takes it: the one
+        # computing holds one; a waiting one holds one once taken into the running batch
+        assert rec.load.sessions >= 1
+        assert rec.capacity.slots_free + rec.load.sessions == 3
         assert (after.load.in_flight_steps, after.load.queue_depth) == (0, 0)
     finally:
         w.engine = gated._e

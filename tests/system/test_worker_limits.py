@@ -557,8 +557,13 @@ def test_max_streams(tiny_llama, reaper):
             ta = token_of(await a.step(forward(info, "a", 1, 0, p)), "a", 1, 0, 6)
             tb = token_of(await b.step(forward(info, "b", 1, 0, p)), "b", 1, 0, 6)
             third = c.stream()
-            with pytest.raises(errors.ResourceExhausted) as stream_refused:
+            # gRPC refuses the stream with RESOURCE_EXHAUSTED; when the refusal crosses the
+            # client's first write, grpc's aio client reports that write as INTERNAL
+            # ("Internal error from Core") instead: the stream is refused either way
+            with pytest.raises((errors.ResourceExhausted, errors.WorkerUnavailable)) as refused:
                 await third.step(forward(info, "c", 1, 0, p), WAIT)
+            assert type(refused.value) is errors.ResourceExhausted \
+                or "Internal error from Core" in str(refused.value), refused.value
             with pytest.raises(errors.ResourceExhausted) as rpc_refused:
                 await c.describe()
             # the open streams are unaffected
@@ -575,10 +580,12 @@ def test_max_streams(tiny_llama, reaper):
             token_of(await fourth.step(forward(info, "b", 1, 6, [tb])), "b", 1, 6, 1)
             await fourth.close()
             await a.close()
-            return stream_refused.value, rpc_refused.value
+            return refused.value, rpc_refused.value
         finally:
             await c.close()
 
     stream_refused, rpc_refused = asyncio.run(go())
     for e in (stream_refused, rpc_refused):
-        assert type(e) is errors.ResourceExhausted and "Concurrent RPC limit" in str(e), e
+        if type(e) is errors.ResourceExhausted:
+            assert "Concurrent RPC limit" in str(e), e
+    assert type(rpc_refused) is errors.ResourceExhausted  # a unary call has no such race

@@ -1,0 +1,189 @@
+"""The stage loop: admitted steps of many sessions run on the engine as one forward.
+
+Steps reach a stage from several connections (drivers, the previous stage's link, the decode
+loop's link from the last stage). ``StageLoop.submit`` queues an admitted step; whenever the
+engine is free, the loop's thread takes every step that is ready and runs them as one batch
+(``StagePipeline.compute_batch``: one ``Engine.forward_batch``), then finishes them and hands
+each to its ``done`` callback (the relay frame to the next stage, the reply, the decode
+loop's next step), in the order they were taken.
+
+A batch (``take``), from the queue in arrival order:
+
+1. the oldest step, whatever it is (nothing waits longer than the batches ahead of it);
+2. then every decode step (one token) of another session, while the batch has fewer than
+   ``max_tokens`` tokens;
+3. then prefill chunks of other sessions, while they fit in ``max_tokens`` tokens.
+
+So a long prefill cannot starve decode steps: a chunk goes in only where the decode steps
+leave room, or when it is the oldest step waiting. At most one step of a session goes in a
+batch (its steps run in order). A step marked ``solo`` (the route's parity mode) runs alone.
+
+No added wait for a lone step: ``submit(..., inline=True)`` computes on the calling thread
+when the engine is idle and nothing is queued, as a stage without batching does. A data-plane
+reader asks for it only when no further frame is already waiting on its connection; when one
+is, the step queues, the reader reads on, and the frames that arrived together run together.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from dgr.worker.pipeline import Step
+
+__all__ = ["StageLoop", "take"]
+
+log = logging.getLogger("dgr.worker")
+
+#: done(step, failure): called once per submitted step, after ``finish``
+Done = Callable[[Step, "BaseException | None"], None]
+
+
+@dataclass(eq=False)
+class _Job:
+    step: Step
+    done: Done
+
+
+def take(queue: collections.deque, max_tokens: int) -> list:
+    """Remove and return the next batch from ``queue`` (items with ``.step``; the rules in
+    the module docstring)."""
+    if not queue:
+        return []
+    items = list(queue)
+    head = items[0]
+    batch = [head]
+    if getattr(head.step.header, "solo", False):
+        queue.popleft()
+        return batch
+    seen = {head.step.header.session}
+    tokens = head.step.header.n_tokens
+    picked = {0}
+    for want_decode in (True, False):
+        for i, it in enumerate(items):
+            if i in picked:
+                continue
+            h = it.step.header
+            if getattr(h, "solo", False) or (h.n_tokens == 1) != want_decode:
+                continue
+            if h.session in seen:
+                continue
+            if tokens + h.n_tokens > max_tokens:
+                if want_decode:
+                    break
+                continue
+            picked.add(i)
+            seen.add(h.session)
+            tokens += h.n_tokens
+            batch.append(it)
+    # the later steps of a session in the batch stay queued, in order, behind it
+    queue.clear()
+    queue.extend(it for i, it in enumerate(items) if i not in picked)
+    # the batch runs in arrival order: done callbacks (sends) keep the order frames came in
+    order = {id(it): i for i, it in enumerate(items)}
+    batch.sort(key=lambda it: order[id(it)])
+    return batch
+
+
+class StageLoop:
+    """The scheduler of one stage (``pipeline``: a ``StagePipeline``).
+
+    Parameters
+    ----------
+    max_tokens : int
+        Tokens in one batch at most (the engine's ``n_ubatch``: one llama.cpp ubatch).
+    batching : bool
+        False: one step per forward, in arrival order (the loop still serializes them).
+    """
+
+    def __init__(self, pipeline, *, max_tokens: int, batching: bool = True):
+        self.p = pipeline
+        self.max_tokens = max(1, int(max_tokens))
+        self.batching = bool(batching)
+        self._cv = threading.Condition(threading.Lock())
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._busy = False  # a compute is running (the loop's thread or an inline caller)
+        self._stop = False
+        self._ids = itertools.count(1)
+        #: batches run and steps in them (``batch_sizes[k]``: batches of k steps)
+        self.batches = 0
+        self.batch_sizes: collections.Counter[int] = collections.Counter()
+        self._thread = threading.Thread(target=self._run, name="dgr-stage-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def submit(self, step: Step, done: Done, *, inline: bool = False) -> bool:
+        """Run ``step`` (admitted) and call ``done(step, failure)`` once it finished.
+
+        ``inline``: compute on this thread if the engine is idle and nothing is queued (the
+        caller then returns after ``done``; True); else the step queues (False), and the
+        frame buffer its boundary views is copied (the caller's buffer is reused for its
+        next frame).
+        """
+        with self._cv:
+            run_here = inline and not self._busy and not self._queue and not self._stop
+            if run_here:
+                self._busy = True
+            else:
+                if step.array is not None and not step.array.flags.owndata:
+                    step.array = np.array(step.array)
+                self._queue.append(_Job(step, done))
+                self._cv.notify()
+        if run_here:
+            self._compute([_Job(step, done)])
+        return run_here
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and (self._busy or not self._queue):
+                    self._cv.wait()
+                if self._stop and not self._queue:
+                    return
+                batch = (take(self._queue, self.max_tokens) if self.batching
+                         else [self._queue.popleft()])
+                self._busy = True
+            self._compute(batch)
+
+    def _compute(self, batch: list[_Job]) -> None:
+        """Compute a batch (``_busy`` held), let the next one start, then hand each step on."""
+        steps = [j.step for j in batch]
+        fails: list[BaseException | None] = [None] * len(steps)
+        run = 0
+        try:
+            fails = self.p.compute_batch(steps, batch_id=next(self._ids))
+            run = sum(1 for s in steps if s.batch is not None)
+        except BaseException as e:  # noqa: BLE001 - every step gets its failure
+            fails = [e] * len(steps)
+        finally:
+            for s, f in zip(steps, fails):
+                self.p.finish(s, f)
+            with self._cv:  # the engine is free: the next batch may start
+                self._busy = False
+                if run:
+                    self.batches += 1
+                    self.batch_sizes[run] += 1
+                if self._queue:
+                    self._cv.notify()
+        for j, f in zip(batch, fails):
+            try:
+                j.done(j.step, f)
+            except Exception:  # noqa: BLE001 - one step's send must not stop the loop
+                log.exception("handing on a computed step failed")
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Run what is queued (a stopped pipeline refuses it, counted as not run), then end
+        the loop's thread; waits for the compute running now (None: however long)."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout)

@@ -1,0 +1,192 @@
+"""The stage loop (dgr.worker.scheduler) with a stand-in pipeline: which steps form a batch
+(decode steps first, prefill where they leave room, the oldest always, one step per session,
+solo steps alone), that a lone step runs on the caller's thread with no handoff, that steps
+arriving while the engine computes run together as one batch, and that a failing compute
+frees the loop for the next batch."""
+
+from __future__ import annotations
+
+import collections
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from dgr import errors
+from dgr.worker.scheduler import StageLoop, take
+
+WAIT = 10.0
+
+
+def job(session: str, n: int = 1, solo: bool = False, pos: int = 0):
+    h = SimpleNamespace(session=session, n_tokens=n, solo=solo, first_pos=pos)
+    return SimpleNamespace(step=SimpleNamespace(header=h, array=None, lease=None, batch=None))
+
+
+def names(batch):
+    return [(j.step.header.session, j.step.header.n_tokens) for j in batch]
+
+
+def test_decode_steps_go_before_prefill_and_the_oldest_always_goes():
+    q = collections.deque([job("p1", 40), job("d1"), job("p2", 40), job("d2"), job("d3")])
+    # the oldest (a prefill chunk) goes first; then every decode step; then what fits
+    # (40 + 3 + 40 > 64), in arrival order
+    assert names(take(q, 64)) == [("p1", 40), ("d1", 1), ("d2", 1), ("d3", 1)]
+    assert names(q) == [("p2", 40)]
+    assert names(take(q, 64)) == [("p2", 40)] and not q
+    q = collections.deque([job("p1", 30), job("d1"), job("p2", 30), job("d2")])
+    assert names(take(q, 64)) == [("p1", 30), ("d1", 1), ("p2", 30), ("d2", 1)]
+
+
+def test_a_prefill_chunk_goes_in_only_where_decode_leaves_room():
+    q = collections.deque([job("d0")] + [job(f"d{i}") for i in range(1, 40)]
+                          + [job("p", 32)])
+    b = take(q, 64)
+    assert len(b) == 40 and ("p", 32) not in names(b)  # 40 + 32 > 64
+    assert names(q) == [("p", 32)]
+    q = collections.deque([job("d0"), job("d1"), job("p", 32), job("p2", 31)])
+    assert names(take(q, 64)) == [("d0", 1), ("d1", 1), ("p", 32)]  # 2 + 32 + 31 > 64
+    assert names(q) == [("p2", 31)]
+
+
+def test_one_step_per_session_in_order():
+    q = collections.deque([job("a", pos=0), job("a", pos=1), job("b"), job("a", pos=2)])
+    b = take(q, 64)
+    assert names(b) == [("a", 1), ("b", 1)]
+    assert [j.step.header.first_pos for j in q] == [1, 2]
+
+
+def test_decode_steps_beyond_the_budget_wait():
+    q = collections.deque(job(f"s{i}") for i in range(10))
+    assert len(take(q, 4)) == 4 and len(q) == 6
+
+
+def test_a_solo_step_runs_alone_and_is_not_taken_into_others():
+    q = collections.deque([job("a", solo=True), job("b")])
+    assert names(take(q, 64)) == [("a", 1)]
+    q = collections.deque([job("b"), job("a", solo=True), job("c")])
+    assert names(take(q, 64)) == [("b", 1), ("c", 1)]
+    assert names(q) == [("a", 1)]
+
+
+class Pipeline:
+    """Computes a batch by waiting on ``gate`` (when set up) and recording it."""
+
+    def __init__(self, fail=None):
+        self.batches: list[list[str]] = []
+        self.threads: list[str] = []
+        self.gate: threading.Event | None = None
+        self.entered = threading.Event()
+        self.finished: list[str] = []
+        self.fail = fail
+
+    def compute_batch(self, steps, batch_id=0):
+        self.entered.set()
+        if self.gate is not None:
+            assert self.gate.wait(WAIT)
+        self.batches.append([s.header.session for s in steps])
+        self.threads.append(threading.current_thread().name)
+        if self.fail:
+            raise self.fail
+        for s in steps:
+            s.batch = (batch_id, len(steps))
+        return [None] * len(steps)
+
+    def finish(self, step, failure=None):
+        self.finished.append(step.header.session)
+
+
+def step(session, n=1):
+    return SimpleNamespace(header=SimpleNamespace(session=session, n_tokens=n, solo=False),
+                           array=np.zeros((n, 4), np.float32)[:, :], lease=None, batch=None)
+
+
+@pytest.fixture()
+def loop():
+    p = Pipeline()
+    lp = StageLoop(p, max_tokens=64)
+    yield lp, p
+    lp.stop(WAIT)
+
+
+def test_a_lone_step_runs_on_the_callers_thread_at_once(loop):
+    lp, p = loop
+    done = []
+    assert lp.submit(step("a"), lambda s, f: done.append((s.header.session, f)), inline=True)
+    assert done == [("a", None)] and p.threads == [threading.current_thread().name]
+    assert p.finished == ["a"] and lp.batch_sizes == {1: 1}
+
+
+def test_steps_arriving_while_the_engine_computes_run_as_one_batch(loop):
+    lp, p = loop
+    p.gate = threading.Event()
+    all_done = threading.Event()
+    done = []
+
+    def cb(s, f):
+        done.append(s.header.session)
+        if len(done) == 5:
+            all_done.set()
+
+    assert not lp.submit(step("first"), cb)  # queued: the loop's thread runs it
+    assert p.entered.wait(WAIT)
+    for i in range(4):  # the engine is busy: these queue, and are not inline
+        assert not lp.submit(step(f"s{i}"), cb, inline=True)
+    p.gate.set()
+    assert all_done.wait(WAIT)
+    assert p.batches == [["first"], ["s0", "s1", "s2", "s3"]]
+    assert done == ["first", "s0", "s1", "s2", "s3"]  # handed on in arrival order
+    assert set(p.threads) == {"dgr-stage-loop"} and lp.batch_sizes == {1: 1, 4: 1}
+
+
+def test_a_queued_step_owns_its_boundary():
+    p = Pipeline()
+    p.gate = threading.Event()
+    lp = StageLoop(p, max_tokens=64)
+    try:
+        buf = np.ones((2, 4), np.float32)
+        view = buf[:1]  # a view of the reader's buffer
+        lp.submit(step("x"), lambda s, f: None)
+        assert p.entered.wait(WAIT)
+        s = step("y")
+        s.array = view
+        lp.submit(s, lambda s, f: None, inline=True)
+        buf[:] = 7  # the reader reuses its buffer for the next frame
+        assert s.array is not view and (s.array == 1).all()
+        p.gate.set()
+    finally:
+        lp.stop(WAIT)
+
+
+def test_a_failing_compute_fails_its_steps_and_frees_the_loop():
+    p = Pipeline(fail=errors.EngineError("boom"))
+    lp = StageLoop(p, max_tokens=64)
+    try:
+        got = []
+        lp.submit(step("a"), lambda s, f: got.append(f), inline=True)
+        assert isinstance(got[0], errors.EngineError) and p.finished == ["a"]
+        p.fail = None
+        ev = threading.Event()
+        lp.submit(step("b"), lambda s, f: (got.append(f), ev.set()))
+        assert ev.wait(WAIT) and got[1] is None  # the loop still runs
+    finally:
+        lp.stop(WAIT)
+
+
+def test_without_batching_one_step_per_forward():
+    p = Pipeline()
+    p.gate = threading.Event()
+    lp = StageLoop(p, max_tokens=64, batching=False)
+    try:
+        ev = threading.Event()
+        n = []
+        lp.submit(step("first"), lambda s, f: None)
+        assert p.entered.wait(WAIT)
+        for i in range(3):
+            lp.submit(step(f"s{i}"), lambda s, f: (n.append(1), len(n) == 3 and ev.set()))
+        p.gate.set()
+        assert ev.wait(WAIT)
+        assert p.batches == [["first"], ["s0"], ["s1"], ["s2"]]
+    finally:
+        lp.stop(WAIT)
