@@ -39,7 +39,8 @@ class BuildExt(build_ext):
 
         for ext in self.extensions:
             ext.include_dirs += [str(ROOT / "cpp" / "include"), numpy.get_include(),
-                                 *map(str, v.include_dirs())]
+                                 *map(str, v.include_dirs()),
+                                 str(v.src / "vendor" / "hash")]  # xxhash/xxhash.h (frame.cpp)
             # static archives: dependents before their dependencies
             ext.extra_objects += [str(p) for p in v.libraries()]
             ext.extra_link_args += v.link_args()
@@ -65,7 +66,14 @@ def _extensions():
                  "cpp/include/dgr/build_info.h",
                  "dgr/_core/includes/engine.pxd", "vendor-manifest.json"],
     )
-    return cythonize([ext], language_level=3,
+    frame = Extension(  # the wire frame codec: no llama.cpp symbols, but built the same way
+        "dgr._core._frame",
+        sources=["dgr/_core/_frame.pyx", "cpp/src/frame.cpp", "cpp/src/frame_xxh3_avx2.cpp"],
+        language="c++",
+        depends=["cpp/include/dgr/frame.h", "cpp/include/dgr/status.h",
+                 "dgr/_core/includes/frame.pxd"],
+    )
+    return cythonize([ext, frame], language_level=3,
                      compiler_directives={"embedsignature": True},
                      annotate=bool(os.environ.get("DGR_CYTHON_ANNOTATE")))
 

@@ -24,6 +24,7 @@ __all__ = [
     "FrameChecksumError",
     "FrameVersionError",
     "UnknownCodec",
+    "FrameNotNative",
     "SessionError",
     "StaleEpoch",
     "CacheMiss",
@@ -184,6 +185,14 @@ class UnknownCodec(FrameError):
     """The frame names a dtype or codec this build does not know."""
 
     code = 25
+
+
+class FrameNotNative(FrameError):
+    """Not an error on the wire: the C++ frame decoder (``dgr._core._frame``) checked the frame
+    up to its payload checksum but decodes only the raw codec without compression; decode this
+    one with ``dgr.protocol.wire.decode``. Never sent to a peer."""
+
+    code = 26
 
 
 # --- sessions and routes --------------------------------------------------------

@@ -38,7 +38,7 @@ def test_python_bases_let_callers_catch_builtin_kinds():
 
 
 def test_cpp_status_codes_match():
-    """cpp/include/dgr/status.h and dgr/errors.py agree on every engine code."""
+    """cpp/include/dgr/status.h and dgr/errors.py agree on every engine and frame code."""
     import re
     from pathlib import Path
 
@@ -52,6 +52,11 @@ def test_cpp_status_codes_match():
         "UnknownSlot": errors.UnknownSlot, "InvalidBoundary": errors.InvalidBoundary,
         "MissingTokenIds": errors.MissingTokenIds, "MtpNotSupported": errors.MtpNotSupported,
         "InvalidArgument": errors.InvalidArgument, "EngineError": errors.EngineError,
+        # wire frames (cpp/include/dgr/frame.h)
+        "FrameError": errors.FrameError, "FrameTruncated": errors.FrameTruncated,
+        "FrameTooLarge": errors.FrameTooLarge, "FrameChecksum": errors.FrameChecksumError,
+        "FrameVersion": errors.FrameVersionError, "UnknownCodec": errors.UnknownCodec,
+        "FrameNotNative": errors.FrameNotNative,
     }
     assert cpp.pop("Ok") == 0
     assert set(cpp) == set(pairs)

@@ -22,6 +22,14 @@ enum StatusCode : int {
     kMtpNotSupported    = 11,
     kInvalidArgument    = 12,
     kEngineError        = 13,
+    // wire frames (cpp/include/dgr/frame.h, dgr/protocol/wire.py)
+    kFrameError         = 20,
+    kFrameTruncated     = 21,
+    kFrameTooLarge      = 22,
+    kFrameChecksum      = 23,
+    kFrameVersion       = 24,
+    kUnknownCodec       = 25,
+    kFrameNotNative     = 26,
 };
 
 struct Status {

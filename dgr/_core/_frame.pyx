@@ -1,0 +1,326 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, embedsignature=True
+"""Private: the C++ wire frame decoder and encoder (cpp/src/frame.cpp) for Python.
+
+``decode_frame`` agrees with ``dgr.protocol.wire.decode`` on every frame (accept or reject,
+and the error class), ``encode_frame`` gives ``wire.encode``'s bytes (raw codec, no
+compression): ``tests/unit/test_frame_native.py`` cross-checks both by fuzzing. Frames with
+another codec or zstd raise ``FrameNotNative`` once everything up to the payload checksum is
+checked: decode those with ``wire.decode``.
+"""
+
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.ref cimport Py_INCREF
+from cpython.unicode cimport PyUnicode_DecodeUTF8
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
+from libcpp.string_view cimport string_view
+from libcpp.vector cimport vector
+from time import perf_counter
+
+cimport numpy as cnp
+import numpy as np
+
+from dgr._core.includes.engine cimport CStatus
+from dgr._core.includes.frame cimport (
+    CDecodeLimits, CEncodedFrame, CErrorReply, CForward, CFrameView, CHop, CResult, CSampling,
+    decode_frame as c_decode,
+    encode_forward, encode_result, kErrorReply, kForward, kMaxHeader, kMaxPayload,
+    kResult,
+)
+from dgr import errors as _errors
+
+cnp.import_array()
+
+MAX_PAYLOAD = kMaxPayload
+MAX_HEADER = kMaxHeader
+_F32 = np.dtype("<f4")
+
+
+cdef int _check(const CStatus & st) except -1:
+    if st.ok():
+        return 0
+    raise _errors.from_code(st.code, st.message.decode("utf-8", "replace"))
+
+
+cdef inline str _s(string_view v):
+    return PyUnicode_DecodeUTF8(v.data(), <Py_ssize_t> v.size(), NULL)
+
+
+cdef list _ints(const vector[int32_t] & v):
+    cdef size_t i
+    return [v[i] for i in range(v.size())]
+
+
+cdef list _hops(const vector[CHop] & v):
+    cdef size_t i
+    return [{"endpoint": _s(v[i].endpoint), "tokens": v[i].tokens} for i in range(v.size())]
+
+
+cdef dict _forward(const CForward & h):
+    cdef CSampling s = h.sampling
+    return {
+        "type": "Forward", "schema": h.schema, "model": _s(h.model), "session": _s(h.session),
+        "epoch": h.epoch, "first_pos": h.first_pos, "n_tokens": h.n_tokens, "layer": h.layer,
+        "width": h.width, "_reserved": h.reserved, "dtype": _s(h.dtype), "codec": _s(h.codec),
+        "compression": _s(h.compression), "payload_len": h.payload_len, "checksum": h.checksum,
+        "positions": _ints(h.positions) if h.has_positions else None,
+        "tokens": _ints(h.tokens) if h.has_tokens else None,
+        "want": _s(h.want), "rows": _ints(h.rows) if h.has_rows else None,
+        "sampling": {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
+                     "seed": s.seed, "greedy": s.greedy} if h.has_sampling else None,
+        "relay": _hops(h.relay) if h.has_relay else None, "reply_to": _s(h.reply_to),
+        "loop": _hops(h.loop) if h.has_loop else None, "steps": h.steps,
+        "stop_tokens": _ints(h.stop_tokens) if h.has_stop_tokens else None,
+    }
+
+
+cdef dict _result(const CResult & h):
+    return {
+        "type": "Result", "schema": h.schema, "session": _s(h.session), "epoch": h.epoch,
+        "first_pos": h.first_pos, "n_tokens": h.n_tokens, "kind": _s(h.kind), "layer": h.layer,
+        "rows": h.rows, "cols": h.cols, "_reserved": h.reserved, "dtype": _s(h.dtype),
+        "codec": _s(h.codec), "compression": _s(h.compression),
+        "payload_len": h.payload_len, "checksum": h.checksum,
+        "tokens": _ints(h.tokens) if h.has_tokens else None,
+    }
+
+
+cdef dict _fields(CFrameView * v):
+    cdef CErrorReply * e
+    if v.tag == kForward:
+        return _forward(v.forward)
+    if v.tag == kResult:
+        return _result(v.result)
+    if v.tag == kErrorReply:
+        e = &v.error
+        return {"type": "ErrorReply", "schema": e.schema, "code": e.code,
+                "message": _s(e.message), "session": _s(e.session), "epoch": e.epoch,
+                "retry_after": e.retry_after if e.has_retry_after else None}
+    return {"type": "Hello", "schema": v.hello.schema, "route": _s(v.hello.route)}
+
+
+def decode_frame(object buf, *, uint64_t max_payload=kMaxPayload, uint64_t max_header=kMaxHeader):
+    """Validate and decode one frame in C++ (the checks and error classes of ``wire.decode``).
+
+    Returns
+    -------
+    tuple
+        ``(fields, array)``: ``fields`` a dict of the header's fields by their ``wire`` names
+        (``"type"``: the message's class name; ``sampling`` and each hop are dicts), ``array``
+        the float32 ``[rows, cols]`` boundary as a read-only view over ``buf`` (no copy), or
+        None.
+
+    Raises
+    ------
+    FrameError
+        And its subclasses, as ``wire.decode``; ``FrameNotNative`` for a valid-so-far frame
+        with a codec other than raw or with zstd compression (use ``wire.decode``).
+    """
+    cdef Py_buffer view
+    cdef CFrameView v
+    cdef CDecodeLimits limits
+    cdef CStatus st
+    cdef cnp.npy_intp dims[2]
+    limits.max_payload = max_payload
+    limits.max_header = max_header
+    try:
+        PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
+    except Exception as e:  # as wire.decode: not a C-contiguous bytes-like object
+        raise _errors.FrameError(f"frame must be a C-contiguous bytes-like object: {e}") from None
+    try:
+        st = c_decode(<const uint8_t *> view.buf, <size_t> view.len, limits, &v)
+        _check(st)
+        fields = _fields(&v)
+        if v.array == NULL:
+            return fields, None
+        dims[0] = v.rows
+        dims[1] = v.cols
+        arr = cnp.PyArray_SimpleNewFromData(2, dims, cnp.NPY_FLOAT32, <void *> v.array)
+        # The base keeps the memory alive (a memoryview holds a buffer export: a bytearray
+        # cannot be resized under the array); the view is read-only like wire.decode's.
+        base = buf if type(buf) is bytes else memoryview(buf)
+        Py_INCREF(base)
+        cnp.PyArray_SetBaseObject(arr, base)
+        cnp.PyArray_CLEARFLAGS(arr, cnp.NPY_ARRAY_WRITEABLE)
+        return fields, arr
+    finally:
+        PyBuffer_Release(&view)
+
+
+def _decode_loop(object buf, int n):
+    """Seconds for ``n`` C++ decodes of ``buf`` (no Python objects built): for benches/."""
+    cdef Py_buffer view
+    cdef CFrameView v
+    cdef CDecodeLimits limits
+    cdef CStatus st
+    cdef int i
+    PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
+    try:
+        t0 = perf_counter()
+        with nogil:
+            for i in range(n):
+                st = c_decode(<const uint8_t *> view.buf, <size_t> view.len, limits, &v)
+        t1 = perf_counter()
+        _check(st)
+        return t1 - t0
+    finally:
+        PyBuffer_Release(&view)
+
+
+cdef inline string_view _sv(bytes b):
+    return string_view(PyBytes_AS_STRING(b), len(b))
+
+
+cdef bint _list(object src, vector[int32_t] * out) except -1:
+    out.clear()
+    if src is None:
+        return False
+    for x in src:
+        out.push_back(x)
+    return True
+
+
+cdef bint _hop_list(object src, vector[CHop] * out, list keep) except -1:
+    cdef CHop hop
+    out.clear()
+    if src is None:
+        return False
+    for h in src:
+        b = h.endpoint.encode("utf-8")
+        keep.append(b)
+        hop.endpoint = _sv(b)
+        hop.tokens = h.tokens
+        out.push_back(hop)
+    return True
+
+
+cdef object _fill(object header, CForward * f, CResult * r, list keep):
+    """Copy ``header``'s fields into ``f`` (Forward) or ``r`` (Result); ``keep`` holds the
+    UTF-8 bytes their string views point into. Returns the array to check, or raises."""
+    name = type(header).__name__
+    if name != "Forward" and name != "Result":
+        raise _errors.InvalidArgument(f"encode_frame encodes a Forward or a Result, not {name}")
+    try:
+        if name == "Forward":
+            keep += [header.model.encode("utf-8"), header.session.encode("utf-8"),
+                     header.want.encode("utf-8"), header.reply_to.encode("utf-8")]
+            f.schema = header.schema
+            f.model = _sv(keep[0])
+            f.session = _sv(keep[1])
+            f.epoch = header.epoch
+            f.first_pos = header.first_pos
+            f.n_tokens = header.n_tokens
+            f.layer = header.layer
+            f.width = header.width
+            f.reserved = header._reserved
+            f.has_positions = _list(header.positions, &f.positions)
+            f.has_tokens = _list(header.tokens, &f.tokens)
+            f.want = _sv(keep[2])
+            f.has_rows = _list(header.rows, &f.rows)
+            s = header.sampling
+            f.has_sampling = s is not None
+            if s is not None:
+                f.sampling.temperature = s.temperature
+                f.sampling.top_k = s.top_k
+                f.sampling.top_p = s.top_p
+                f.sampling.seed = s.seed
+                f.sampling.greedy = s.greedy
+            f.has_relay = _hop_list(header.relay, &f.relay, keep)
+            f.reply_to = _sv(keep[3])
+            f.has_loop = _hop_list(header.loop, &f.loop, keep)
+            f.steps = header.steps
+            f.has_stop_tokens = _list(header.stop_tokens, &f.stop_tokens)
+        else:
+            keep += [header.session.encode("utf-8"), header.kind.encode("utf-8")]
+            r.schema = header.schema
+            r.session = _sv(keep[0])
+            r.epoch = header.epoch
+            r.first_pos = header.first_pos
+            r.n_tokens = header.n_tokens
+            r.kind = _sv(keep[1])
+            r.layer = header.layer
+            r.rows = header.rows
+            r.cols = header.cols
+            r.reserved = header._reserved
+            r.has_tokens = _list(header.tokens, &r.tokens)
+    except OverflowError as e:
+        raise _errors.InvalidArgument(f"cannot encode {name}: {e}") from None
+    return name == "Forward"
+
+
+cdef object _checked(object array):
+    """``array`` as wire.encode takes it: a 2-D C-contiguous little-endian float32 array."""
+    if array is None:
+        return None
+    if type(array) is not np.ndarray:
+        raise _errors.InvalidBoundary(f"array must be a numpy.ndarray, got {type(array).__name__}")
+    dt = array.dtype
+    if dt != _F32:
+        if dt.kind != "f" or dt.itemsize != 4:
+            raise _errors.InvalidBoundary(f"array dtype must be float32, got {dt}")
+        array = array.astype(_F32)
+    if array.ndim != 2:
+        raise _errors.InvalidBoundary(f"array must be 2-D [rows, width], got shape {array.shape}")
+    if not array.flags.c_contiguous:
+        raise _errors.InvalidBoundary("array must be C-contiguous for the raw codec")
+    return array
+
+
+def encode_frame(object header, object array=None):
+    """``wire.encode(header, array)`` (raw codec, no compression) in C++: the same bytes.
+
+    ``header`` is a ``wire.Forward`` or ``wire.Result``; ``array`` a float32 ``[rows, cols]``
+    C-contiguous array or None. Raises ``InvalidBoundary``/``InvalidArgument`` as
+    ``wire.encode`` does.
+    """
+    cdef CForward f
+    cdef CResult r
+    cdef CEncodedFrame out
+    cdef CStatus st
+    cdef const float * data = NULL
+    cdef int64_t rows = 0, cols = 0
+    cdef list keep = []
+    forward = _fill(header, &f, &r, keep)
+    array = _checked(array)
+    if array is not None:
+        rows, cols = array.shape
+        data = <const float *> cnp.PyArray_DATA(<cnp.ndarray> array)
+    if forward:
+        st = encode_forward(f, data, rows, cols, &out)
+    else:
+        st = encode_result(r, data, rows, cols, &out)
+    _check(st)
+    frame = PyBytes_FromStringAndSize(NULL, <Py_ssize_t> out.size())
+    out.copy_to(<uint8_t *> PyBytes_AS_STRING(frame))
+    return frame
+
+
+def _encode_loop(object header, object array, int n):
+    """Seconds for ``n`` C++ encodes of ``header`` and ``array`` into one reused frame (the
+    header's fields read from Python once): for benches/."""
+    cdef CForward f
+    cdef CResult r
+    cdef CEncodedFrame out
+    cdef CStatus st
+    cdef const float * data = NULL
+    cdef int64_t rows = 0, cols = 0
+    cdef list keep = []
+    cdef int i
+    cdef bint forward = _fill(header, &f, &r, keep)
+    array = _checked(array)
+    if array is not None:
+        rows, cols = array.shape
+        data = <const float *> cnp.PyArray_DATA(<cnp.ndarray> array)
+    cdef vector[uint8_t] buf
+    t0 = perf_counter()
+    with nogil:
+        for i in range(n):
+            if forward:
+                st = encode_forward(f, data, rows, cols, &out)
+            else:
+                st = encode_result(r, data, rows, cols, &out)
+            buf.resize(out.size())
+            out.copy_to(buf.data())
+    t1 = perf_counter()
+    _check(st)
+    return t1 - t0

@@ -1,0 +1,105 @@
+# Declarations of cpp/include/dgr/frame.h: the wire frame decoder and encoder (noexcept in
+# C++ but for allocations: the encoders are `except +` for std::bad_alloc).
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
+from libcpp cimport bool
+from libcpp.string cimport string
+from libcpp.string_view cimport string_view
+from libcpp.vector cimport vector
+
+from dgr._core.includes.engine cimport CStatus
+
+
+cdef extern from "dgr/frame.h" namespace "dgr::wire" nogil:
+    cdef uint64_t kMaxPayload
+    cdef uint64_t kMaxHeader
+
+    cdef enum CTag "dgr::wire::Tag":
+        kNoTag "dgr::wire::kNoTag"
+        kForward "dgr::wire::kForward"
+        kResult "dgr::wire::kResult"
+        kErrorReply "dgr::wire::kErrorReply"
+        kHello "dgr::wire::kHello"
+
+    cdef cppclass CSampling "dgr::wire::Sampling":
+        double temperature
+        int32_t top_k
+        double top_p
+        uint64_t seed
+        bool greedy
+
+    cdef cppclass CHop "dgr::wire::Hop":
+        string_view endpoint
+        bool tokens
+
+    cdef cppclass CForward "dgr::wire::Forward":
+        uint64_t schema
+        string_view model, session
+        int64_t epoch
+        int32_t first_pos, n_tokens, layer, width, reserved
+        string_view dtype, codec, compression
+        int64_t payload_len
+        uint64_t checksum
+        bool has_positions, has_tokens, has_rows, has_sampling, has_relay, has_loop
+        bool has_stop_tokens
+        vector[int32_t] positions, tokens
+        string_view want
+        vector[int32_t] rows
+        CSampling sampling
+        vector[CHop] relay
+        string_view reply_to
+        vector[CHop] loop
+        int32_t steps
+        vector[int32_t] stop_tokens
+
+    cdef cppclass CResult "dgr::wire::Result":
+        uint64_t schema
+        string_view session
+        int64_t epoch
+        int32_t first_pos, n_tokens
+        string_view kind
+        int32_t layer, rows, cols, reserved
+        string_view dtype, codec, compression
+        int64_t payload_len
+        uint64_t checksum
+        bool has_tokens
+        vector[int32_t] tokens
+
+    cdef cppclass CErrorReply "dgr::wire::ErrorReply":
+        uint64_t schema
+        int32_t code
+        string_view message, session
+        int64_t epoch
+        bool has_retry_after
+        double retry_after
+
+    cdef cppclass CHello "dgr::wire::Hello":
+        uint64_t schema
+        string_view route
+
+    cdef cppclass CFrameView "dgr::wire::FrameView":
+        CTag tag
+        CForward forward
+        CResult result
+        CErrorReply error
+        CHello hello
+        const float * array
+        int64_t rows, cols
+        size_t payload_offset
+
+    cdef cppclass CDecodeLimits "dgr::wire::DecodeLimits":
+        uint64_t max_payload
+        uint64_t max_header
+
+    cdef cppclass CEncodedFrame "dgr::wire::EncodedFrame":
+        string head
+        const uint8_t * payload
+        size_t payload_len
+        size_t size()
+        void copy_to(uint8_t * dst)
+
+    CStatus decode_frame(const uint8_t * data, size_t size, const CDecodeLimits & limits,
+                         CFrameView * out)
+    CStatus encode_forward(const CForward & h, const float * array, int64_t rows, int64_t cols,
+                           CEncodedFrame * out) except +
+    CStatus encode_result(const CResult & h, const float * array, int64_t rows, int64_t cols,
+                          CEncodedFrame * out) except +

@@ -1,0 +1,502 @@
+"""The C++ frame codec (dgr._core._frame, cpp/src/frame.cpp) against dgr.protocol.wire.
+
+Fuzzed with a fixed seed: valid frames from ``wire.encode`` with random fields, and mutations
+of them (truncation, trailing bytes, bit flips, bad prefix fields, lies in header fields with
+the checksums fixed up, malformed msgpack, huge declared sizes). For every input both
+decoders must agree: the same accept/reject and error code, the same fields and array bytes;
+the C++ side may only answer ``FrameNotNative`` (decode it in Python) for a frame whose codec
+is not raw or which is compressed. ``encode_frame`` must give ``wire.encode``'s bytes.
+"""
+
+from __future__ import annotations
+
+import copy
+import struct
+
+import msgspec
+import numpy as np
+import pytest
+import xxhash
+
+from dgr import errors
+from dgr.errors import FrameError, FrameNotNative
+from dgr.protocol import wire
+
+_frame = pytest.importorskip("dgr._core._frame", reason="the compiled core is not built")
+
+SEED = 20261201
+PREFIX = struct.Struct("<4sBBHII")
+SMALL_LIMITS = {"max_payload": 4096, "max_header": 512}
+
+# Values that sit on msgpack width boundaries and on the wire's range limits.
+INTS = [0, 1, 2, 31, 32, 127, 128, 255, 256, 65535, 65536, 2**31 - 1, 2**31, 2**32 - 1, 2**32,
+        2**63 - 1, 2**63, 2**64 - 1]
+LIES: list[object] = [
+    *INTS, -1, -32, -33, -129, -(2**31), -(2**63), 0.0, -0.0, 0.5, 1.0, 1.0000001, 2.5,
+    float("nan"), float("inf"), float("-inf"), "", "f32", "f16", "raw", "bf16", "q8", "zstd",
+    "none", "lz4", "boundary", "logits", "token", "token+logits", "x" * 40, "é" * 20, None, True,
+    False, [], [0], [1, 2], [2**31], [-1], [None], [0.5], list(range(20)), {}, {"a": 1}, b"\x00",
+    [1.0, 0, 1.0, 0, False], [[]], [["h:1", True]], [["h:1", 1]], [{"endpoint": "h"}],
+    *(msgspec.msgpack.Ext(5, b"e" * n) for n in (0, 1, 2, 3, 4, 8, 16, 300, 70000)), b"b" * 300,
+    [[1, [2, {"k": [3.5, None]}]]], {"k": {"j": b"\x00"}},
+]
+
+#: Lies for the items of nested values (Sampling, Hop, id lists): fewer, on their range limits.
+NESTED_LIES: list[object] = [-1, 0, 1, 2**31 - 1, 2**31, 2**63, 2**64 - 1, 0.0, -0.0, 1.0,
+                             1.0000001, 1e-300, -1e-300, float("nan"), float("inf"), None, True,
+                             False, "", "a", [], {}, msgspec.msgpack.Ext(1, b"12345678")]
+
+
+def pick(rng: np.random.Generator, seq: list | tuple) -> object:
+    """One item of ``seq`` as it is (``rng.choice`` would turn big ints into floats)."""
+    return seq[int(rng.integers(0, len(seq)))]
+
+
+def rand_str(rng: np.random.Generator) -> str:
+    n = pick(rng, [0, 1, 5, 31, 32, 255, 256, 300])
+    alphabet = "abcXYZ:-_0123456789é中😀"
+    return "".join(alphabet[i] for i in rng.integers(0, len(alphabet), n))
+
+
+def rand_int(rng: np.random.Generator, hi: int) -> int:
+    choices = [v for v in INTS if v <= hi]
+    return pick(rng, choices) if rng.random() < 0.5 else int(rng.integers(0, min(hi, 2**62) + 1))
+
+
+def rand_hops(rng: np.random.Generator) -> list[wire.Hop]:
+    return [wire.Hop(endpoint=rand_str(rng), tokens=bool(rng.random() < 0.5))
+            for _ in range(pick(rng, [0, 1, 2, 3]))]
+
+
+def rand_forward(rng: np.random.Generator) -> tuple[wire.Forward, np.ndarray | None]:
+    """A valid Forward and its array (None: a token-only first-stage step)."""
+    n = pick(rng, [1, 1, 2, 15, 16, 17, 64])
+    first = rand_int(rng, 2**31 - n)
+    width = pick(rng, [0, 8, 576]) if n <= 16 else pick(rng, [0, 8])
+    tokens = [rand_int(rng, 2**31 - 1) for _ in range(n)] if width == 0 or rng.random() < 0.3 else None
+    positions = [first] + [rand_int(rng, 2**31 - 1) for _ in range(n - 1)] if rng.random() < 0.3 else None
+    want = pick(rng, wire.WANTS)
+    rows = sorted({int(r) for r in rng.integers(0, n, int(rng.integers(1, 4)))}) if rng.random() < 0.3 else None
+    sampling = None
+    if rng.random() < 0.4:
+        sampling = wire.Sampling(
+            temperature=pick(rng, [0.0, 0.7, 1.0, 1e300, float("inf")]),
+            top_k=rand_int(rng, 2**31 - 1), top_p=pick(rng, [1.0, 0.95, 1e-300]),
+            seed=rand_int(rng, 2**64 - 1), greedy=bool(rng.random() < 0.5))
+    relay = rand_hops(rng) if rng.random() < 0.4 else None
+    reply_to = rand_str(rng) or "r" if relay is not None or rng.random() < 0.3 else ""
+    loop, steps = None, 0
+    if rng.random() < 0.3 and want.startswith("token") and rows is None:
+        loop = rand_hops(rng) or [wire.Hop(endpoint="a:1")]
+        steps = rand_int(rng, 2**31 - 1)
+        reply_to = reply_to or "r"
+    stop = [rand_int(rng, 2**31 - 1) for _ in range(int(rng.integers(0, 4)))] if rng.random() < 0.3 else None
+    h = wire.Forward(
+        schema=pick(rng, [1, 2, 3, 4, 2**64 - 1]) if rng.random() < 0.2 else wire.SCHEMA_VERSION,
+        model=rand_str(rng), session=rand_str(rng), epoch=rand_int(rng, 2**63 - 1), first_pos=first,
+        n_tokens=n, layer=rand_int(rng, 2**31 - 1), positions=positions, tokens=tokens, want=want,
+        rows=rows, sampling=sampling, relay=relay, reply_to=reply_to, loop=loop, steps=steps,
+        stop_tokens=stop)
+    array = rng.standard_normal((n, width), dtype=np.float32) if width else None
+    return h, array
+
+
+def rand_result(rng: np.random.Generator) -> tuple[wire.Result, np.ndarray | None]:
+    kind = pick(rng, wire.RESULT_KINDS)
+    rows, cols = (0, 0) if kind == "none" else (pick(rng, [1, 2, 16]), pick(rng, [1, 8, 576]))
+    h = wire.Result(
+        session=rand_str(rng), epoch=rand_int(rng, 2**63 - 1), first_pos=rand_int(rng, 2**31 - 1),
+        n_tokens=rand_int(rng, 2**31 - 1), kind=kind, layer=rand_int(rng, 2**31 - 1),
+        tokens=[rand_int(rng, 2**31 - 1) for _ in range(int(rng.integers(0, 3)))] if rng.random() < 0.5 else None)
+    array = rng.standard_normal((rows, cols), dtype=np.float32) if rows else None
+    if array is not None and rng.random() < 0.1:  # bit patterns the raw codec keeps exactly
+        array.reshape(-1).view(np.uint32)[:1] = rng.choice([0x7FC00001, 0x80000000, 0x00000001])
+    return h, array
+
+
+def rand_other(rng: np.random.Generator) -> wire.Message:
+    if rng.random() < 0.5:
+        return wire.Hello(route=rand_str(rng))
+    return wire.ErrorReply(code=rand_int(rng, 2**31 - 1), message=rand_str(rng), session=rand_str(rng),
+                           epoch=rand_int(rng, 2**63 - 1),
+                           retry_after=pick(rng, [0.0, 0.5, 1e9]) if rng.random() < 0.5 else None)
+
+
+# --- frame surgery ------------------------------------------------------------------
+
+
+def split(frame: bytes) -> tuple[bytes, bytes]:
+    """(msgpack header, payload) of a valid frame."""
+    hlen = PREFIX.unpack_from(frame)[4]
+    poff = -(-(16 + hlen) // 64) * 64
+    return frame[16:16 + hlen], frame[poff:]
+
+
+def build(hb: bytes, payload: bytes, version: int = 1, flags: int = 0, reserved: int = 0) -> bytes:
+    """A frame around header bytes ``hb``, its header checksum fixed up."""
+    body = hb + bytes(-(16 + len(hb)) % 64)
+    hsum = xxhash.xxh3_64_intdigest(body) & 0xFFFFFFFF
+    return PREFIX.pack(b"DGRF", version, flags, reserved, len(hb), hsum) + body + payload
+
+
+def mutate(rng: np.random.Generator, frame: bytes) -> bytes:
+    """One random corruption of a valid frame."""
+    hb, payload = split(frame)
+    kind = int(rng.integers(0, 13))
+    b = bytearray(frame)
+    if kind == 0:  # truncation
+        return frame[: int(rng.integers(0, len(frame)))]
+    if kind == 1:  # trailing bytes
+        return frame + bytes(pick(rng, [1, 3, 64]))
+    if kind == 2:  # bit flips anywhere (mostly checksum errors)
+        for _ in range(int(rng.integers(1, 4))):
+            i = int(rng.integers(0, len(b)))
+            b[i] ^= 1 << int(rng.integers(0, 8))
+        return bytes(b)
+    if kind == 3:  # prefix fields: magic, version, flags, reserved, header_len
+        field = int(rng.integers(0, 5))
+        if field == 0:
+            b[int(rng.integers(0, 4))] ^= 0x20
+        elif field == 1:
+            b[4] = pick(rng, [0, 2, 255])
+        elif field == 2:
+            b[5] = pick(rng, [1, 0x80])
+        elif field == 3:
+            b[6 + int(rng.integers(0, 2))] = 1
+        else:
+            b[8:12] = struct.pack("<I", pick(rng, [0, 1, len(hb) - 1, len(hb) + 1, 2**20, 2**20 + 1,
+                                                        2**32 - 1]))
+        return bytes(b)
+    if kind in (4, 5, 6):  # a header field replaced by a lie, checksums fixed up
+        items = msgspec.msgpack.decode(hb)
+        i = int(rng.integers(1, len(items) + 1))
+        lie = copy.deepcopy(pick(rng, LIES))
+        if i == len(items):
+            items.append(lie)  # an unknown trailing item: must be ignored
+        else:
+            items[i] = lie
+        return build(msgspec.msgpack.encode(items), payload)
+    if kind == 7:  # the header array cut short or grown, with junk of every msgpack type
+        items = msgspec.msgpack.decode(hb)
+        if rng.random() < 0.5:
+            items = items[: int(rng.integers(0, len(items)))]
+        else:
+            items += [copy.deepcopy(LIES[int(j)]) for j in rng.integers(0, len(LIES), int(rng.integers(1, 20)))]
+        return build(msgspec.msgpack.encode(items), payload)
+    if kind == 8:  # raw header bytes flipped, inserted or deleted, header checksum fixed up
+        h = bytearray(hb)
+        for _ in range(int(rng.integers(1, 3))):
+            op, i = int(rng.integers(0, 3)), int(rng.integers(0, len(h)))
+            if op == 0:
+                h[i] ^= 1 << int(rng.integers(0, 8))
+            elif op == 1:
+                h.insert(i, int(rng.integers(0, 256)))
+            elif len(h) > 1:
+                del h[i]
+        return build(bytes(h), payload)
+    if kind == 9:  # huge declared sizes in width / rows / cols / payload_len
+        items = msgspec.msgpack.decode(hb)
+        idx = {1: [8, 6, 13], 2: [8, 9, 14]}.get(items[0], [1])
+        items[pick(rng, idx)] = pick(rng, [2**20, 2**31 - 1, 2**63 - 1, 1025, 4097])
+        return build(msgspec.msgpack.encode(items), payload)
+    if kind == 10:  # a payload byte flipped, the header checksum still right
+        if not payload:
+            return frame + b"\x00"
+        p = bytearray(payload)
+        p[int(rng.integers(0, len(p)))] ^= 0x01
+        return build(hb, bytes(p))
+    if kind == 11:  # a lie inside a nested value (sampling, a hop, a list), checksums fixed up
+        items = msgspec.msgpack.decode(hb)
+        nested: list[list] = []
+
+        def walk(x: object, depth: int) -> None:
+            if isinstance(x, list):
+                nested.append(x)
+                for y in x if depth < 2 else ():
+                    walk(y, depth + 1)
+
+        for x in items[1:]:
+            walk(x, 0)
+        structs = [x for x in nested if x and not all(type(y) is int for y in x)]  # Sampling, Hops
+        if structs and rng.random() < 0.7:
+            nested = structs
+        if nested:
+            c = pick(rng, nested)
+            lie = copy.deepcopy(pick(rng, NESTED_LIES if rng.random() < 0.7 else LIES))
+            if c and rng.random() < 0.6:
+                c[int(rng.integers(0, len(c)))] = lie
+            else:
+                c.append(lie)
+        return build(msgspec.msgpack.encode(items), payload)
+    # kind 12: the message type changed (tag), checksums fixed up
+    items = msgspec.msgpack.decode(hb)
+    items[0] = pick(rng, [0, 1, 2, 3, 4, 5, 255])
+    return build(msgspec.msgpack.encode(items), payload)
+
+
+# --- comparison ---------------------------------------------------------------------
+
+
+def as_fields(h: wire.Message) -> dict:
+    """``h`` in the shape decode_frame returns."""
+    out: dict = {"type": type(h).__name__}
+    for name in h.__struct_fields__:
+        v = getattr(h, name)
+        if isinstance(v, wire.Sampling):
+            v = {f: getattr(v, f) for f in v.__struct_fields__}
+        elif name in ("relay", "loop") and v is not None:
+            v = [{"endpoint": hop.endpoint, "tokens": hop.tokens} for hop in v]
+        out[name] = v
+    return out
+
+
+def check_agree(buf: object, limits: dict) -> str:
+    """Both decoders on ``buf``; returns how they agreed (for coverage counts)."""
+    try:
+        py = wire.decode(buf, **limits)
+        py_code = 0
+    except FrameError as e:
+        py, py_code = None, e.code
+    try:
+        fields, arr = _frame.decode_frame(buf, **limits)
+        c_code = 0
+    except FrameNotNative:
+        # checked up to the payload checksum: only a codec/zstd frame may end here, and
+        # Python then accepts it or finds fault in the codec's own payload (FrameError)
+        assert py_code in (0, errors.FrameError.code), bytes(buf)[:64]
+        h = msgspec.msgpack.decode(split(bytes(buf))[0])
+        codec, comp = (h[11], h[12]) if h[0] == 1 else (h[12], h[13])
+        assert codec != "raw" or comp != "none"
+        return "fallback"
+    except FrameError as e:
+        c_code = e.code
+    assert c_code == py_code, (c_code, py_code, bytes(buf)[:200])
+    if py_code:
+        return f"reject-{py_code}"
+    assert fields == as_fields(py.header)
+    if py.array is None:
+        assert arr is None
+    else:
+        assert arr.dtype == np.dtype("<f4") and arr.shape == py.array.shape
+        assert arr.tobytes() == py.array.tobytes()  # bit for bit (NaN payloads, -0)
+        assert not arr.flags.writeable
+        assert np.shares_memory(arr, np.frombuffer(buf, np.uint8))  # a view, not a copy
+    return f"accept-{fields['type']}"
+
+
+def valid_frames(rng: np.random.Generator, count: int) -> list[tuple[wire.Message, np.ndarray | None, bytes]]:
+    out = []
+    for i in range(count):
+        r = i % 10
+        if r < 5:
+            h, a = rand_forward(rng)
+        elif r < 9:
+            h, a = rand_result(rng)
+        else:
+            h, a = rand_other(rng), None
+        codec, compress = "raw", False
+        if a is not None and rng.random() < 0.1:
+            codec, compress = pick(rng, wire.CODECS), bool(rng.random() < 0.5)
+        out.append((h, a, wire.encode(h, a, codec=codec, compress=compress)))
+    return out
+
+
+def test_decoders_agree_on_valid_and_mutated_frames():
+    """Same accept/reject, error code, fields and array bytes, on ~8000 fuzzed frames."""
+    rng = np.random.default_rng(SEED)
+    frames = valid_frames(rng, 1500)
+    seen: dict[str, int] = {}
+    for _, _, frame in frames:
+        k = check_agree(frame, {})
+        seen[k] = seen.get(k, 0) + 1
+    for j in range(6500):
+        frame = frames[int(rng.integers(0, len(frames)))][2]
+        bad = mutate(rng, frame)
+        limits = SMALL_LIMITS if j % 5 == 0 else {}
+        k = check_agree(bad if j % 7 else bytearray(bad), limits)
+        seen[k] = seen.get(k, 0) + 1
+    # The fuzz reached every outcome it is meant to cover.
+    for k in ("accept-Forward", "accept-Result", "accept-ErrorReply", "accept-Hello", "fallback",
+              "reject-20", "reject-21", "reject-22", "reject-23", "reject-24", "reject-25"):
+        assert seen.get(k, 0) >= 5, (k, seen)
+
+
+def test_encoders_give_the_same_bytes():
+    """encode_frame == wire.encode for random valid Forward/Result headers (raw codec)."""
+    rng = np.random.default_rng(SEED + 1)
+    n = 0
+    for _ in range(1500):
+        h, a = rand_forward(rng) if rng.random() < 0.5 else rand_result(rng)
+        assert _frame.encode_frame(h, a) == wire.encode(h, a)
+        n += a is not None
+    assert n > 500
+
+
+def _encode_outcome(fn, h, a) -> object:
+    try:
+        return fn(h, a)
+    except errors.DgrError as e:
+        return type(e)
+
+
+BAD_ENCODES = [
+    # (header, array shape or None): each breaks one of _prepare's rules
+    ({"tokens": [1, 2]}, None),                              # tokens length vs n_tokens
+    ({"tokens": [1], "rows": []}, None),                         # empty rows
+    ({"tokens": [1], "rows": [1]}, None),                        # row out of range
+    ({"tokens": [1], "want": "all"}, None),                      # unknown want
+    ({"tokens": [1], "relay": []}, None),                        # relay without reply_to
+    ({"tokens": [1], "steps": 2, "reply_to": "r"}, None),           # loop missing
+    ({"tokens": [1], "steps": 2, "reply_to": "r", "loop": [wire.Hop(endpoint="a")]}, None),  # want boundary
+    ({"tokens": [1], "positions": [3]}, None),                   # positions[0] vs first_pos
+    ({"first_pos": 2**31 - 1, "n_tokens": 2, "tokens": [1, 2]}, None),  # positions overflow
+    ({}, None),                                            # neither boundary nor tokens
+    ({"width": 8}, None),                                     # width without array
+    ({}, (2, 8)),                                          # rows vs n_tokens
+    ({"width": 4}, (1, 8)),                                   # width vs array
+    ({}, (1, 0)),                                          # empty width
+]
+
+
+@pytest.mark.parametrize("fields,shape", BAD_ENCODES)
+def test_encoders_refuse_the_same_forwards(fields, shape):
+    base = {"model": "m", "session": "s", "epoch": 1, "first_pos": 0, "n_tokens": 1, "layer": 0}
+    h = wire.Forward(**{**base, **fields})
+    a = None if shape is None else np.zeros(shape, np.float32)
+    py = _encode_outcome(wire.encode, h, a)
+    assert isinstance(py, type) and issubclass(py, errors.DgrError)
+    assert _encode_outcome(_frame.encode_frame, h, a) is py
+
+
+@pytest.mark.parametrize("fields,shape", [
+    ({"kind": "none"}, (1, 8)), ({"kind": "logits"}, None), ({"kind": "odd"}, None),
+    ({"kind": "logits"}, (0, 8)), ({"kind": "none", "rows": 1, "cols": 1}, None),
+])
+def test_encoders_refuse_the_same_results(fields, shape):
+    h = wire.Result(**{"session": "s", "epoch": 1, "first_pos": 0, "n_tokens": 1, **fields})
+    a = None if shape is None else np.zeros(shape, np.float32)
+    py = _encode_outcome(wire.encode, h, a)
+    assert isinstance(py, type) and issubclass(py, errors.DgrError)
+    assert _encode_outcome(_frame.encode_frame, h, a) is py
+
+
+def test_boundary_is_a_read_only_view_that_pins_the_buffer():
+    """No copy: the array points into the frame, and a bytearray cannot be resized under it."""
+    a = np.arange(576, dtype=np.float32).reshape(1, 576)
+    frame = bytearray(wire.encode(wire.Forward(model="m", session="s", epoch=0, first_pos=0,
+                                               n_tokens=1, layer=4), a))
+    fields, arr = _frame.decode_frame(frame)
+    assert fields["width"] == 576 and np.array_equal(arr, a)
+    assert not arr.flags.writeable
+    frame[-4:] = b"\x00\x00\x80\x7f"  # the frame's bytes change under the view (+inf)
+    assert arr[0, -1] == np.inf
+    with pytest.raises(BufferError):
+        frame.extend(b"x")
+
+
+def test_non_buffers_are_frame_errors():
+    for bad in ("DGRF", 7, None, np.zeros((4, 4), np.uint8)[:, ::2]):
+        with pytest.raises(FrameError) as py:
+            wire.decode(bad)
+        with pytest.raises(FrameError) as c:
+            _frame.decode_frame(bad)
+        assert type(c.value) is type(py.value)
+
+
+def _bases() -> list[bytes]:
+    """Valid frames with every optional field set (the systematic lies start from these)."""
+    samp = wire.Sampling(temperature=0.7, top_k=40, top_p=0.9, seed=2**63, greedy=True)
+    hops = [wire.Hop(endpoint="h1:1", tokens=True), wire.Hop(endpoint="h2:2")]
+    a = np.ones((2, 8), np.float32)
+    f1 = wire.Forward(model="m", session="s", epoch=5, first_pos=7, n_tokens=2, layer=3,
+                      positions=[7, 9], tokens=[1, 2], want="logits", rows=[0, 1], sampling=samp,
+                      relay=hops, reply_to="r", stop_tokens=[2, 3])
+    f2 = wire.Forward(model="m", session="s", epoch=5, first_pos=7, n_tokens=2, layer=3,
+                      tokens=[1, 2], want="token", sampling=samp, relay=hops[1:], reply_to="r",
+                      loop=hops, steps=3)
+    r = wire.Result(session="s", epoch=5, first_pos=7, n_tokens=2, kind="boundary", layer=4,
+                    tokens=[9])
+    return [wire.encode(f1, a), wire.encode(f1), wire.encode(f2), wire.encode(r, a),
+            wire.encode(wire.Result(session="s", epoch=1, first_pos=0, n_tokens=1)),
+            wire.encode(wire.ErrorReply(code=34, message="busy", session="s", epoch=2, retry_after=0.5)),
+            wire.encode(wire.Hello(route="r"))]
+
+
+def test_decoders_agree_on_every_lie_in_every_field():
+    """Each header field, and each item of a nested value, replaced by each lie in turn."""
+    n = 0
+    for frame in _bases():
+        hb, payload = split(frame)
+        items = msgspec.msgpack.decode(hb)
+        for i in range(1, len(items) + 1):  # len(items): a trailing unknown item
+            for lie in LIES:
+                mutated = copy.deepcopy(items)
+                mutated[i:i + 1] = [copy.deepcopy(lie)]
+                check_agree(build(msgspec.msgpack.encode(mutated), payload), {})
+                n += 1
+            if i == len(items) or not isinstance(items[i], list):
+                continue
+            paths = [(j,) for j in range(len(items[i]) + 1)]  # + 1: a trailing item
+            paths += [(j, k) for j, x in enumerate(items[i]) if isinstance(x, list)
+                      for k in range(len(x) + 1)]
+            for path in paths:
+                for lie in NESTED_LIES:
+                    mutated = copy.deepcopy(items)
+                    c = mutated[i]
+                    for step in path[:-1]:
+                        c = c[step]
+                    c[path[-1]:path[-1] + 1] = [copy.deepcopy(lie)]
+                    check_agree(build(msgspec.msgpack.encode(mutated), payload), {})
+                    n += 1
+    assert n > 3000
+
+
+#: UTF-8 edge cases, valid and not (surrogates, overlongs, beyond U+10FFFF, cut sequences).
+UTF8_EDGES = [b"\xed\xa0\x80", b"\xed\xbf\xbf", b"\xed\x9f\xbf", b"\xee\x80\x80", b"\xc0\x80",
+              b"\xc1\xbf", b"\xc2\x80", b"\xe0\x9f\xbf", b"\xe0\xa0\x80", b"\xf0\x8f\xbf\xbf",
+              b"\xf0\x90\x80\x80", b"\xf4\x8f\xbf\xbf", b"\xf4\x90\x80\x80", b"\xf5\x80\x80\x80",
+              b"\xff", b"\x80", b"\xe2\x82", b"a\xf0\x9f\x98", b"\xf0\x9f\x98\x80", b"\x00", b"\x7f"]
+_MARK = "\x01mark\x01"
+
+
+def test_decoders_agree_on_utf8_edges_in_every_string():
+    """Each string field (and hop endpoint) holding raw bytes that may not be UTF-8."""
+    mark = msgspec.msgpack.encode(_MARK)
+    n = 0
+    for frame in _bases():
+        hb, payload = split(frame)
+        items = msgspec.msgpack.decode(hb)
+        slots = [(i,) for i, x in enumerate(items) if type(x) is str]
+        slots += [(i, j, 0) for i, x in enumerate(items) if type(x) is list
+                  for j, y in enumerate(x) if type(y) is list and y and type(y[0]) is str]
+        for path in slots:
+            mutated = copy.deepcopy(items)
+            c = mutated
+            for step in path[:-1]:
+                c = c[step]
+            c[path[-1]] = _MARK
+            enc = msgspec.msgpack.encode(mutated)
+            assert enc.count(mark) == 1
+            for raw in UTF8_EDGES:
+                check_agree(build(enc.replace(mark, bytes([0xA0 | len(raw)]) + raw), payload), {})
+                n += 1
+    assert n > 300
+
+
+def test_decoders_agree_at_the_size_limits():
+    """max_payload and max_header at, just below and just above what each frame needs."""
+    rng = np.random.default_rng(SEED + 2)
+    a = rng.standard_normal((3, 40), dtype=np.float32)
+    h = wire.Forward(model="m", session="s", epoch=1, first_pos=0, n_tokens=3, layer=2)
+    n = 0
+    for codec in wire.CODECS:
+        for compress in (False, True):
+            frame = wire.encode(h, a, codec=codec, compress=compress)
+            hb, payload = split(frame)
+            sizes = {len(payload), wire.payload_size(codec, 3, 40), 4 * 3 * 40}
+            for size in sizes:
+                for mp in (size - 1, size, size + 1):
+                    for mh in (len(hb) - 1, len(hb)):
+                        check_agree(frame, {"max_payload": mp, "max_header": mh})
+                        n += 1
+    assert n > 50
