@@ -348,7 +348,8 @@ bool read_forward(Reader& r, uint64_t n, Forward* h) {
     F(21, read_hops(r, &h->has_loop, &h->loop));
     F(22, r.read_i32(0, &h->steps));
     F(23, r.read_i32_list(&h->has_stop_tokens, &h->stop_tokens));
-    return n <= 24 || r.skip(n - 24);
+    F(24, r.read_bool(&h->solo));
+    return n <= 25 || r.skip(n - 25);
 }
 
 bool read_result(Reader& r, uint64_t n, Result* h) {
@@ -753,7 +754,7 @@ Status encode_forward(const Forward& h, const float* array, int64_t rows, int64_
     }
     start(out);
     Writer w(&out->head);
-    w.array(25);
+    w.array(26);
     w.u(kForward);
     w.u(h.schema);
     w.str(h.model);
@@ -789,6 +790,7 @@ Status encode_forward(const Forward& h, const float* array, int64_t rows, int64_
     w.hops(h.has_loop, h.loop);
     w.i(h.steps);
     w.list(h.has_stop_tokens, h.stop_tokens);
+    w.b(h.solo);
     finish_head(out);
     out->payload = reinterpret_cast<const uint8_t*>(array);
     out->payload_len = static_cast<size_t>(plen);

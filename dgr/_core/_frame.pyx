@@ -71,6 +71,7 @@ cdef dict _forward(const CForward & h):
         "relay": _hops(h.relay) if h.has_relay else None, "reply_to": _s(h.reply_to),
         "loop": _hops(h.loop) if h.has_loop else None, "steps": h.steps,
         "stop_tokens": _ints(h.stop_tokens) if h.has_stop_tokens else None,
+        "solo": h.solo,
     }
 
 
@@ -230,6 +231,7 @@ cdef object _fill(object header, CForward * f, CResult * r, list keep):
             f.has_loop = _hop_list(header.loop, &f.loop, keep)
             f.steps = header.steps
             f.has_stop_tokens = _list(header.stop_tokens, &f.stop_tokens)
+            f.solo = header.solo
         else:
             keep += [header.session.encode("utf-8"), header.kind.encode("utf-8")]
             r.schema = header.schema

@@ -96,6 +96,11 @@ class AsyncRoute:
         reader asks for its first token. So the stages run at most this far ahead of a
         consumer that is slow or stops early (a stop string, a closed stream), and one
         driver hop per window is added (32 by default).
+    batching : bool
+        Whether the stages may compute this route's steps in one forward with other
+        sessions' steps (``dgr.worker.scheduler``; docs/batching.md). True by default.
+        False marks every step ``Forward.solo``. A step that returns logits (the parity
+        mode, ``logits=True``) is always solo.
     """
 
 
@@ -107,7 +112,7 @@ class AsyncRoute:
                  spares: Sequence[str] = (), deadline_floor: float = 2.0,
                  deadline_factor: float = 10.0, probe_timeout: float = 1.0,
                  backoff: float = 0.05, relay: bool | None = None, loop: bool = True,
-                 loop_window: int = 32):
+                 loop_window: int = 32, batching: bool = True):
         if codec not in wire.CODECS:
             raise errors.UnknownCodec(f"unknown codec {codec!r} (known: {', '.join(wire.CODECS)})")
         self._relay_arg = relay
@@ -146,6 +151,10 @@ class AsyncRoute:
             raise errors.InvalidArgument(f"loop_window must be >= 1, got {loop_window}")
         self.loop_window = int(loop_window)
         self.relay_steps = 0
+        #: whether the stages may compute this route's steps in one forward with other
+        #: sessions' (False: every step is ``Forward.solo``; the parity mode's steps always
+        #: are: ``dgr.driver.headers.solo_of``)
+        self.batching = bool(batching)
 
     # -- setup ---------------------------------------------------------------------------
 

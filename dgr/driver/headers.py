@@ -6,7 +6,7 @@ from dgr.protocol import wire
 from dgr.protocol.describe import StageInfo
 from dgr.protocol.sampling import SamplingParams
 
-__all__ = ["forward_header", "wire_sampling"]
+__all__ = ["forward_header", "wire_sampling", "solo_of"]
 
 
 def wire_sampling(p: SamplingParams | None) -> wire.Sampling | None:
@@ -21,7 +21,7 @@ def forward_header(session: str, epoch: int, stage: StageInfo, pos: int, toks: l
                    want: str, sampling: wire.Sampling | None, last: bool = True,
                    tokens: bool = True, relay: list[wire.Hop] | None = None,
                    reply_to: str = "", loop: list[wire.Hop] | None = None, steps: int = 0,
-                   stop_tokens: list[int] | None = None) -> wire.Forward:
+                   stop_tokens: list[int] | None = None, solo: bool = False) -> wire.Forward:
     """The step of ``toks`` at ``pos`` of ``session`` (``epoch``), sent to ``stage``.
 
     ``last``: the step ends where the driver reads the reply, so it asks for ``want`` with
@@ -29,11 +29,19 @@ def forward_header(session: str, epoch: int, stage: StageInfo, pos: int, toks: l
     token ids (the first stage, and a stage whose range routes by token id). ``relay``,
     ``reply_to``: the stages after ``stage`` and the route to answer (direct relay);
     ``loop``, ``steps``, ``stop_tokens``: the decode loop (every stage, tokens to run, where
-    the last stage stops it).
+    the last stage stops it). ``solo``: every stage computes the step alone, not batched
+    with other sessions' steps (``solo_of``).
     """
     return wire.Forward(model=stage.identity, session=session, epoch=epoch, first_pos=pos,
                         n_tokens=len(toks), layer=stage.layers[0],
                         tokens=toks if tokens else None,
                         want=want if last else "boundary",
                         sampling=sampling if last else None, relay=relay, reply_to=reply_to,
-                        loop=loop, steps=steps, stop_tokens=stop_tokens)
+                        loop=loop, steps=steps, stop_tokens=stop_tokens, solo=solo)
+
+
+def solo_of(route, want: str) -> bool:
+    """Whether a step of ``route`` asking for ``want`` runs alone on every stage: when the
+    route does not batch (``AsyncRoute(batching=False)``), and in the parity mode (a step
+    that returns logits: they must be the whole model's own, bit for bit)."""
+    return not route.batching or want in ("logits", "token+logits")

@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator
 
 from dgr import errors
 from dgr.driver.checks import stage_error
-from dgr.driver.headers import forward_header
+from dgr.driver.headers import forward_header, solo_of
 from dgr.driver.recovery import release_quietly
 from dgr.protocol import wire
 from dgr.transport.client import ShardClient, StepStream, timeout_after
@@ -91,7 +91,8 @@ class HopByHop(StepPath):
         last = len(r.stages) - 1
         for i, st in enumerate(r.stages):
             h = forward_header(s.id, s.epoch, st, pos, toks, want=want, sampling=sampling,
-                               last=i == last, tokens=i == 0 or st.needs_token_ids)
+                               last=i == last, tokens=i == 0 or st.needs_token_ids,
+                               solo=solo_of(r, want))
             if x is None:
                 data = wire.encode(h)
             else:
@@ -201,7 +202,8 @@ class Relay(StepPath):
         try:
             for k, toks in enumerate(chunks):
                 h = forward_header(s.id, s.epoch, st0, pos, toks, want=want, sampling=sampling,
-                                   last=k == len(chunks) - 1, relay=hops, reply_to=r.route_id)
+                                   last=k == len(chunks) - 1, relay=hops, reply_to=r.route_id,
+                                   solo=solo_of(r, want))
                 key = (s.id, s.epoch, pos)
                 fut = rl.pending[key] = loop.create_future()
                 keys.append((key, len(toks), fut))
@@ -281,7 +283,8 @@ class DecodeLoop(Relay):
                 h = forward_header(s.id, s.epoch, st0, pos, [tok], want=want,
                                    sampling=sampling, relay=rl.hops(), reply_to=r.route_id,
                                    loop=rl.loop_hops(), steps=window,
-                                   stop_tokens=sorted(eog) if eog else None)
+                                   stop_tokens=sorted(eog) if eog else None,
+                                   solo=solo_of(r, want))
                 links[0].send(wire.encode(h))
                 fed = tok
                 for _ in range(window):

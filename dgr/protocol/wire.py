@@ -164,6 +164,9 @@ class Forward(msgspec.Struct, tag=1, array_like=True, frozen=True, kw_only=True)
     loop: Union[list[Hop], None] = None
     steps: _NonNeg32 = 0
     stop_tokens: Union[list[_NonNeg32], None] = None
+    #: compute this step alone, never in one forward with other sessions' steps (the
+    #: route's parity mode: a batched row may differ in its last bits from the row alone)
+    solo: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -124,7 +124,7 @@ class Forwarder:
                           first_pos=h.first_pos + h.n_tokens, n_tokens=1, layer=0,
                           tokens=[token], want=h.want, sampling=h.sampling, relay=h.loop[1:],
                           reply_to=h.reply_to, loop=h.loop, steps=h.steps - 1,
-                          stop_tokens=h.stop_tokens)
+                          stop_tokens=h.stop_tokens, solo=h.solo)
         self.links.send(first.endpoint, wire.encode(nh))
 
     def close(self) -> None:

@@ -96,7 +96,7 @@ def rand_forward(rng: np.random.Generator) -> tuple[wire.Forward, np.ndarray | N
         model=rand_str(rng), session=rand_str(rng), epoch=rand_int(rng, 2**63 - 1), first_pos=first,
         n_tokens=n, layer=rand_int(rng, 2**31 - 1), positions=positions, tokens=tokens, want=want,
         rows=rows, sampling=sampling, relay=relay, reply_to=reply_to, loop=loop, steps=steps,
-        stop_tokens=stop)
+        stop_tokens=stop, solo=bool(rng.random() < 0.3))
     array = rng.standard_normal((n, width), dtype=np.float32) if width else None
     return h, array
 
@@ -410,7 +410,7 @@ def _bases() -> list[bytes]:
     a = np.ones((2, 8), np.float32)
     f1 = wire.Forward(model="m", session="s", epoch=5, first_pos=7, n_tokens=2, layer=3,
                       positions=[7, 9], tokens=[1, 2], want="logits", rows=[0, 1], sampling=samp,
-                      relay=hops, reply_to="r", stop_tokens=[2, 3])
+                      relay=hops, reply_to="r", stop_tokens=[2, 3], solo=True)
     f2 = wire.Forward(model="m", session="s", epoch=5, first_pos=7, n_tokens=2, layer=3,
                       tokens=[1, 2], want="token", sampling=samp, relay=hops[1:], reply_to="r",
                       loop=hops, steps=3)

@@ -36,6 +36,7 @@ FORWARD_FIELDS = (
     "schema", "model", "session", "epoch", "first_pos", "n_tokens", "layer", "width",
     "_reserved", "dtype", "codec", "compression", "payload_len", "checksum", "positions",
     "tokens", "want", "rows", "sampling", "relay", "reply_to", "loop", "steps", "stop_tokens",
+    "solo",
 )
 RESULT_FIELDS = (
     "schema", "session", "epoch", "first_pos", "n_tokens", "kind", "layer", "rows", "cols",
@@ -82,7 +83,7 @@ def fwd_list(payload: bytes = b"", **kw: object) -> list:
         _reserved=1, dtype="f32", codec="raw", compression="none", payload_len=len(payload),
         checksum=xxhash.xxh3_64_intdigest(payload), positions=None, tokens=None,
         want="boundary", rows=None, sampling=None, relay=None, reply_to="", loop=None,
-        steps=0, stop_tokens=None,
+        steps=0, stop_tokens=None, solo=False,
     )
     for k, v in kw.items():
         assert k in f, k

@@ -71,6 +71,7 @@ struct Forward {
     std::vector<Hop> loop;
     int32_t steps = 0;
     std::vector<int32_t> stop_tokens;
+    bool solo = false;
 
     void reset();  // the defaults, keeping the vectors' capacity
 };

@@ -50,6 +50,7 @@ cdef extern from "dgr/frame.h" namespace "dgr::wire" nogil:
         vector[CHop] loop
         int32_t steps
         vector[int32_t] stop_tokens
+        bint solo
 
     cdef cppclass CResult "dgr::wire::Result":
         uint64_t schema
