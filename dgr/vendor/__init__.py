@@ -75,6 +75,13 @@ class Patch:
     sha256: str
 
 
+#: upstream programs of the pinned tree that benchmarks build on demand besides the
+#: manifest's ``cmake.tools``. A tool is a target of the same configured build, which it does
+#: not change, so it stays out of the manifest (whose hash is the cache key: listing one there
+#: would rebuild every cached llama.cpp)
+EXTRA_TOOLS = ("llama-batched-bench",)
+
+
 class Vendor:
     """One manifest's workspace: paths, key, and the fetch/patch/build steps.
 
@@ -101,7 +108,8 @@ class Vendor:
         self.cmake_options = list(self.manifest["cmake"]["options"])
         self.extra_cmake_args = shlex.split(os.environ.get("CMAKE_ARGS", ""))
         self.targets = list(self.manifest["cmake"]["targets"])
-        self.known_tools = list(self.manifest["cmake"].get("tools", []))
+        self.known_tools = list(self.manifest["cmake"].get("tools", [])) + [
+            t for t in EXTRA_TOOLS if t not in self.manifest["cmake"].get("tools", [])]
 
     # -- identity -------------------------------------------------------------------
 

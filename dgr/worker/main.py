@@ -45,7 +45,7 @@ async def _serve(args) -> int:
         model, layers=_parse_layers(args.layers), **engine_settings.from_args(args)))
     worker = Worker(engine, ttl=args.ttl, evict_after=args.evict_after,
                     inline=args.inline_compute, cert_store=args.cert_store,
-                    inline_below_ms=args.inline_below_ms)
+                    inline_below_ms=args.inline_below_ms, batching=args.batching)
     if args.trace:
         worker.trace = open(args.trace, "a", buffering=1 << 16)
     worker.advertise_data_port = args.advertise_data_port
@@ -154,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute single-token steps on the event loop thread while they take "
                         "less than this many ms and the compute thread is idle (default 0: "
                         "never; every step runs off the event loop)")
+    p.add_argument("--batching", action=argparse.BooleanOptionalAction, default=True,
+                   help="compute the ready steps of several sessions as one forward (default "
+                        "on; steps marked solo, the parity mode's, always run alone): "
+                        "docs/batching.md")
     p.add_argument("--parent-pid", type=int, default=0,
                    help="drain and exit when this process is no longer our parent")
     p.add_argument("--cert-store", default=os.environ.get("DGR_CERT_STORE"),

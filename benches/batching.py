@@ -1,0 +1,229 @@
+"""Many sessions through one route: dgr's batching stage loop against llama.cpp's
+``llama-batched-bench`` on the whole model, side by side in one run.
+
+    python benches/batching.py [--sessions 1,4,16,32] [--tokens 64] [--stages 3]
+                               [--threads 1,2] [--rounds 1] [--json out.json]
+
+- **dgr**: ``--stages`` worker processes on loopback (one thread each, ``max(sessions)``
+  slots, the settings below), direct relay with the decode loop. For each k, k sessions at
+  once (``asyncio.gather`` of ``AsyncRoute.complete``, a different 16-token prompt each,
+  ``--tokens`` greedy tokens each), twice on the same workers: ``batched`` (the stage loop
+  computes the ready steps of several sessions as one forward) and ``solo`` (every step
+  ``Forward.solo``: one step per forward, as before the stage loop batched). Reported:
+  aggregate output tokens/s (all tokens / wall time), each session's time per output token
+  (median and slowest) and time to first token; and parity: every session's tokens against
+  the whole model's greedy tokens for its prompt computed alone.
+- **llama-batched-bench** (the pinned tree's, built on demand): ``-npp 16 -ntg <tokens> -npl
+  <sessions>`` on the whole model with the same settings (``-c`` n_ctx per sequence times
+  the most sequences, ``-no-kvu``: one KV stream per sequence as dgr's slots, ``-b``/``-ub``
+  n_ubatch, flash attention, f16 KV, no GPU layers), at each ``--threads`` count. Its
+  ``S_TG`` (generated tokens/s over the generation phase) is the reference figure.
+
+The workers use one thread each, so ``--stages`` 3 runs 3 threads on this machine's cores;
+the reference is given at each thread count asked for. Results go to ``benches/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from benchmarks.bench_route import route_ranges  # noqa: E402
+from benchmarks.common import SEED, prompt_tokens, smollm2_path  # noqa: E402
+
+N_PROMPT = 16
+N_VOCAB = 49152
+#: engine settings of every worker and of the reference (n_slots: the most sessions)
+SETTINGS = dict(n_ctx=256, n_threads=1, n_ubatch=64, flash_attn=True)
+
+
+def log(msg: str) -> None:
+    print(f"[batching] {msg}", file=sys.stderr, flush=True)
+
+
+def session_prompt(i: int) -> list[int]:
+    return [int(t) for t in prompt_tokens(N_PROMPT, N_VOCAB, seed=SEED + 1 + i)]
+
+
+async def _sessions(endpoints, k: int, n: int, batching: bool) -> dict:
+    from dgr.driver.route import AsyncRoute
+
+    async with AsyncRoute(endpoints, batching=batching) as r:
+        await r.complete(session_prompt(0), max_tokens=2, stop_on_eog=False)  # warm up
+        t0 = time.perf_counter()
+        gens = await asyncio.gather(*(r.complete(session_prompt(i), max_tokens=n,
+                                                 stop_on_eog=False) for i in range(k)))
+        wall = time.perf_counter() - t0
+    tpot = [1e3 * g.decode_s / max(len(g.tokens) - 1, 1) for g in gens]
+    return {"sessions": k, "batching": batching, "wall_s": wall,
+            "tokens": sum(len(g.tokens) for g in gens),
+            "aggregate_tps": sum(len(g.tokens) for g in gens) / wall,
+            "tpot_ms_p50": statistics.median(tpot), "tpot_ms_max": max(tpot),
+            "ttft_ms_p50": 1e3 * statistics.median(g.time_to_first_token_s for g in gens),
+            "session_tokens": [list(g.tokens) for g in gens]}
+
+
+def whole_refs(path: str, k: int, n: int) -> list[list[int]]:
+    """Greedy tokens of the whole model for each session's prompt, each computed alone, in a
+    fresh process (the workers' settings, ``k`` slots)."""
+    code = (
+        "import json, sys; import dgr; from dgr.core.local import generate_local; "
+        f"e = dgr.Engine({path!r}, **{ {**SETTINGS, 'n_slots': k} !r}); out = []\n"
+        f"for i in range({k}):\n"
+        f"    sys.path.insert(0, {HERE!r}); import batching\n"
+        f"    t, _ = generate_local(e, batching.session_prompt(i), max_tokens={n}, "
+        "stop_on_eog=False); out.append([int(x) for x in t]); e.release(0)\n"
+        "print(json.dumps(out))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=1200).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def batched_bench(path: str, sessions: list[int], n: int, threads: int) -> dict[int, dict]:
+    """``llama-batched-bench`` at ``threads``: {npl: its jsonl record}."""
+    from dgr.vendor import Vendor
+
+    v = Vendor()
+    exe = v.tool_path("llama-batched-bench")
+    if not exe.exists():
+        log("building llama-batched-bench (the pinned tree's) ...")
+        v.build(["llama-batched-bench"])
+    ub = str(SETTINGS["n_ubatch"])
+    cmd = [str(exe), "-m", path, "-c", str(SETTINGS["n_ctx"] * max(sessions)), "-b", ub,
+           "-ub", ub, "-t", str(threads), "-fa", "on" if SETTINGS["flash_attn"] else "off",
+           "-ctk", "f16", "-ctv", "f16", "-ngl", "0", "-npp", str(N_PROMPT), "-ntg", str(n),
+           "-npl", ",".join(map(str, sessions)), "-no-kvu", "--output-format", "jsonl"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}): {p.stderr[-2000:]}")
+    recs = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    return {int(r["pl"]): r | {"command": cmd} for r in recs}
+
+
+def run(path: str, sessions: list[int], n: int, n_stages: int, threads: list[int],
+        rounds: int) -> dict:
+    import dgr
+    from dgr.worker.process import LocalCluster
+
+    k_max = max(sessions)
+    info = dgr.Engine(path, n_ctx=64, n_slots=1).describe()
+    n_layer = int(info["n_layer"])
+    res: dict = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                          "model": os.path.basename(path), "stages": n_stages,
+                          "settings": {**SETTINGS, "n_slots": k_max}, "tokens": n,
+                          "prompt_tokens": N_PROMPT, "rounds": rounds,
+                          "machine": platform.machine(), "cpu_count": os.cpu_count(),
+                          "dgr_version": dgr.__version__},
+                 "dgr": [], "llama_batched_bench": {}}
+    log(f"whole-model references of {k_max} sessions ...")
+    refs = whole_refs(path, k_max, n)
+    log(f"starting {n_stages} workers with {k_max} slots ...")
+    cluster = LocalCluster(path, route_ranges(n_layer, n_stages),
+                           settings={**SETTINGS, "n_slots": k_max})
+    cluster.start(timeout=180)
+    try:
+        for r in range(rounds):
+            for k in sessions:
+                for batching in (True, False):
+                    m = asyncio.run(_sessions(cluster.endpoints, k, n, batching))
+                    toks = m.pop("session_tokens")
+                    m["parity"] = all(t == refs[i] for i, t in enumerate(toks))
+                    m["round"] = r
+                    res["dgr"].append(m)
+                    log(f"dgr {'batched' if batching else 'solo':7s} k={k:2d}: "
+                        f"{m['aggregate_tps']:6.1f} tok/s, TPOT p50 {m['tpot_ms_p50']:.1f} ms, "
+                        f"parity {m['parity']}")
+            for t in threads:
+                bb = batched_bench(path, sessions, n, t)
+                res["llama_batched_bench"].setdefault(str(t), []).append(bb)
+                log(f"llama-batched-bench -t {t}: " + ", ".join(
+                    f"npl {k}: {bb[k]['speed_tg']:.1f}" for k in sessions if k in bb))
+    finally:
+        cluster.stop()
+    return res
+
+
+def summarize(res: dict, sessions: list[int], threads: list[int]) -> list[dict]:
+    rows = []
+    for k in sessions:
+        row: dict = {"sessions": k}
+        for batching, name in ((True, "batched"), (False, "solo")):
+            ms = [m for m in res["dgr"] if m["sessions"] == k and m["batching"] == batching]
+            row[name] = {key: statistics.median(m[key] for m in ms)
+                         for key in ("aggregate_tps", "tpot_ms_p50", "tpot_ms_max",
+                                     "ttft_ms_p50")}
+            row[name]["parity"] = all(m["parity"] for m in ms)
+        for t in threads:
+            runs = res["llama_batched_bench"].get(str(t), [])
+            vals = [r[k]["speed_tg"] for r in runs if k in r]
+            row[f"bb_t{t}"] = statistics.median(vals) if vals else None
+        row["batched_over_solo"] = row["batched"]["aggregate_tps"] / row["solo"]["aggregate_tps"]
+        for t in threads:
+            if row[f"bb_t{t}"]:
+                row[f"batched_over_bb_t{t}"] = row["batched"]["aggregate_tps"] / row[f"bb_t{t}"]
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict], threads: list[int], n_stages: int) -> str:
+    head = ["sessions", f"dgr{n_stages} batched tok/s", f"dgr{n_stages} solo tok/s",
+            "batched/solo", *[f"batched-bench -t{t} tok/s" for t in threads],
+            *[f"batched/bb-t{t}" for t in threads], "TPOT p50 batched ms", "TPOT p50 solo ms",
+            "parity batched", "parity solo"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for r in rows:
+        cells = [str(r["sessions"]), f"{r['batched']['aggregate_tps']:.1f}",
+                 f"{r['solo']['aggregate_tps']:.1f}", f"{r['batched_over_solo']:.2f}",
+                 *[f"{r[f'bb_t{t}']:.1f}" if r[f"bb_t{t}"] else "-" for t in threads],
+                 *[f"{r.get(f'batched_over_bb_t{t}', 0):.2f}" for t in threads],
+                 f"{r['batched']['tpot_ms_p50']:.1f}", f"{r['solo']['tpot_ms_p50']:.1f}",
+                 str(r["batched"]["parity"]), str(r["solo"]["parity"])]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sessions", default="1,4,16,32")
+    ap.add_argument("--tokens", type=int, default=64, help="greedy tokens per session")
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--threads", default="1,2", help="llama-batched-bench thread counts")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--model", help="GGUF (default: SmolLM2-135M from the registry)")
+    ap.add_argument("--json", help="also write the results here")
+    a = ap.parse_args(argv)
+    sessions = sorted({int(x) for x in a.sessions.split(",")})
+    threads = [int(x) for x in a.threads.split(",")]
+    path = a.model or smollm2_path()
+    res = run(path, sessions, a.tokens, a.stages, threads, a.rounds)
+    res["summary"] = summarize(res, sessions, threads)
+    text = table(res["summary"], threads, a.stages)
+    print(text)
+    day = datetime.date.today().isoformat()
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    base = os.path.join(HERE, "results", f"batching-{day}")
+    with open(base + ".json", "w") as f:
+        json.dump(res, f, indent=1)
+    with open(base + ".txt", "w") as f:
+        f.write(text + "\n")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    log(f"results: {base}.json, {base}.txt")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
