@@ -259,3 +259,72 @@ cdef class Engine:
         check_status(st)
         return out if o.shape[0] == n_rows else out[:n_rows]
 
+
+    def _forward_batch(self, object slots, object pos, object tokens, object boundary,
+                       object want, object out):
+        """Validated-array batched forward; see ``dgr.Engine.forward_batch``.
+
+        As ``_forward``: every array is checked here before the C++ engine reads it through a
+        raw pointer (type, dtype, C-contiguity, dimensions, one entry or row per token, the
+        boundary width), nothing converted or copied; the C++ engine checks the values (slots
+        in range, each slot's positions continuing it, token ids, which stage takes what).
+        """
+        cdef cnp.ndarray sl = _array(slots, "slots", np.int32, 1, _errors.UnknownSlot)
+        cdef cnp.ndarray p = _array(pos, "positions", np.int32, 1, _errors.InvalidPosition)
+        if p.shape[0] > INT32_MAX:
+            raise _errors.InvalidPosition(f"{p.shape[0]} positions: at most {INT32_MAX} per step")
+        cdef int32_t n = <int32_t> p.shape[0]
+        if sl.shape[0] != n:
+            raise _errors.InvalidPosition(f"{n} positions for {sl.shape[0]} slots")
+        cdef const int32_t * pslots = <const int32_t *> cnp.PyArray_DATA(sl)
+        cdef const int32_t * ppos = <const int32_t *> cnp.PyArray_DATA(p)
+        cdef const int32_t * ptok = NULL
+        cdef const float * pbnd = NULL
+        cdef const uint8_t * pwant = NULL
+        cdef cnp.ndarray a
+        cdef int32_t rows
+        if tokens is not None:
+            a = _array(tokens, "tokens", np.int32, 1, _errors.InvalidArgument)
+            if a.shape[0] != n:
+                raise _errors.InvalidPosition(f"{n} positions for {a.shape[0]} tokens")
+            ptok = <const int32_t *> cnp.PyArray_DATA(a)
+        if boundary is not None:
+            a = _array(boundary, "boundary", np.float32, 2, _errors.InvalidBoundary)
+            if a.shape[1] != self.n_embd_boundary:
+                raise _errors.InvalidBoundary(
+                    f"boundary must have shape [n_tokens, {self.n_embd_boundary}], "
+                    f"got {list(boundary.shape)}")
+            if a.shape[0] != n:
+                raise _errors.InvalidBoundary(
+                    f"boundary has {a.shape[0]} rows but the batch has {n} tokens")
+            pbnd = <const float *> cnp.PyArray_DATA(a)
+        if want is not None:
+            if isinstance(want, np.ndarray) and want.dtype == np.bool_:
+                want = want.view(np.uint8)
+            a = _array(want, "logits mask", np.uint8, 1, _errors.InvalidArgument)
+            if a.shape[0] != n:
+                raise _errors.InvalidArgument(
+                    f"logits mask must have one entry per token ({n}), got shape {want.shape}")
+            pwant = <const uint8_t *> cnp.PyArray_DATA(a)
+            rows = <int32_t> np.count_nonzero(want) if self.is_last else n
+        else:
+            rows = <int32_t> np.unique(sl).shape[0] if self.is_last else n
+        if out is None:
+            out = np.empty((rows, self.output_width), dtype=np.float32)
+        if (not isinstance(out, np.ndarray) or out.dtype != np.float32
+                or not out.flags.c_contiguous or not out.flags.writeable
+                or out.ndim != 2 or out.shape[0] < rows or out.shape[1] != self.output_width):
+            raise _errors.InvalidArgument(
+                f"out must be a writable C-contiguous float32 array of shape "
+                f"[>={rows}, {self.output_width}], got {_what(out)}")
+        cdef cnp.ndarray o = <cnp.ndarray> out
+        cdef float * pout = <float *> cnp.PyArray_DATA(o)
+        cdef size_t cap = <size_t> o.shape[0] * <size_t> o.shape[1]
+        cdef int32_t n_rows = 0
+        cdef CStatus st
+        with self.lock:
+            with nogil:
+                st = self._e.get().ForwardBatch(pslots, ppos, ptok, pbnd, n, pwant, pout, cap,
+                                                &n_rows)
+        check_status(st)
+        return out if o.shape[0] == n_rows else out[:n_rows]

@@ -204,3 +204,72 @@ class Engine(_CoreEngine):
                 want = np.ascontiguousarray(logits, dtype=np.bool_).view(np.uint8)
         return self._forward(int(slot), pos, tok, bnd, want, out)
 
+
+    def forward_batch(self, slots: Sequence[int] | np.ndarray,
+                      positions: Sequence[int] | np.ndarray,
+                      tokens: Sequence[int] | np.ndarray | None = None,
+                      boundary: np.ndarray | None = None, *,
+                      logits: str | Sequence[bool] | np.ndarray = "last",
+                      out: np.ndarray | None = None) -> np.ndarray:
+        """Run the tokens of several slots through the owned layers in one forward.
+
+        Token ``i`` belongs to slot ``slots[i]`` at ``positions[i]``; slots may interleave.
+        The tokens go to llama.cpp as one batch, which computes the rows of slots with
+        consecutive ids in one ubatch (as many tokens of each as the one with fewest left),
+        so slots should be numbered compactly.
+
+        Whether a slot's rows are bit-identical to the same slot run alone through
+        :meth:`forward` is measured per build by ``benches/batch_exactness.py``. On the CPU
+        build it holds for quantized weights while each slot's piece of a ubatch has under
+        64 rows both ways and, with ``n_threads >= 2``, its KV under 512 cells (flash
+        attention picks other kernels past those); never for f32/f16 weights (sgemm takes
+        two rows or more). Outside that, rows differ beyond rounding (top-1 may differ).
+
+        Parameters
+        ----------
+        slots : int array
+            Each token's slot in ``[0, n_slots)``.
+        positions : int array
+            Each token's absolute position. A slot's tokens, in input order, continue it: the
+            first at ``next_pos(slot)``, each later one at the position after the one before.
+        tokens : int array, optional
+            Token ids; required on the first stage (and on stages that route by token id).
+        boundary : float32 array ``[n_tokens, boundary_width]``, optional
+            Required on non-first stages; row ``i`` is token ``i``'s.
+        logits : "last", "all" or a boolean mask
+            Last stage only: which rows return logits; "last" is the last token of each slot
+            in the batch.
+        out : float32 array, optional
+            Reused output buffer (C-contiguous, enough rows).
+
+        Returns
+        -------
+        numpy.ndarray
+            float32 rows in input order: ``[rows, n_vocab]`` logits of the wanted tokens on
+            the last stage, else the boundary ``[n_tokens, boundary_width]``. The array is
+            the caller's (no aliasing of engine memory).
+
+        Raises
+        ------
+        dgr.errors.InvalidToken, dgr.errors.InvalidPosition, dgr.errors.ContextFull,
+        dgr.errors.UnknownSlot, dgr.errors.InvalidBoundary, dgr.errors.MissingTokenIds
+            Nothing is computed when one is raised: every slot keeps its state. A failure of
+            llama.cpp itself (``dgr.errors.EngineError``) clears every slot of the batch.
+        """
+        # Only conversions here, as in forward: the binding checks the buffers, the C++ engine
+        # the values, each with its typed error.
+        sl = np.ascontiguousarray(slots, dtype=np.int32)
+        pos = np.ascontiguousarray(positions, dtype=np.int32)
+        tok = None if tokens is None else np.ascontiguousarray(tokens, dtype=np.int32)
+        bnd = np.ascontiguousarray(boundary) if isinstance(boundary, np.ndarray) else boundary
+        want = None
+        if self.is_last:
+            if isinstance(logits, str):
+                if logits == "all":
+                    want = np.ones(len(pos), dtype=np.uint8)
+                elif logits != "last":
+                    raise errors.InvalidArgument(
+                        f"logits must be 'last', 'all' or a mask, got {logits!r}")
+            else:
+                want = np.ascontiguousarray(logits, dtype=np.bool_).view(np.uint8)
+        return self._forward_batch(sl, pos, tok, bnd, want, out)

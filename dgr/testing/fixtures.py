@@ -42,11 +42,23 @@ class TinyLlama:
     n_ctx_train: int = 4096
     tied: bool = True
     seed: int = 0
+    # type of the matrices (token embedding, attention, FFN): "f32", "f16", "q8_0" or "q4_0";
+    # norms stay f32
+    weight_type: str = "f32"
+
+
+# weight_type -> (gguf.GGMLQuantizationType name, general.file_type / llama_ftype)
+_WEIGHT_TYPES = {"f32": ("F32", 0), "f16": ("F16", 1), "q4_0": ("Q4_0", 2), "q8_0": ("Q8_0", 7)}
 
 
 def write_tiny_llama(path: str | Path, cfg: TinyLlama = TinyLlama()) -> Path:
-    """Write a random-weight llama-architecture GGUF (f32 weights, 'test' tokenizer)."""
+    """Write a random-weight llama-architecture GGUF ('test' tokenizer; matrices of
+    ``cfg.weight_type``, f32 by default)."""
     gguf = gguf_module()
+    if cfg.weight_type not in _WEIGHT_TYPES:
+        raise ValueError(f"weight_type must be one of {sorted(_WEIGHT_TYPES)}, got {cfg.weight_type!r}")
+    qname, ftype = _WEIGHT_TYPES[cfg.weight_type]
+    qtype = gguf.GGMLQuantizationType[qname]
     path = Path(path)
     rng = np.random.default_rng(cfg.seed)
     head_dim = cfg.n_embd // cfg.n_head
@@ -61,7 +73,7 @@ def write_tiny_llama(path: str | Path, cfg: TinyLlama = TinyLlama()) -> Path:
     w.add_rope_freq_base(10000.0)
     w.add_rope_dimension_count(head_dim)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(0)  # all f32
+    w.add_file_type(ftype)
     w.add_tokenizer_model("test")
     w.add_token_list([f"tok_{i}" for i in range(cfg.n_vocab)])
     w.add_token_scores([0.0] * cfg.n_vocab)
@@ -69,7 +81,15 @@ def write_tiny_llama(path: str | Path, cfg: TinyLlama = TinyLlama()) -> Path:
 
     def t(name: str, *shape: int, scale: float = 0.2) -> None:
         # gguf-py takes numpy shapes (reversed ggml ne order)
-        w.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))
+        data = (rng.standard_normal(shape) * scale).astype(np.float32)
+        if cfg.weight_type == "f32":
+            w.add_tensor(name, data)
+        elif cfg.weight_type == "f16":
+            w.add_tensor(name, data.astype(np.float16))
+        else:
+            from gguf.quants import quantize
+
+            w.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
 
     def ones(name: str, n: int) -> None:
         w.add_tensor(name, (1.0 + 0.05 * rng.standard_normal(n)).astype(np.float32))

@@ -114,6 +114,8 @@ class StageLoop:
         #: batches run and steps in them (``batch_sizes[k]``: batches of k steps)
         self.batches = 0
         self.batch_sizes: collections.Counter[int] = collections.Counter()
+        #: steps computed on the submitting thread (the engine idle, nothing queued)
+        self.inline_runs = 0
         self._thread = threading.Thread(target=self._run, name="dgr-stage-loop", daemon=True)
         self._thread.start()
 
@@ -133,6 +135,7 @@ class StageLoop:
             run_here = inline and not self._busy and not self._queue and not self._stop
             if run_here:
                 self._busy = True
+                self.inline_runs += 1
             else:
                 if step.array is not None and not step.array.flags.owndata:
                     step.array = np.array(step.array)

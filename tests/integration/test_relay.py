@@ -29,24 +29,24 @@ PROMPT = [int(t) for t in np.random.default_rng(3).integers(3, 120, 37)]  # 5 ch
 
 
 class _Handled:
-    """Records the ``first_pos`` of every data-plane frame a worker has finished handling
-    (its reply, relay and loop step all sent), for waits on a step instead of on time."""
+    """Records the ``first_pos`` of every data-plane step a worker has finished handling (its
+    reply, relay and loop step all sent: the end of ``_data_done``, on whichever thread
+    computed it), for waits on a step instead of on time."""
 
     def __init__(self, worker):
         self.positions: list[int | None] = []
         self._cond = threading.Condition()
-        real = worker._data_frame
+        real = worker._data_done
 
-        def frame(conn, view):
-            pos = getattr(wire.decode(bytes(view)).header, "first_pos", None)
+        def done(conn, step, failure):
             try:
-                real(conn, view)
+                real(conn, step, failure)
             finally:
                 with self._cond:
-                    self.positions.append(pos)
+                    self.positions.append(step.header.first_pos)
                     self._cond.notify_all()
 
-        worker._data_frame = frame
+        worker._data_done = done
 
     def wait(self, pos: int, timeout: float = WAIT_S) -> bool:
         """Whether the worker finished a frame for position ``pos`` within ``timeout``."""

@@ -99,6 +99,23 @@ public:
                    int32_t n_tokens, const uint8_t * want, float * out, size_t out_capacity,
                    int32_t * n_out_rows);
 
+    // Run n_tokens of several slots in one forward: token i belongs to slot slots[i] at
+    // position pos[i]. The arrays are as for Forward (tokens/boundary row i is token i's), and
+    //   want:     last stage only: per-token 0/1, which rows return logits (null: the last
+    //             token of each slot in the batch)
+    //   out:      receives the output rows in input order: the wanted rows on the last stage,
+    //             every row on the others
+    // Each slot's tokens, taken in input order, must continue that slot (its first one at
+    // NextPos(slot)) with consecutive positions; slots may interleave. Nothing is computed
+    // unless every token passes. The tokens go to llama_decode in one llama_batch (sorted by
+    // slot, a slot's tokens kept in order; chunks of n_ubatch tokens), whose equal split
+    // (kv_unified=false: one KV stream per slot) computes the decode rows of slots with
+    // consecutive ids in one ubatch, a run of ids at a time, with as many tokens of each
+    // slot as the one with fewest left. A decode failure clears every slot of the batch.
+    Status ForwardBatch(const int32_t * slots, const int32_t * pos, const int32_t * tokens,
+                        const float * boundary, int32_t n_tokens, const uint8_t * want, float * out,
+                        size_t out_capacity, int32_t * n_out_rows);
+
     // Drop a slot's state; the next Forward on it must start at position 0.
     Status Release(int32_t slot);
 

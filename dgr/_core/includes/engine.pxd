@@ -76,6 +76,9 @@ cdef extern from "dgr/engine.h" namespace "dgr" nogil:
         CStatus Forward(int32_t slot, const int32_t * pos, const int32_t * tokens,
                         const float * boundary, int32_t n_tokens, const uint8_t * want,
                         float * out, size_t out_capacity, int32_t * n_out_rows) except +
+        CStatus ForwardBatch(const int32_t * slots, const int32_t * pos, const int32_t * tokens,
+                             const float * boundary, int32_t n_tokens, const uint8_t * want,
+                             float * out, size_t out_capacity, int32_t * n_out_rows) except +
         CStatus Release(int32_t slot) except +
         int32_t NextPos(int32_t slot) except +
         CStatus RefreshMemory() except +

@@ -1,0 +1,102 @@
+"""The batching stage loop over real engines (a 3-stage SmolLM2 route on loopback, direct
+relay with the decode loop): concurrent sessions really share forwards (every stage's loop
+ran batches of several steps), and each session's tokens are the whole model's own greedy
+tokens for its prompt computed alone (``benches/batch_exactness.py`` measured batched rows
+bit-identical to solo rows on this build for SmolLM2's quantization); a lone session's steps
+run on the receiving thread with no batch and no handoff; a route with ``batching=False``
+(and the parity mode, logits) gets solo steps only."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import dgr
+from dgr._core import HAS_LAYER_RANGES
+from dgr.core.local import generate_local
+from dgr.driver.route import AsyncRoute
+from dgr.worker.process import ThreadedWorker
+
+pytestmark = [pytest.mark.skipif(not HAS_LAYER_RANGES, reason="needs the patched llama.cpp"),
+              pytest.mark.slow]
+
+SETTINGS = dict(n_ctx=128, n_slots=8, n_threads=1, n_ubatch=32)
+RANGES = ((0, 10), (10, 20), (20, 30))
+N = 8  # sessions
+TOKENS = 12
+
+
+def prompt(i: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(100 + i).integers(3, 40000, 9 + i)]
+
+
+@pytest.fixture(scope="module")
+def engine_cls():
+    if not hasattr(dgr.Engine, "forward_batch"):
+        pytest.skip("this build's engine has no forward_batch")
+    return dgr.Engine
+
+
+@pytest.fixture(scope="module")
+def refs(smollm2, engine_cls):
+    e = engine_cls(smollm2, **SETTINGS)
+    out = []
+    for i in range(N):
+        toks, _ = generate_local(e, prompt(i), max_tokens=TOKENS, stop_on_eog=False)
+        out.append([int(t) for t in toks])
+        e.release(0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def stages(smollm2, engine_cls):
+    ws = [ThreadedWorker(engine_cls(smollm2, layers=r, **SETTINGS)) for r in RANGES]
+    yield ws
+    for w in ws:
+        w.stop()
+
+
+def _reset(stages):
+    for w in stages:
+        lp = w.worker.loop
+        lp.batch_sizes.clear()
+        lp.inline_runs = lp.batches = 0
+
+
+async def _generate(stages, k: int, **kw):
+    async with AsyncRoute([w.address for w in stages], **kw) as r:
+        assert r.relay and r.loop
+        gens = await asyncio.gather(*(r.complete(prompt(i), max_tokens=TOKENS,
+                                                 stop_on_eog=False) for i in range(k)))
+    return [list(g.tokens) for g in gens]
+
+
+def test_concurrent_sessions_share_forwards_and_keep_their_tokens(stages, refs):
+    _reset(stages)
+    got = asyncio.run(_generate(stages, N))
+    assert got == refs
+    for w in stages:
+        sizes = w.worker.loop.batch_sizes
+        assert max(sizes) >= 2, f"{w.address}: no batch of several steps formed: {sizes}"
+
+
+def test_a_lone_session_runs_inline_in_batches_of_one(stages, refs):
+    _reset(stages)
+    before = [w.worker.steps_total for w in stages]
+    (got,) = asyncio.run(_generate(stages, 1))
+    assert got == refs[0]
+    for w, b in zip(stages, before):
+        lp = w.worker.loop
+        steps = w.worker.steps_total - b
+        assert set(lp.batch_sizes) == {1} and lp.batches == steps
+        assert lp.inline_runs == steps, "a lone session's step waited for the loop's thread"
+
+
+def test_a_route_without_batching_sends_solo_steps(stages, refs):
+    _reset(stages)
+    got = asyncio.run(_generate(stages, 4, batching=False))
+    assert got == refs[:4]
+    for w in stages:
+        assert set(w.worker.loop.batch_sizes) == {1}
