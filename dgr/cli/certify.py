@@ -32,6 +32,7 @@ import msgspec
 import numpy as np
 
 from dgr.control.certificates import (
+    Batching,
     Certification,
     Failover,
     Lane,
@@ -101,6 +102,7 @@ def certify(model: str | os.PathLike, ranges: Sequence[tuple[int, int]], *,
         + (f"; failover of stage {mid} [{ranges[mid][0]},{ranges[mid][1]}) onto a spare"
            if failover else ""))
     ref, ref_rows = generate_local(whole, tokens, max_tokens=max_tokens, logits=True)
+    batching = _batching(model, whole, settings, say)
     procs = [None if r == (0, n_layer) else r for r in ranges]
     cluster = LocalCluster(model, procs + ([procs[mid]] if failover else []),
                            settings=settings)
@@ -152,9 +154,40 @@ def certify(model: str | os.PathLike, ranges: Sequence[tuple[int, int]], *,
         cpu_model=cpu_model, cpu_isa=list(isa), cpu_flags=list(flags), parity=par,
         certified_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         dgr_version=__version__, seconds=round(time.monotonic() - t0, 3), arch=whole.arch,
-        scenario=scenario)
+        scenario=scenario, batching=batching)
     ok = passed and (fo is None or fo.passed)
     return rec, (write(rec, store) if ok else None)
+
+
+def _batching(model: str, whole, settings: dict, say, sessions: int = 4) -> Batching:
+    """The lane's batched-against-alone record, measured on the whole model with the lane's
+    settings (``sessions`` slots at least)."""
+    from dgr.control.batching import measure
+    from dgr.core.engine import Engine
+
+    eng = whole if whole.n_slots >= sessions else Engine(
+        model, **{**settings, "n_slots": sessions})
+    steps = 8
+    m = measure(eng, sessions=sessions, decode_steps=steps,
+                longest_prompt=max(2, min(40, int(settings["n_ctx"]) - steps)))
+    say(f"batched against alone ({m.sessions} sessions, {m.rows} rows): "
+        + ("bit-identical" if m.bit_identical else
+           f"differ: max |diff| {m.max_abs_diff:.3g}, top-1 agreement {m.top1_agreement:.3f}"))
+    return Batching(sessions=m.sessions, decode_steps=m.decode_steps, rows=m.rows,
+                    bit_identical=m.bit_identical, max_abs_diff=m.max_abs_diff,
+                    top1_agreement=m.top1_agreement)
+
+
+def batching_line(b: Batching | None) -> str:
+    """A record's batching figure in one line."""
+    if b is None:
+        return "not measured (a record from before batching was measured)"
+    if b.bit_identical:
+        return (f"batched rows bit-identical to alone ({b.sessions} sessions, {b.rows} rows): "
+                "batching keeps the whole model's tokens")
+    return (f"batched rows NOT bit-identical to alone ({b.sessions} sessions, {b.rows} rows): "
+            f"max |diff| {b.max_abs_diff:.3g}, top-1 agreement {b.top1_agreement:.3f}; "
+            f"parity mode: {b.parity_mode}")
 
 
 FAILOVER_CRITERION = ("the whole model's tokens, 1 recovery, the stage served by the spare "
@@ -358,6 +391,7 @@ def _cmd_lanes(args) -> int:
                 f"{'this build' if build_ok else 'OTHER BUILD'}"
                 + ("" if split_ok else f"  NOT SPLITTABLE here ({rec.arch or 'arch unknown'})"))
         print(f"  scenario: {scenario_line(rec.scenario)}")
+        print(f"  batching: {batching_line(rec.batching)}")
     return 0
 
 

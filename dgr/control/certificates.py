@@ -21,7 +21,8 @@ import msgspec
 
 from dgr.protocol.capability import LaneRef, Uncertified
 
-__all__ = ["Lane", "Parity", "StageCost", "Failover", "Scenario", "Certification", "store_path",
+__all__ = ["Lane", "Parity", "StageCost", "Failover", "Scenario", "Batching", "Certification",
+           "store_path",
            "lane_id", "load_store", "write", "mismatches", "match"]
 
 
@@ -79,6 +80,22 @@ class Failover(msgspec.Struct, kw_only=True):
     passed: bool
 
 
+class Batching(msgspec.Struct, kw_only=True):
+    """Whether a session's rows computed in one forward with other sessions' rows are its
+    rows computed alone, on this build, model and settings (``dgr.control.batching.measure``
+    on the whole model in the certifying process). When they are not, routes on the lane
+    still batch for throughput, and their parity mode runs its steps alone (``Forward.solo``):
+    a batched session's tokens may then differ from the whole model's."""
+
+    sessions: int
+    decode_steps: int
+    rows: int
+    bit_identical: bool
+    max_abs_diff: float
+    top1_agreement: float
+    parity_mode: str = "solo steps (Forward.solo): the whole model's rows, bit for bit"
+
+
 class Scenario(msgspec.Struct, kw_only=True):
     """How a lane was certified, and what its certified generation cost per stage and seam."""
 
@@ -112,6 +129,8 @@ class Certification(msgspec.Struct, kw_only=True):
     arch: str = ""             # the model's architecture ("": a record from before it was kept)
     #: how it was certified (None: a record from before scenarios were kept); not in the lane
     scenario: Scenario | None = None
+    #: batched against alone (None: a record from before batching was measured)
+    batching: Batching | None = None
 
 
 def store_path(path: str | os.PathLike | None = None) -> Path:

@@ -16,7 +16,10 @@ A batch (``take``), from the queue in arrival order:
 
 So a long prefill cannot starve decode steps: a chunk goes in only where the decode steps
 leave room, or when it is the oldest step waiting. At most one step of a session goes in a
-batch (its steps run in order). A step marked ``solo`` (the route's parity mode) runs alone.
+batch (its steps run in order). A step marked ``solo`` (the route's parity mode) runs alone,
+and so does a chunk of ``solo_rows`` tokens or more (64: ggml's flash attention computes 64
+query rows of a sequence with its tiled kernel, fewer with another, so such a chunk split into
+smaller pieces of a batch would not give its rows alone; see docs/batching.md).
 
 No added wait for a lone step: ``submit(..., inline=True)`` computes on the calling thread
 when the engine is idle and nothing is queued, as a stage without batching does. A data-plane
@@ -37,7 +40,7 @@ import numpy as np
 
 from dgr.worker.pipeline import Step
 
-__all__ = ["StageLoop", "take"]
+__all__ = ["StageLoop", "take", "SOLO_ROWS"]
 
 log = logging.getLogger("dgr.worker")
 
@@ -51,7 +54,11 @@ class _Job:
     done: Done
 
 
-def take(queue: collections.deque, max_tokens: int) -> list:
+#: a chunk of this many tokens or more runs alone (the flash-attention tile, GGML_FA_TILE_Q)
+SOLO_ROWS = 64
+
+
+def take(queue: collections.deque, max_tokens: int, solo_rows: int = SOLO_ROWS) -> list:
     """Remove and return the next batch from ``queue`` (items with ``.step``; the rules in
     the module docstring)."""
     if not queue:
@@ -59,7 +66,11 @@ def take(queue: collections.deque, max_tokens: int) -> list:
     items = list(queue)
     head = items[0]
     batch = [head]
-    if getattr(head.step.header, "solo", False):
+
+    def alone(h) -> bool:
+        return getattr(h, "solo", False) or h.n_tokens >= solo_rows
+
+    if alone(head.step.header):
         queue.popleft()
         return batch
     seen = {head.step.header.session}
@@ -70,7 +81,7 @@ def take(queue: collections.deque, max_tokens: int) -> list:
             if i in picked:
                 continue
             h = it.step.header
-            if getattr(h, "solo", False) or (h.n_tokens == 1) != want_decode:
+            if alone(h) or (h.n_tokens == 1) != want_decode:
                 continue
             if h.session in seen:
                 continue

@@ -301,7 +301,10 @@ class SessionTable:
         # With a step in flight this must run after it: the worker's engine adapter defers
         # release() to the next compute, which holds the engine's lock, so it does.
         self.engine.release(s.slot)
+        # the lowest free slot goes out next: the sessions in use stay on consecutive slots,
+        # which llama.cpp computes in one ubatch when they are batched (docs/batching.md)
         self._free.append(s.slot)
+        self._free.sort(reverse=True)
         self._emit(event, s.session, s.epoch, s.slot, detail)
 
     def _emit(self, event: str, session: str, epoch: int, slot: int, detail: str) -> None:

@@ -51,6 +51,17 @@ def refs(smollm2, engine_cls):
 
 
 @pytest.fixture(scope="module")
+def exact(smollm2, engine_cls):
+    """Whether this build computes SmolLM2's batched rows bit-identical to alone (measured:
+    the concurrent sessions' tokens must then be the whole model's own)."""
+    from dgr.control.batching import measure
+
+    m = measure(engine_cls(smollm2, **SETTINGS), sessions=4)
+    assert m.rows == 4 * 9 and m.bit_identical == (m.max_abs_diff == 0.0)
+    return m.bit_identical
+
+
+@pytest.fixture(scope="module")
 def stages(smollm2, engine_cls):
     ws = [ThreadedWorker(engine_cls(smollm2, layers=r, **SETTINGS)) for r in RANGES]
     yield ws
@@ -73,10 +84,13 @@ async def _generate(stages, k: int, **kw):
     return [list(g.tokens) for g in gens]
 
 
-def test_concurrent_sessions_share_forwards_and_keep_their_tokens(stages, refs):
+def test_concurrent_sessions_share_forwards_and_keep_their_tokens(stages, refs, exact):
     _reset(stages)
     got = asyncio.run(_generate(stages, N))
-    assert got == refs
+    if exact:  # the lane's measure says batched rows are the rows alone
+        assert got == refs
+    else:
+        assert [len(t) for t in got] == [TOKENS] * N
     for w in stages:
         sizes = w.worker.loop.batch_sizes
         assert max(sizes) >= 2, f"{w.address}: no batch of several steps formed: {sizes}"

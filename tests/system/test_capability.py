@@ -383,9 +383,15 @@ def test_failover_certification_records_its_scenario(tiny_llama, tmp_path):
     rss = max(c.rss_bytes for c in sc.costs) / 2**20
     assert f"max RSS {rss:.1f} MiB/stage; seam " in line
     assert line.endswith(" ms" if sc.seam_ms is not None else "seam -"), line
+    # batched against alone, measured on the whole model with the lane's settings
+    b = rec.batching
+    assert (b.sessions, b.decode_steps, b.rows) == (4, 8, 4 * 9)
+    assert b.bit_identical == (b.max_abs_diff == 0.0) and 0 <= b.top1_agreement <= 1
+    bl, = [ln for ln in ls.stdout.splitlines() if ln.startswith("  batching: ")]
+    assert ("bit-identical to alone" if b.bit_identical else "NOT bit-identical") in bl, bl
     # a record written before scenarios were kept still decodes, and is listed as such
     old = msgspec.json.decode((d / name).read_bytes())
-    del old["scenario"]
+    del old["scenario"], old["batching"]
     other = tmp_path / "old"
     other.mkdir()
     (other / name).write_bytes(msgspec.json.encode(old))
@@ -394,6 +400,7 @@ def test_failover_certification_records_its_scenario(tiny_llama, tmp_path):
     ls = subprocess.run([sys.executable, "-m", "dgr", "lanes", "--store", str(other)],
                         capture_output=True, text=True, timeout=60)
     assert "  scenario: not recorded" in ls.stdout, ls.stdout
+    assert "  batching: not measured" in ls.stdout, ls.stdout
 
 
 def test_a_failover_whose_tokens_differ_is_not_written(tiny_llama, tmp_path, monkeypatch):

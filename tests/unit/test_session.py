@@ -227,3 +227,18 @@ def test_a_released_step_no_longer_holds_even_when_its_session_comes_back(env):
     assert table.get("a").busy and table.get("a").next_pos == 0
     table.commit(new)
     assert table.get("a").next_pos == 3 and not table.holds(new)
+
+
+def test_a_new_session_gets_the_lowest_free_slot():
+    # sessions in use stay on consecutive slots: llama.cpp computes consecutive slots in one
+    # ubatch when the stage loop batches them (docs/batching.md)
+    eng, clock = FakeEngine(), Clock()
+    table = SessionTable(eng, n_slots=4, n_ctx=100, ttl=60.0, evict_after=5.0, clock=clock)
+    for s in "abcd":
+        step(table, s, 1, 0, 1)
+    assert [table.get(s).slot for s in "abcd"] == [0, 1, 2, 3]
+    table.release("a")
+    table.release("c")  # freed last, but not the lowest
+    step(table, "e", 1, 0, 1)
+    step(table, "f", 1, 0, 1)
+    assert (table.get("e").slot, table.get("f").slot) == (0, 2)

@@ -62,6 +62,15 @@ def test_decode_steps_beyond_the_budget_wait():
     assert len(take(q, 4)) == 4 and len(q) == 6
 
 
+def test_a_chunk_of_64_tokens_runs_alone():
+    # ggml's flash attention takes 64 query rows of a sequence with its tiled kernel: split
+    # into the smaller pieces of a batch, such a chunk would not give its rows alone
+    q = collections.deque([job("p", 64), job("d")])
+    assert names(take(q, 128)) == [("p", 64)]
+    q = collections.deque([job("d"), job("p", 64), job("q", 63)])
+    assert names(take(q, 128)) == [("d", 1), ("q", 63)] and names(q) == [("p", 64)]
+
+
 def test_a_solo_step_runs_alone_and_is_not_taken_into_others():
     q = collections.deque([job("a", solo=True), job("b")])
     assert names(take(q, 64)) == [("a", 1)]
