@@ -5,7 +5,10 @@ loop's link from the last stage). ``StageLoop.submit`` queues an admitted step; 
 engine is free, the loop's thread takes every step that is ready and runs them as one batch
 (``StagePipeline.compute_batch``: one ``Engine.forward_batch``), then finishes them and hands
 each to its ``done`` callback (the relay frame to the next stage, the reply, the decode
-loop's next step), in the order they were taken.
+loop's next step). The next batch may compute while one hands its steps on, but batches hand
+on in the order they computed, and a batch's steps in arrival order: a session's frames
+leave a stage in the order its steps ran (its next chunk cannot overtake this one to the
+next stage).
 
 A batch (``take``), from the queue in arrival order:
 
@@ -120,6 +123,11 @@ class StageLoop:
         self._cv = threading.Condition(threading.Lock())
         self._queue: collections.deque[_Job] = collections.deque()
         self._busy = False  # a compute is running (the loop's thread or an inline caller)
+        # batches hand their steps on in the order they computed, even when the next batch
+        # computes on another thread meanwhile: a session's frames leave in order
+        self._order = itertools.count()
+        self._turn = 0
+        self._turn_cv = threading.Condition(threading.Lock())
         self._stop = False
         self._ids = itertools.count(1)
         #: batches run and steps in them (``batch_sizes[k]``: batches of k steps)
@@ -147,13 +155,14 @@ class StageLoop:
             if run_here:
                 self._busy = True
                 self.inline_runs += 1
+                turn = next(self._order)
             else:
                 if step.array is not None and not step.array.flags.owndata:
                     step.array = np.array(step.array)
                 self._queue.append(_Job(step, done))
                 self._cv.notify()
         if run_here:
-            self._compute([_Job(step, done)])
+            self._compute([_Job(step, done)], turn)
         return run_here
 
     def _run(self) -> None:
@@ -166,10 +175,12 @@ class StageLoop:
                 batch = (take(self._queue, self.max_tokens) if self.batching
                          else [self._queue.popleft()])
                 self._busy = True
-            self._compute(batch)
+                turn = next(self._order)
+            self._compute(batch, turn)
 
-    def _compute(self, batch: list[_Job]) -> None:
-        """Compute a batch (``_busy`` held), let the next one start, then hand each step on."""
+    def _compute(self, batch: list[_Job], turn: int) -> None:
+        """Compute a batch (``_busy`` held), let the next one start, then hand each step on
+        once every batch computed before it has (``turn``: its place in that order)."""
         steps = [j.step for j in batch]
         fails: list[BaseException | None] = [None] * len(steps)
         run = 0
@@ -188,11 +199,18 @@ class StageLoop:
                     self.batch_sizes[run] += 1
                 if self._queue:
                     self._cv.notify()
-        for j, f in zip(batch, fails):
-            try:
-                j.done(j.step, f)
-            except Exception:  # noqa: BLE001 - one step's send must not stop the loop
-                log.exception("handing on a computed step failed")
+        with self._turn_cv:
+            self._turn_cv.wait_for(lambda: self._turn == turn)
+        try:
+            for j, f in zip(batch, fails):
+                try:
+                    j.done(j.step, f)
+                except Exception:  # noqa: BLE001 - one step's send must not stop the loop
+                    log.exception("handing on a computed step failed")
+        finally:
+            with self._turn_cv:
+                self._turn += 1
+                self._turn_cv.notify_all()
 
     def stop(self, timeout: float | None = None) -> None:
         """Run what is queued (a stopped pipeline refuses it, counted as not run), then end

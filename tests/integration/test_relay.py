@@ -54,6 +54,28 @@ class _Handled:
             return self._cond.wait_for(lambda: pos in self.positions, timeout)
 
 
+class _Computed:
+    """Records the ``first_pos`` of every step a worker has computed (finished), whether or
+    not its frames were sent yet."""
+
+    def __init__(self, worker):
+        self.positions: list[int] = []
+        self._cond = threading.Condition()
+        real = worker.finish
+
+        def finish(step, failure=None):
+            real(step, failure)
+            with self._cond:
+                self.positions.append(step.header.first_pos)
+                self._cond.notify_all()
+
+        worker.finish = finish
+
+    def wait(self, pos: int, timeout: float = WAIT_S) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: pos in self.positions, timeout)
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
     return dgr.Engine(tiny_llama, **SETTINGS)
@@ -404,12 +426,13 @@ def test_a_one_stage_decode_loop_delivers_tokens_in_order(tiny_llama, reference)
     w = one.worker
     real_loop = w.forwarder.loop
     handled = _Handled(w)
+    computed = _Computed(w)
     waited = []
 
-    def slow_after_loop(h, token):  # widen the window between the loop and the reply:
-        real_loop(h, token)  # position 5's loop step goes out, then this thread holds on
-        if h.first_pos == 5:  # until the worker has finished position 6 (replied to it)
-            waited.append(handled.wait(6))
+    def slow_after_loop(h, token):  # widen the window after the loop step: position 5's
+        real_loop(h, token)  # loop step goes out, then this thread holds on until the
+        if h.first_pos == 5:  # worker has computed position 6 (on another thread)
+            waited.append(computed.wait(6))
 
     w.forwarder.loop = slow_after_loop
     try:

@@ -199,3 +199,36 @@ def test_without_batching_one_step_per_forward():
         assert p.batches == [["first"], ["s0"], ["s1"], ["s2"]]
     finally:
         lp.stop(WAIT)
+
+
+def test_batches_hand_on_in_the_order_they_computed():
+    # a session's next chunk may compute on another thread while this one's frame is still
+    # being sent: it must not be sent first (the next stage would see it first)
+    p = Pipeline()
+    lp = StageLoop(p, max_tokens=64)
+    try:
+        order, release_a = [], threading.Event()
+        a_in_done = threading.Event()
+
+        def done_a(s, f):
+            a_in_done.set()
+            assert release_a.wait(WAIT)
+            order.append("a")
+
+        lp.submit(step("a"), done_a)  # the loop's thread computes it, then hands it on
+        assert a_in_done.wait(WAIT)
+        b_done = threading.Event()
+        t = threading.Thread(target=lambda: lp.submit(
+            step("b"), lambda s, f: (order.append("b"), b_done.set()), inline=True))
+        t.start()
+        # b computes at once (the engine is free) but waits for a's hand-on
+        from dgr.testing.waits import wait_until
+
+        wait_until(lambda: p.batches == [["a"], ["b"]], "b computed")
+        assert not b_done.is_set() and order == []
+        release_a.set()
+        assert b_done.wait(WAIT)
+        t.join(WAIT)
+        assert order == ["a", "b"]
+    finally:
+        lp.stop(WAIT)
