@@ -282,6 +282,9 @@ struct Engine::Impl {
                         const float * boundary, int32_t n_tokens, const uint8_t * want, float * out,
                         size_t out_capacity, int32_t * n_out_rows);
     Status CheckStageInputs(const int32_t * tokens, const float * boundary, int32_t n_tokens) const;
+    // llama_decode of the first n rows of `batch` (its token/embd pointers set by the caller,
+    // cleared after); on an M-RoPE model an embedding batch gets the sectioned positions.
+    int32_t Decode(int32_t n);
     Status Release(int32_t slot);
     // boundary rows gathered into slot order when the caller's are not (n_ubatch rows)
     std::vector<float> embd_gather;
@@ -590,6 +593,31 @@ Status Engine::Impl::CheckStageInputs(const int32_t * tokens, const float * boun
     return Status();
 }
 
+int32_t Engine::Impl::Decode(int32_t n) {
+    llama_batch & b = batch;
+    // an embedding batch without token ids on an M-RoPE model: the sectioned positions
+    llama_pos * const own_pos = b.pos;
+    if (!b.token && b.embd && n_pos_sections > 1) {
+        llama_pos * ps = pos_sections.data();
+        for (int32_t i = 0; i < n; ++i) {
+            ps[i] = ps[n + i] = ps[2 * n + i] = own_pos[i];
+            ps[3 * n + i] = 0;
+        }
+        b.pos = ps;
+    }
+    int32_t rc;
+    try {
+        rc = llama_decode(ctx, b);
+    } catch (...) {
+        b.pos = own_pos;  // llama_batch_free frees the batch's own array
+        throw;
+    }
+    b.pos = own_pos;
+    b.token = nullptr;
+    b.embd = nullptr;
+    return rc;
+}
+
 Status Engine::Impl::Forward(int32_t slot, const int32_t * pos, const int32_t * tokens,
                              const float * boundary, int32_t n_tokens, const uint8_t * want, float * out,
                              size_t out_capacity, int32_t * n_out_rows) {
@@ -666,26 +694,7 @@ Status Engine::Impl::Forward(int32_t slot, const int32_t * pos, const int32_t * 
                 if (m.last) o = want ? (want[c0 + i] ? 1 : 0) : (c0 + i == n_tokens - 1 ? 1 : 0);
                 b.logits[i] = o;
             }
-            // an embedding batch without token ids on an M-RoPE model: the sectioned positions
-            llama_pos * const own_pos = b.pos;
-            if (!b.token && b.embd && m.n_pos_sections > 1) {
-                llama_pos * ps = m.pos_sections.data();
-                for (int32_t i = 0; i < n; ++i) {
-                    ps[i] = ps[n + i] = ps[2 * n + i] = own_pos[i];
-                    ps[3 * n + i] = 0;
-                }
-                b.pos = ps;
-            }
-            int32_t rc;
-            try {
-                rc = llama_decode(m.ctx, b);
-            } catch (...) {
-                b.pos = own_pos;  // llama_batch_free frees the batch's own array
-                throw;
-            }
-            b.pos = own_pos;
-            b.token = nullptr;
-            b.embd = nullptr;
+            const int32_t rc = m.Decode(n);
             if (rc != 0) {
                 // Never leave a half-computed step behind: the slot must be re-prefilled.
                 llama_memory_seq_rm(llama_get_memory(m.ctx), slot, -1, -1);
@@ -854,25 +863,7 @@ Status Engine::Impl::ForwardBatch(const int32_t * slots, const int32_t * pos, co
                 b.seq_id[k][0] = slots[idx[k]];
                 b.logits[k] = (m.last && dst[idx[k]] >= 0) ? 1 : 0;
             }
-            llama_pos * const own_pos = b.pos;
-            if (!b.token && b.embd && m.n_pos_sections > 1) {
-                llama_pos * ps = m.pos_sections.data();
-                for (int32_t k = 0; k < n; ++k) {
-                    ps[k] = ps[n + k] = ps[2 * n + k] = own_pos[k];
-                    ps[3 * n + k] = 0;
-                }
-                b.pos = ps;
-            }
-            int32_t rc;
-            try {
-                rc = llama_decode(m.ctx, b);
-            } catch (...) {
-                b.pos = own_pos;  // llama_batch_free frees the batch's own array
-                throw;
-            }
-            b.pos = own_pos;
-            b.token = nullptr;
-            b.embd = nullptr;
+            const int32_t rc = m.Decode(n);
             if (rc != 0) {
                 clear_all();
                 std::string why = log_last_error();

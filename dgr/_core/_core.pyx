@@ -67,6 +67,31 @@ cdef cnp.ndarray _array(object a, str name, object dtype, int ndim, object error
                 f"got {_what(a)}")
 
 
+cdef cnp.ndarray _mask(object want, Py_ssize_t n):
+    """A logits mask (bool or uint8, one entry per token) as contiguous uint8."""
+    if isinstance(want, np.ndarray) and want.dtype == np.bool_:
+        want = want.view(np.uint8)
+    a = _array(want, "logits mask", np.uint8, 1, _errors.InvalidArgument)
+    if a.shape[0] != n:
+        raise _errors.InvalidArgument(
+            f"logits mask must have one entry per token ({n}), got shape {want.shape}")
+    return a
+
+
+cdef object _out(object out, Py_ssize_t rows, int32_t width):
+    """The output buffer: ``out`` checked (writable C-contiguous float32 ``[>=rows, width]``),
+    or a new one."""
+    if out is None:
+        return np.empty((rows, width), dtype=np.float32)
+    if (not isinstance(out, np.ndarray) or out.dtype != np.float32
+            or not out.flags.c_contiguous or not out.flags.writeable
+            or out.ndim != 2 or out.shape[0] < rows or out.shape[1] != width):
+        raise _errors.InvalidArgument(
+            f"out must be a writable C-contiguous float32 array of shape "
+            f"[>={rows}, {width}], got {_what(out)}")
+    return out
+
+
 cdef class Engine:
     """A share of a GGUF model (layers [a, b)) on the CPU, with sequence slots.
 
@@ -230,24 +255,12 @@ cdef class Engine:
         if boundary is not None and len(boundary) != n:
             raise _errors.InvalidPosition(f"{n} positions for {len(boundary)} boundary rows")
         if want is not None:
-            if isinstance(want, np.ndarray) and want.dtype == np.bool_:
-                want = want.view(np.uint8)
-            a = _array(want, "logits mask", np.uint8, 1, _errors.InvalidArgument)
-            if a.shape[0] != n:
-                raise _errors.InvalidArgument(
-                    f"logits mask must have one entry per token ({n}), got shape {want.shape}")
+            a = _mask(want, n)
             pwant = <const uint8_t *> cnp.PyArray_DATA(a)
             rows = <int32_t> np.count_nonzero(want) if self.is_last else n
         else:
             rows = 1 if self.is_last else n
-        if out is None:
-            out = np.empty((rows, self.output_width), dtype=np.float32)
-        if (not isinstance(out, np.ndarray) or out.dtype != np.float32
-                or not out.flags.c_contiguous or not out.flags.writeable
-                or out.ndim != 2 or out.shape[0] < rows or out.shape[1] != self.output_width):
-            raise _errors.InvalidArgument(
-                f"out must be a writable C-contiguous float32 array of shape "
-                f"[>={rows}, {self.output_width}], got {_what(out)}")
+        out = _out(out, rows, self.output_width)
         cdef cnp.ndarray o = <cnp.ndarray> out
         cdef float * pout = <float *> cnp.PyArray_DATA(o)
         cdef size_t cap = <size_t> o.shape[0] * <size_t> o.shape[1]
@@ -299,24 +312,12 @@ cdef class Engine:
                     f"boundary has {a.shape[0]} rows but the batch has {n} tokens")
             pbnd = <const float *> cnp.PyArray_DATA(a)
         if want is not None:
-            if isinstance(want, np.ndarray) and want.dtype == np.bool_:
-                want = want.view(np.uint8)
-            a = _array(want, "logits mask", np.uint8, 1, _errors.InvalidArgument)
-            if a.shape[0] != n:
-                raise _errors.InvalidArgument(
-                    f"logits mask must have one entry per token ({n}), got shape {want.shape}")
+            a = _mask(want, n)
             pwant = <const uint8_t *> cnp.PyArray_DATA(a)
             rows = <int32_t> np.count_nonzero(want) if self.is_last else n
         else:
             rows = <int32_t> np.unique(sl).shape[0] if self.is_last else n
-        if out is None:
-            out = np.empty((rows, self.output_width), dtype=np.float32)
-        if (not isinstance(out, np.ndarray) or out.dtype != np.float32
-                or not out.flags.c_contiguous or not out.flags.writeable
-                or out.ndim != 2 or out.shape[0] < rows or out.shape[1] != self.output_width):
-            raise _errors.InvalidArgument(
-                f"out must be a writable C-contiguous float32 array of shape "
-                f"[>={rows}, {self.output_width}], got {_what(out)}")
+        out = _out(out, rows, self.output_width)
         cdef cnp.ndarray o = <cnp.ndarray> out
         cdef float * pout = <float *> cnp.PyArray_DATA(o)
         cdef size_t cap = <size_t> o.shape[0] * <size_t> o.shape[1]

@@ -145,6 +145,19 @@ class Engine(_CoreEngine):
 
     # -- compute ----------------------------------------------------------------------
 
+    def _want(self, logits, n: int) -> np.ndarray | None:
+        """The logits mask of ``forward``/``forward_batch`` (None: the engine's default)."""
+        if not self.is_last:
+            return None
+        if isinstance(logits, str):
+            if logits == "all":
+                return np.ones(n, dtype=np.uint8)
+            if logits != "last":
+                raise errors.InvalidArgument(
+                    f"logits must be 'last', 'all' or a mask, got {logits!r}")
+            return None
+        return np.ascontiguousarray(logits, dtype=np.bool_).view(np.uint8)
+
     def forward(self, slot: int, positions: int | Sequence[int] | np.ndarray,
                 tokens: Sequence[int] | np.ndarray | None = None,
                 boundary: np.ndarray | None = None, *,
@@ -192,16 +205,7 @@ class Engine(_CoreEngine):
             pos = np.arange(int(positions), int(positions) + n, dtype=np.int32)
         else:
             pos = np.ascontiguousarray(positions, dtype=np.int32)
-        want = None
-        if self.is_last:
-            if isinstance(logits, str):
-                if logits == "all":
-                    want = np.ones(len(pos), dtype=np.uint8)
-                elif logits != "last":
-                    raise errors.InvalidArgument(
-                        f"logits must be 'last', 'all' or a mask, got {logits!r}")
-            else:
-                want = np.ascontiguousarray(logits, dtype=np.bool_).view(np.uint8)
+        want = self._want(logits, len(pos))
         return self._forward(int(slot), pos, tok, bnd, want, out)
 
 
@@ -262,14 +266,5 @@ class Engine(_CoreEngine):
         pos = np.ascontiguousarray(positions, dtype=np.int32)
         tok = None if tokens is None else np.ascontiguousarray(tokens, dtype=np.int32)
         bnd = np.ascontiguousarray(boundary) if isinstance(boundary, np.ndarray) else boundary
-        want = None
-        if self.is_last:
-            if isinstance(logits, str):
-                if logits == "all":
-                    want = np.ones(len(pos), dtype=np.uint8)
-                elif logits != "last":
-                    raise errors.InvalidArgument(
-                        f"logits must be 'last', 'all' or a mask, got {logits!r}")
-            else:
-                want = np.ascontiguousarray(logits, dtype=np.bool_).view(np.uint8)
+        want = self._want(logits, len(pos))
         return self._forward_batch(sl, pos, tok, bnd, want, out)

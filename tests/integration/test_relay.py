@@ -28,50 +28,29 @@ RANGES = ((0, 1), (1, 3), (3, 4))
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(3, 120, 37)]  # 5 chunks of <= 8
 
 
-class _Handled:
-    """Records the ``first_pos`` of every data-plane step a worker has finished handling (its
-    reply, relay and loop step all sent: the end of ``_data_done``, on whichever thread
-    computed it), for waits on a step instead of on time."""
+class _Positions:
+    """Records the ``first_pos`` of each data-plane step once a worker's method ``name`` has
+    returned for it, on whichever thread ran it: ``_data_done`` (handled: its reply, relay
+    and loop step all sent) or ``finish`` (computed), for waits on a step instead of time."""
 
-    def __init__(self, worker):
-        self.positions: list[int | None] = []
+    def __init__(self, worker, name: str):
+        self.positions: list[int] = []
         self._cond = threading.Condition()
-        real = worker._data_done
+        real = getattr(worker, name)
 
-        def done(conn, step, failure):
+        def hook(*args):
+            step = args[-2] if name == "_data_done" else args[0]
             try:
-                real(conn, step, failure)
+                real(*args)
             finally:
                 with self._cond:
                     self.positions.append(step.header.first_pos)
                     self._cond.notify_all()
 
-        worker._data_done = done
+        setattr(worker, name, hook)
 
     def wait(self, pos: int, timeout: float = WAIT_S) -> bool:
-        """Whether the worker finished a frame for position ``pos`` within ``timeout``."""
-        with self._cond:
-            return self._cond.wait_for(lambda: pos in self.positions, timeout)
-
-
-class _Computed:
-    """Records the ``first_pos`` of every step a worker has computed (finished), whether or
-    not its frames were sent yet."""
-
-    def __init__(self, worker):
-        self.positions: list[int] = []
-        self._cond = threading.Condition()
-        real = worker.finish
-
-        def finish(step, failure=None):
-            real(step, failure)
-            with self._cond:
-                self.positions.append(step.header.first_pos)
-                self._cond.notify_all()
-
-        worker.finish = finish
-
-    def wait(self, pos: int, timeout: float = WAIT_S) -> bool:
+        """Whether the worker got that far with position ``pos`` within ``timeout``."""
         with self._cond:
             return self._cond.wait_for(lambda: pos in self.positions, timeout)
 
@@ -179,7 +158,7 @@ def test_decode_loop_stops_at_max_tokens_and_stop_tokens(stages, reference):
     loops: list[int] = []  # positions after which the worker fed the loop's next step
     real_loop = one.worker.forwarder.loop
     one.worker.forwarder.loop = lambda h, token: (loops.append(h.first_pos), real_loop(h, token))[1]
-    handled = _Handled(one.worker)
+    handled = _Positions(one.worker, "_data_done")
     try:
         ep = f"127.0.0.1:{one.worker.data_server.port}"
         c = _conn(ep)
@@ -425,8 +404,8 @@ def test_a_one_stage_decode_loop_delivers_tokens_in_order(tiny_llama, reference)
     one = ThreadedWorker(dgr.Engine(tiny_llama, **SETTINGS))
     w = one.worker
     real_loop = w.forwarder.loop
-    handled = _Handled(w)
-    computed = _Computed(w)
+    handled = _Positions(w, "_data_done")
+    computed = _Positions(w, "finish")
     waited = []
 
     def slow_after_loop(h, token):  # widen the window after the loop step: position 5's
