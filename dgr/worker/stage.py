@@ -155,7 +155,11 @@ class Worker(StagePipeline):
         def done(step: Step, failure: BaseException | None) -> None:
             # on the thread that computed: the results view its buffer, so encode here
             out = (self.reply(step), None) if failure is None else (None, failure)
-            if inline:
+            try:
+                here = asyncio.get_running_loop() is aloop  # computed inline on the loop
+            except RuntimeError:  # another thread: the stage loop's
+                here = False
+            if here:
                 settle(out)
             else:
                 try:
