@@ -168,10 +168,10 @@ class StageLoop:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and (self._busy or not self._queue):
+                while not (self._queue and not self._busy):
+                    if self._stop and not self._queue:
+                        return
                     self._cv.wait()
-                if self._stop and not self._queue:
-                    return
                 batch = (take(self._queue, self.max_tokens) if self.batching
                          else [self._queue.popleft()])
                 self._busy = True
