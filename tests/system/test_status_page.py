@@ -92,11 +92,29 @@ def _output_dir() -> pathlib.Path:
     return d
 
 
+def _cards(browser) -> list[dict]:
+    """The stage cards as the page shows them now, read in one script (the page redraws them
+    on every poll, so elements found one by one could go stale between reads)."""
+    return browser.execute_script("""
+        return [...document.querySelectorAll('#stages li.stage')].map(li => ({
+            endpoint: li.dataset.endpoint, health: li.dataset.health, text: li.innerText}));""")
+
+
+def _compute_shown(card: dict) -> bool:
+    """Whether a stage card shows a compute figure (not the placeholder dash)."""
+    lines = card["text"].split("\n")
+    i = lines.index("compute / token")
+    return lines[i + 1] != "\u2013"
+
+
 def _wait(browser, what: str, fn, timeout: float = 60):
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
     try:
-        return WebDriverWait(browser, timeout, poll_frequency=0.1).until(lambda d: fn(d))
+        return WebDriverWait(browser, timeout, poll_frequency=0.1,
+                             ignored_exceptions=[StaleElementReferenceException]
+                             ).until(lambda d: fn(d))
     except Exception as e:
         shot = _output_dir() / "status-page-failure.png"
         browser.save_screenshot(str(shot))
@@ -111,14 +129,12 @@ def test_the_page_shows_every_stage_and_a_chat_round_trip_streams(browser, serve
     browser.get(served.base + "/")
     _wait(browser, "the page did not load its status",
           lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-loaded") == "true")
-    items = _wait(browser, "the page did not draw 3 stages",
-                  lambda d: (lambda li: li if len(li) == 3 else False)(
-                      d.find_elements(By.CSS_SELECTOR, "#stages li.stage")))
-    for li, w, (a, b) in zip(items, stages, RANGES):
-        assert li.get_attribute("data-endpoint") == w.address
-        assert li.get_attribute("data-health") == "ok"
-        assert f"layers [{a}, {b})" in li.text and w.address in li.text
-        assert "slots in use" in li.text and "0 / 2" in li.text
+    cards = _wait(browser, "the page did not draw 3 stages",
+                  lambda d: (lambda c: c if len(c) == 3 else False)(_cards(d)))
+    for card, w, (a, b) in zip(cards, stages, RANGES):
+        assert card["endpoint"] == w.address and card["health"] == "ok"
+        assert f"layers [{a}, {b})" in card["text"] and w.address in card["text"]
+        assert "slots in use" in card["text"] and "0 / 2" in card["text"]
     assert browser.find_element(By.ID, "model").text == "smollm2"
 
     # count the updates of the reply as it streams in
@@ -152,9 +168,7 @@ def test_the_page_shows_every_stage_and_a_chat_round_trip_streams(browser, serve
     # after the chat, the stages show their measured compute per token and the page the
     # traffic: wait for a poll that has both
     _wait(browser, "no compute figure per stage after the chat",
-          lambda d: all("compute / token" in li.text and "\u2013" not in
-                        li.text.split("compute / token")[1].split("\n")[1]
-                        for li in d.find_elements(By.CSS_SELECTOR, "#stages li.stage")))
+          lambda d: (lambda c: len(c) == 3 and all(map(_compute_shown, c)))(_cards(d)))
     shot = _output_dir() / "status-page.png"
     browser.save_screenshot(str(shot))
     assert shot.stat().st_size > 10_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
