@@ -40,20 +40,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from benchmarks.bench_route import route_ranges  # noqa: E402
-from benchmarks.common import SEED, prompt_tokens, smollm2_path  # noqa: E402
+from benchmarks.common import smollm2_path  # noqa: E402
+from compare import N_PROMPT_DECODE as N_PROMPT  # noqa: E402
+from compare import session_prompt  # noqa: E402  (benches/compare.py's --sessions prompts)
 
-N_PROMPT = 16
-N_VOCAB = 49152
 #: engine settings of every worker and of the reference (n_slots: the most sessions)
 SETTINGS = dict(n_ctx=256, n_threads=1, n_ubatch=64, flash_attn=True)
 
 
 def log(msg: str) -> None:
     print(f"[batching] {msg}", file=sys.stderr, flush=True)
-
-
-def session_prompt(i: int) -> list[int]:
-    return [int(t) for t in prompt_tokens(N_PROMPT, N_VOCAB, seed=SEED + 1 + i)]
 
 
 async def _sessions(endpoints, k: int, n: int, batching: bool) -> dict:

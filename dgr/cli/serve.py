@@ -26,9 +26,10 @@ def add_serve_parser(sub) -> None:
         "serve", help="serve a route over the OpenAI HTTP API (chat, completions, streaming)",
         description="Serve a route over the OpenAI-compatible HTTP API: GET /v1/models, POST "
                     "/v1/chat/completions and /v1/completions (stream: true for server-sent "
-                    "events), GET /health and GET /metrics. Without --route it starts N local "
-                    "workers on the model (default: the registry's default model, 3 stages) "
-                    "and stops them on exit. Point any OpenAI client at "
+                    "events), GET /health, GET /metrics and a status page at GET /. "
+                    "Without --route it starts N local workers on the model (default: the "
+                    "registry's default model, 3 stages) and stops them on exit. Point any "
+                    "OpenAI client at "
                     "http://HOST:PORT/v1 (any API key).")
     s.add_argument("--model", help="GGUF path: the model of the local workers, and the source "
                                    "of the chat template (default: the registry's default)")

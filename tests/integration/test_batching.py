@@ -33,15 +33,8 @@ def prompt(i: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def engine_cls():
-    if not hasattr(dgr.Engine, "forward_batch"):
-        pytest.skip("this build's engine has no forward_batch")
-    return dgr.Engine
-
-
-@pytest.fixture(scope="module")
-def refs(smollm2, engine_cls):
-    e = engine_cls(smollm2, **SETTINGS)
+def refs(smollm2):
+    e = dgr.Engine(smollm2, **SETTINGS)
     out = []
     for i in range(N):
         toks, _ = generate_local(e, prompt(i), max_tokens=TOKENS, stop_on_eog=False)
@@ -51,19 +44,19 @@ def refs(smollm2, engine_cls):
 
 
 @pytest.fixture(scope="module")
-def exact(smollm2, engine_cls):
+def exact(smollm2):
     """Whether this build computes SmolLM2's batched rows bit-identical to alone (measured:
     the concurrent sessions' tokens must then be the whole model's own)."""
     from dgr.control.batching import measure
 
-    m = measure(engine_cls(smollm2, **SETTINGS), sessions=4)
+    m = measure(dgr.Engine(smollm2, **SETTINGS), sessions=4)
     assert m.rows == 4 * 9 and m.bit_identical == (m.max_abs_diff == 0.0)
     return m.bit_identical
 
 
 @pytest.fixture(scope="module")
-def stages(smollm2, engine_cls):
-    ws = [ThreadedWorker(engine_cls(smollm2, layers=r, **SETTINGS)) for r in RANGES]
+def stages(smollm2):
+    ws = [ThreadedWorker(dgr.Engine(smollm2, layers=r, **SETTINGS)) for r in RANGES]
     yield ws
     for w in ws:
         w.stop()
