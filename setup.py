@@ -68,9 +68,10 @@ def _extensions():
     )
     frame = Extension(  # the wire frame codec: no llama.cpp symbols, but built the same way
         "dgr._core._frame",
-        sources=["dgr/_core/_frame.pyx", "cpp/src/frame.cpp", "cpp/src/frame_xxh3_avx2.cpp"],
+        sources=["dgr/_core/_frame.pyx", "cpp/src/frame.cpp", "cpp/src/frame_xxh3_avx2.cpp",
+                 "cpp/src/frame_io.cpp"],
         language="c++",
-        depends=["cpp/include/dgr/frame.h", "cpp/include/dgr/status.h",
+        depends=["cpp/include/dgr/frame.h", "cpp/include/dgr/frame_io.h", "cpp/include/dgr/status.h",
                  "dgr/_core/includes/frame.pxd"],
     )
     return cythonize([ext, frame], language_level=3,

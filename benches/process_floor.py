@@ -1,9 +1,10 @@
 """What a multi-process pipeline costs before any transport: the floor under dgr's seams.
 
     python benches/process_floor.py [--stages 3] [--rounds 5] [--tokens 128] [--json out.json]
+                                    [--no-python-frames]
 
-Three ways to decode with the same SmolLM2 ranges (``dgr.protocol.ranges.split_layers``, the settings
-of ``benchmarks.common.SETTINGS``: one thread, n_ctx 1024, ubatch 64, flash attention; one
+Three ways to decode with the same SmolLM2 ranges (``dgr.protocol.ranges.split_layers``, the
+settings of ``benchmarks.common.SETTINGS``: one thread, n_ctx 1024, ubatch 64, flash attention; one
 slot), all doing the same work: the same 16-token prompt, then ``--tokens`` greedy decode
 steps, each token the argmax of the last range's logits, fed back to the first range:
 
@@ -15,7 +16,10 @@ steps, each token the argmax of the last range's logits, fed back to the first r
   first range over a pipe of its own (the shape of dgr's decode loop, the driver only
   reading the tokens): the least any multi-process pipeline can cost here;
 * ``relay``: dgr workers on loopback driven by ``AsyncRoute(relay=True, loop=True)``
-  (direct relay over the data plane, the stages' decode loop, loop_window 32).
+  (direct relay over the data plane, the stages' decode loop, loop_window 32), and
+  ``relay-py``: the same with workers started ``--frames python`` (the data plane's
+  per-frame work in Python instead of C++; ``relay-py - relay`` per stage is what the native
+  path saves; ``--no-python-frames`` skips it).
 
 All three are timed the same way, in the driver: ms/token = wall clock from the arrival of
 the prompt's token to that of the last, / ``--tokens``; each measured generation follows a
@@ -25,8 +29,8 @@ round's ms/token, ``pipes / alone`` (what running the ranges as separate process
 this machine, with no transport to speak of), ``relay / alone`` and ``relay - pipes`` per
 stage (what dgr's seam adds over that floor, from each round's own difference). Per-range
 compute: median over the decode steps of each range's ``forward`` (perf_counter in its
-process) for alone and pipes, for relay the mean compute of the single-token steps each worker computed during the
-run (deltas of its Describe totals).
+process) for alone and pipes, for relay the mean compute of the single-token steps each
+worker computed during the run (deltas of its Describe totals).
 Parity: every row's tokens (the prompt's and the ``--tokens`` after it) equal the whole
 model's, ``dgr.core.local.generate_local`` greedy, computed before the rest starts.
 ``--json FILE`` writes the rounds and the summary; ``summarize`` is pure, see
@@ -56,7 +60,8 @@ HDR = struct.Struct("<iIII")
 # to the driver: position the token takes, the token, times that follow (f32 ms per range)
 REPLY = struct.Struct("<iiI")
 N_PROMPT = 16
-CONFIGS = ("alone", "pipes", "relay")
+CONFIGS = ("alone", "pipes", "relay", "relay-py")  # relay-py: the same workers' path with
+#                                              # --frames python (absent with --no-python-frames)
 LOAD_TIMEOUT_S = 600.0  # the warm-up waits for every range to load
 STEP_TIMEOUT_S = 120.0
 
@@ -263,18 +268,24 @@ def summarize(rounds: list[dict], n_stages: int, reference: list[int] | None = N
     def med(f):
         return statistics.median(f(r) for r in rounds)
 
-    out = {k: med(lambda r, k=k: r[k]["token_ms"]) for k in CONFIGS}
+    configs = [k for k in CONFIGS if all(k in r for r in rounds)]
+    out = {k: med(lambda r, k=k: r[k]["token_ms"]) for k in configs}
     out["pipes_over_alone"] = med(lambda r: r["pipes"]["token_ms"] / r["alone"]["token_ms"])
     out["relay_over_pipes_ms_per_stage"] = med(
         lambda r: (r["relay"]["token_ms"] - r["pipes"]["token_ms"]) / n_stages)
     out["relay_over_alone"] = med(lambda r: r["relay"]["token_ms"] / r["alone"]["token_ms"])
-    for k in CONFIGS:
+    if "relay-py" in configs:  # the native frame path against the Python one, per round
+        out["relay_py_over_alone"] = med(
+            lambda r: r["relay-py"]["token_ms"] / r["alone"]["token_ms"])
+        out["relay_py_minus_relay_ms_per_stage"] = med(
+            lambda r: (r["relay-py"]["token_ms"] - r["relay"]["token_ms"]) / n_stages)
+    for k in configs:
         if all("compute_ms" in r[k] for r in rounds):
             out[f"{k}_stage_compute_ms"] = [med(lambda r, k=k, i=i: r[k]["compute_ms"][i])
                                             for i in range(n_stages)]
     if reference is not None:
         out["parity"] = {k: all(list(r[k]["tokens"]) == list(reference) for r in rounds)
-                         for k in CONFIGS}
+                         for k in configs}
     return out
 
 
@@ -286,6 +297,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=128, help="decode steps per measurement")
     ap.add_argument("--json", help="write the rounds and the summary here")
+    ap.add_argument("--no-python-frames", action="store_true",
+                    help="skip relay-py (the same workers with --frames python)")
     ap.add_argument("--serve", help=argparse.SUPPRESS)  # internal: a process serving ranges
     ap.add_argument("--ring-fd", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -312,27 +325,34 @@ def main(argv=None) -> int:
     ranges = split_layers(n_layer, n)
     print(f"starting {n} dgr workers, {n} pipe processes and one for the ranges alone ...",
           file=sys.stderr, flush=True)
-    cluster = alone = pipes = None
+    cluster = py_cluster = alone = pipes = None
     rounds = []
     try:
         cluster = start_cluster(path, n, n_layer)
+        if not args.no_python_frames:
+            py_cluster = start_cluster(path, n, n_layer, args=["--frames", "python"])
         alone = Procs([list(ranges)])
         pipes = Procs([[r] for r in ranges])
         for i in range(args.rounds):
             r = {"alone": procs_decode(alone, prompt, steps),
                  "pipes": procs_decode(pipes, prompt, steps),
                  "relay": relay_decode(cluster, prompt, steps)}
+            if py_cluster is not None:
+                r["relay-py"] = relay_decode(py_cluster, prompt, steps)
             rounds.append(r)
             print(f"round {i + 1}: alone {r['alone']['token_ms']:.2f} ms/token, pipes "
                   f"{r['pipes']['token_ms']:.2f} (ranges "
                   f"{', '.join(f'{c:.2f}' for c in r['pipes']['compute_ms'])}), relay "
-                  f"{r['relay']['token_ms']:.2f}", file=sys.stderr, flush=True)
+                  f"{r['relay']['token_ms']:.2f}" + (
+                      f", relay-py {r['relay-py']['token_ms']:.2f}" if "relay-py" in r else ""),
+                  file=sys.stderr, flush=True)
     finally:
         for p in (alone, pipes):
             if p is not None:
                 p.close()
-        if cluster is not None:
-            cluster.stop()
+        for c in (cluster, py_cluster):
+            if c is not None:
+                c.stop()
     s = summarize(rounds, n, reference)
 
     def stages(k):
@@ -353,10 +373,17 @@ def main(argv=None) -> int:
           f"ranges {stages('pipes')} (forward medians)  parity {par('pipes')}")
     print(f"  relay (dgr workers, relay + decode loop)      {s['relay']:7.2f} ms/token  "
           f"ranges {stages('relay')} (worker totals)  parity {par('relay')}")
+    if "relay-py" in s:
+        print(f"  relay-py (the same, --frames python)          {s['relay-py']:7.2f} ms/token  "
+              f"ranges {stages('relay-py')} (worker totals)  parity {par('relay-py')}")
     print(f"  pipes / alone {s['pipes_over_alone']:.2f}: the cost of separate processes here, "
           f"without a transport")
     print(f"  relay - pipes {s['relay_over_pipes_ms_per_stage']:+.2f} ms per stage: what dgr's "
           f"seam adds over that floor; relay / alone {s['relay_over_alone']:.2f}")
+    if "relay-py" in s:
+        print(f"  relay-py - relay {s['relay_py_minus_relay_ms_per_stage']:+.2f} ms per stage: "
+              f"what the native frame path saves; relay-py / alone "
+              f"{s['relay_py_over_alone']:.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"stages": n, "ranges": ranges, "tokens": steps, "prompt": prompt,

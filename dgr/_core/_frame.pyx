@@ -1,14 +1,21 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, embedsignature=True
-"""Private: the C++ wire frame decoder and encoder (cpp/src/frame.cpp) for Python.
+"""Private: the C++ wire frame decoder and encoder (cpp/src/frame.cpp) and the data plane's
+frame I/O (cpp/src/frame_io.cpp) for Python.
 
 ``decode_frame`` agrees with ``dgr.protocol.wire.decode`` on every frame (accept or reject,
 and the error class), ``encode_frame`` gives ``wire.encode``'s bytes (raw codec, no
 compression): ``tests/unit/test_frame_native.py`` cross-checks both by fuzzing. Frames with
 another codec or zstd raise ``FrameNotNative`` once everything up to the payload checksum is
 checked: decode those with ``wire.decode``.
+
+The worker's data plane (``dgr.worker.frames``) uses ``recv_frame``/``send_frame`` (the
+socket I/O without the GIL), ``decode`` (``wire.decode``'s ``Frame``, built here) and
+``encode_head``/``relay_head`` (a frame's bytes up to its payload, sent with the payload
+array itself as a second piece of one gather write: the engine's output is never copied into
+a frame).
 """
 
-from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.ref cimport Py_INCREF
 from cpython.unicode cimport PyUnicode_DecodeUTF8
@@ -24,10 +31,13 @@ from dgr._core.includes.engine cimport CStatus
 from dgr._core.includes.frame cimport (
     CDecodeLimits, CEncodedFrame, CErrorReply, CForward, CFrameView, CHop, CResult, CSampling,
     decode_frame as c_decode,
-    encode_forward, encode_result, kErrorReply, kForward, kMaxHeader, kMaxPayload,
-    kResult,
+    encode_forward, encode_result, kErrorReply, kForward, kIoEof, kIoNeedBuffer,
+    kIoTooLarge, kIoTruncated, kMaxHeader, kMaxPayload, kResult,
+    readable as c_readable, recv_exact as c_recv_exact, recv_frame as c_recv_frame,
+    send_frame as c_send_frame,
 )
 from dgr import errors as _errors
+from dgr.protocol import wire as _wire
 
 cnp.import_array()
 
@@ -326,3 +336,250 @@ def _encode_loop(object header, object array, int n):
     t1 = perf_counter()
     _check(st)
     return t1 - t0
+
+
+
+# --- the data plane's per-frame work ----------------------------------------------------
+
+
+cdef int _io(int rc) except -2:
+    """0 or kIoEof as they are; raise for the other outcomes of frame_io."""
+    if rc == 0 or rc == kIoEof:
+        return rc
+    if rc == kIoTruncated:
+        raise ConnectionError("connection closed inside a frame")
+    if rc > 0:
+        import os
+        raise OSError(rc, os.strerror(rc))
+    raise ConnectionError(f"frame I/O failed ({rc})")
+
+
+def recv_frame(int fd, object buf, size_t max_frame):
+    """Read the next length-prefixed frame from socket ``fd`` into ``buf`` (a writable
+    buffer), without the GIL.
+
+    Returns
+    -------
+    int
+        The frame's length: read into ``buf[:n]`` when it fits; when ``n > len(buf)``
+        nothing of it is read yet (read it with ``recv_exact`` into a buffer that large).
+        -1 at a clean end of stream.
+
+    Raises
+    ------
+    dgr.errors.FrameTooLarge
+        The prefix claims more than ``max_frame`` bytes (the stream is unusable).
+    ConnectionError, OSError
+        The connection broke (closed inside a frame, or the errno of the failed call).
+    """
+    cdef Py_buffer view
+    cdef size_t size = 0
+    cdef int rc
+    if fd < 0:
+        raise OSError(9, "the socket is closed")
+    PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE)
+    try:
+        with nogil:
+            rc = c_recv_frame(fd, <uint8_t *> view.buf, <size_t> view.len, max_frame, &size)
+    finally:
+        PyBuffer_Release(&view)
+    if rc == kIoNeedBuffer:
+        return <Py_ssize_t> size
+    if rc == kIoTooLarge:
+        raise _errors.FrameTooLarge(f"frame of {size} bytes exceeds the data plane's "
+                                    f"{max_frame}")
+    if _io(rc) == kIoEof:
+        return -1
+    return <Py_ssize_t> size
+
+
+def recv_exact(int fd, object buf):
+    """Read exactly ``len(buf)`` bytes from socket ``fd`` into ``buf``, without the GIL.
+
+    Raises ``ConnectionError`` (closed before the end) or ``OSError``."""
+    cdef Py_buffer view
+    cdef int rc
+    if fd < 0:
+        raise OSError(9, "the socket is closed")
+    PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE)
+    try:
+        with nogil:
+            rc = c_recv_exact(fd, <uint8_t *> view.buf, <size_t> view.len)
+    finally:
+        PyBuffer_Release(&view)
+    if _io(rc) == kIoEof:
+        raise ConnectionError("connection closed inside a frame")
+
+
+def send_frame(int fd, object head, object payload=None):
+    """Send one frame, ``head`` then ``payload`` (bytes-like, C-contiguous; None: none),
+    after their length prefix, as one gather write without the GIL (partial writes
+    finished). Not locked: the caller keeps frames of several threads apart.
+
+    Raises ``OSError`` (the errno of the failed call; EPIPE for a closed peer)."""
+    cdef Py_buffer h, p
+    cdef int rc
+    cdef bint has_p = payload is not None
+    if fd < 0:
+        raise OSError(9, "the socket is closed")
+    PyObject_GetBuffer(head, &h, PyBUF_SIMPLE)
+    try:
+        if has_p:
+            PyObject_GetBuffer(payload, &p, PyBUF_SIMPLE)
+        try:
+            with nogil:
+                rc = c_send_frame(fd, <const uint8_t *> h.buf, <size_t> h.len,
+                                  <const uint8_t *> p.buf if has_p else NULL,
+                                  <size_t> p.len if has_p else 0)
+        finally:
+            if has_p:
+                PyBuffer_Release(&p)
+    finally:
+        PyBuffer_Release(&h)
+    _io(rc)
+
+
+def readable(int fd):
+    """Whether bytes wait to be read on ``fd`` (a poll that does not wait)."""
+    return fd >= 0 and c_readable(fd)
+
+
+cdef list _ints_or(bint has, const vector[int32_t] & v):
+    return _ints(v) if has else None
+
+
+cdef list _hop_objs(const vector[CHop] & v):
+    cdef size_t i
+    Hop = _wire.Hop
+    return [Hop(endpoint=_s(v[i].endpoint), tokens=v[i].tokens) for i in range(v.size())]
+
+
+cdef object _message(CFrameView * v):
+    """The ``wire`` header struct of a decoded frame (the same value ``wire.decode`` gives)."""
+    cdef CForward * f
+    cdef CResult * r
+    cdef CErrorReply * e
+    cdef CSampling s
+    if v.tag == kForward:
+        f = &v.forward
+        s = f.sampling
+        return _wire.Forward(
+            schema=f.schema, model=_s(f.model), session=_s(f.session), epoch=f.epoch,
+            first_pos=f.first_pos, n_tokens=f.n_tokens, layer=f.layer, width=f.width,
+            _reserved=f.reserved, dtype=_s(f.dtype), codec=_s(f.codec),
+            compression=_s(f.compression), payload_len=f.payload_len, checksum=f.checksum,
+            positions=_ints_or(f.has_positions, f.positions),
+            tokens=_ints_or(f.has_tokens, f.tokens), want=_s(f.want),
+            rows=_ints_or(f.has_rows, f.rows),
+            sampling=_wire.Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                                    seed=s.seed, greedy=s.greedy) if f.has_sampling else None,
+            relay=_hop_objs(f.relay) if f.has_relay else None, reply_to=_s(f.reply_to),
+            loop=_hop_objs(f.loop) if f.has_loop else None, steps=f.steps,
+            stop_tokens=_ints_or(f.has_stop_tokens, f.stop_tokens), solo=f.solo)
+    if v.tag == kResult:
+        r = &v.result
+        return _wire.Result(
+            schema=r.schema, session=_s(r.session), epoch=r.epoch, first_pos=r.first_pos,
+            n_tokens=r.n_tokens, kind=_s(r.kind), layer=r.layer, rows=r.rows, cols=r.cols,
+            _reserved=r.reserved, dtype=_s(r.dtype), codec=_s(r.codec),
+            compression=_s(r.compression), payload_len=r.payload_len, checksum=r.checksum,
+            tokens=_ints_or(r.has_tokens, r.tokens))
+    if v.tag == kErrorReply:
+        e = &v.error
+        return _wire.ErrorReply(schema=e.schema, code=e.code, message=_s(e.message),
+                                session=_s(e.session), epoch=e.epoch,
+                                retry_after=e.retry_after if e.has_retry_after else None)
+    return _wire.Hello(schema=v.hello.schema, route=_s(v.hello.route))
+
+
+def decode(object buf, *, uint64_t max_payload=kMaxPayload, uint64_t max_header=kMaxHeader):
+    """``wire.decode(buf, ...)`` in C++: the same ``wire.Frame`` (equal header, the boundary
+    a read-only view over ``buf``), the same checks and error classes.
+
+    Raises
+    ------
+    FrameError
+        And its subclasses, as ``wire.decode``; ``FrameNotNative`` for a valid-so-far frame
+        with a codec other than raw or with zstd (decode it with ``wire.decode``).
+    """
+    cdef Py_buffer view
+    cdef CFrameView v
+    cdef CDecodeLimits limits
+    cdef CStatus st
+    cdef cnp.npy_intp dims[2]
+    limits.max_payload = max_payload
+    limits.max_header = max_header
+    try:
+        PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
+    except Exception as e:
+        raise _errors.FrameError(f"frame must be a C-contiguous bytes-like object: {e}") from None
+    try:
+        st = c_decode(<const uint8_t *> view.buf, <size_t> view.len, limits, &v)
+        _check(st)
+        header = _message(&v)
+        if v.array == NULL:
+            return _wire.Frame(header, None)
+        dims[0] = v.rows
+        dims[1] = v.cols
+        arr = cnp.PyArray_SimpleNewFromData(2, dims, cnp.NPY_FLOAT32, <void *> v.array)
+        base = buf if type(buf) is bytes else memoryview(buf)
+        Py_INCREF(base)
+        cnp.PyArray_SetBaseObject(arr, base)
+        cnp.PyArray_CLEARFLAGS(arr, cnp.NPY_ARRAY_WRITEABLE)
+        return _wire.Frame(header, arr)
+    finally:
+        PyBuffer_Release(&view)
+
+
+cdef bytes _head_of(CEncodedFrame * out):
+    return PyBytes_FromStringAndSize(out.head.data(), <Py_ssize_t> out.head.size())
+
+
+cdef tuple _encode_head(CForward * f, CResult * r, bint forward, object array):
+    cdef CEncodedFrame out
+    cdef CStatus st
+    cdef const float * data = NULL
+    cdef int64_t rows = 0, cols = 0
+    array = _checked(array)
+    if array is not None:
+        rows, cols = array.shape
+        data = <const float *> cnp.PyArray_DATA(<cnp.ndarray> array)
+    if forward:
+        st = encode_forward(f[0], data, rows, cols, &out)
+    else:
+        st = encode_result(r[0], data, rows, cols, &out)
+    _check(st)
+    return _head_of(&out), array
+
+
+def encode_head(object header, object array=None):
+    """The frame ``encode_frame(header, array)`` would give, as two pieces: ``(head,
+    payload)``, ``head`` its bytes up to the payload (prefix, header, padding) and
+    ``payload`` the array itself (float32 C-contiguous, or None): ``head + payload``'s bytes
+    are the frame. For a gather write (``send_frame``): the array is not copied."""
+    cdef CForward f
+    cdef CResult r
+    cdef list keep = []
+    forward = _fill(header, &f, &r, keep)
+    return _encode_head(&f, &r, forward, array)
+
+
+def relay_head(object header, object array, int32_t layer, bint keep_tokens):
+    """``encode_head`` of the ``Forward`` a stage relays on (``dgr.worker.relay``): ``header``
+    with ``layer`` set, its first ``relay`` hop dropped (the stage it goes to) and its token
+    ids kept only when ``keep_tokens`` (that stage routes by token id), and ``array`` the
+    boundary. Without building the new header in Python."""
+    cdef CForward f
+    cdef CResult r
+    cdef list keep = []
+    if type(header) is not _wire.Forward:
+        raise _errors.InvalidArgument(f"relay_head relays a Forward, not {type(header).__name__}")
+    _fill(header, &f, &r, keep)
+    f.layer = layer
+    if not f.has_relay or f.relay.empty():
+        raise _errors.RouteError("relay_head: Forward.relay names no next stage")
+    f.relay.erase(f.relay.begin())
+    if not keep_tokens:
+        f.has_tokens = False
+        f.tokens.clear()
+    return _encode_head(&f, &r, True, array)

@@ -158,6 +158,31 @@ class FrameSocket:
                 self.close()
                 raise
 
+    def send_parts(self, head, payload=None) -> None:
+        """Send one frame given as two pieces, ``head`` then ``payload`` (bytes-like; None:
+        none), in one gather write: a payload that is an engine's output array goes out
+        without being copied into a frame first. Thread-safe.
+
+        Raises
+        ------
+        OSError
+            The connection broke (it is closed then).
+        """
+        if payload is None:
+            self.send(head)
+            return
+        pay = memoryview(payload).cast("B")
+        size = len(head) + pay.nbytes
+        pieces = (LEN.pack(size), head, pay)
+        with self._send_lock:
+            try:
+                sent = self.sock.sendmsg(pieces)
+                if sent < LEN.size + size:  # rare: a full socket buffer
+                    self.sock.sendall(memoryview(b"".join(pieces))[sent:])
+            except OSError:
+                self.close()
+                raise
+
     def close(self) -> None:
         if self.closed:
             return
@@ -178,8 +203,11 @@ class DataServer:
     """
 
     def __init__(self, handler: Callable[[FrameSocket], None], host: str = "127.0.0.1",
-                 port: int = 0, max_connections: int = 256):
+                 port: int = 0, max_connections: int = 256,
+                 conn_class: type[FrameSocket] | None = None):
         self.handler = handler
+        #: the class of the accepted connections (a ``FrameSocket`` with native I/O, say)
+        self.conn_class = conn_class or FrameSocket
         #: connections beyond this many get an ``ErrorReply`` (ResourceExhausted) and are
         #: closed: each one holds a thread
         self.max_connections = max_connections
@@ -216,7 +244,7 @@ class DataServer:
             except OSError:
                 return  # closed
             _tune(sock)
-            conn = FrameSocket(sock, f"{peer[0]}:{peer[1]}")
+            conn = self.conn_class(sock, f"{peer[0]}:{peer[1]}")
             with self._lock:
                 if self._closed:
                     conn.close()
@@ -271,8 +299,9 @@ class Links:
     reconnects instead of writing into a dead connection.
     """
 
-    def __init__(self, connect_timeout: float = 2.0):
+    def __init__(self, connect_timeout: float = 2.0, conn_class: type[FrameSocket] | None = None):
         self.connect_timeout = connect_timeout
+        self.conn_class = conn_class or FrameSocket
         self._links: dict[str, FrameSocket] = {}
         self._lock = threading.Lock()
 
@@ -284,7 +313,7 @@ class Links:
             link = self._links.get(endpoint)
             if link is not None and not link.closed:
                 return link
-            link = FrameSocket(connect(endpoint, self.connect_timeout), endpoint)
+            link = self.conn_class(connect(endpoint, self.connect_timeout), endpoint)
             self._links[endpoint] = link
         threading.Thread(target=self._watch, args=(link,), name="dgr-data-link",
                          daemon=True).start()
@@ -299,8 +328,9 @@ class Links:
             pass
         link.close()
 
-    def send(self, endpoint: str, frame) -> None:
-        """Send ``frame`` to ``endpoint``; reconnects once if the pooled link broke.
+    def send(self, endpoint: str, frame, payload=None) -> None:
+        """Send ``frame`` (or the pieces ``frame`` + ``payload``, ``FrameSocket.send_parts``)
+        to ``endpoint``; reconnects once if the pooled link broke.
 
         Raises
         ------
@@ -310,7 +340,7 @@ class Links:
         for attempt in (0, 1):
             link = self.get(endpoint)
             try:
-                link.send(frame)
+                link.send_parts(frame, payload)
                 return
             except OSError as e:
                 if attempt:

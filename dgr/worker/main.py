@@ -45,7 +45,8 @@ async def _serve(args) -> int:
         model, layers=_parse_layers(args.layers), **engine_settings.from_args(args)))
     worker = Worker(engine, ttl=args.ttl, evict_after=args.evict_after,
                     inline=args.inline_compute, cert_store=args.cert_store,
-                    inline_below_ms=args.inline_below_ms, batching=args.batching)
+                    inline_below_ms=args.inline_below_ms, batching=args.batching,
+                    native_frames=args.frames == "native")
     if args.trace:
         worker.trace = open(args.trace, "a", buffering=1 << 16)
     worker.advertise_data_port = args.advertise_data_port
@@ -158,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute the ready steps of several sessions as one forward (default "
                         "on; steps marked solo, the parity mode's, always run alone): "
                         "docs/batching.md")
+    p.add_argument("--frames", choices=("native", "python"), default="native",
+                   help="the data plane's per-frame work (receive, checks, encode, send): "
+                        "native (C++, default) or python (dgr.protocol.wire; the reference "
+                        "it is fuzzed against, for comparison): docs/dataplane.md")
     p.add_argument("--parent-pid", type=int, default=0,
                    help="drain and exit when this process is no longer our parent")
     p.add_argument("--cert-store", default=os.environ.get("DGR_CERT_STORE"),

@@ -515,22 +515,28 @@ class StagePipeline:
 
     # -- frames ----------------------------------------------------------------------------
 
-    def reply(self, step: Step, buf: bytearray | None = None):
-        """The ``Result`` frame of a computed step: bytes, or encoded into ``buf`` (returned)."""
+    def result_of(self, step: Step) -> tuple[wire.Result, np.ndarray | None, str, bool]:
+        """What the ``Result`` frame of a computed step holds: ``(header, array, codec,
+        compress)`` (a boundary goes back in the codec and compression it came in)."""
         h = step.header
         if step.kind == "boundary":
             r = wire.Result(session=h.session, epoch=h.epoch, first_pos=h.first_pos,
                             n_tokens=h.n_tokens, kind="boundary", layer=self.layers[1])
-            kw = dict(codec=h.codec if step.array is not None else "raw",
-                      compress=h.compression == "zstd")
+            codec = h.codec if step.array is not None else "raw"
+            compress = h.compression == "zstd"
         else:
             r = wire.Result(session=h.session, epoch=h.epoch, first_pos=h.first_pos,
                             n_tokens=h.n_tokens, kind=step.kind, tokens=step.tokens)
-            kw = {}
+            codec, compress = "raw", False
         res = None if step.result is None else np.ascontiguousarray(step.result)
+        return r, res, codec, compress
+
+    def reply(self, step: Step, buf: bytearray | None = None):
+        """The ``Result`` frame of a computed step: bytes, or encoded into ``buf`` (returned)."""
+        r, res, codec, compress = self.result_of(step)
         if buf is None:
-            return wire.encode(r, res, **kw)
-        wire.encode_into(r, res, buf, **kw)
+            return wire.encode(r, res, codec=codec, compress=compress)
+        wire.encode_into(r, res, buf, codec=codec, compress=compress)
         return buf
 
     def error(self, exc: BaseException, session: str = "", epoch: int = 0) -> bytes:

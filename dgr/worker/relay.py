@@ -17,10 +17,9 @@ import logging
 import threading
 from typing import Callable
 
-import msgspec
-
 from dgr.protocol import wire
 from dgr.transport.dataplane import FrameSocket, Links
+from dgr.worker.frames import Frames
 from dgr.worker.pipeline import Step
 
 __all__ = ["Forwarder"]
@@ -39,10 +38,12 @@ class Forwarder:
         Whether the stage is its route's first and last.
     """
 
-    def __init__(self, layer_end: int, is_first: bool, is_last: bool):
+    def __init__(self, layer_end: int, is_first: bool, is_last: bool,
+                 frames: Frames | None = None):
         self.layer_end = layer_end
         self.is_first, self.is_last = is_first, is_last
-        self.links = Links()
+        self.frames = frames or Frames()
+        self.links = Links(conn_class=self.frames.conn_class)
         self._returns: dict[str, FrameSocket] = {}  # route id -> the driver's connection
         self._lock = threading.Lock()
 
@@ -64,20 +65,22 @@ class Forwarder:
                 if self._returns.get(conn.route) is conn:
                     del self._returns[conn.route]
 
-    def send_back(self, conn: FrameSocket, reply_to: str, frame) -> None:
-        """Send a reply: to the route's return connection when relayed, else to ``conn``."""
+    def send_back(self, conn: FrameSocket, reply_to: str, frame, payload=None) -> None:
+        """Send a reply (``frame``, or the pieces ``frame`` + ``payload``): to the route's
+        return connection when relayed, else to ``conn``."""
         # without a return connection (no Hello) to the sender: a driver reads it there; a
         # previous stage's link drops it
         target = self._returns.get(reply_to, conn) if reply_to else conn
         try:
-            target.send(frame)
+            target.send_parts(frame, payload)
         except OSError as e:
             log.info("return connection of route %s broke: %s", reply_to or conn.name, e)
 
     def send_on(self, conn: FrameSocket, step: Step,
-                reply: Callable[[Step, bytearray], object], buf: bytearray) -> None:
-        """Send a computed step's frames; ``reply(step, buf)`` encodes its ``Result`` into
-        ``buf`` (only when it is sent), the calling thread's reusable frame buffer.
+                reply: Callable[[Step, bytearray], tuple], buf: bytearray) -> None:
+        """Send a computed step's frames; ``reply(step, buf)`` encodes its ``Result`` (only
+        when it is sent) as the pieces ``(head, payload)`` to send, ``buf`` the calling
+        thread's reusable frame buffer.
 
         Raises
         ------
@@ -86,7 +89,7 @@ class Forwarder:
         """
         h = step.header
         if not h.reply_to:
-            self.send_back(conn, "", reply(step, buf))
+            self.send_back(conn, "", *reply(step, buf))
         elif not self.is_last:
             self.relay(step, buf)
         else:
@@ -98,23 +101,20 @@ class Forwarder:
             # not overtake this one: reply first then
             if loop and not self.is_first:
                 self.loop(h, toks[-1])
-            self.send_back(conn, h.reply_to, reply(step, buf))
+            self.send_back(conn, h.reply_to, *reply(step, buf))
             if loop and self.is_first:
                 self.loop(h, toks[-1])
 
     def relay(self, step: Step, buf: bytearray) -> None:
         """Forward this stage's boundary to the next stage named by ``Forward.relay``."""
         h = step.header
-        nxt = h.relay[0]
         # the same step for the next range: every other field (positions, want, rows,
-        # sampling, reply_to, the decode loop's) travels on as it came; encode refills the
-        # payload fields from the boundary
-        nh = msgspec.structs.replace(h, layer=self.layer_end, relay=h.relay[1:],
-                                     tokens=h.tokens if nxt.tokens else None)
+        # sampling, reply_to, the decode loop's) travels on as it came; the encoder refills
+        # the payload fields from the boundary
         codec = h.codec if step.array is not None else "raw"
-        wire.encode_into(nh, step.result[:h.n_tokens], buf, codec=codec,
-                         compress=h.compression == "zstd")
-        self.links.send(nxt.endpoint, buf)
+        head, payload = self.frames.relay(h, step.result[:h.n_tokens], self.layer_end, codec,
+                                          buf)
+        self.links.send(h.relay[0].endpoint, head, payload)
 
     def loop(self, h: wire.Forward, token: int) -> None:
         """Decode loop (``Forward.steps``): feed the token just sampled to the first stage
@@ -125,7 +125,7 @@ class Forwarder:
                           tokens=[token], want=h.want, sampling=h.sampling, relay=h.loop[1:],
                           reply_to=h.reply_to, loop=h.loop, steps=h.steps - 1,
                           stop_tokens=h.stop_tokens, solo=h.solo)
-        self.links.send(first.endpoint, wire.encode(nh))
+        self.links.send(first.endpoint, self.frames.encode(nh))
 
     def close(self) -> None:
         self.links.close()

@@ -20,6 +20,7 @@ from dgr.protocol import wire
 from dgr.protocol.settings import NUMERIC_SETTINGS
 from dgr.transport.common import MAX_MESSAGE
 from dgr.transport.server import ShardServer
+from dgr.worker.frames import Frames
 from dgr.worker.pipeline import StagePipeline, Step
 from dgr.worker.scheduler import StageLoop
 
@@ -55,8 +56,11 @@ class Worker(StagePipeline):
     def __init__(self, engine, *, ttl: float = 600.0, evict_after: float = 5.0,
                  inline: bool = False, name: str = "", max_message: int = MAX_MESSAGE,
                  cert_store: str | None = None, inline_below_ms: float = 0.0,
-                 batching: bool = True):
+                 batching: bool = True, native_frames: bool = True):
         super().__init__(engine, ttl=ttl, evict_after=evict_after, max_message=max_message)
+        #: the data plane's frame codec and I/O (dgr.worker.frames): C++ unless
+        #: ``native_frames`` is False or the build lacks it
+        self.frames = Frames(native_frames, self.max_payload)
         self.inline = inline
         self.inline_below_ms = float(inline_below_ms)
         self.inline_steps = 0
@@ -185,9 +189,9 @@ class Worker(StagePipeline):
         from dgr.transport.dataplane import DataServer
         from dgr.worker.relay import Forwarder
 
-        self.forwarder = Forwarder(self.layers[1], self.is_first, self.is_last)
-        self.data_server = DataServer(self._data_connection, host, port,
-                                      max_connections).start()
+        self.forwarder = Forwarder(self.layers[1], self.is_first, self.is_last, self.frames)
+        self.data_server = DataServer(self._data_connection, host, port, max_connections,
+                                      conn_class=self.frames.conn_class).start()
         return self.data_server.port
 
     def stop_data(self) -> None:
@@ -222,7 +226,7 @@ class Worker(StagePipeline):
         fw = self.forwarder
         h = None
         try:
-            frame = wire.decode(view, max_payload=self.max_payload)
+            frame = self.frames.decode(view)
             h = frame.header
             if type(h) is wire.Hello:  # a driver's return connection
                 fw.hello(conn, h.route)
@@ -243,11 +247,16 @@ class Worker(StagePipeline):
             return
         t_done = time.perf_counter()
         try:
-            fw.send_on(conn, step, self.reply, self._thread_buf())
+            fw.send_on(conn, step, self._reply_parts, self._thread_buf())
         except Exception as e:  # noqa: BLE001 - e.g. the next stage is unreachable
             fw.send_back(conn, h.reply_to, self.error(e, h.session, h.epoch))
         if self.trace is not None:
             self._trace(step, t_done)
+
+    def _reply_parts(self, step: Step, buf: bytearray) -> tuple:
+        """The data plane's ``Result`` frame of ``step`` as the pieces to send."""
+        r, res, codec, compress = self.result_of(step)
+        return self.frames.result(r, res, codec, compress, buf)
 
     def _thread_buf(self) -> bytearray:
         """This thread's reusable frame-encode buffer."""

@@ -19,6 +19,7 @@ from dgr.protocol.sampling import SamplingParams
 from dgr.testing.waits import WAIT_S
 from dgr.testing.waits import wait_until as _wait_until
 from dgr.transport import dataplane
+from dgr.worker.frames import Frames
 from dgr.worker.process import ThreadedWorker
 
 pytestmark = pytest.mark.skipif(not HAS_LAYER_RANGES, reason="needs the patched llama.cpp")
@@ -84,6 +85,28 @@ def test_relay_matches_the_whole_model_bit_for_bit(stages, reference):
         s.close()
     # the workers computed every step; none came over gRPC
     assert all(w.worker.steps_total >= 16 for w in stages)
+    # every frame took the native path (C++ receive and decode; raw codec)
+    assert all(w.worker.frames.native and w.worker.frames.decoded_native >= 16
+               and w.worker.frames.decoded_python == 0 for w in stages)
+
+
+def test_python_frame_path_gives_the_same_bits(tiny_llama, reference):
+    """Workers with the Python frame path (``--frames python``) serve the same tokens and
+    logits as the whole model, and decoded every frame with ``wire.decode``."""
+    ref, rows = generate_local(reference, PROMPT, max_tokens=6, logits=True, stop_on_eog=False)
+    ws = [ThreadedWorker(dgr.Engine(tiny_llama, layers=r, **SETTINGS), native_frames=False)
+          for r in RANGES]
+    try:
+        with Route([w.address for w in ws], relay=True) as r:
+            g = r.session().complete(PROMPT, max_tokens=6, logits=True, stop_on_eog=False)
+            assert g.tokens == ref
+            assert all(x.tobytes() == y.tobytes() for x, y in zip(g.logits, rows))
+            assert r.aroute.relay_steps == 5 + 5
+        assert all(not w.worker.frames.native and w.worker.frames.decoded_native == 0
+                   and w.worker.frames.decoded_python >= 10 for w in ws)
+    finally:
+        for w in ws:
+            w.stop()
 
 
 def test_relay_sampling_and_concurrent_sessions(stages, reference):
@@ -293,9 +316,11 @@ def test_frame_socket_carries_large_frames_whole():
     fb.close()
 
 
-def test_boundary_is_read_in_place_and_buffers_are_reused():
+@pytest.mark.parametrize("native", [False, True])
+def test_boundary_is_read_in_place_and_buffers_are_reused(native):
+    frames = Frames(native)
     a, b = socket.socketpair()
-    fa, fb = dataplane.FrameSocket(a), dataplane.FrameSocket(b)
+    fa, fb = frames.conn_class(a), frames.conn_class(b)
     try:
         x = np.random.default_rng(1).standard_normal((2, 576), dtype=np.float32)
         h = wire.Forward(model="m", session="s", epoch=1, first_pos=0, n_tokens=2, layer=3)
@@ -308,7 +333,7 @@ def test_boundary_is_read_in_place_and_buffers_are_reused():
             assert n == len(out)
             fa.send(out)
             view = fb.recv()
-            f = wire.decode(view)
+            f = frames.decode(view)
             # the engine reads the boundary where the socket wrote it: no copy in Python
             assert np.shares_memory(f.array, np.frombuffer(fb._buf, np.uint8))
             assert np.array_equal(f.array, x) and f.header.first_pos == pos

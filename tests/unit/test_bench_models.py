@@ -142,3 +142,16 @@ def test_wire_structs_round_trip():
     h = process_floor.HDR.pack(16, 1, 31, 2)
     assert process_floor.HDR.unpack(h) == (16, 1, 31, 2)
     assert process_floor.REPLY.unpack(process_floor.REPLY.pack(17, 49151, 3)) == (17, 49151, 3)
+
+
+def test_summary_compares_the_python_frame_path_per_round():
+    rounds = [_rnd(10, 11, 12), _rnd(20, 24, 25)]
+    rounds[0]["relay-py"] = {"token_ms": 15.0, "tokens": list(REF)}
+    rounds[1]["relay-py"] = {"token_ms": 29.0, "tokens": [0]}
+    s = process_floor.summarize(rounds, 2, REF)
+    assert s["relay-py"] == 22.0
+    assert s["relay_py_minus_relay_ms_per_stage"] == pytest.approx(1.75)  # of 1.5 and 2.0
+    assert s["relay_py_over_alone"] == pytest.approx((1.5 + 1.45) / 2)
+    assert s["parity"]["relay-py"] is False and s["parity"]["relay"] is True
+    del rounds[1]["relay-py"]  # not in every round: not summarized
+    assert "relay-py" not in process_floor.summarize(rounds, 2, REF)

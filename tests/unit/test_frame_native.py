@@ -250,6 +250,28 @@ def as_fields(h: wire.Message) -> dict:
     return out
 
 
+def check_frame_agrees(buf: object, limits: dict, py: wire.Frame | None, py_code: int) -> None:
+    """``_frame.decode`` (the worker's data plane: a ``wire.Frame``) against ``wire.decode``:
+    the same outcome, and a header of the same class with the same msgpack bytes (stricter
+    than ``==``: True is not 1, and a NaN equals itself), the same array bytes, as a view."""
+    try:
+        nf = _frame.decode(buf, **limits)
+    except FrameNotNative:
+        assert py_code in (0, errors.FrameError.code)
+        return
+    except FrameError as e:
+        assert e.code == py_code, (e.code, py_code, bytes(buf)[:200])
+        return
+    assert py_code == 0, (py_code, bytes(buf)[:200])
+    assert type(nf) is wire.Frame and type(nf.header) is type(py.header)
+    assert msgspec.msgpack.encode(nf.header) == msgspec.msgpack.encode(py.header)
+    if py.array is None:
+        assert nf.array is None
+    else:
+        assert nf.array.tobytes() == py.array.tobytes() and not nf.array.flags.writeable
+        assert np.shares_memory(nf.array, np.frombuffer(buf, np.uint8))
+
+
 def check_agree(buf: object, limits: dict) -> str:
     """Both decoders on ``buf``; returns how they agreed (for coverage counts)."""
     try:
@@ -257,6 +279,7 @@ def check_agree(buf: object, limits: dict) -> str:
         py_code = 0
     except FrameError as e:
         py, py_code = None, e.code
+    check_frame_agrees(buf, limits, py, py_code)
     try:
         fields, arr = _frame.decode_frame(buf, **limits)
         c_code = 0

@@ -104,3 +104,16 @@ cdef extern from "dgr/frame.h" namespace "dgr::wire" nogil:
                            CEncodedFrame * out) except +
     CStatus encode_result(const CResult & h, const float * array, int64_t rows, int64_t cols,
                           CEncodedFrame * out) except +
+
+
+cdef extern from "dgr/frame_io.h" namespace "dgr::wire" nogil:
+    cdef int kIoEof
+    cdef int kIoTruncated
+    cdef int kIoTooLarge
+    cdef int kIoNeedBuffer
+
+    int recv_frame(int fd, uint8_t * buf, size_t cap, size_t max_frame, size_t * size)
+    int recv_exact(int fd, uint8_t * buf, size_t n)
+    int send_frame(int fd, const uint8_t * head, size_t head_len, const uint8_t * payload,
+                   size_t payload_len)
+    bool readable(int fd)

@@ -1,0 +1,41 @@
+// dgr data-plane frame I/O on a connected stream socket (docs/dataplane.md): every frame is
+// preceded by its length (u32, little endian). Blocking calls, meant to run without the GIL.
+//
+// Errors come back as an errno value (> 0; EPIPE/ECONNRESET/... as the kernel says) or as
+// one of the codes below (< 0), never as an exception; EINTR is retried.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace dgr {
+namespace wire {
+
+constexpr size_t kLengthPrefix = 4;
+
+// recv_frame's outcomes besides 0 (a frame read) and an errno.
+constexpr int kIoEof = -1;         // clean end of stream before the length prefix
+constexpr int kIoTruncated = -2;   // the peer closed inside a prefix or a frame
+constexpr int kIoTooLarge = -3;    // the prefix claims more than max_frame bytes
+constexpr int kIoNeedBuffer = -4;  // the frame is larger than cap: *size says how large;
+                                   // nothing of it is read yet (call recv_exact with a
+                                   // buffer of *size bytes)
+
+// Read one length prefix and, when it fits in cap bytes, the frame into buf.
+// On 0 and on kIoNeedBuffer/kIoTooLarge, *size is the frame's length.
+int recv_frame(int fd, uint8_t* buf, size_t cap, size_t max_frame, size_t* size) noexcept;
+
+// Read exactly n bytes into buf (0, kIoTruncated or an errno).
+int recv_exact(int fd, uint8_t* buf, size_t n) noexcept;
+
+// Write the length prefix of (head_len + payload_len), head and payload as one gather write,
+// finishing partial writes (MSG_NOSIGNAL: a broken pipe is EPIPE, not a signal).
+// Returns 0 or an errno.
+int send_frame(int fd, const uint8_t* head, size_t head_len, const uint8_t* payload,
+               size_t payload_len) noexcept;
+
+// Whether bytes wait to be read on fd (a poll without waiting; false on an error).
+bool readable(int fd) noexcept;
+
+}  // namespace wire
+}  // namespace dgr

@@ -1,0 +1,114 @@
+// dgr data-plane frame I/O (cpp/include/dgr/frame_io.h).
+#include "dgr/frame_io.h"
+
+#include <cerrno>
+#include <cstring>
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+namespace dgr {
+namespace wire {
+
+namespace {
+
+// A non-blocking socket (a Python socket with a timeout is one) would answer EAGAIN: wait
+// until it is ready instead. Returns 0 or an errno.
+int wait_ready(int fd, short events) noexcept {
+    struct pollfd p = {fd, events, 0};
+    while (::poll(&p, 1, -1) < 0) {
+        if (errno != EINTR) return errno;
+    }
+    return 0;
+}
+
+inline bool again(int e) noexcept { return e == EAGAIN || e == EWOULDBLOCK; }
+
+// Read n bytes; *got says how many arrived before an end of stream or error.
+int read_all(int fd, uint8_t* buf, size_t n, size_t* got) noexcept {
+    *got = 0;
+    while (*got < n) {
+        ssize_t k = ::recv(fd, buf + *got, n - *got, 0);
+        if (k > 0) {
+            *got += static_cast<size_t>(k);
+        } else if (k == 0) {
+            return kIoTruncated;
+        } else if (again(errno)) {
+            if (int rc = wait_ready(fd, POLLIN)) return rc;
+        } else if (errno != EINTR) {
+            return errno;
+        }
+    }
+    return 0;
+}
+
+}  // namespace
+
+int recv_exact(int fd, uint8_t* buf, size_t n) noexcept {
+    size_t got;
+    return read_all(fd, buf, n, &got);
+}
+
+int recv_frame(int fd, uint8_t* buf, size_t cap, size_t max_frame, size_t* size) noexcept {
+    uint8_t len[kLengthPrefix];
+    size_t got;
+    int rc = read_all(fd, len, kLengthPrefix, &got);
+    if (rc == kIoTruncated && got == 0) return kIoEof;
+    if (rc) return rc;
+    const uint32_t n = static_cast<uint32_t>(len[0]) | static_cast<uint32_t>(len[1]) << 8 |
+                       static_cast<uint32_t>(len[2]) << 16 | static_cast<uint32_t>(len[3]) << 24;
+    *size = n;
+    if (n > max_frame) return kIoTooLarge;
+    if (n > cap) return kIoNeedBuffer;
+    return read_all(fd, buf, n, &got);
+}
+
+int send_frame(int fd, const uint8_t* head, size_t head_len, const uint8_t* payload,
+               size_t payload_len) noexcept {
+    const size_t total = head_len + payload_len;
+    uint8_t len[kLengthPrefix] = {
+        static_cast<uint8_t>(total), static_cast<uint8_t>(total >> 8),
+        static_cast<uint8_t>(total >> 16), static_cast<uint8_t>(total >> 24)};
+    struct iovec iov[3] = {{len, kLengthPrefix},
+                           {const_cast<uint8_t*>(head), head_len},
+                           {const_cast<uint8_t*>(payload), payload_len}};
+    int first = 0, count = payload_len ? 3 : 2;
+    while (first < count) {
+        struct msghdr msg;
+        std::memset(&msg, 0, sizeof msg);
+        msg.msg_iov = iov + first;
+        msg.msg_iovlen = static_cast<size_t>(count - first);
+        ssize_t k = ::sendmsg(fd, &msg, MSG_NOSIGNAL);
+        if (k < 0) {
+            if (errno == EINTR) continue;
+            if (again(errno)) {
+                if (int rc = wait_ready(fd, POLLOUT)) return rc;
+                continue;
+            }
+            return errno;
+        }
+        size_t left = static_cast<size_t>(k);  // skip what was sent, resume mid-piece
+        while (first < count && left >= iov[first].iov_len) {
+            left -= iov[first].iov_len;
+            ++first;
+        }
+        if (first < count) {
+            iov[first].iov_base = static_cast<uint8_t*>(iov[first].iov_base) + left;
+            iov[first].iov_len -= left;
+        }
+    }
+    return 0;
+}
+
+bool readable(int fd) noexcept {
+    struct pollfd p = {fd, POLLIN, 0};
+    int rc;
+    do {
+        rc = ::poll(&p, 1, 0);
+    } while (rc < 0 && errno == EINTR);
+    return rc > 0 && (p.revents & POLLIN);
+}
+
+}  // namespace wire
+}  // namespace dgr
