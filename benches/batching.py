@@ -16,8 +16,10 @@
 - **llama-batched-bench** (the pinned tree's, built on demand): ``-npp 16 -ntg <tokens> -npl
   <sessions>`` on the whole model with the same settings (``-c`` n_ctx per sequence times
   the most sequences, ``-no-kvu``: one KV stream per sequence as dgr's slots, ``-b``/``-ub``
-  n_ubatch, flash attention, f16 KV, no GPU layers), at each ``--threads`` count. Its
-  ``S_TG`` (generated tokens/s over the generation phase) is the reference figure.
+  n_ubatch, flash attention, f16 KV, no GPU layers; benches/compare.py's
+  ``batched_bench_command``, its records checked by ``parse_batched_bench``), at each
+  ``--threads`` count. Its ``S_TG`` (generated tokens/s over the generation phase) is the
+  reference figure.
 
 The workers use one thread each, so ``--stages`` 3 runs 3 threads on this machine's cores;
 the reference is given at each thread count asked for. Results go to ``benches/results/``.
@@ -39,6 +41,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import compare  # noqa: E402
 from benchmarks.bench_route import route_ranges  # noqa: E402
 from benchmarks.common import smollm2_path  # noqa: E402
 from compare import N_PROMPT_DECODE as N_PROMPT  # noqa: E402
@@ -87,7 +90,9 @@ def whole_refs(path: str, k: int, n: int) -> list[list[int]]:
 
 
 def batched_bench(path: str, sessions: list[int], n: int, threads: int) -> dict[int, dict]:
-    """``llama-batched-bench`` at ``threads``: {npl: its jsonl record}."""
+    """``llama-batched-bench`` at ``threads`` with these settings (benches/compare.py's
+    ``batched_bench_command``, checked by its ``parse_batched_bench``): {npl: its jsonl
+    record, with the command line}."""
     from dgr.vendor import Vendor
 
     v = Vendor()
@@ -95,16 +100,11 @@ def batched_bench(path: str, sessions: list[int], n: int, threads: int) -> dict[
     if not exe.exists():
         log("building llama-batched-bench (the pinned tree's) ...")
         v.build(["llama-batched-bench"])
-    ub = str(SETTINGS["n_ubatch"])
-    cmd = [str(exe), "-m", path, "-c", str(SETTINGS["n_ctx"] * max(sessions)), "-b", ub,
-           "-ub", ub, "-t", str(threads), "-fa", "on" if SETTINGS["flash_attn"] else "off",
-           "-ctk", "f16", "-ctv", "f16", "-ngl", "0", "-npp", str(N_PROMPT), "-ntg", str(n),
-           "-npl", ",".join(map(str, sessions)), "-no-kvu", "--output-format", "jsonl"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if p.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}): {p.stderr[-2000:]}")
-    recs = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
-    return {int(r["pl"]): r | {"command": cmd} for r in recs}
+    settings = {**SETTINGS, "n_slots": max(sessions)}
+    cmd = compare.batched_bench_command(settings, sessions, n, threads, path, exe=str(exe),
+                                        n_prompt=N_PROMPT)
+    res = compare.batched_bench(cmd, settings, sessions, n, threads, N_PROMPT)
+    return {k: m["record"] | {"command": cmd} for k, m in res.items()}
 
 
 def run(path: str, sessions: list[int], n: int, n_stages: int, threads: list[int],

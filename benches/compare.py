@@ -2,7 +2,8 @@
 hop by hop and direct relay) and llama.cpp RPC, all with dgr's settings.
 
     python benches/compare.py [--rounds 3] [--stages 2,3,4] [--quick] [--json out.json]
-                              [--rtt-ms 5,20 [--rtt-stages 3]] [--sessions 1,4,16]
+                              [--rtt-ms 5,20 [--rtt-stages 3]] [--sessions 1,4,16,32
+                              [--session-stages 3] [--only-sessions] [--no-batched-bench]]
                               [--no-relay] [--no-rpc] [--no-llama-bench]
 
 Every row runs ``benchmarks.common.SETTINGS`` (n_ctx 1024, one thread, n_ubatch = n_batch =
@@ -69,12 +70,19 @@ round trip per stage); for relay, a token crosses k one-way links of RTT/2 in th
 previous token reaches the driver, which sends it to stage 1: one link more), so over N timed
 steps S = k/2 + ceil(N / 32) / (2 N): measured, model, ratio.
 
-``--sessions 1,4,16``: ``--session-stages`` clusters started with max(sessions) slots; for dgr
-k and relay k, k sessions at once (``asyncio.gather`` of ``r.complete`` with different 16-token
-prompts, ``--tokens`` each): aggregate tokens/s (all generated tokens / wall) and the median
-and slowest session's decode tokens/s (``Generation.decode_tokens_per_s``); parity of every
-session against the whole model's greedy tokens for its prompt, computed with the clusters'
-settings (the same n_slots).
+``--sessions 1,4,16,32``: ``--session-stages`` clusters started with max(sessions) slots; for
+dgr k and relay k, k sessions at once (``asyncio.gather`` of ``r.complete`` with different
+16-token prompts, ``--tokens`` each): aggregate tokens/s (all generated tokens / wall), the
+median and slowest session's decode tokens/s (``Generation.decode_tokens_per_s``) and time per
+output token (``decode_s`` / the tokens after the first); parity of every session against the
+whole model's greedy tokens for its prompt, computed with the clusters' settings (the same
+n_slots). In the same rounds, ``llama-batched-bench`` on the whole model
+(``batched_bench_command``: the clusters' settings, ``-c n_ctx * max(sessions) -no-kvu``, one
+KV stream of n_ctx per sequence as dgr's slots; ``-npp 16 -ntg N -npl <sessions>``) at ``-t``
+one stage's threads and at the route's total (stages x threads, capped at the cores: the
+"same total threads" reference, marked same-thr): its S_TG and time per step, and each
+cluster's aggregate over it at every k. ``--no-llama-bench`` or ``--no-batched-bench`` skip
+it; ``--only-sessions`` runs these rows alone.
 """
 
 from __future__ import annotations
@@ -364,6 +372,18 @@ def session_prompt(i: int) -> list[int]:
     return [int(t) for t in prompt_tokens(N_PROMPT_DECODE, N_VOCAB, seed=SEED + 1 + i)]
 
 
+def session_tpot_ms(gens) -> list[float]:
+    """Each session's time per output token (ms): its ``decode_s`` (from its first token to
+    its last) over the tokens after the first; a session of one token has none (raises)."""
+    out = []
+    for g in gens:
+        n = len(g.tokens) - 1
+        if n < 1 or g.decode_s <= 0:
+            raise ValueError(f"a session of {len(g.tokens)} tokens has no decode steps")
+        out.append(1e3 * g.decode_s / n)
+    return out
+
+
 async def _sessions_measure(endpoints, k: int, n_decode: int, relay: bool) -> dict:
     from dgr.driver.route import AsyncRoute
 
@@ -375,10 +395,12 @@ async def _sessions_measure(endpoints, k: int, n_decode: int, relay: bool) -> di
         wall = time.perf_counter() - t0
     total = sum(len(g.tokens) for g in gens)
     per = [g.decode_tokens_per_s for g in gens]
+    tpot = session_tpot_ms(gens)
     return {"sessions": k, "wall_s": wall, "tokens": total,
             "aggregate_tps": total / wall,
             "per_session_tps": statistics.median(per),
             "per_session_tps_min": min(per),
+            "tpot_ms_p50": statistics.median(tpot), "tpot_ms_max": max(tpot),
             "ttft_ms": 1e3 * statistics.median(g.time_to_first_token_s for g in gens),
             "session_tokens": [list(g.tokens) for g in gens]}
 
@@ -426,7 +448,7 @@ def tool(name: str) -> str:
     p = Vendor().tool_path(name)
     if p is None or not os.path.exists(str(p)):
         raise FileNotFoundError(f"{name} is not built: python -m dgr.vendor build "
-                                f"--tools llama-bench,ggml-rpc-server")
+                                f"--tools llama-bench,ggml-rpc-server,llama-batched-bench")
     return str(p)
 
 
@@ -514,6 +536,90 @@ def llama_bench(cmds: dict[str, list[str]], settings: dict, rpc: bool = False,
                                f"{out.stderr[-2000:]}")
         res.update(parse_bench(json.loads(out.stdout), settings, n_prompt_decode, rpc))
     return res
+
+
+# --- llama.cpp: llama-batched-bench (many sequences in one forward, the whole model) ---------
+
+def batched_bench_threads(n_stages: int, n_threads: int, cpu_count: int) -> tuple[int, int]:
+    """(one stage's thread count, the "same total threads" of an ``n_stages`` route): every
+    worker runs ``n_threads``, so the route runs ``n_stages * n_threads`` on this machine,
+    capped at its ``cpu_count`` cores (more threads than cores in one process only contend)."""
+    if n_stages < 1 or n_threads < 1 or cpu_count < 1:
+        raise ValueError(f"n_stages={n_stages}, n_threads={n_threads}, cpu_count={cpu_count}")
+    return n_threads, min(n_stages * n_threads, cpu_count)
+
+
+def batched_bench_command(settings: dict, sessions, n_decode: int, threads: int, model: str,
+                          *, n_prompt: int = N_PROMPT_DECODE,
+                          exe: str = "llama-batched-bench") -> list[str]:
+    """The ``llama-batched-bench`` command line that runs ``sessions`` sequences on the whole
+    model with dgr's engine ``settings`` (those of the session clusters): ``-c n_ctx *
+    max(sessions)`` with ``-no-kvu`` (one KV stream per sequence, as dgr's slots:
+    ``kv_unified=false`` and ``n_ctx`` per slot, engine.cpp), ``-b -ub n_ubatch``, ``-fa
+    on|off``, ``-ctk/-ctv``, ``-lm auto|none`` (use_mmap), ``-ngl 0``, ``-t threads``;
+    ``-npp n_prompt -ntg n_decode -npl <sessions>`` (a prompt per sequence, not shared),
+    ``--output-format jsonl``. Raises ValueError for a setting it cannot mirror (an unknown
+    key, fewer slots than sequences) or a sequence longer than ``n_ctx``."""
+    unknown = set(settings) - set(_BENCH_DEFAULTS)
+    if unknown:
+        raise ValueError(f"llama-batched-bench cannot mirror the settings {sorted(unknown)}")
+    s = {**_BENCH_DEFAULTS, **settings}
+    sessions = sorted(set(int(k) for k in sessions))
+    if not sessions or sessions[0] < 1:
+        raise ValueError(f"sessions must be >= 1, got {sessions}")
+    if s["n_slots"] < sessions[-1]:
+        raise ValueError(f"{sessions[-1]} sequences need {sessions[-1]} slots; "
+                         f"n_slots={s['n_slots']}")
+    if n_prompt + n_decode > s["n_ctx"]:
+        raise ValueError(f"{n_prompt} + {n_decode} tokens do not fit n_ctx={s['n_ctx']}")
+    ub = str(s["n_ubatch"])
+    return [exe, "-m", model, "-c", str(s["n_ctx"] * sessions[-1]), "-no-kvu", "-b", ub,
+            "-ub", ub, "-t", str(threads), "-fa", "on" if s["flash_attn"] else "off",
+            "-ctk", s["type_k"], "-ctv", s["type_v"], "-lm", "auto" if s["use_mmap"] else "none",
+            "-ngl", "0", "-npp", str(n_prompt), "-ntg", str(n_decode),
+            "-npl", ",".join(str(k) for k in sessions), "--output-format", "jsonl"]
+
+
+def parse_batched_bench(text: str, settings: dict, sessions, n_decode: int, threads: int,
+                        n_prompt: int = N_PROMPT_DECODE) -> dict[int, dict]:
+    """{sequences: {aggregate_tps, tpot_ms, prefill_tps, record}} of ``llama-batched-bench
+    --output-format jsonl`` output ``text``. aggregate_tps: its ``speed_tg`` (sequences *
+    generated tokens / the generation phase's time); tpot_ms: that time per step (every
+    sequence gets one token a step). Each record must echo ``settings``, ``threads`` and the
+    lengths (RuntimeError otherwise), and every one of ``sessions`` must have one
+    (batched-bench skips a count whose KV does not fit, silently)."""
+    s = {**_BENCH_DEFAULTS, **settings}
+    want = {"n_batch": s["n_ubatch"], "n_ubatch": s["n_ubatch"],
+            "flash_attn": 1 if s["flash_attn"] else 0, "is_pp_shared": 0, "n_gpu_layers": 0,
+            "n_threads": threads, "n_threads_batch": threads, "pp": n_prompt, "tg": n_decode}
+    out: dict[int, dict] = {}
+    for line in text.splitlines():
+        if not line.startswith("{"):
+            continue
+        rec = json.loads(line)
+        got = {k: rec.get(k) for k in want}
+        if got != want:
+            raise RuntimeError(f"llama-batched-bench ran {got}, not {want}")
+        if int(rec.get("n_kv_max", 0)) < s["n_ctx"] * max(sessions):
+            raise RuntimeError(f"llama-batched-bench's context {rec.get('n_kv_max')} is "
+                               f"smaller than n_ctx={s['n_ctx']} x {max(sessions)} sequences")
+        out[int(rec["pl"])] = {"aggregate_tps": float(rec["speed_tg"]),
+                               "tpot_ms": 1e3 * float(rec["t_tg"]) / n_decode,
+                               "prefill_tps": float(rec["speed_pp"]), "record": rec}
+    missing = sorted(set(int(k) for k in sessions) - set(out))
+    if missing:
+        raise RuntimeError(f"llama-batched-bench reported no record for {missing} sequences")
+    return out
+
+
+def batched_bench(cmd: list[str], settings: dict, sessions, n_decode: int, threads: int,
+                  n_prompt: int = N_PROMPT_DECODE) -> dict[int, dict]:
+    """Run ``batched_bench_command``'s command line; ``parse_batched_bench`` of its output."""
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"{shlex.join(cmd)} failed ({out.returncode}):\n"
+                           f"{out.stderr[-2000:]}")
+    return parse_batched_bench(out.stdout, settings, sessions, n_decode, threads, n_prompt)
 
 
 class RpcServers:
@@ -679,18 +785,26 @@ def _worker_lines(cluster) -> list[str]:
 def run_compare(stages=(2, 3, 4), rounds: int = 3, n_decode: int = N_DECODE,
                 prefills=PREFILLS, rpc: bool = True, llama: bool = True,
                 bench_args=(), log=None, rtts=(), rtt_stages=(3,), relay: bool = True,
-                sessions=(), session_stages=(3,)) -> dict:
+                sessions=(), session_stages=(3,), whole: bool = True,
+                batched: bool | None = None) -> dict:
     """Start everything, run ``rounds`` interleaved rounds, stop everything; medians.
 
     ``relay``: also drive each dgr cluster with ``AsyncRoute(relay=True)`` ("relay<k>").
     ``rtts`` (ms): also run the ``rtt_stages`` configurations through link emulators (gRPC
     and data plane). ``sessions``: concurrent-session counts run on ``session_stages``
-    clusters started with that many slots (dgr<k> and relay<k>). The result's ``ran`` says
-    what each row family ran (settings and command lines).
+    clusters started with that many slots (dgr<k> and relay<k>), and in the same rounds
+    ``llama-batched-bench`` on the whole model with the clusters' settings at one stage's
+    thread count and at each cluster's total (``batched_bench_threads``); ``batched``: run it
+    (default: ``llama``; False skips it, logged). ``whole``: run the whole-model row (False
+    only without ``stages`` and ``rtts``, whose parity is taken against it). The result's
+    ``ran`` says what each row family ran (settings and command lines).
     """
     import dgr
 
     log = log or (lambda m: None)
+    if not whole and (stages or rtts):
+        raise ValueError("the dgr<k> and @RTT rows need the whole model's row (parity)")
+    batched = llama if batched is None else batched
     path = model_path()
     eng = dgr.Engine(path, **SETTINGS)
     n_layer, width = eng.n_layer, eng.n_embd_boundary
@@ -702,7 +816,7 @@ def run_compare(stages=(2, 3, 4), rounds: int = 3, n_decode: int = N_DECODE,
         # refuse lengths or settings llama-bench cannot mirror before starting anything
         llama_bench_commands(settings, n_decode, prefills, path, exe=bench, extra=bench_args)
     kinds = ["dgr", "relay"] if relay else ["dgr"]
-    ran: dict[str, list[str]] = {
+    ran: dict[str, list[str]] = {} if not whole else {
         "whole": [f"dgr.Engine({path!r}, **{SETTINGS}) in a fresh process (settings "
                   f"{settings}); decode: generate_local's greedy loop, {n_decode} steps after "
                   f"a {N_PROMPT_DECODE}-token prompt, timed and CPU from the first token to the "
@@ -749,8 +863,27 @@ def run_compare(stages=(2, 3, 4), rounds: int = 3, n_decode: int = N_DECODE,
                             settings, n_decode, prefills, path, exe=bench,
                             rpc=emus[("rpc", n, rtt)].endpoints, extra=bench_args).values()]
         session_refs: dict[int, list[list[int]]] = {}
+        bb_cmds: dict[int, list[str]] = {}  # llama-batched-bench command line per -t
+        bb_same: dict[str, int] = {}  # each session cluster's "same total threads" -t
         if sessions:
             n_slots = max(sessions)
+            sess_settings = {**settings, "n_slots": n_slots}
+            if batched:
+                bb = tool("llama-batched-bench")
+                for n in session_stages:
+                    one, same = batched_bench_threads(n, settings["n_threads"],
+                                                      os.cpu_count() or 1)
+                    for kind in kinds:
+                        bb_same[f"{kind}{n}"] = same
+                    for t in (one, same):
+                        bb_cmds[t] = batched_bench_command(sess_settings, sessions, n_decode,
+                                                           t, path, exe=bb)
+                bb_cmds = dict(sorted(bb_cmds.items()))
+                ran["llama-batched-bench (the whole model, the session clusters' settings)"] = [
+                    shlex.join(c) for c in bb_cmds.values()]
+            else:
+                log("llama-batched-bench skipped: the llama.cpp tools are not wanted "
+                    "(--no-llama-bench / --no-batched-bench)")
             for n in session_stages:
                 log(f"starting {n} dgr workers with {n_slots} slots ...")
                 sess_clusters[n] = start_cluster(path, n, n_layer, n_slots=n_slots)
@@ -762,9 +895,11 @@ def run_compare(stages=(2, 3, 4), rounds: int = 3, n_decode: int = N_DECODE,
             ran["sessions reference"] = [
                 f"dgr.Engine(**{ {**SETTINGS, 'n_slots': n_slots} }): generate_local of each "
                 f"session's prompt, {n_decode} tokens, in a fresh process"]
+        bb_samples: dict[int, list[dict]] = {}
         for r in range(rounds):
-            w = whole_in_own_process(n_decode, prefills)
-            samples.setdefault("whole", []).append(w)
+            if whole:
+                w = whole_in_own_process(n_decode, prefills)
+                samples.setdefault("whole", []).append(w)
             if llama:
                 samples.setdefault("llama-bench", []).append(llama_bench(
                     llama_bench_commands(settings, n_decode, prefills, path, exe=bench,
@@ -799,6 +934,9 @@ def run_compare(stages=(2, 3, 4), rounds: int = 3, n_decode: int = N_DECODE,
                         m["parity"], m["parity_checked"] = session_parity(
                             m.pop("session_tokens"), refs)
                         sess.setdefault(f"{kind}{n}", {}).setdefault(k, []).append(m)
+            for t, cmd in bb_cmds.items():
+                bb_samples.setdefault(t, []).append(batched_bench(
+                    cmd, sess_settings, sessions, n_decode, t))
             log(f"round {r + 1}/{rounds} done (load {os.getloadavg()[0]:.2f})")
     finally:
         for e in emus.values():
@@ -810,6 +948,13 @@ def run_compare(stages=(2, 3, 4), rounds: int = 3, n_decode: int = N_DECODE,
     out = summarize(samples, stages, rounds, n_decode, prefills,
                     [f"{n}@{r:g}ms" for r in rtts for n in rtt_stages], settings=settings)
     out["sessions"] = summarize_sessions(sess)
+    out["session_settings"] = {**settings, "n_slots": max(sessions)} if sessions else None
+    out["batched_bench"] = summarize_batched_bench(bb_samples)
+    out["batched_bench_same_threads"] = bb_same
+    out["batched_bench_records"] = {f"t{t}": [{k: m["record"] for k, m in r.items()}
+                                              for r in rounds_]
+                                    for t, rounds_ in bb_samples.items()}
+    out["sessions_ratios"] = session_ratios(out["sessions"], out["batched_bench"])
     out["ran"] = ran
     return out
 
@@ -911,10 +1056,37 @@ def summarize_sessions(sess: dict) -> dict:
             out.setdefault(name, {})[k] = {
                 key: statistics.median(x[key] for x in rows)
                 for key in ("aggregate_tps", "per_session_tps", "per_session_tps_min",
-                            "ttft_ms", "wall_s")} | {
+                            "tpot_ms_p50", "tpot_ms_max", "ttft_ms", "wall_s")} | {
                 "parity": all(x["parity"] for x in rows),
                 "parity_checked": min(x["parity_checked"] for x in rows),
                 "tokens": rows[0]["tokens"]}
+    return out
+
+
+def summarize_batched_bench(runs: dict[int, list[dict]]) -> dict[str, dict[int, dict]]:
+    """{"t<threads>": {sequences: medians over rounds of aggregate_tps, tpot_ms,
+    prefill_tps}} of ``parse_batched_bench`` results per thread count."""
+    out: dict[str, dict[int, dict]] = {}
+    for t, rounds in sorted(runs.items()):
+        for k in sorted({k for r in rounds for k in r}):
+            rows = [r[k] for r in rounds if k in r]
+            out.setdefault(f"t{t}", {})[k] = {
+                key: statistics.median(x[key] for x in rows)
+                for key in ("aggregate_tps", "tpot_ms", "prefill_tps")} | {"rounds": len(rows)}
+    return out
+
+
+def session_ratios(sessions: dict, bb: dict) -> dict[str, dict[int, float]]:
+    """{"<config>/batched-bench-t<T>": {k: aggregate tokens/s of config with k sessions over
+    llama-batched-bench's at k sequences, -t T}} for every config, k and T measured."""
+    out: dict[str, dict[int, float]] = {}
+    for name, by_k in sessions.items():
+        for t, by_pl in bb.items():
+            for k, m in by_k.items():
+                ref = by_pl.get(k, {}).get("aggregate_tps")
+                if ref:
+                    out.setdefault(f"{name}/batched-bench-{t}", {})[k] = (
+                        m["aggregate_tps"] / ref)
     return out
 
 
@@ -925,14 +1097,20 @@ def _f(v, fmt="9.1f"):
 def print_header(res: dict, file=sys.stdout) -> None:
     """What each row family ran: settings, lengths, command lines."""
     s = res["settings"]
-    print(f"\nsettings of every row: {s}; decode: {res['n_decode']} steps after a "
-          f"{res.get('n_prompt_decode', N_PROMPT_DECODE)}-token prompt; prefill: "
-          f"{', '.join(str(n) for n in res['prefills'])}-token prompts from an empty cache",
-          file=file)
-    print("llama-bench: -b = -ub = n_ubatch (dgr's n_batch), its context = prompt + "
-          "generation + depth (padded to 256 by llama.cpp: the same n_kv as dgr's n_ctx at "
-          "every step of these lengths); it times llama_decode alone (no logits read, no "
-          "sampling), random tokens; no TTFT or CPU", file=file)
+    if res.get("configs"):
+        print(f"\nsettings of every row: {s}; decode: {res['n_decode']} steps after a "
+              f"{res.get('n_prompt_decode', N_PROMPT_DECODE)}-token prompt; prefill: "
+              f"{', '.join(str(n) for n in res['prefills'])}-token prompts from an empty cache",
+              file=file)
+    if "llama-bench" in res.get("configs", {}):
+        print("llama-bench: -b = -ub = n_ubatch (dgr's n_batch), its context = prompt + "
+              "generation + depth (padded to 256 by llama.cpp: the same n_kv as dgr's n_ctx "
+              "at every step of these lengths); it times llama_decode alone (no logits read, "
+              "no sampling), random tokens; no TTFT or CPU", file=file)
+    if res.get("session_settings"):
+        print(f"\nsettings of the concurrent-session rows: {res['session_settings']}; each "
+              f"session: a {res.get('n_prompt_decode', N_PROMPT_DECODE)}-token prompt, "
+              f"{res['n_decode']} tokens", file=file)
     print("what each row ran:", file=file)
     for name, lines in res.get("ran", {}).items():
         print(f"  {name}:", file=file)
@@ -944,6 +1122,12 @@ def print_table(res: dict, file=sys.stdout) -> None:
     p = res["prefills"]
     la = res["loadavg"]
     print_header(res, file)
+    if not res["configs"]:  # --only-sessions
+        if res.get("sessions") or res.get("batched_bench"):
+            print(f"\n{os.path.basename(res['model'])}, {res['n_decode']} tokens a session, "
+                  f"median of {res['rounds']} rounds; load average {la[0]:.2f} {la[1]:.2f} "
+                  f"{la[2]:.2f}\n" + sessions_table(res), file=file)
+        return
     print(f"\n{os.path.basename(res['model'])}, {res['n_decode']} decode steps, "
           f"median of {res['rounds']} rounds; load average {la[0]:.2f} {la[1]:.2f} "
           f"{la[2]:.2f}", file=file)
@@ -1001,20 +1185,58 @@ def print_table(res: dict, file=sys.stdout) -> None:
             print(f"  {name:<20} {m['rtt_ms']:6g} {m['S']:6.3f} {m['tpot_ms']:9.2f} "
                   f"{m['model_tpot_ms']:9.2f} {m['ratio']:6.2f} "
                   f"{m['excess_ms_per_link']:14.2f}", file=file)
+    if res.get("sessions") or res.get("batched_bench"):
+        print("\n" + sessions_table(res), file=file)
+
+
+def sessions_table(res: dict) -> str:
+    """The concurrent-session rows of ``run_compare``'s result: dgr/relay clusters and
+    llama-batched-bench at each k, with each cluster's ratio to batched-bench at each -t."""
+    bb = res.get("batched_bench", {})
+    same = res.get("batched_bench_same_threads", {})
+    ts = list(bb)  # "t1", "t2", ...
+    same_ts = {f"t{t}" for t in same.values()}
+    cols = [f"/bb-{t}" + (" same-thr" if t in same_ts else "") for t in ts]
+    lines = ["concurrent sessions (k x r.complete(16-token prompt, max_tokens=N), asyncio.gather;"
+             " aggr = all generated tokens / wall time; TPOT = a session's decode time / its "
+             "tokens after the first, median and slowest session)"]
+    if bb:
+        lines.append("batched-bench-t<T>: llama-batched-bench on the whole model, the clusters' "
+                     "settings (-c n_ctx x max(k) -no-kvu, -b -ub n_ubatch, -fa, f16 KV, -ngl 0),"
+                     " k sequences of a 16-token prompt and N tokens each; aggr = its S_TG "
+                     "(k*N / generation time), TPOT = generation time / N")
+    if same:
+        by_t: dict[int, list[str]] = {}
+        for name, t in same.items():
+            by_t.setdefault(t, []).append(name)
+        lines.append("same-thr: the same total thread count as the route (one thread per stage,"
+                     " capped at this machine's cores): " + "; ".join(
+                         f"-t{t} for {', '.join(names)}" for t, names in sorted(by_t.items())))
+    hdr = (f"  {'configuration':<17} {'k':>3} {'aggr t/s':>9} {'TPOT p50 ms':>11} "
+           f"{'TPOT max ms':>11} {'TTFT ms':>8} " + " ".join(f"{c:>{max(len(c), 7)}}"
+                                                            for c in cols) + f" {'parity':>10}")
+    lines.append(hdr)
+    ratios = res.get("sessions_ratios", {})
+    for name, by_k in res.get("sessions", {}).items():
+        for k, m in by_k.items():
+            par = ("yes" if m["parity"] else "NO") + f" ({m['parity_checked']})"
+            rts = [ratios.get(f"{name}/batched-bench-{t}", {}).get(k) for t in ts]
+            lines.append(
+                f"  {name:<17} {k:>3} {m['aggregate_tps']:9.1f} "
+                f"{_f(m.get('tpot_ms_p50'), '11.1f')} {_f(m.get('tpot_ms_max'), '11.1f')} "
+                f"{m['ttft_ms']:8.1f} " + " ".join(_f(r, f"{max(len(c), 7)}.2f")
+                                                   for r, c in zip(rts, cols)) + f" {par:>10}")
+    for t, by_pl in bb.items():
+        for k, m in by_pl.items():
+            lines.append(
+                f"  {'batched-bench-' + t:<17} {k:>3} {m['aggregate_tps']:9.1f} "
+                f"{m['tpot_ms']:11.1f} {m['tpot_ms']:11.1f} {'-':>8} " +
+                " ".join(f"{'-':>{max(len(c), 7)}}" for c in cols) + f" {'-':>10}")
     if res.get("sessions"):
-        print("\nconcurrent sessions (k x r.complete(16-token prompt, max_tokens=N), "
-              "asyncio.gather; aggregate = all generated tokens / wall time)", file=file)
-        print(f"  {'configuration':<12} {'k':>3} {'aggr t/s':>9} {'per-session t/s':>16} "
-              f"{'min t/s':>8} {'TTFT ms':>8} {'parity':>10}", file=file)
-        for name, by_k in res["sessions"].items():
-            for k, m in by_k.items():
-                par = ("yes" if m["parity"] else "NO") + f" ({m['parity_checked']})"
-                print(f"  {name:<12} {k:>3} {m['aggregate_tps']:9.1f} "
-                      f"{m['per_session_tps']:16.1f} {m['per_session_tps_min']:8.1f} "
-                      f"{m['ttft_ms']:8.1f} {par:>10}", file=file)
-        print("  (parity (n): all n sessions checked against the whole model's greedy tokens "
-              "for their prompts, computed with the clusters' settings, n_slots included)",
-              file=file)
+        lines.append("  (parity (n): all n sessions checked against the whole model's greedy "
+                     "tokens for their prompts, computed with the clusters' settings, n_slots "
+                     "included; /bb-tT: aggr over batched-bench-tT's at the same k)")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -1039,6 +1261,12 @@ def main(argv=None) -> int:
     ap.add_argument("--sessions", default="",
                     help="concurrent-session counts, e.g. 1,4,16 (dgr/relay, --session-stages)")
     ap.add_argument("--session-stages", default="3", help="stage counts run with --sessions")
+    ap.add_argument("--no-batched-bench", action="store_true",
+                    help="with --sessions: skip llama-batched-bench (also skipped with "
+                         "--no-llama-bench)")
+    ap.add_argument("--only-sessions", action="store_true",
+                    help="run the --sessions rows only (and llama-batched-bench): no whole, "
+                         "dgr<k>, relay<k>, rpc<k>, llama-bench or --rtt-ms rows")
     ap.add_argument("--model", help="run every row on this GGUF instead of SmolLM2 (e.g. the "
                                     "7B-shaped qwen2 of benches/qwen2_7b.py)")
     ap.add_argument("--json", help="write the results here")
@@ -1050,15 +1278,25 @@ def main(argv=None) -> int:
     rounds, n_decode, prefills = args.rounds, args.tokens, PREFILLS
     if args.quick:
         stages, rounds, n_decode, prefills = [3], 1, 32, (128,)
+    sessions = [int(x) for x in args.sessions.split(",") if x]
+    rtts = [float(x) for x in args.rtt_ms.split(",") if x]
+    only = args.only_sessions
+    if only and not sessions:
+        ap.error("--only-sessions needs --sessions")
+    if only:
+        stages, rtts = [], []
     res = run_compare(stages, rounds, n_decode, prefills,
-                      rpc=not (args.no_rpc or args.no_llama_bench),
-                      llama=not args.no_llama_bench, bench_args=args.bench_args.split(),
+                      rpc=not (only or args.no_rpc or args.no_llama_bench),
+                      llama=not (only or args.no_llama_bench),
+                      bench_args=args.bench_args.split(),
                       log=lambda m: print(m, file=sys.stderr, flush=True),
-                      rtts=[float(x) for x in args.rtt_ms.split(",") if x],
+                      rtts=rtts,
                       rtt_stages=[int(x) for x in args.rtt_stages.split(",") if x],
                       relay=not args.no_relay,
-                      sessions=[int(x) for x in args.sessions.split(",") if x],
-                      session_stages=[int(x) for x in args.session_stages.split(",") if x])
+                      sessions=sessions,
+                      session_stages=[int(x) for x in args.session_stages.split(",") if x],
+                      whole=not only,
+                      batched=not (args.no_llama_bench or args.no_batched_bench))
     res["command"] = " ".join([os.path.basename(sys.executable), *sys.argv])
     print_table(res)
     if args.json:

@@ -257,10 +257,12 @@ def test_session_parity_checks_every_session():
 
 def test_summarize_sessions():
     rows = [{"aggregate_tps": a, "per_session_tps": a / 4, "per_session_tps_min": 1.0,
+             "tpot_ms_p50": 4000 / a, "tpot_ms_max": 8000 / a,
              "ttft_ms": 5.0, "wall_s": 1.0, "parity": True, "parity_checked": 4,
              "tokens": 128} for a in (40.0, 60.0, 50.0)]
     out = compare.summarize_sessions({"relay3": {4: rows}})
     assert out["relay3"][4]["aggregate_tps"] == 50.0
+    assert out["relay3"][4]["tpot_ms_p50"] == 80.0 and out["relay3"][4]["tpot_ms_max"] == 160.0
     assert out["relay3"][4]["parity"] is True
     assert out["relay3"][4]["parity_checked"] == 4
     rows[1] = {**rows[1], "parity": False}

@@ -1,0 +1,112 @@
+"""Many sessions through one 3-stage route: dgr's batching stage loop against itself unbatched
+and against llama.cpp's ``llama-batched-bench`` on the whole model (SmolLM2).
+
+One run of ``benches/batching.py`` (``run`` then ``summarize``: the same functions, so the same
+settings, ``batching.SETTINGS``) in ``setup_cache``: a ``LocalCluster`` of 3 workers (one
+thread each, 16 slots) on loopback, direct relay with the decode loop, k = 1, 4, 16 sessions
+at once of ``TOKENS`` greedy tokens each, ``batched`` (the stage loop computes several
+sessions' ready steps as one forward) and ``solo`` (``AsyncRoute(batching=False)``: one step a
+forward); then ``llama-batched-bench -npl 1,4,16 -ntg TOKENS`` on the whole model at ``-t 1``
+(one stage's threads) and ``-t 2`` (the route's 3 threads on a 2-core machine). Every track
+reads that one run:
+
+- ``track_batched<k>_tokens_per_s`` / ``track_solo<k>_tokens_per_s``: aggregate output
+  tokens/s (all sessions' tokens / wall time);
+- ``track_batched<k>_over_solo_ratio``; ``track_batched<k>_over_bb_t<T>_ratio``: over
+  llama-batched-bench's S_TG at k sequences, ``-t T`` (NaN when it is not built:
+  ``python -m dgr.vendor build --tools llama-batched-bench``);
+- ``track_batched<k>_tpot_ms_p50`` / ``_tpot_ms_max``: the median and slowest session's time
+  per output token;
+- ``track_batched<k>_parity`` / ``track_solo<k>_parity``: every session's tokens equal the
+  whole model's greedy tokens for its prompt computed alone (1.0 / 0.0).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+SESSIONS = (1, 4, 16)
+TOKENS = 32
+STAGES = 3
+THREADS = (1, 2)  # llama-batched-bench -t: one stage's, and the route's 3 capped at 2 cores
+ROUNDS = 1
+
+
+def _batching():
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import batching
+
+    return batching
+
+
+def _have_batched_bench() -> bool:
+    try:
+        _batching().compare.tool("llama-batched-bench")
+        return True
+    except Exception:
+        return False
+
+
+def measure(sessions=SESSIONS, tokens: int = TOKENS, stages: int = STAGES,
+            threads=THREADS, rounds: int = ROUNDS) -> dict[int, dict]:
+    """{k: ``batching.summarize``'s row} of one ``batching.run`` on SmolLM2;
+    llama-batched-bench only when it is built (its tracks are NaN otherwise)."""
+    from dgr._core import HAS_LAYER_RANGES
+
+    if not HAS_LAYER_RANGES:
+        raise NotImplementedError("partial layer ranges are not in this build")
+    b = _batching()
+    threads = list(threads) if _have_batched_bench() else []
+    res = b.run(b.smollm2_path(), list(sessions), tokens, stages, threads, rounds)
+    return {row["sessions"]: row for row in b.summarize(res, list(sessions), threads)}
+
+
+class BatchingSmolLM2:
+    """One run of benches/batching.py at 1, 4 and 16 sessions; tracks its figures."""
+
+    timeout = 900
+    repeat = 1
+    number = 1
+
+    def setup_cache(self):
+        return measure()
+
+    setup_cache.timeout = 900
+
+
+def value(cache: dict, k: int, path: tuple[str, ...]) -> float:
+    """``cache[k][path[0]][path[1]]...`` as a float (a bool as 1.0 / 0.0); NaN when absent."""
+    v = cache.get(k)
+    for key in path:
+        v = v.get(key) if isinstance(v, dict) else None
+    return math.nan if v is None else float(v)
+
+
+def _track(k: int, path: tuple[str, ...], unit: str):
+    def track(self, cache):
+        return value(cache, k, path)
+
+    track.unit = unit
+    track.timeout = 900
+    return track
+
+
+for _k in SESSIONS:
+    for _name in ("batched", "solo"):
+        setattr(BatchingSmolLM2, f"track_{_name}{_k}_tokens_per_s",
+                _track(_k, (_name, "aggregate_tps"), "tokens/s"))
+        setattr(BatchingSmolLM2, f"track_{_name}{_k}_parity",
+                _track(_k, (_name, "parity"), "bool"))
+    for _key in ("tpot_ms_p50", "tpot_ms_max"):
+        setattr(BatchingSmolLM2, f"track_batched{_k}_{_key}",
+                _track(_k, ("batched", _key), "ms"))
+    setattr(BatchingSmolLM2, f"track_batched{_k}_over_solo_ratio",
+            _track(_k, ("batched_over_solo",), "ratio"))
+    for _t in THREADS:
+        setattr(BatchingSmolLM2, f"track_batched{_k}_over_bb_t{_t}_ratio",
+                _track(_k, (f"batched_over_bb_t{_t}",), "ratio"))
+del _k, _name, _key, _t
