@@ -1,6 +1,7 @@
 // dgr data-plane frame I/O (cpp/include/dgr/frame_io.h).
 #include "dgr/frame_io.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -24,6 +25,8 @@ int wait_ready(int fd, short events) noexcept {
 }
 
 inline bool again(int e) noexcept { return e == EAGAIN || e == EWOULDBLOCK; }
+
+constexpr int kMaxIov = 1024;  // IOV_MAX on Linux: sendmsg refuses more pieces
 
 // Read n bytes; *got says how many arrived before an end of stream or error.
 int read_all(int fd, uint8_t* buf, size_t n, size_t* got) noexcept {
@@ -64,21 +67,14 @@ int recv_frame(int fd, uint8_t* buf, size_t cap, size_t max_frame, size_t* size)
     return read_all(fd, buf, n, &got);
 }
 
-int send_frame(int fd, const uint8_t* head, size_t head_len, const uint8_t* payload,
-               size_t payload_len) noexcept {
-    const size_t total = head_len + payload_len;
-    uint8_t len[kLengthPrefix] = {
-        static_cast<uint8_t>(total), static_cast<uint8_t>(total >> 8),
-        static_cast<uint8_t>(total >> 16), static_cast<uint8_t>(total >> 24)};
-    struct iovec iov[3] = {{len, kLengthPrefix},
-                           {const_cast<uint8_t*>(head), head_len},
-                           {const_cast<uint8_t*>(payload), payload_len}};
-    int first = 0, count = payload_len ? 3 : 2;
+int send_iov(int fd, struct iovec* iov, int count, size_t* sent) noexcept {
+    *sent = 0;
+    int first = 0;
     while (first < count) {
         struct msghdr msg;
         std::memset(&msg, 0, sizeof msg);
         msg.msg_iov = iov + first;
-        msg.msg_iovlen = static_cast<size_t>(count - first);
+        msg.msg_iovlen = static_cast<size_t>(std::min(count - first, kMaxIov));
         ssize_t k = ::sendmsg(fd, &msg, MSG_NOSIGNAL);
         if (k < 0) {
             if (errno == EINTR) continue;
@@ -88,6 +84,7 @@ int send_frame(int fd, const uint8_t* head, size_t head_len, const uint8_t* payl
             }
             return errno;
         }
+        *sent += static_cast<size_t>(k);
         size_t left = static_cast<size_t>(k);  // skip what was sent, resume mid-piece
         while (first < count && left >= iov[first].iov_len) {
             left -= iov[first].iov_len;
@@ -99,6 +96,24 @@ int send_frame(int fd, const uint8_t* head, size_t head_len, const uint8_t* payl
         }
     }
     return 0;
+}
+
+void length_prefix(size_t n, uint8_t out[kLengthPrefix]) noexcept {
+    out[0] = static_cast<uint8_t>(n);
+    out[1] = static_cast<uint8_t>(n >> 8);
+    out[2] = static_cast<uint8_t>(n >> 16);
+    out[3] = static_cast<uint8_t>(n >> 24);
+}
+
+int send_frame(int fd, const uint8_t* head, size_t head_len, const uint8_t* payload,
+               size_t payload_len) noexcept {
+    uint8_t len[kLengthPrefix];
+    length_prefix(head_len + payload_len, len);
+    struct iovec iov[3] = {{len, kLengthPrefix},
+                           {const_cast<uint8_t*>(head), head_len},
+                           {const_cast<uint8_t*>(payload), payload_len}};
+    size_t sent;
+    return send_iov(fd, iov, payload_len ? 3 : 2, &sent);
 }
 
 bool readable(int fd) noexcept {

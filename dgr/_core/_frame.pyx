@@ -33,9 +33,10 @@ from dgr._core.includes.frame cimport (
     decode_frame as c_decode,
     encode_forward, encode_result, kErrorReply, kForward, kIoEof, kIoNeedBuffer,
     kIoTooLarge, kIoTruncated, kMaxHeader, kMaxPayload, kResult,
-    readable as c_readable, recv_exact as c_recv_exact, recv_frame as c_recv_frame,
-    send_frame as c_send_frame,
+    length_prefix, readable as c_readable, recv_exact as c_recv_exact,
+    recv_frame as c_recv_frame, send_frame as c_send_frame, send_iov,
 )
+from posix.uio cimport iovec
 from dgr import errors as _errors
 from dgr.protocol import wire as _wire
 
@@ -437,6 +438,55 @@ def send_frame(int fd, object head, object payload=None):
     finally:
         PyBuffer_Release(&h)
     _io(rc)
+
+
+def send_frames(int fd, list frames):
+    """Send several frames, each ``(head, payload)`` as ``send_frame`` takes them, in order as
+    one stream of gather writes without the GIL (one ``sendmsg`` for up to 341 frames).
+
+    Raises ``OSError`` (the errno of the failed call) with ``sent``, the bytes that went out
+    before it (0: none of the frames did)."""
+    cdef Py_ssize_t n = len(frames), i, k = 0
+    cdef vector[Py_buffer] views
+    cdef vector[iovec] iov
+    cdef vector[uint8_t] lens
+    cdef size_t sent = 0, size
+    cdef int rc = 0
+    cdef Py_buffer * b
+    if fd < 0:
+        raise OSError(9, "the socket is closed")
+    views.resize(2 * n)
+    iov.resize(3 * n)
+    lens.resize(4 * n)
+    try:
+        for i in range(n):
+            head, payload = frames[i]
+            PyObject_GetBuffer(head, &views[k], PyBUF_SIMPLE)
+            k += 1
+            size = <size_t> views[k - 1].len
+            iov[3 * i + 1].iov_base = views[k - 1].buf
+            iov[3 * i + 1].iov_len = <size_t> views[k - 1].len
+            iov[3 * i + 2].iov_base = NULL
+            iov[3 * i + 2].iov_len = 0
+            if payload is not None:
+                PyObject_GetBuffer(payload, &views[k], PyBUF_SIMPLE)
+                k += 1
+                size += <size_t> views[k - 1].len
+                iov[3 * i + 2].iov_base = views[k - 1].buf
+                iov[3 * i + 2].iov_len = <size_t> views[k - 1].len
+            length_prefix(size, &lens[4 * i])
+            iov[3 * i].iov_base = &lens[4 * i]
+            iov[3 * i].iov_len = 4
+        with nogil:
+            rc = send_iov(fd, iov.data(), <int> (3 * n), &sent)
+    finally:
+        for i in range(k):
+            PyBuffer_Release(&views[i])
+    if rc:
+        import os
+        e = OSError(rc, os.strerror(rc))
+        e.sent = sent
+        raise e
 
 
 def readable(int fd):

@@ -17,6 +17,7 @@ length (u32, little endian), for the hot path:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import select
 import socket
@@ -183,6 +184,34 @@ class FrameSocket:
                 self.close()
                 raise
 
+    def send_many(self, frames: list) -> None:
+        """Send several frames, each ``(head, payload)`` as ``send_parts`` takes them, in
+        order, as one gather write. Thread-safe.
+
+        Raises
+        ------
+        OSError
+            The connection broke (it is closed then); its ``sent`` attribute is the bytes
+            that went out before (0: none of the frames did).
+        """
+        pieces = []
+        for head, payload in frames:
+            pay = b"" if payload is None else memoryview(payload).cast("B")
+            pieces += (LEN.pack(len(head) + len(pay)), head, pay)
+        if len(pieces) > 1000:  # the kernel's IOV_MAX is 1024 pieces
+            pieces = [b"".join(pieces)]
+        sent = 0
+        with self._send_lock:
+            try:
+                sent = self.sock.sendmsg(pieces)
+                total = sum(len(p) for p in pieces)
+                if sent < total:  # rare: a full socket buffer
+                    self.sock.sendall(memoryview(b"".join(pieces))[sent:])
+            except OSError as e:
+                e.sent = sent
+                self.close()
+                raise
+
     def close(self) -> None:
         if self.closed:
             return
@@ -302,6 +331,7 @@ class Links:
     def __init__(self, connect_timeout: float = 2.0, conn_class: type[FrameSocket] | None = None):
         self.connect_timeout = connect_timeout
         self.conn_class = conn_class or FrameSocket
+        self._tls = threading.local()  # .pending: a burst's frames per endpoint, or None
         self._links: dict[str, FrameSocket] = {}
         self._lock = threading.Lock()
 
@@ -328,15 +358,60 @@ class Links:
             pass
         link.close()
 
-    def send(self, endpoint: str, frame, payload=None) -> None:
+    @contextlib.contextmanager
+    def burst(self):
+        """Frames this thread sends inside the block wait and leave at its end as one write
+        per endpoint, in order (``FrameSocket.send_many``), so the next stage receives them
+        together. A frame that then cannot be sent gets its ``on_error`` called with the
+        ``WorkerUnavailable``; the payloads must stay valid until the block ends."""
+        if getattr(self._tls, "pending", None) is not None:  # nested: the outer one sends
+            yield
+            return
+        self._tls.pending = pending = {}
+        try:
+            yield
+        finally:
+            self._tls.pending = None
+            for endpoint, items in pending.items():
+                self._flush(endpoint, items)
+
+    def _flush(self, endpoint: str, items: list) -> None:
+        err: Exception | None = None
+        for attempt in (0, 1):
+            try:
+                self.get(endpoint).send_many([(h, p) for h, p, _ in items])
+                return
+            except errors.WorkerUnavailable as e:
+                err = e
+                break
+            except OSError as e:
+                err = errors.WorkerUnavailable(
+                    f"next stage {endpoint}: data plane send failed ({e})")
+                if getattr(e, "sent", 0):  # some frames went out: resending could repeat them
+                    break
+        for _, _, on_error in items:
+            if on_error is not None:
+                try:
+                    on_error(err)
+                except Exception:  # noqa: BLE001 - every frame hears of the failure
+                    log.exception("reporting a failed send")
+
+    def send(self, endpoint: str, frame, payload=None, on_error=None) -> None:
         """Send ``frame`` (or the pieces ``frame`` + ``payload``, ``FrameSocket.send_parts``)
-        to ``endpoint``; reconnects once if the pooled link broke.
+        to ``endpoint``; reconnects once if the pooled link broke. Inside ``burst`` the
+        frame waits for the end of the block (``frame`` is copied when it is a reused
+        bytearray), and a failure then goes to ``on_error(exc)`` instead.
 
         Raises
         ------
         dgr.errors.WorkerUnavailable
             The endpoint cannot be reached.
         """
+        pending = getattr(self._tls, "pending", None)
+        if pending is not None:
+            head = bytes(frame) if isinstance(frame, bytearray) else frame
+            pending.setdefault(endpoint, []).append((head, payload, on_error))
+            return
         for attempt in (0, 1):
             link = self.get(endpoint)
             try:

@@ -27,6 +27,8 @@ the same bytes on the wire.
 
 from __future__ import annotations
 
+import threading
+
 import msgspec
 import numpy as np
 
@@ -75,6 +77,16 @@ class NativeFrameSocket(FrameSocket):
                 self.close()
                 raise
 
+    def send_many(self, frames: list) -> None:
+        with self._send_lock:
+            try:
+                _frame.send_frames(self.sock.fileno(), frames)
+            except OSError as e:
+                if not hasattr(e, "sent"):
+                    e.sent = 0
+                self.close()
+                raise
+
 
 class Frames:
     """A worker's frame codec: native (C++) where it can be, else ``dgr.protocol.wire``.
@@ -92,20 +104,28 @@ class Frames:
         self.max_payload = int(max_payload)
         #: the connection class of the data server and the relay links
         self.conn_class = NativeFrameSocket if self.native else FrameSocket
-        #: frames decoded natively / by ``wire.decode`` (a non-raw codec, zstd, or native off)
+        #: frames decoded natively / by ``wire.decode`` (a non-raw codec, zstd, or native
+        #: off), bad frames included; bumped under a lock (several connection threads)
         self.decoded_native = 0
         self.decoded_python = 0
+        self._count = threading.Lock()
 
     def decode(self, view) -> wire.Frame:
         """Validate and decode a received frame (``wire.decode``'s result and errors)."""
         if self.native:
             try:
                 frame = _frame.decode(view, max_payload=self.max_payload)
-                self.decoded_native += 1
+                with self._count:
+                    self.decoded_native += 1
                 return frame
             except errors.FrameNotNative:
                 pass
-        self.decoded_python += 1
+            except errors.FrameError:
+                with self._count:
+                    self.decoded_native += 1
+                raise
+        with self._count:
+            self.decoded_python += 1
         return wire.decode(view, max_payload=self.max_payload)
 
     def encode(self, header: wire.Message) -> bytes:

@@ -76,11 +76,17 @@ class Forwarder:
         except OSError as e:
             log.info("return connection of route %s broke: %s", reply_to or conn.name, e)
 
+    def burst(self):
+        """A block whose relay and loop frames leave together at its end (``Links.burst``)."""
+        return self.links.burst()
+
     def send_on(self, conn: FrameSocket, step: Step,
-                reply: Callable[[Step, bytearray], tuple], buf: bytearray) -> None:
+                reply: Callable[[Step, bytearray], tuple], buf: bytearray,
+                on_error: Callable[[BaseException], None] | None = None) -> None:
         """Send a computed step's frames; ``reply(step, buf)`` encodes its ``Result`` (only
         when it is sent) as the pieces ``(head, payload)`` to send, ``buf`` the calling
-        thread's reusable frame buffer.
+        thread's reusable frame buffer. Inside ``burst`` a relay or loop frame that cannot
+        be sent at the block's end goes to ``on_error`` (outside it, this raises).
 
         Raises
         ------
@@ -91,7 +97,7 @@ class Forwarder:
         if not h.reply_to:
             self.send_back(conn, "", *reply(step, buf))
         elif not self.is_last:
-            self.relay(step, buf)
+            self.relay(step, buf, on_error)
         else:
             toks = step.tokens
             loop = h.steps > 1 and toks and (h.stop_tokens is None
@@ -100,12 +106,12 @@ class Forwarder:
             # stage 1 too, the next step runs here on another thread and its reply must
             # not overtake this one: reply first then
             if loop and not self.is_first:
-                self.loop(h, toks[-1])
+                self.loop(h, toks[-1], on_error)
             self.send_back(conn, h.reply_to, *reply(step, buf))
             if loop and self.is_first:
-                self.loop(h, toks[-1])
+                self.loop(h, toks[-1], on_error)
 
-    def relay(self, step: Step, buf: bytearray) -> None:
+    def relay(self, step: Step, buf: bytearray, on_error=None) -> None:
         """Forward this stage's boundary to the next stage named by ``Forward.relay``."""
         h = step.header
         # the same step for the next range: every other field (positions, want, rows,
@@ -114,9 +120,9 @@ class Forwarder:
         codec = h.codec if step.array is not None else "raw"
         head, payload = self.frames.relay(h, step.result[:h.n_tokens], self.layer_end, codec,
                                           buf)
-        self.links.send(h.relay[0].endpoint, head, payload)
+        self.links.send(h.relay[0].endpoint, head, payload, on_error)
 
-    def loop(self, h: wire.Forward, token: int) -> None:
+    def loop(self, h: wire.Forward, token: int, on_error=None) -> None:
         """Decode loop (``Forward.steps``): feed the token just sampled to the first stage
         (``loop[0]``) as the next step, without a round trip to the driver."""
         first = h.loop[0]
@@ -125,7 +131,7 @@ class Forwarder:
                           tokens=[token], want=h.want, sampling=h.sampling, relay=h.loop[1:],
                           reply_to=h.reply_to, loop=h.loop, steps=h.steps - 1,
                           stop_tokens=h.stop_tokens, solo=h.solo)
-        self.links.send(first.endpoint, self.frames.encode(nh))
+        self.links.send(first.endpoint, self.frames.encode(nh), None, on_error)
 
     def close(self) -> None:
         self.links.close()

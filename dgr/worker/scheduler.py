@@ -33,9 +33,11 @@ is, the step queues, the reader reads on, and the frames that arrived together r
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -43,7 +45,7 @@ import numpy as np
 
 from dgr.worker.pipeline import Step
 
-__all__ = ["StageLoop", "take", "SOLO_ROWS"]
+__all__ = ["StageLoop", "RingLoad", "take", "SOLO_ROWS", "HOLD_S"]
 
 log = logging.getLogger("dgr.worker")
 
@@ -59,11 +61,14 @@ class _Job:
 
 #: a chunk of this many tokens or more runs alone (the flash-attention tile, GGML_FA_TILE_Q)
 SOLO_ROWS = 64
+#: the longest a held step (``StageLoop.submit(hold=True)``) waits for the rest of its burst
+HOLD_S = 0.05
 
 
-def take(queue: collections.deque, max_tokens: int, solo_rows: int = SOLO_ROWS) -> list:
+def take(queue: collections.deque, max_tokens: int, solo_rows: int = SOLO_ROWS,
+         max_steps: int | None = None) -> list:
     """Remove and return the next batch from ``queue`` (items with ``.step``; the rules in
-    the module docstring)."""
+    the module docstring), of at most ``max_steps`` steps (None: no limit)."""
     if not queue:
         return []
     items = list(queue)
@@ -81,6 +86,8 @@ def take(queue: collections.deque, max_tokens: int, solo_rows: int = SOLO_ROWS) 
     picked = {0}
     for want_decode in (True, False):
         for i, it in enumerate(items):
+            if max_steps is not None and len(batch) >= max_steps:
+                break
             if i in picked:
                 continue
             h = it.step.header
@@ -105,6 +112,50 @@ def take(queue: collections.deque, max_tokens: int, solo_rows: int = SOLO_ROWS) 
     return batch
 
 
+class RingLoad:
+    """The decode-loop sessions a stage sees, and how many of their steps one batch takes.
+
+    A ring of ``n`` stages (``Forward.loop``) decoding ``k`` sessions keeps its stages
+    computing at the same time only when the sessions travel in about ``n`` groups. A batch
+    of all ``k`` would go from stage to stage as one, and only one stage would compute at a
+    time (a convoy: the route then serves ``k`` sessions at the speed of one stage's forward
+    of ``k``). So a batch takes at most ``ceil(k / n)`` steps while ring sessions are active:
+    a convoy splits into ``n`` groups at the first stage it reaches, and the groups stay
+    apart. One session gets batches of one, as before.
+
+    ``k`` counts the sessions whose decode step reached this stage within two ring rounds
+    (a round: the time between two steps of one session here, averaged), or within
+    ``horizon`` seconds before a round is known.
+    """
+
+    def __init__(self, horizon: float = 1.0):
+        self.horizon = float(horizon)
+        self.round_s = 0.0  # EWMA of the interval between a session's steps
+        self._seen: dict[str, tuple[float, int]] = {}  # session -> (last step, ring stages)
+
+    def see(self, session: str, ring: int, now: float) -> None:
+        """A decode step of ``session`` on a ring of ``ring`` stages arrived at ``now``."""
+        prev = self._seen.get(session)
+        if prev is not None:
+            dt = now - prev[0]
+            self.round_s = dt if not self.round_s else 0.9 * self.round_s + 0.1 * dt
+        self._seen[session] = (now, ring)
+
+    def max_steps(self, now: float) -> int | None:
+        """The most steps one batch takes now (None: no ring session is active)."""
+        horizon = 2.0 * self.round_s if self.round_s else self.horizon
+        k, n = 0, 0
+        for session, (t, ring) in list(self._seen.items()):
+            if now - t > horizon:
+                del self._seen[session]
+                continue
+            k += 1
+            n = max(n, ring)
+        if n < 2:
+            return None
+        return -(-k // n)
+
+
 class StageLoop:
     """The scheduler of one stage (``pipeline``: a ``StagePipeline``).
 
@@ -116,8 +167,13 @@ class StageLoop:
         False: one step per forward, in arrival order (the loop still serializes them).
     """
 
-    def __init__(self, pipeline, *, max_tokens: int, batching: bool = True):
+    def __init__(self, pipeline, *, max_tokens: int, batching: bool = True,
+                 burst: Callable[[], contextlib.AbstractContextManager] | None = None):
         self.p = pipeline
+        #: ``burst()``: a context a batch of several steps is handed on in (its relay and
+        #: loop frames then leave as one write per next stage: they arrive together and
+        #: batch together there)
+        self.burst = burst
         self.max_tokens = max(1, int(max_tokens))
         self.batching = bool(batching)
         self._cv = threading.Condition(threading.Lock())
@@ -135,6 +191,8 @@ class StageLoop:
         self.batch_sizes: collections.Counter[int] = collections.Counter()
         #: steps computed on the submitting thread (the engine idle, nothing queued)
         self.inline_runs = 0
+        #: decode-loop sessions and the batch size that keeps their ring's stages busy
+        self.ring = RingLoad()
         self._thread = threading.Thread(target=self._run, name="dgr-stage-loop", daemon=True)
         self._thread.start()
 
@@ -142,15 +200,24 @@ class StageLoop:
     def queued(self) -> int:
         return len(self._queue)
 
-    def submit(self, step: Step, done: Done, *, inline: bool = False) -> bool:
+    def submit(self, step: Step, done: Done, *, inline: bool = False,
+               hold: bool = False) -> bool:
         """Run ``step`` (admitted) and call ``done(step, failure)`` once it finished.
 
         ``inline``: compute on this thread if the engine is idle and nothing is queued (the
         caller then returns after ``done``; True); else the step queues (False), and the
         frame buffer its boundary views is copied (the caller's buffer is reused for its
         next frame).
+
+        ``hold``: queue without waking the loop's thread, because the caller is about to
+        submit more (further frames of a burst already wait on its connection): the loop
+        then takes them as one batch, not the first alone. The next submit without
+        ``hold`` wakes it; so does ``HOLD_S`` passing (a burst cut short).
         """
+        h = step.header
         with self._cv:
+            if h.loop and h.n_tokens == 1:
+                self.ring.see(h.session, len(h.loop), time.monotonic())
             run_here = inline and not self._busy and not self._queue and not self._stop
             if run_here:
                 self._busy = True
@@ -160,7 +227,8 @@ class StageLoop:
                 if step.array is not None and not step.array.flags.owndata:
                     step.array = np.array(step.array)
                 self._queue.append(_Job(step, done))
-                self._cv.notify()
+                if not hold:
+                    self._cv.notify()
         if run_here:
             self._compute([_Job(step, done)], turn)
         return run_here
@@ -171,9 +239,11 @@ class StageLoop:
                 while not (self._queue and not self._busy):
                     if self._stop and not self._queue:
                         return
-                    self._cv.wait()
-                batch = (take(self._queue, self.max_tokens) if self.batching
-                         else [self._queue.popleft()])
+                    # the timeout bounds how long a held step (submit(hold=True)) waits
+                    self._cv.wait(HOLD_S)
+                batch = (take(self._queue, self.max_tokens,
+                              max_steps=self.ring.max_steps(time.monotonic()))
+                         if self.batching else [self._queue.popleft()])
                 self._busy = True
                 turn = next(self._order)
             self._compute(batch, turn)
@@ -202,11 +272,15 @@ class StageLoop:
         with self._turn_cv:
             self._turn_cv.wait_for(lambda: self._turn == turn)
         try:
-            for j, f in zip(batch, fails):
-                try:
-                    j.done(j.step, f)
-                except Exception:  # noqa: BLE001 - one step's send must not stop the loop
-                    log.exception("handing on a computed step failed")
+            with (self.burst() if self.burst is not None and len(batch) > 1
+                  else contextlib.nullcontext()):
+                for j, f in zip(batch, fails):
+                    try:
+                        j.done(j.step, f)
+                    except Exception:  # noqa: BLE001 - one step's send must not stop the loop
+                        log.exception("handing on a computed step failed")
+        except Exception:  # noqa: BLE001 - a burst's flush reports to each step itself
+            log.exception("handing on a batch failed")
         finally:
             with self._turn_cv:
                 self._turn += 1

@@ -8,6 +8,7 @@ stream's reply; ``dgr.worker.relay`` on the data plane).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -69,7 +70,7 @@ class Worker(StagePipeline):
         self.eog_tokens = [t for t in range(engine.n_vocab) if engine.is_eog(t)]
         #: the stage's scheduler: every step of both planes computes through it
         self.loop = StageLoop(self, max_tokens=int(self.settings["n_ubatch"]),
-                              batching=batching)
+                              batching=batching, burst=self._burst)
         # fast data plane (dgr.transport.dataplane): set by serve_data()
         self.data_server = None
         self.forwarder = None
@@ -144,7 +145,7 @@ class Worker(StagePipeline):
         t_arrive = time.perf_counter()
         h = None
         try:
-            frame = wire.decode(data, max_payload=self.max_payload)
+            frame = self.frames.decode(data)
             h = frame.header
             step = self.accept(frame, t_arrive)
         except Exception as e:  # noqa: BLE001 - every refusal is an ErrorReply
@@ -235,8 +236,9 @@ class Worker(StagePipeline):
         except Exception as e:  # noqa: BLE001 - every refusal is an ErrorReply
             fw.send_back(conn, getattr(h, "reply_to", ""), self.error(e, *_who(h)))
             return
-        self.loop.submit(step, functools.partial(self._data_done, conn),
-                         inline=not conn.pending())
+        more = conn.pending()  # a burst: queue it with the rest, as one batch
+        self.loop.submit(step, functools.partial(self._data_done, conn), inline=not more,
+                         hold=more)
 
     def _data_done(self, conn, step: Step, failure: BaseException | None) -> None:
         """A data-plane step finished: send its frames on (or its error back). Runs on the
@@ -246,12 +248,22 @@ class Worker(StagePipeline):
             fw.send_back(conn, h.reply_to, self.error(failure, h.session, h.epoch))
             return
         t_done = time.perf_counter()
+
+        def failed(e: BaseException) -> None:  # a relay or loop frame of a burst not sent
+            fw.send_back(conn, h.reply_to, self.error(e, h.session, h.epoch))
+
         try:
-            fw.send_on(conn, step, self._reply_parts, self._thread_buf())
+            fw.send_on(conn, step, self._reply_parts, self._thread_buf(), failed)
         except Exception as e:  # noqa: BLE001 - e.g. the next stage is unreachable
             fw.send_back(conn, h.reply_to, self.error(e, h.session, h.epoch))
         if self.trace is not None:
             self._trace(step, t_done)
+
+    def _burst(self):
+        """The block a batch's steps are handed on in: its relay and loop frames leave as one
+        write per next stage (``Links.burst``), so they batch together there too."""
+        fw = self.forwarder
+        return fw.burst() if fw is not None else contextlib.nullcontext()
 
     def _reply_parts(self, step: Step, buf: bytearray) -> tuple:
         """The data plane's ``Result`` frame of ``step`` as the pieces to send."""

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 from dgr import errors
-from dgr.worker.scheduler import StageLoop, take
+from dgr.worker.scheduler import RingLoad, StageLoop, take
 
 WAIT = 10.0
 
 
 def job(session: str, n: int = 1, solo: bool = False, pos: int = 0):
-    h = SimpleNamespace(session=session, n_tokens=n, solo=solo, first_pos=pos)
+    h = SimpleNamespace(session=session, n_tokens=n, solo=solo, first_pos=pos, loop=None)
     return SimpleNamespace(step=SimpleNamespace(header=h, array=None, lease=None, batch=None))
 
 
@@ -71,6 +71,58 @@ def test_a_chunk_of_64_tokens_runs_alone():
     assert names(take(q, 128)) == [("d", 1), ("q", 63)] and names(q) == [("p", 64)]
 
 
+def test_max_steps_caps_a_batch_oldest_first():
+    q = collections.deque([job("p", 8), job("d1"), job("d2"), job("d3"), job("d4")])
+    assert names(take(q, 64, max_steps=3)) == [("p", 8), ("d1", 1), ("d2", 1)]
+    assert names(take(q, 64, max_steps=3)) == [("d3", 1), ("d4", 1)] and not q
+    q = collections.deque([job("a"), job("b")])
+    assert names(take(q, 64, max_steps=1)) == [("a", 1)] and names(q) == [("b", 1)]
+
+
+def test_ring_load_splits_a_ring_into_as_many_groups_as_stages():
+    r = RingLoad(horizon=1.0)
+    assert r.max_steps(0.0) is None  # no ring session: no cap
+    for i in range(16):
+        r.see(f"s{i}", 3, 0.0)
+    assert r.max_steps(0.1) == 6  # ceil(16 / 3)
+    r.see("s0", 3, 0.2)  # a round is known: 0.2 s; a session unseen for 2 rounds is gone
+    assert r.round_s == pytest.approx(0.2)
+    assert r.max_steps(0.3) == 6
+    assert r.max_steps(0.5) == 1  # only s0 (seen at 0.2) is within 0.4 s
+    r2 = RingLoad()
+    r2.see("a", 3, 0.0)
+    assert r2.max_steps(0.0) == 1  # one session: batches of one, no wait
+    r2.see("b", 1, 0.0)  # rings of different lengths: the longest counts
+    assert r2.max_steps(0.0) == 1  # ceil(2 / 3)
+    r3 = RingLoad()  # a one-stage ring has no other stage to keep busy: no cap
+    r3.see("x", 1, 0.0)
+    assert r3.max_steps(0.0) is None
+
+
+def test_a_convoy_of_ring_steps_leaves_in_groups(loop):
+    """Twelve decode-loop steps of a 3-stage ring that arrive together (one batch of the
+    stage before) compute as 3 batches of 4: the next stage can start on the first group
+    while this one computes the second."""
+    lp, p = loop
+    p.gate = threading.Event()
+    all_done = threading.Event()
+    done = []
+
+    def cb(s, f):
+        done.append(s.header.session)
+        if len(done) == 13:
+            all_done.set()
+
+    assert not lp.submit(step("first"), cb)
+    assert p.entered.wait(WAIT)
+    for i in range(12):
+        assert not lp.submit(step(f"s{i}", ring=3), cb, inline=True)
+    p.gate.set()
+    assert all_done.wait(WAIT)
+    assert p.batches == [["first"], [f"s{i}" for i in range(4)],
+                         [f"s{i}" for i in range(4, 8)], [f"s{i}" for i in range(8, 12)]]
+
+
 def test_a_solo_step_runs_alone_and_is_not_taken_into_others():
     q = collections.deque([job("a", solo=True), job("b")])
     assert names(take(q, 64)) == [("a", 1)]
@@ -106,8 +158,11 @@ class Pipeline:
         self.finished.append(step.header.session)
 
 
-def step(session, n=1):
-    return SimpleNamespace(header=SimpleNamespace(session=session, n_tokens=n, solo=False),
+def step(session, n=1, ring=0):
+    """A step of ``session``; ``ring``: a decode-loop step on a ring of that many stages."""
+    loop = [f"stage{i}" for i in range(ring)] or None
+    return SimpleNamespace(header=SimpleNamespace(session=session, n_tokens=n, solo=False,
+                                                  loop=loop),
                            array=np.zeros((n, 4), np.float32)[:, :], lease=None, batch=None)
 
 
@@ -230,5 +285,67 @@ def test_batches_hand_on_in_the_order_they_computed():
         assert b_done.wait(WAIT)
         t.join(WAIT)
         assert order == ["a", "b"]
+    finally:
+        lp.stop(WAIT)
+
+
+def test_held_steps_wait_for_the_rest_of_their_burst(loop):
+    """Steps submitted with hold=True queue without waking the loop's thread; the first
+    submit without it wakes it, and all of them run as one batch."""
+    lp, p = loop
+    done = []
+    all_done = threading.Event()
+
+    def cb(s, f):
+        done.append(s.header.session)
+        if len(done) == 4:
+            all_done.set()
+
+    for i in range(3):
+        assert not lp.submit(step(f"h{i}"), cb, inline=False, hold=True)
+    assert not lp.submit(step("last"), cb, inline=True)  # queue not empty: not inline
+    assert all_done.wait(WAIT)
+    assert p.batches == [["h0", "h1", "h2", "last"]]
+
+
+def test_a_held_step_whose_burst_never_ends_still_runs(loop):
+    lp, p = loop
+    done = threading.Event()
+    assert not lp.submit(step("alone"), lambda s, f: done.set(), hold=True)
+    assert done.wait(WAIT)  # woken by the loop's bounded wait (HOLD_S), not by a submit
+    assert p.batches == [["alone"]]
+
+
+def test_a_batch_of_several_is_handed_on_inside_one_burst():
+    entered = []
+
+    class Burst:
+        def __enter__(self):
+            entered.append("enter")
+
+        def __exit__(self, *exc):
+            entered.append("exit")
+
+    p = Pipeline()
+    p.gate = threading.Event()
+    lp = StageLoop(p, max_tokens=64, burst=Burst)
+    try:
+        all_done = threading.Event()
+        done = []
+
+        def cb(s, f):
+            done.append(s.header.session)
+            entered.append(s.header.session)
+            if len(done) == 4:
+                all_done.set()
+
+        assert not lp.submit(step("first"), cb)
+        assert p.entered.wait(WAIT)
+        for i in range(3):
+            lp.submit(step(f"s{i}"), cb)
+        p.gate.set()
+        assert all_done.wait(WAIT)
+        # the lone first step is handed on without a burst; the batch of 3 inside one
+        assert entered == ["first", "enter", "s0", "s1", "s2", "exit"]
     finally:
         lp.stop(WAIT)

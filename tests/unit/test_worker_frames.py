@@ -14,7 +14,7 @@ import pytest
 
 from dgr import errors
 from dgr.protocol import wire
-from dgr.transport.dataplane import LEN, MAX_FRAME, FrameSocket
+from dgr.transport.dataplane import LEN, MAX_FRAME, FrameSocket, Links
 from dgr.worker import frames as frames_mod
 from dgr.worker.frames import Frames, NativeFrameSocket
 
@@ -188,3 +188,63 @@ def test_native_send_to_a_gone_peer_is_an_oserror_and_closes():
         for _ in range(1000):  # the first writes may still be buffered: EPIPE follows
             tx.send_parts(b"h" * 1024, np.zeros(4096, np.float32))
     assert tx.closed
+
+
+@pytest.mark.parametrize("conn_class", [FrameSocket, NativeFrameSocket])
+def test_a_burst_leaves_at_its_end_as_one_write_in_order(conn_class, monkeypatch):
+    srv = socket.create_server(("127.0.0.1", 0))
+    links = Links(conn_class=conn_class)
+    writes = []
+    real = conn_class.send_many
+    monkeypatch.setattr(conn_class, "send_many",
+                        lambda self, frames: (writes.append(len(frames)), real(self, frames)))
+    try:
+        ep = f"127.0.0.1:{srv.getsockname()[1]}"
+        links.get(ep)
+        peer, _ = srv.accept()
+        rx = FrameSocket(peer, "rx")
+        x = boundary(2)
+        reused = bytearray(b"first")
+        with links.burst():
+            links.send(ep, reused, None)
+            reused[:] = b"XXXXX"  # a reused buffer: the burst kept a copy
+            links.send(ep, b"head", x)
+            links.send(ep, b"third")
+            assert not rx.pending() and writes == []  # nothing left before the end
+        assert writes == [3]
+        assert [bytes(rx.recv()) for _ in range(3)] == [b"first", b"head" + x.tobytes(),
+                                                        b"third"]
+        rx.close()
+    finally:
+        links.close()
+        srv.close()
+
+
+@pytest.mark.parametrize("conn_class", [FrameSocket, NativeFrameSocket])
+def test_a_burst_to_an_unreachable_stage_reports_each_frame(conn_class):
+    srv = socket.create_server(("127.0.0.1", 0))
+    ep = f"127.0.0.1:{srv.getsockname()[1]}"
+    srv.close()  # nothing listens there now
+    links = Links(connect_timeout=1.0, conn_class=conn_class)
+    failed = []
+    try:
+        with links.burst():
+            links.send(ep, b"a", None, failed.append)
+            links.send(ep, b"b", None, failed.append)
+        assert len(failed) == 2
+        assert all(isinstance(e, errors.WorkerUnavailable) for e in failed)
+        with pytest.raises(errors.WorkerUnavailable):  # outside a burst: raised as before
+            links.send(ep, b"c")
+    finally:
+        links.close()
+
+
+@pytest.mark.parametrize("conn_class", [FrameSocket, NativeFrameSocket])
+def test_send_many_to_a_gone_peer_says_what_went_out(conn_class):
+    a, b = socket.socketpair()
+    tx = conn_class(a, "tx")
+    b.close()
+    with pytest.raises(OSError) as e:
+        for _ in range(1000):
+            tx.send_many([(b"h" * 1024, np.zeros(4096, np.float32)), (b"x", None)])
+    assert e.value.sent == 0 and tx.closed

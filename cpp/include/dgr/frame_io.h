@@ -8,6 +8,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include <sys/uio.h>
+
 namespace dgr {
 namespace wire {
 
@@ -33,6 +35,14 @@ int recv_exact(int fd, uint8_t* buf, size_t n) noexcept;
 // Returns 0 or an errno.
 int send_frame(int fd, const uint8_t* head, size_t head_len, const uint8_t* payload,
                size_t payload_len) noexcept;
+
+// Write the pieces iov[0, count) in order as one stream (gather writes of at most IOV_MAX
+// pieces each), finishing partial writes; iov is consumed (its entries are advanced).
+// *sent: the bytes written before a failure (0: nothing of it went out). 0 or an errno.
+int send_iov(int fd, struct iovec* iov, int count, size_t* sent) noexcept;
+
+// The 4-byte little-endian length prefix of an n-byte frame.
+void length_prefix(size_t n, uint8_t out[kLengthPrefix]) noexcept;
 
 // Whether bytes wait to be read on fd (a poll without waiting; false on an error).
 bool readable(int fd) noexcept;

@@ -106,6 +106,9 @@ cdef extern from "dgr/frame.h" namespace "dgr::wire" nogil:
                           CEncodedFrame * out) except +
 
 
+from posix.uio cimport iovec
+
+
 cdef extern from "dgr/frame_io.h" namespace "dgr::wire" nogil:
     cdef int kIoEof
     cdef int kIoTruncated
@@ -117,3 +120,5 @@ cdef extern from "dgr/frame_io.h" namespace "dgr::wire" nogil:
     int send_frame(int fd, const uint8_t * head, size_t head_len, const uint8_t * payload,
                    size_t payload_len)
     bool readable(int fd)
+    int send_iov(int fd, iovec * iov, int count, size_t * sent)
+    void length_prefix(size_t n, uint8_t * out)
