@@ -2,7 +2,8 @@
 ``llama-batched-bench`` on the whole model, side by side in one run.
 
     python benches/batching.py [--sessions 1,4,16,32] [--tokens 64] [--stages 3]
-                               [--threads 1,2] [--rounds 1] [--json out.json]
+                               [--threads 1,2] [--rounds 1] [--ungrouped] [--name batching]
+                               [--json out.json]
 
 - **dgr**: ``--stages`` worker processes on loopback (one thread each, ``max(sessions)``
   slots, the settings below), direct relay with the decode loop. For each k, k sessions at
@@ -12,7 +13,10 @@
   ``Forward.solo``: one step per forward, as before the stage loop batched). Reported:
   aggregate output tokens/s (all tokens / wall time), each session's time per output token
   (median and slowest) and time to first token; and parity: every session's tokens against
-  the whole model's greedy tokens for its prompt computed alone.
+  the whole model's greedy tokens for its prompt computed alone. With ``--ungrouped``, also
+  ``ungrouped``: a second set of workers started ``--no-ring-groups`` (batched, but a batch
+  takes every ready step instead of splitting the sessions into as many groups as the ring
+  has stages; docs/batching.md), in the same rounds.
 - **llama-batched-bench** (the pinned tree's, built on demand): ``-npp 16 -ntg <tokens> -npl
   <sessions>`` on the whole model with the same settings (``-c`` n_ctx per sequence times
   the most sequences, ``-no-kvu``: one KV stream per sequence as dgr's slots, ``-b``/``-ub``
@@ -108,7 +112,7 @@ def batched_bench(path: str, sessions: list[int], n: int, threads: int) -> dict[
 
 
 def run(path: str, sessions: list[int], n: int, n_stages: int, threads: list[int],
-        rounds: int) -> dict:
+        rounds: int, ungrouped: bool = False) -> dict:
     import dgr
     from dgr.worker.process import LocalCluster
 
@@ -127,17 +131,28 @@ def run(path: str, sessions: list[int], n: int, n_stages: int, threads: list[int
     log(f"starting {n_stages} workers with {k_max} slots ...")
     cluster = LocalCluster(path, route_ranges(n_layer, n_stages),
                            settings={**SETTINGS, "n_slots": k_max})
+    plain = None
+    if ungrouped:  # the same, workers started --no-ring-groups
+        plain = LocalCluster(path, route_ranges(n_layer, n_stages),
+                             settings={**SETTINGS, "n_slots": k_max},
+                             args=["--no-ring-groups"])
     cluster.start(timeout=180)
     try:
+        if plain is not None:
+            plain.start(timeout=180)
+        modes = [("batched", cluster, True), ("solo", cluster, False)]
+        if plain is not None:
+            modes.append(("ungrouped", plain, True))
         for r in range(rounds):
             for k in sessions:
-                for batching in (True, False):
-                    m = asyncio.run(_sessions(cluster.endpoints, k, n, batching))
+                for mode, c, batching in modes:
+                    m = asyncio.run(_sessions(c.endpoints, k, n, batching))
                     toks = m.pop("session_tokens")
                     m["parity"] = all(t == refs[i] for i, t in enumerate(toks))
                     m["round"] = r
+                    m["mode"] = mode
                     res["dgr"].append(m)
-                    log(f"dgr {'batched' if batching else 'solo':7s} k={k:2d}: "
+                    log(f"dgr {mode:9s} k={k:2d}: "
                         f"{m['aggregate_tps']:6.1f} tok/s, TPOT p50 {m['tpot_ms_p50']:.1f} ms, "
                         f"parity {m['parity']}")
             for t in threads:
@@ -147,15 +162,24 @@ def run(path: str, sessions: list[int], n: int, n_stages: int, threads: list[int
                     f"npl {k}: {bb[k]['speed_tg']:.1f}" for k in sessions if k in bb))
     finally:
         cluster.stop()
+        if plain is not None:
+            plain.stop()
     return res
+
+
+def _mode(m: dict) -> str:
+    """A measurement's mode; results from before ``--ungrouped`` have none: by its flag."""
+    return m.get("mode") or ("batched" if m["batching"] else "solo")
 
 
 def summarize(res: dict, sessions: list[int], threads: list[int]) -> list[dict]:
     rows = []
     for k in sessions:
         row: dict = {"sessions": k}
-        for batching, name in ((True, "batched"), (False, "solo")):
-            ms = [m for m in res["dgr"] if m["sessions"] == k and m["batching"] == batching]
+        for name in ("batched", "solo", "ungrouped"):
+            ms = [m for m in res["dgr"] if m["sessions"] == k and _mode(m) == name]
+            if not ms:
+                continue
             row[name] = {key: statistics.median(m[key] for m in ms)
                          for key in ("aggregate_tps", "tpot_ms_p50", "tpot_ms_max",
                                      "ttft_ms_p50")}
@@ -165,6 +189,9 @@ def summarize(res: dict, sessions: list[int], threads: list[int]) -> list[dict]:
             vals = [r[k]["speed_tg"] for r in runs if k in r]
             row[f"bb_t{t}"] = statistics.median(vals) if vals else None
         row["batched_over_solo"] = row["batched"]["aggregate_tps"] / row["solo"]["aggregate_tps"]
+        if "ungrouped" in row:
+            row["batched_over_ungrouped"] = (row["batched"]["aggregate_tps"]
+                                             / row["ungrouped"]["aggregate_tps"])
         for t in threads:
             if row[f"bb_t{t}"]:
                 row[f"batched_over_bb_t{t}"] = row["batched"]["aggregate_tps"] / row[f"bb_t{t}"]
@@ -173,18 +200,25 @@ def summarize(res: dict, sessions: list[int], threads: list[int]) -> list[dict]:
 
 
 def table(rows: list[dict], threads: list[int], n_stages: int) -> str:
+    ung = all("ungrouped" in r for r in rows)
     head = ["sessions", f"dgr{n_stages} batched tok/s", f"dgr{n_stages} solo tok/s",
-            "batched/solo", *[f"batched-bench -t{t} tok/s" for t in threads],
+            *([f"dgr{n_stages} ungrouped tok/s"] if ung else []),
+            "batched/solo", *(["batched/ungrouped"] if ung else []),
+            *[f"batched-bench -t{t} tok/s" for t in threads],
             *[f"batched/bb-t{t}" for t in threads], "TPOT p50 batched ms", "TPOT p50 solo ms",
-            "parity batched", "parity solo"]
+            "parity batched", "parity solo", *(["parity ungrouped"] if ung else [])]
     out = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for r in rows:
         cells = [str(r["sessions"]), f"{r['batched']['aggregate_tps']:.1f}",
-                 f"{r['solo']['aggregate_tps']:.1f}", f"{r['batched_over_solo']:.2f}",
+                 f"{r['solo']['aggregate_tps']:.1f}",
+                 *([f"{r['ungrouped']['aggregate_tps']:.1f}"] if ung else []),
+                 f"{r['batched_over_solo']:.2f}",
+                 *([f"{r['batched_over_ungrouped']:.2f}"] if ung else []),
                  *[f"{r[f'bb_t{t}']:.1f}" if r[f"bb_t{t}"] else "-" for t in threads],
                  *[f"{r.get(f'batched_over_bb_t{t}', 0):.2f}" for t in threads],
                  f"{r['batched']['tpot_ms_p50']:.1f}", f"{r['solo']['tpot_ms_p50']:.1f}",
-                 str(r["batched"]["parity"]), str(r["solo"]["parity"])]
+                 str(r["batched"]["parity"]), str(r["solo"]["parity"]),
+                 *([str(r["ungrouped"]["parity"])] if ung else [])]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -198,18 +232,22 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", default="1,2", help="llama-batched-bench thread counts")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--model", help="GGUF (default: SmolLM2-135M from the registry)")
+    ap.add_argument("--ungrouped", action="store_true",
+                    help="also run workers started --no-ring-groups (batched, no ring groups)")
+    ap.add_argument("--name", default="batching",
+                    help="results go to benches/results/<name>-<date>.{json,txt}")
     ap.add_argument("--json", help="also write the results here")
     a = ap.parse_args(argv)
     sessions = sorted({int(x) for x in a.sessions.split(",")})
     threads = [int(x) for x in a.threads.split(",")]
     path = a.model or smollm2_path()
-    res = run(path, sessions, a.tokens, a.stages, threads, a.rounds)
+    res = run(path, sessions, a.tokens, a.stages, threads, a.rounds, ungrouped=a.ungrouped)
     res["summary"] = summarize(res, sessions, threads)
     text = table(res["summary"], threads, a.stages)
     print(text)
     day = datetime.date.today().isoformat()
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    base = os.path.join(HERE, "results", f"batching-{day}")
+    base = os.path.join(HERE, "results", f"{a.name}-{day}")
     with open(base + ".json", "w") as f:
         json.dump(res, f, indent=1)
     with open(base + ".txt", "w") as f:

@@ -46,7 +46,7 @@ async def _serve(args) -> int:
     worker = Worker(engine, ttl=args.ttl, evict_after=args.evict_after,
                     inline=args.inline_compute, cert_store=args.cert_store,
                     inline_below_ms=args.inline_below_ms, batching=args.batching,
-                    native_frames=args.frames == "native")
+                    native_frames=args.frames == "native", ring_groups=args.ring_groups)
     if args.trace:
         worker.trace = open(args.trace, "a", buffering=1 << 16)
     worker.advertise_data_port = args.advertise_data_port
@@ -159,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute the ready steps of several sessions as one forward (default "
                         "on; steps marked solo, the parity mode's, always run alone): "
                         "docs/batching.md")
+    p.add_argument("--ring-groups", action=argparse.BooleanOptionalAction, default=True,
+                   help="cap a batch so that the sessions of a decode loop travel their ring "
+                        "in as many groups as it has stages, keeping every stage busy "
+                        "(default on; off: a batch takes every ready step): docs/batching.md")
     p.add_argument("--frames", choices=("native", "python"), default="native",
                    help="the data plane's per-frame work (receive, checks, encode, send): "
                         "native (C++, default) or python (dgr.protocol.wire; the reference "

@@ -165,11 +165,21 @@ class StageLoop:
         Tokens in one batch at most (the engine's ``n_ubatch``: one llama.cpp ubatch).
     batching : bool
         False: one step per forward, in arrival order (the loop still serializes them).
+    burst : callable, optional
+        A context the steps of a batch of several are handed on in (the worker's: their
+        relay and loop frames leave as one write per next stage).
+    ring_groups : bool
+        Cap a batch so that decode-loop sessions travel their ring in as many groups as it
+        has stages (``RingLoad``).
     """
 
     def __init__(self, pipeline, *, max_tokens: int, batching: bool = True,
-                 burst: Callable[[], contextlib.AbstractContextManager] | None = None):
+                 burst: Callable[[], contextlib.AbstractContextManager] | None = None,
+                 ring_groups: bool = True):
         self.p = pipeline
+        #: split decode-loop sessions into as many groups as their ring has stages
+        #: (``RingLoad``); False: a batch takes every ready step (up to ``max_tokens``)
+        self.ring_groups = bool(ring_groups)
         #: ``burst()``: a context a batch of several steps is handed on in (its relay and
         #: loop frames then leave as one write per next stage: they arrive together and
         #: batch together there)
@@ -241,8 +251,8 @@ class StageLoop:
                         return
                     # the timeout bounds how long a held step (submit(hold=True)) waits
                     self._cv.wait(HOLD_S)
-                batch = (take(self._queue, self.max_tokens,
-                              max_steps=self.ring.max_steps(time.monotonic()))
+                cap = self.ring.max_steps(time.monotonic()) if self.ring_groups else None
+                batch = (take(self._queue, self.max_tokens, max_steps=cap)
                          if self.batching else [self._queue.popleft()])
                 self._busy = True
                 turn = next(self._order)

@@ -57,7 +57,8 @@ class Worker(StagePipeline):
     def __init__(self, engine, *, ttl: float = 600.0, evict_after: float = 5.0,
                  inline: bool = False, name: str = "", max_message: int = MAX_MESSAGE,
                  cert_store: str | None = None, inline_below_ms: float = 0.0,
-                 batching: bool = True, native_frames: bool = True):
+                 batching: bool = True, native_frames: bool = True,
+                 ring_groups: bool = True):
         super().__init__(engine, ttl=ttl, evict_after=evict_after, max_message=max_message)
         #: the data plane's frame codec and I/O (dgr.worker.frames): C++ unless
         #: ``native_frames`` is False or the build lacks it
@@ -70,7 +71,8 @@ class Worker(StagePipeline):
         self.eog_tokens = [t for t in range(engine.n_vocab) if engine.is_eog(t)]
         #: the stage's scheduler: every step of both planes computes through it
         self.loop = StageLoop(self, max_tokens=int(self.settings["n_ubatch"]),
-                              batching=batching, burst=self._burst)
+                              batching=batching, burst=self._burst,
+                              ring_groups=ring_groups)
         # fast data plane (dgr.transport.dataplane): set by serve_data()
         self.data_server = None
         self.forwarder = None

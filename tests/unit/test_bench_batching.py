@@ -1,0 +1,67 @@
+"""The pure parts of benches/batching.py: its summary and table (no workers, no model)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benches"))
+batching = pytest.importorskip("batching")
+
+
+def m(k, mode, batching_, tps, parity=True):
+    return {"sessions": k, "mode": mode, "batching": batching_, "aggregate_tps": tps,
+            "tpot_ms_p50": 1000 / tps, "tpot_ms_max": 2000 / tps, "ttft_ms_p50": 5.0,
+            "parity": parity}
+
+
+def test_summary_and_table_with_the_ungrouped_workers():
+    res = {"dgr": [m(16, "batched", True, 110.0), m(16, "solo", False, 100.0),
+                   m(16, "ungrouped", True, 88.0, parity=False)],
+           "llama_batched_bench": {"2": [{16: {"speed_tg": 176.0}}]}}
+    (row,) = batching.summarize(res, [16], [2])
+    assert row["batched"]["aggregate_tps"] == 110.0 and row["ungrouped"]["aggregate_tps"] == 88.0
+    assert row["batched_over_ungrouped"] == pytest.approx(1.25)
+    assert row["batched_over_solo"] == pytest.approx(1.1)
+    assert row["batched_over_bb_t2"] == pytest.approx(110 / 176)
+    assert row["ungrouped"]["parity"] is False and row["batched"]["parity"] is True
+    text = batching.table([row], [2], 3)
+    head, _, cells = text.splitlines()
+    cols = dict(zip([c.strip() for c in head.strip("|").split("|")],
+                    [c.strip() for c in cells.strip("|").split("|")]))
+    assert cols["dgr3 ungrouped tok/s"] == "88.0" and cols["batched/ungrouped"] == "1.25"
+    assert cols["parity ungrouped"] == "False" and cols["batched/bb-t2"] == "0.62"
+
+
+def test_results_without_modes_still_summarize():
+    """A results file from before the ungrouped mode (no "mode" keys) reads as before."""
+    res = {"dgr": [{k: v for k, v in m(4, "batched", True, 60.0).items() if k != "mode"},
+                   {k: v for k, v in m(4, "solo", False, 50.0).items() if k != "mode"}],
+           "llama_batched_bench": {}}
+    (row,) = batching.summarize(res, [4], [])
+    assert row["batched"]["aggregate_tps"] == 60.0 and row["solo"]["aggregate_tps"] == 50.0
+    assert "ungrouped" not in row and "batched/ungrouped" not in batching.table([row], [], 3)
+
+
+ring_trace = pytest.importorskip("ring_trace")
+
+
+def span(st, batch, n, end, compute, arrive=1.0):
+    return {"st": st, "batch": batch, "n": n, "compute_end": end, "compute_s": compute,
+            "arrive": arrive}
+
+
+def test_ring_trace_counts_forwards_by_size_and_stages_at_once():
+    spans = [span(0, 1, 1, 2.0, 0.5), span(0, 1, 1, 2.0, 0.5),  # stage 0: [1, 2], 2 steps
+             span(1, 7, 1, 3.0, 1.0),  # stage 1: [2, 3], 1 step
+             span(2, 2, 1, 3.5, 1.0), span(2, 2, 1, 3.5, 1.0),  # stage 2: [1.5, 3.5]
+             span(0, 3, 8, 9.0, 1.0),  # a prefill chunk: not a decode forward
+             span(0, 4, 1, 0.5, 0.1, arrive=0.0)]  # before the run: ignored
+    assert ring_trace.batch_sizes(spans, 0, 0.5) == {2: 1}
+    assert ring_trace.batch_sizes(spans, 1, 0.5) == {1: 1}
+    assert ring_trace.batch_sizes(spans, 2, 0.5) == {2: 1}
+    share = ring_trace.concurrency([s for s in spans if s["n"] == 1], 0.5)
+    # from 1.0 to 3.5: one stage 1.0-1.5 and 3.0-3.5, two 1.5-2.0 and 2.0-3.0 (0 never)
+    assert share == pytest.approx({0: 0.0, 1: 0.4, 2: 0.6})
