@@ -32,6 +32,7 @@ __all__ = [
     "ResourceExhausted",
     "ModelMismatch",
     "RouteError",
+    "RelayRefused",
     "WorkerUnavailable",
     "WorkerDraining",
     "StepDeadlineExceeded",
@@ -248,6 +249,13 @@ class RouteError(DgrError, ValueError):
     """A route whose stages do not cover [0, n_layer) exactly once, in order."""
 
     code = 36
+
+
+class RelayRefused(RouteError, PermissionError):
+    """A frame names a relay or loop endpoint this worker may not connect to (its relay
+    allowlist, ``python -m dgr.worker --relay-allow``); no connection was attempted."""
+
+    code = 41
 
 
 class WorkerUnavailable(DgrError, ConnectionError):

@@ -2,6 +2,7 @@
 #include "dgr/frame_io.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cerrno>
 #include <cstring>
 
@@ -28,17 +29,30 @@ inline bool again(int e) noexcept { return e == EAGAIN || e == EWOULDBLOCK; }
 
 constexpr int kMaxIov = 1024;  // IOV_MAX on Linux: sendmsg refuses more pieces
 
-// Read n bytes; *got says how many arrived before an end of stream or error.
-int read_all(int fd, uint8_t* buf, size_t n, size_t* got) noexcept {
+// Read n bytes; *got says how many arrived before an end of stream or error. With
+// deadline_ms >= 0, once a byte has arrived (counting *got on entry) each wait for more is
+// bounded by what is left until `deadline` (a steady_clock time point): kIoTimeout then.
+int read_all(int fd, uint8_t* buf, size_t n, size_t* got, bool bounded,
+             std::chrono::steady_clock::time_point deadline) noexcept {
     *got = 0;
     while (*got < n) {
-        ssize_t k = ::recv(fd, buf + *got, n - *got, 0);
+        ssize_t k = ::recv(fd, buf + *got, n - *got, bounded ? MSG_DONTWAIT : 0);
         if (k > 0) {
             *got += static_cast<size_t>(k);
         } else if (k == 0) {
             return kIoTruncated;
         } else if (again(errno)) {
-            if (int rc = wait_ready(fd, POLLIN)) return rc;
+            if (!bounded) {
+                if (int rc = wait_ready(fd, POLLIN)) return rc;
+                continue;
+            }
+            auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                deadline - std::chrono::steady_clock::now()).count();
+            if (left <= 0) return kIoTimeout;
+            struct pollfd p = {fd, POLLIN, 0};
+            int rc = ::poll(&p, 1, static_cast<int>(std::min<long long>(left, 1 << 30)));
+            if (rc == 0) return kIoTimeout;
+            if (rc < 0 && errno != EINTR) return errno;
         } else if (errno != EINTR) {
             return errno;
         }
@@ -46,25 +60,47 @@ int read_all(int fd, uint8_t* buf, size_t n, size_t* got) noexcept {
     return 0;
 }
 
-}  // namespace
-
-int recv_exact(int fd, uint8_t* buf, size_t n) noexcept {
-    size_t got;
-    return read_all(fd, buf, n, &got);
+std::chrono::steady_clock::time_point after_ms(int64_t ms) noexcept {
+    return std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
 }
 
-int recv_frame(int fd, uint8_t* buf, size_t cap, size_t max_frame, size_t* size) noexcept {
-    uint8_t len[kLengthPrefix];
+}  // namespace
+
+int recv_exact(int fd, uint8_t* buf, size_t n, int64_t timeout_ms) noexcept {
     size_t got;
-    int rc = read_all(fd, len, kLengthPrefix, &got);
-    if (rc == kIoTruncated && got == 0) return kIoEof;
-    if (rc) return rc;
+    return read_all(fd, buf, n, &got, timeout_ms >= 0, after_ms(timeout_ms < 0 ? 0 : timeout_ms));
+}
+
+int recv_frame(int fd, uint8_t* buf, size_t cap, size_t max_frame, int64_t timeout_ms,
+               size_t* size) noexcept {
+    uint8_t len[kLengthPrefix];
+    size_t got = 0;
+    int rc;
+    // the first byte may take as long as it takes (a connection idles between frames);
+    // from there the frame is under way and, with a timeout, must be whole in time
+    for (;;) {
+        ssize_t k = ::recv(fd, len, kLengthPrefix, 0);
+        if (k > 0) { got = static_cast<size_t>(k); break; }
+        if (k == 0) return kIoEof;
+        if (again(errno)) {
+            if ((rc = wait_ready(fd, POLLIN))) return rc;
+        } else if (errno != EINTR) {
+            return errno;
+        }
+    }
+    const bool bounded = timeout_ms >= 0;
+    const auto deadline = after_ms(bounded ? timeout_ms : 0);
+    if (got < kLengthPrefix) {
+        size_t more;
+        rc = read_all(fd, len + got, kLengthPrefix - got, &more, bounded, deadline);
+        if (rc) return rc;
+    }
     const uint32_t n = static_cast<uint32_t>(len[0]) | static_cast<uint32_t>(len[1]) << 8 |
                        static_cast<uint32_t>(len[2]) << 16 | static_cast<uint32_t>(len[3]) << 24;
     *size = n;
     if (n > max_frame) return kIoTooLarge;
     if (n > cap) return kIoNeedBuffer;
-    return read_all(fd, buf, n, &got);
+    return read_all(fd, buf, n, &got, bounded, deadline);
 }
 
 int send_iov(int fd, struct iovec* iov, int count, size_t* sent) noexcept {

@@ -32,7 +32,7 @@ from dgr._core.includes.frame cimport (
     CDecodeLimits, CEncodedFrame, CErrorReply, CForward, CFrameView, CHop, CResult, CSampling,
     decode_frame as c_decode,
     encode_forward, encode_result, kErrorReply, kForward, kIoEof, kIoNeedBuffer,
-    kIoTooLarge, kIoTruncated, kMaxHeader, kMaxPayload, kResult,
+    kIoTimeout, kIoTooLarge, kIoTruncated, kMaxHeader, kMaxPayload, kResult,
     length_prefix, readable as c_readable, recv_exact as c_recv_exact,
     recv_frame as c_recv_frame, send_frame as c_send_frame, send_iov,
 )
@@ -343,21 +343,29 @@ def _encode_loop(object header, object array, int n):
 # --- the data plane's per-frame work ----------------------------------------------------
 
 
-cdef int _io(int rc) except -2:
+cdef int _io(int rc, double timeout=-1.0) except -2:
     """0 or kIoEof as they are; raise for the other outcomes of frame_io."""
     if rc == 0 or rc == kIoEof:
         return rc
     if rc == kIoTruncated:
         raise ConnectionError("connection closed inside a frame")
+    if rc == kIoTimeout:
+        raise _errors.FrameTruncated(f"frame not completed within {timeout:g} s of its first "
+                                     "byte: the connection is closed")
     if rc > 0:
         import os
         raise OSError(rc, os.strerror(rc))
     raise ConnectionError(f"frame I/O failed ({rc})")
 
 
-def recv_frame(int fd, object buf, size_t max_frame):
+cdef int64_t _ms(double timeout):
+    return -1 if timeout < 0 else <int64_t> (timeout * 1000.0 + 0.5)
+
+
+def recv_frame(int fd, object buf, size_t max_frame, double timeout=-1.0):
     """Read the next length-prefixed frame from socket ``fd`` into ``buf`` (a writable
-    buffer), without the GIL.
+    buffer), without the GIL. The wait for the frame's first byte is unbounded; with
+    ``timeout`` >= 0 (seconds) the rest must arrive within that time of it.
 
     Returns
     -------
@@ -370,18 +378,22 @@ def recv_frame(int fd, object buf, size_t max_frame):
     ------
     dgr.errors.FrameTooLarge
         The prefix claims more than ``max_frame`` bytes (the stream is unusable).
+    dgr.errors.FrameTruncated
+        The frame did not arrive whole within ``timeout`` (the stream is unusable).
     ConnectionError, OSError
         The connection broke (closed inside a frame, or the errno of the failed call).
     """
     cdef Py_buffer view
     cdef size_t size = 0
     cdef int rc
+    cdef int64_t ms = _ms(timeout)
     if fd < 0:
         raise OSError(9, "the socket is closed")
     PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE)
     try:
         with nogil:
-            rc = c_recv_frame(fd, <uint8_t *> view.buf, <size_t> view.len, max_frame, &size)
+            rc = c_recv_frame(fd, <uint8_t *> view.buf, <size_t> view.len, max_frame, ms,
+                              &size)
     finally:
         PyBuffer_Release(&view)
     if rc == kIoNeedBuffer:
@@ -389,26 +401,29 @@ def recv_frame(int fd, object buf, size_t max_frame):
     if rc == kIoTooLarge:
         raise _errors.FrameTooLarge(f"frame of {size} bytes exceeds the data plane's "
                                     f"{max_frame}")
-    if _io(rc) == kIoEof:
+    if _io(rc, timeout) == kIoEof:
         return -1
     return <Py_ssize_t> size
 
 
-def recv_exact(int fd, object buf):
-    """Read exactly ``len(buf)`` bytes from socket ``fd`` into ``buf``, without the GIL.
+def recv_exact(int fd, object buf, double timeout=-1.0):
+    """Read exactly ``len(buf)`` bytes from socket ``fd`` into ``buf``, without the GIL,
+    within ``timeout`` seconds (< 0: unbounded).
 
-    Raises ``ConnectionError`` (closed before the end) or ``OSError``."""
+    Raises ``ConnectionError`` (closed before the end), ``FrameTruncated`` (not in time) or
+    ``OSError``."""
     cdef Py_buffer view
     cdef int rc
+    cdef int64_t ms = _ms(timeout)
     if fd < 0:
         raise OSError(9, "the socket is closed")
     PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE)
     try:
         with nogil:
-            rc = c_recv_exact(fd, <uint8_t *> view.buf, <size_t> view.len)
+            rc = c_recv_exact(fd, <uint8_t *> view.buf, <size_t> view.len, ms)
     finally:
         PyBuffer_Release(&view)
-    if _io(rc) == kIoEof:
+    if _io(rc, timeout) == kIoEof:
         raise ConnectionError("connection closed inside a frame")
 
 

@@ -121,12 +121,15 @@ class Netns:
 
 
 class NetnsWorker(WorkerProcess):
-    """A ``python -m dgr.worker`` on host ``i`` of ``net``, listening on its address."""
+    """A ``python -m dgr.worker`` on host ``i`` of ``net``, listening on its address, and
+    relaying to the hosts of ``net`` (``--relay-allow`` its /24: the operator's list of a
+    real multi-host route)."""
 
     def __init__(self, net: Netns, i: int, model: str, layers=None, *, port: int = 7000,
                  **kw):
         super().__init__(model, layers, listen=f"{net.hosts[i].address}:{port}", **kw)
         self.net, self.host = net, i
+        self.args = [*self.args, "--relay-allow", f"10.213.{net.subnet}.0/24"]
 
     def command(self) -> list[str]:
         return self.net.exec_args(self.host) + super().command()

@@ -17,12 +17,14 @@ length (u32, little endian), for the hot path:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import select
 import socket
 import struct
 import threading
+import time
 from typing import Callable
 
 from dgr import errors
@@ -78,9 +80,13 @@ class FrameSocket:
     overwrites; ``send`` may be called from any thread (a lock keeps frames whole).
     """
 
-    def __init__(self, sock: socket.socket, name: str = ""):
+    def __init__(self, sock: socket.socket, name: str = "", frame_timeout: float | None = None):
         self.sock = sock
         self.name = name
+        #: seconds a frame may take from its first byte to its last (None: unbounded); the
+        #: wait for a frame's first byte is always unbounded (a connection idles between
+        #: frames). A data server sets it: a peer that stalls inside a frame is cut off.
+        self.frame_timeout = frame_timeout
         self._send_lock = threading.Lock()
         self._buf = bytearray(_INITIAL_BUFFER)
         self._view = memoryview(self._buf)
@@ -92,18 +98,36 @@ class FrameSocket:
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
 
-    def _fill(self, view: memoryview) -> bool:
-        """Read exactly ``len(view)`` bytes; False on a clean EOF before the first byte."""
+    def _fill(self, view: memoryview, deadline: float | None = None) -> float | None:
+        """Read exactly ``len(view)`` bytes; returns the frame's deadline (set from
+        ``frame_timeout`` once a byte has arrived; None: unbounded), or False on a clean EOF
+        before the first byte.
+
+        Raises ``FrameTruncated`` when the deadline passes (no byte is waited for past it)."""
         got, n = 0, len(view)
         recv_into = self.sock.recv_into
         while got < n:
-            k = recv_into(view[got:] if got else view)
+            part = view[got:] if got else view
+            if deadline is None:
+                k = recv_into(part)
+            else:
+                try:
+                    k = recv_into(part, 0, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not self._poll.poll(left * 1e3):
+                        raise errors.FrameTruncated(
+                            f"frame not completed within {self.frame_timeout:g} s of its first "
+                            "byte: the connection is closed") from None
+                    continue
             if not k:
-                if got:
+                if got or deadline is not None:
                     raise ConnectionError(f"connection closed inside a frame ({got}/{n} bytes)")
                 return False
             got += k
-        return True
+            if deadline is None and self.frame_timeout is not None:
+                deadline = time.monotonic() + self.frame_timeout
+        return deadline
 
     def recv(self) -> memoryview | None:
         """The next frame (a view valid until the next ``recv``), or None at end of stream.
@@ -115,7 +139,8 @@ class FrameSocket:
         ConnectionError, OSError
             The connection broke.
         """
-        if not self._fill(self._len_view):
+        deadline = self._fill(self._len_view)
+        if deadline is False:
             return None
         (size,) = LEN.unpack(self._len)
         if size > MAX_FRAME:
@@ -126,7 +151,7 @@ class FrameSocket:
             self._buf = bytearray(size)
             self._view = memoryview(self._buf)
         view = self._view[:size]
-        if size and not self._fill(view):
+        if size and self._fill(view, deadline) is False:
             raise ConnectionError("connection closed after a frame length")
         return view
 
@@ -233,14 +258,23 @@ class DataServer:
 
     def __init__(self, handler: Callable[[FrameSocket], None], host: str = "127.0.0.1",
                  port: int = 0, max_connections: int = 256,
-                 conn_class: type[FrameSocket] | None = None):
+                 conn_class: type[FrameSocket] | None = None,
+                 max_per_address: int | None = 64, frame_timeout: float | None = 30.0):
         self.handler = handler
         #: the class of the accepted connections (a ``FrameSocket`` with native I/O, say)
         self.conn_class = conn_class or FrameSocket
         #: connections beyond this many get an ``ErrorReply`` (ResourceExhausted) and are
         #: closed: each one holds a thread
         self.max_connections = max_connections
+        #: the same, per remote address (None: no cap but the total): one peer cannot
+        #: take every connection
+        self.max_per_address = max_per_address
+        #: seconds a frame may take from its first byte to its last on an accepted
+        #: connection (``FrameSocket.frame_timeout``; None: unbounded): a peer that sends a
+        #: length and stalls is answered ``FrameTruncated`` and cut off
+        self.frame_timeout = frame_timeout
         self.refused = 0
+        self._per_address: collections.Counter[str] = collections.Counter()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -273,20 +307,27 @@ class DataServer:
             except OSError:
                 return  # closed
             _tune(sock)
-            conn = self.conn_class(sock, f"{peer[0]}:{peer[1]}")
+            conn = self.conn_class(sock, f"{peer[0]}:{peer[1]}", self.frame_timeout)
+            conn.peer_address = addr = peer[0]
             with self._lock:
                 if self._closed:
                     conn.close()
                     return
-                full = len(self._conns) >= self.max_connections
-                if not full:
+                why = ""
+                if len(self._conns) >= self.max_connections:
+                    why = f"this worker serves at most {self.max_connections} data connections"
+                elif (self.max_per_address is not None
+                      and self._per_address[addr] >= self.max_per_address):
+                    why = (f"this worker serves at most {self.max_per_address} data "
+                           "connections from one address")
+                else:
                     self._conns.add(conn)
-            if full:
+                    self._per_address[addr] += 1
+            if why:
                 self.refused += 1
                 try:
                     conn.send(wire.encode(wire.ErrorReply.from_exception(
-                        errors.ResourceExhausted(f"this worker serves at most "
-                                                 f"{self.max_connections} data connections"))))
+                        errors.ResourceExhausted(why))))
                 except OSError:
                     pass
                 conn.close()
@@ -305,7 +346,11 @@ class DataServer:
         finally:
             conn.close()
             with self._lock:
-                self._conns.discard(conn)
+                if conn in self._conns:
+                    self._conns.discard(conn)
+                    self._per_address[conn.peer_address] -= 1
+                    if not self._per_address[conn.peer_address]:
+                        del self._per_address[conn.peer_address]
 
     def stop(self) -> None:
         """Stop accepting and close every connection."""

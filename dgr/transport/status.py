@@ -50,6 +50,7 @@ STATUS_OF: dict[type[E.DgrError], grpc.StatusCode] = {
     E.ResourceExhausted: S.RESOURCE_EXHAUSTED,
     E.ModelMismatch: S.FAILED_PRECONDITION,
     E.RouteError: S.FAILED_PRECONDITION,
+    E.RelayRefused: S.PERMISSION_DENIED,
     E.WorkerUnavailable: S.UNAVAILABLE,
     E.WorkerDraining: S.UNAVAILABLE,
     E.StepDeadlineExceeded: S.DEADLINE_EXCEEDED,

@@ -53,14 +53,15 @@ class NativeFrameSocket(FrameSocket):
 
     def recv(self) -> memoryview | None:
         fd = self.sock.fileno()
-        n = _frame.recv_frame(fd, self._buf, MAX_FRAME)
+        t = -1.0 if self.frame_timeout is None else self.frame_timeout
+        n = _frame.recv_frame(fd, self._buf, MAX_FRAME, t)
         if n < 0:
             return None
         if n > len(self._buf):  # larger than any frame before: grow, then read it
             self._view.release()
             self._buf = bytearray(n)
             self._view = memoryview(self._buf)
-            _frame.recv_exact(fd, self._view[:n])
+            _frame.recv_exact(fd, self._view[:n], t)
         return self._view[:n]
 
     def pending(self) -> bool:

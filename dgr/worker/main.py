@@ -21,6 +21,13 @@ __all__ = ["main", "build_parser"]
 log = logging.getLogger("dgr.worker")
 
 
+def _relay_allow(values: list[str] | None) -> list[str] | None:
+    """``--relay-allow`` values (each comma-separated) as one list; None: the default."""
+    if not values:
+        return None
+    return [e.strip() for v in values for e in v.split(",") if e.strip()]
+
+
 def _parse_layers(text: str | None) -> tuple[int, int] | None:
     if text in (None, "", "all"):
         return None
@@ -46,7 +53,8 @@ async def _serve(args) -> int:
     worker = Worker(engine, ttl=args.ttl, evict_after=args.evict_after,
                     inline=args.inline_compute, cert_store=args.cert_store,
                     inline_below_ms=args.inline_below_ms, batching=args.batching,
-                    native_frames=args.frames == "native", ring_groups=args.ring_groups)
+                    native_frames=args.frames == "native", ring_groups=args.ring_groups,
+                    relay_allow=_relay_allow(args.relay_allow))
     if args.trace:
         worker.trace = open(args.trace, "a", buffering=1 << 16)
     worker.advertise_data_port = args.advertise_data_port
@@ -56,7 +64,9 @@ async def _serve(args) -> int:
     if args.data_port >= 0:
         try:
             worker.serve_data(addr.rsplit(":", 1)[0].strip("[]"), args.data_port,
-                              args.max_data_connections)
+                              args.max_data_connections,
+                              args.max_data_connections_per_address or None,
+                              args.frame_timeout if args.frame_timeout > 0 else None)
         except BaseException:
             await server.stop(None)
             raise
@@ -131,6 +141,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-data-connections", type=int, default=256,
                    help="data-plane connections served at once (each holds a thread; more are "
                         "refused with ResourceExhausted; default 256)")
+    p.add_argument("--max-data-connections-per-address", type=int, default=64,
+                   help="data-plane connections served at once from one remote address (more "
+                        "are refused with ResourceExhausted; default 64; 0: no cap but the "
+                        "total)")
+    p.add_argument("--frame-timeout", type=float, default=30.0,
+                   help="seconds a data-plane frame may take from its first byte to its last "
+                        "(a peer that sends a length and stalls is answered FrameTruncated and "
+                        "cut off; default 30; 0: no deadline). Idle connections are not "
+                        "affected: the wait for a frame's first byte is unbounded")
     p.add_argument("--advertise-data-port", type=int, default=0,
                    help="data port to name in Describe instead of the bound one (a proxy, port "
                         "forward or link emulator in front of it; default: the bound port)")
@@ -159,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute the ready steps of several sessions as one forward (default "
                         "on; steps marked solo, the parity mode's, always run alone): "
                         "docs/batching.md")
+    p.add_argument("--relay-allow", action="append", metavar="LIST",
+                   help="endpoints relayed frames may make this worker connect to (the next "
+                        "stage, the decode loop's first): comma-separated addresses, CIDR "
+                        "networks or host names, each with an optional :port, or * for any; "
+                        "repeatable. Default: loopback only (127.0.0.0/8, ::1, localhost); a "
+                        "route across machines needs its stages' addresses here. Any other "
+                        "endpoint gets RelayRefused and no connection: docs/security.md")
     p.add_argument("--ring-groups", action=argparse.BooleanOptionalAction, default=True,
                    help="cap a batch so that the sessions of a decode loop travel their ring "
                         "in as many groups as it has stages, keeping every stage busy "

@@ -144,6 +144,9 @@ class StagePipeline:
         self._tls = threading.local()  # per thread: reused output buffers
         self.table = SessionTable(_DeferredRelease(self), engine.n_slots, self.settings["n_ctx"],
                                   ttl=ttl, evict_after=evict_after, listener=self._event)
+        #: the endpoints relayed frames may make this worker connect to
+        #: (``dgr.worker.trust.RelayPolicy``; None: any)
+        self.relay_policy = None
         self.draining = False
         #: set when a drain stops waiting: admitted steps that have not started computing
         #: are refused from then on (counted in ``not_run``)
@@ -259,6 +262,13 @@ class StagePipeline:
                 raise errors.RouteError(
                     f"this worker runs the last layers; Forward.relay names {len(h.relay)} more "
                     "stage(s)")
+            # the connections this frame would make this worker open (dgr.worker.trust)
+            policy = self.relay_policy
+            if policy is not None:
+                if not self.is_last:
+                    policy.check(h.relay[0].endpoint, "Forward.relay")
+                elif h.loop and h.steps > 1:
+                    policy.check(h.loop[0].endpoint, "Forward.loop")
         elif not self.is_last and h.want != "boundary":
             raise errors.InvalidArgument(
                 f"want={h.want!r} asks for the last stage's output; this stage ends at layer "

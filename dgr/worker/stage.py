@@ -24,6 +24,7 @@ from dgr.transport.server import ShardServer
 from dgr.worker.frames import Frames
 from dgr.worker.pipeline import StagePipeline, Step
 from dgr.worker.scheduler import StageLoop
+from dgr.worker.trust import RelayPolicy
 
 __all__ = ["Worker"]
 
@@ -58,8 +59,10 @@ class Worker(StagePipeline):
                  inline: bool = False, name: str = "", max_message: int = MAX_MESSAGE,
                  cert_store: str | None = None, inline_below_ms: float = 0.0,
                  batching: bool = True, native_frames: bool = True,
-                 ring_groups: bool = True):
+                 ring_groups: bool = True, relay_allow=None):
         super().__init__(engine, ttl=ttl, evict_after=evict_after, max_message=max_message)
+        #: whom relayed frames may make this worker connect to (default: loopback only)
+        self.relay_policy = RelayPolicy(relay_allow)
         #: the data plane's frame codec and I/O (dgr.worker.frames): C++ unless
         #: ``native_frames`` is False or the build lacks it
         self.frames = Frames(native_frames, self.max_payload)
@@ -187,14 +190,18 @@ class Worker(StagePipeline):
 
     # -- fast data plane (dgr.transport.dataplane, docs/dataplane.md) ----------------------
 
-    def serve_data(self, host: str, port: int = 0, max_connections: int = 256) -> int:
-        """Start the TCP data plane on ``host:port``; returns the bound port."""
+    def serve_data(self, host: str, port: int = 0, max_connections: int = 256,
+                   max_per_address: int | None = 64, frame_timeout: float | None = 30.0) -> int:
+        """Start the TCP data plane on ``host:port``; returns the bound port. Limits:
+        ``DataServer``'s (connections in all and per remote address, a frame's deadline)."""
         from dgr.transport.dataplane import DataServer
         from dgr.worker.relay import Forwarder
 
         self.forwarder = Forwarder(self.layers[1], self.is_first, self.is_last, self.frames)
         self.data_server = DataServer(self._data_connection, host, port, max_connections,
-                                      conn_class=self.frames.conn_class).start()
+                                      conn_class=self.frames.conn_class,
+                                      max_per_address=max_per_address,
+                                      frame_timeout=frame_timeout).start()
         return self.data_server.port
 
     def stop_data(self) -> None:

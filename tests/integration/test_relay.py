@@ -522,3 +522,51 @@ def test_decode_loop_runs_at_most_a_window_ahead_of_the_reader(stages, reference
         s.close()
     with pytest.raises(errors.InvalidArgument, match="loop_window"):
         AsyncRoute([w.address for w in stages], loop_window=0)
+
+
+def test_a_relay_off_the_allowlist_is_refused_and_nothing_connects(tiny_llama):
+    """A stranger's frame that names a port of its choosing (Forward.relay on a middle stage,
+    Forward.loop on the last) gets RelayRefused before any compute, and the worker opens no
+    connection there; the default allowlist (loopback only) refuses other hosts the same."""
+    trap = socket.create_server(("127.0.0.1", 0))
+    trap_ep = f"127.0.0.1:{trap.getsockname()[1]}"
+    trap.settimeout(0.5)
+    first = ThreadedWorker(dgr.Engine(tiny_llama, layers=(0, 1), **SETTINGS),
+                           relay_allow=["127.0.0.1:1"])
+    last = ThreadedWorker(dgr.Engine(tiny_llama, layers=(3, 4), **SETTINGS),
+                          relay_allow=["127.0.0.1:1"])
+    plain = ThreadedWorker(dgr.Engine(tiny_llama, layers=(0, 1), **SETTINGS))  # the default
+    x = np.zeros((1, last.worker.width), np.float32)
+    cases = [
+        (first, wire.Forward(model=first.worker.identity, session="a", epoch=1, first_pos=0,
+                             n_tokens=1, layer=0, tokens=[5], want="token", reply_to="r",
+                             relay=[wire.Hop(endpoint=trap_ep)]), None, "Forward.relay"),
+        (last, wire.Forward(model=last.worker.identity, session="b", epoch=1, first_pos=0,
+                            n_tokens=1, layer=3, tokens=[5], want="token", reply_to="r",
+                            relay=[], loop=[wire.Hop(endpoint=trap_ep, tokens=True)],
+                            steps=4), x, "Forward.loop"),
+        (plain, wire.Forward(model=plain.worker.identity, session="c", epoch=1, first_pos=0,
+                             n_tokens=1, layer=0, tokens=[5], want="token", reply_to="r",
+                             relay=[wire.Hop(endpoint="10.255.255.1:9")]), None,
+         "Forward.relay"),
+    ]
+    try:
+        for w, h, arr, field in cases:
+            c = _conn(f"127.0.0.1:{w.worker.data_server.port}")
+            try:
+                c.send(wire.encode(wire.Hello(route="r")))
+                assert type(wire.decode(bytes(c.recv())).header) is wire.Hello
+                c.send(wire.encode(h, arr))
+                err = wire.decode(bytes(c.recv())).header
+                assert type(err) is wire.ErrorReply and err.code == errors.RelayRefused.code
+                assert field in err.message
+            finally:
+                c.close()
+            assert w.worker.steps_total == 0  # refused at admission: nothing computed
+            assert not w.worker.forwarder.links._links  # and no connection was opened
+        with pytest.raises(TimeoutError):
+            trap.accept()  # nothing ever connected to the trap
+    finally:
+        trap.close()
+        for w in (first, last, plain):
+            w.stop()

@@ -22,13 +22,19 @@ constexpr int kIoTooLarge = -3;    // the prefix claims more than max_frame byte
 constexpr int kIoNeedBuffer = -4;  // the frame is larger than cap: *size says how large;
                                    // nothing of it is read yet (call recv_exact with a
                                    // buffer of *size bytes)
+constexpr int kIoTimeout = -5;     // the frame was not whole within timeout_ms of its
+                                   // first byte (a stalled or slow-dripping peer)
 
-// Read one length prefix and, when it fits in cap bytes, the frame into buf.
+// Read one length prefix and, when it fits in cap bytes, the frame into buf. The wait for
+// the first byte is unbounded (a connection idles between frames); with timeout_ms >= 0 the
+// rest of the prefix and the frame must arrive within timeout_ms of it (kIoTimeout).
 // On 0 and on kIoNeedBuffer/kIoTooLarge, *size is the frame's length.
-int recv_frame(int fd, uint8_t* buf, size_t cap, size_t max_frame, size_t* size) noexcept;
+int recv_frame(int fd, uint8_t* buf, size_t cap, size_t max_frame, int64_t timeout_ms,
+               size_t* size) noexcept;
 
-// Read exactly n bytes into buf (0, kIoTruncated or an errno).
-int recv_exact(int fd, uint8_t* buf, size_t n) noexcept;
+// Read exactly n bytes into buf within timeout_ms (< 0: unbounded): 0, kIoTruncated,
+// kIoTimeout or an errno.
+int recv_exact(int fd, uint8_t* buf, size_t n, int64_t timeout_ms) noexcept;
 
 // Write the length prefix of (head_len + payload_len), head and payload as one gather write,
 // finishing partial writes (MSG_NOSIGNAL: a broken pipe is EPIPE, not a signal).
