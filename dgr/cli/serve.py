@@ -46,6 +46,11 @@ def add_serve_parser(sub) -> None:
                    help="seconds a request waits for a free slot before a 429 (default 2)")
     s.add_argument("--start-timeout", type=float, default=180.0,
                    help="seconds to wait for the local workers to listen")
+    s.add_argument("--api-key-file", metavar="FILE",
+                   help="API keys, one a line: every request but /health and the status "
+                        "page's files then needs 'Authorization: Bearer KEY' (401 otherwise); "
+                        "also read from DGR_API_KEYS (comma-separated). Default: no key "
+                        "needed. Keys are never logged: docs/security.md")
     s.add_argument("--relay", choices=["auto", "on", "off"], default="auto",
                    help="direct relay over the workers' data plane (default: where it applies)")
     engine_settings.add_arguments(s)
@@ -59,7 +64,13 @@ def _cmd_serve(args) -> int:
     from dgr.artifacts import models
     from dgr.driver.route import AsyncRoute
     from dgr.serve.app import create_app
+    from dgr.serve.auth import keys_from_environment, load_keys
 
+    try:
+        api_keys = load_keys(args.api_key_file, keys_from_environment())
+    except (OSError, ValueError) as e:
+        print(f"error: API keys: {e}", file=sys.stderr)
+        return 2
     cluster = None
     try:
         model = args.model
@@ -98,7 +109,9 @@ def _cmd_serve(args) -> int:
         app = create_app(AsyncRoute(endpoints, relay=relay), model=name,
                          template=template if template is not None and template.available
                          else None,
-                         queue_timeout=args.queue_timeout)
+                         queue_timeout=args.queue_timeout, api_keys=api_keys)
+        _say(f"API keys: {len(api_keys)} (Authorization: Bearer)" if api_keys else
+             "API keys: none; anyone who can reach the port may use it")
         _say(f"serving '{name}' over {len(endpoints)} stage(s) on "
              f"http://{args.host}:{args.port}/v1; status page http://{args.host}:{args.port}/ "
              "(Ctrl-C stops)")

@@ -31,6 +31,7 @@ from typing import Any, AsyncIterator
 
 import anyio
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount
@@ -39,6 +40,7 @@ from starlette.staticfiles import StaticFiles
 
 from dgr import errors
 from dgr.protocol.sampling import SamplingParams
+from dgr.serve.auth import ApiKeys
 from dgr.serve.logprobs import (
     MAX_TOP_CHAT,
     MAX_TOP_COMPLETIONS,
@@ -169,8 +171,11 @@ class Params:
 # -- the app -----------------------------------------------------------------------------------
 
 def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
-               metrics_registry=None) -> Starlette:
+               metrics_registry=None, api_keys=None) -> Starlette:
     """The ASGI app serving ``route`` (an ``AsyncRoute``) as the model named ``model``.
+
+    ``api_keys``: keys a request must present as ``Authorization: Bearer`` (``dgr.serve.auth``;
+    None or empty: no key needed).
 
     ``template``: a ``dgr.serve.templates.ChatTemplate`` for the chat endpoint (None: chat
     requests get a 400 saying the model has no chat template; completions still work). The
@@ -399,6 +404,7 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
                 HttpRoute("/health", health, methods=["GET"]),
                 HttpRoute("/metrics", metrics, methods=["GET"])],
         exception_handlers={404: not_found, 405: method_not_allowed, 500: server_error},
+        middleware=[Middleware(ApiKeys, keys=list(api_keys))] if api_keys else None,
         lifespan=lifespan)
 
 

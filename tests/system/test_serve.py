@@ -355,3 +355,29 @@ def test_the_serve_command_starts_a_cluster_serves_it_and_stops_it(smollm2):
         out, _ = p.communicate(timeout=60)
     assert p.returncode in (0, 130), out
     assert "workers stopped (exit status 0, 0)" in out, out
+
+
+def test_api_keys_with_the_openai_client(stages, template, route):
+    """With API keys the official client works with a key and gets AuthenticationError
+    (401) without one or with another; the health probe stays public."""
+    keys = ["sk-dgr-test-key-0123456789"]
+    s = _serve(stages, template, api_keys=keys)
+    try:
+        good = openai.OpenAI(base_url=s.base + "/v1", api_key=keys[0], max_retries=0,
+                             timeout=60)
+        r = good.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, temperature=0)
+        ids = route.tokenize(PROMPT, True, True)
+        assert r.choices[0].text == _greedy_text(route, ids, 4)[0]
+        for key in ("sk-dgr-some-other-key-000", ""):
+            bad = openai.OpenAI(base_url=s.base + "/v1", api_key=key or "x", max_retries=0,
+                                timeout=60)
+            with pytest.raises(openai.AuthenticationError) as e:
+                bad.models.list()
+            assert e.value.status_code == 401 and keys[0] not in str(e.value)
+        host, port = s.base.removeprefix("http://").rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200
+        conn.close()
+    finally:
+        s.stop()

@@ -5,6 +5,13 @@
 const $ = (id) => document.getElementById(id);
 const POLL_MS = 1000;
 
+// An API key, when the server asks for one (401): kept in sessionStorage (this tab only),
+// sent as OpenAI clients send it.
+function authHeaders(extra) {
+  const key = sessionStorage.getItem("dgr-api-key");
+  return Object.assign({}, extra || {}, key ? {"Authorization": "Bearer " + key} : {});
+}
+
 function fmt(x, digits, unit) {
   if (x === null || x === undefined || Number.isNaN(x)) return "\u2013";
   return x.toFixed(digits) + (unit ? " " + unit : "");
@@ -69,8 +76,13 @@ function render(st) {
 
 async function poll() {
   try {
-    const r = await fetch("status", {cache: "no-store"});
+    const r = await fetch("status", {cache: "no-store", headers: authHeaders()});
+    if (r.status === 401) {
+      $("key-form").hidden = false;
+      throw new Error("this server needs an API key");
+    }
     if (!r.ok) throw new Error("HTTP " + r.status);
+    $("key-form").hidden = true;
     render(await r.json());
     document.body.dataset.loaded = "true";
   } catch (e) {
@@ -116,7 +128,8 @@ async function send(text) {
   let reply = "";
   try {
     const r = await fetch("v1/chat/completions", {
-      method: "POST", headers: {"Content-Type": "application/json"}, signal: controller.signal,
+      method: "POST", headers: authHeaders({"Content-Type": "application/json"}),
+      signal: controller.signal,
       body: JSON.stringify({messages: history, stream: true,
                             max_tokens: parseInt($("chat-max").value, 10) || 64,
                             temperature: parseFloat($("chat-temp").value) || 0})});
@@ -160,6 +173,11 @@ $("chat-input").addEventListener("keydown", (ev) => {
   if (ev.key === "Enter" && !ev.shiftKey) { ev.preventDefault(); $("chat").requestSubmit(); }
 });
 $("chat-stop").addEventListener("click", () => { if (controller) controller.abort(); });
+$("key-form").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  sessionStorage.setItem("dgr-api-key", $("api-key").value.trim());
+  $("api-key").value = "";
+});
 $("chat-clear").addEventListener("click", () => {
   if (controller) return;
   history.length = 0;
