@@ -111,6 +111,41 @@ cdef dict _fields(CFrameView * v):
     return {"type": "Hello", "schema": v.hello.schema, "route": _s(v.hello.route)}
 
 
+cdef object _decode_into(object buf, uint64_t max_payload, uint64_t max_header,
+                         CFrameView * v):
+    """Validate and decode ``buf`` into ``v`` (raising as ``wire.decode``); returns the
+    boundary as a read-only float32 view over ``buf`` (no copy), or None. ``v``'s strings
+    point into ``buf``: the caller builds its Python objects from them while it holds
+    ``buf``."""
+    cdef Py_buffer view
+    cdef CDecodeLimits limits
+    cdef CStatus st
+    cdef cnp.npy_intp dims[2]
+    limits.max_payload = max_payload
+    limits.max_header = max_header
+    try:
+        PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
+    except Exception as e:  # as wire.decode: not a C-contiguous bytes-like object
+        raise _errors.FrameError(f"frame must be a C-contiguous bytes-like object: {e}") from None
+    try:
+        st = c_decode(<const uint8_t *> view.buf, <size_t> view.len, limits, v)
+        _check(st)
+        if v.array == NULL:
+            return None
+        dims[0] = v.rows
+        dims[1] = v.cols
+        arr = cnp.PyArray_SimpleNewFromData(2, dims, cnp.NPY_FLOAT32, <void *> v.array)
+        # The base keeps the memory alive (a memoryview holds a buffer export: a bytearray
+        # cannot be resized under the array); the view is read-only like wire.decode's.
+        base = buf if type(buf) is bytes else memoryview(buf)
+        Py_INCREF(base)
+        cnp.PyArray_SetBaseObject(arr, base)
+        cnp.PyArray_CLEARFLAGS(arr, cnp.NPY_ARRAY_WRITEABLE)
+        return arr
+    finally:
+        PyBuffer_Release(&view)
+
+
 def decode_frame(object buf, *, uint64_t max_payload=kMaxPayload, uint64_t max_header=kMaxHeader):
     """Validate and decode one frame in C++ (the checks and error classes of ``wire.decode``).
 
@@ -128,35 +163,9 @@ def decode_frame(object buf, *, uint64_t max_payload=kMaxPayload, uint64_t max_h
         And its subclasses, as ``wire.decode``; ``FrameNotNative`` for a valid-so-far frame
         with a codec other than raw or with zstd compression (use ``wire.decode``).
     """
-    cdef Py_buffer view
     cdef CFrameView v
-    cdef CDecodeLimits limits
-    cdef CStatus st
-    cdef cnp.npy_intp dims[2]
-    limits.max_payload = max_payload
-    limits.max_header = max_header
-    try:
-        PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
-    except Exception as e:  # as wire.decode: not a C-contiguous bytes-like object
-        raise _errors.FrameError(f"frame must be a C-contiguous bytes-like object: {e}") from None
-    try:
-        st = c_decode(<const uint8_t *> view.buf, <size_t> view.len, limits, &v)
-        _check(st)
-        fields = _fields(&v)
-        if v.array == NULL:
-            return fields, None
-        dims[0] = v.rows
-        dims[1] = v.cols
-        arr = cnp.PyArray_SimpleNewFromData(2, dims, cnp.NPY_FLOAT32, <void *> v.array)
-        # The base keeps the memory alive (a memoryview holds a buffer export: a bytearray
-        # cannot be resized under the array); the view is read-only like wire.decode's.
-        base = buf if type(buf) is bytes else memoryview(buf)
-        Py_INCREF(base)
-        cnp.PyArray_SetBaseObject(arr, base)
-        cnp.PyArray_CLEARFLAGS(arr, cnp.NPY_ARRAY_WRITEABLE)
-        return fields, arr
-    finally:
-        PyBuffer_Release(&view)
+    arr = _decode_into(buf, max_payload, max_header, &v)
+    return _fields(&v), arr
 
 
 def _decode_loop(object buf, int n):
@@ -567,33 +576,9 @@ def decode(object buf, *, uint64_t max_payload=kMaxPayload, uint64_t max_header=
         And its subclasses, as ``wire.decode``; ``FrameNotNative`` for a valid-so-far frame
         with a codec other than raw or with zstd (decode it with ``wire.decode``).
     """
-    cdef Py_buffer view
     cdef CFrameView v
-    cdef CDecodeLimits limits
-    cdef CStatus st
-    cdef cnp.npy_intp dims[2]
-    limits.max_payload = max_payload
-    limits.max_header = max_header
-    try:
-        PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
-    except Exception as e:
-        raise _errors.FrameError(f"frame must be a C-contiguous bytes-like object: {e}") from None
-    try:
-        st = c_decode(<const uint8_t *> view.buf, <size_t> view.len, limits, &v)
-        _check(st)
-        header = _message(&v)
-        if v.array == NULL:
-            return _wire.Frame(header, None)
-        dims[0] = v.rows
-        dims[1] = v.cols
-        arr = cnp.PyArray_SimpleNewFromData(2, dims, cnp.NPY_FLOAT32, <void *> v.array)
-        base = buf if type(buf) is bytes else memoryview(buf)
-        Py_INCREF(base)
-        cnp.PyArray_SetBaseObject(arr, base)
-        cnp.PyArray_CLEARFLAGS(arr, cnp.NPY_ARRAY_WRITEABLE)
-        return _wire.Frame(header, arr)
-    finally:
-        PyBuffer_Release(&view)
+    arr = _decode_into(buf, max_payload, max_header, &v)
+    return _wire.Frame(_message(&v), arr)
 
 
 cdef bytes _head_of(CEncodedFrame * out):

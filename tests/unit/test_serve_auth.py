@@ -8,7 +8,7 @@ import asyncio
 import json
 
 import pytest
-from test_serve_fuzz import FakeRoute, Template  # the fuzz test's fake route and template
+from test_serve_fuzz import FakeRoute, Template, _call  # the fuzz test's fakes
 
 from dgr.serve.app import create_app
 from dgr.serve.auth import ApiKeys, load_keys
@@ -16,32 +16,9 @@ from dgr.serve.auth import ApiKeys, load_keys
 KEYS = ["sk-dgr-first-0123456789", "sk-dgr-second-abcdefghij"]
 
 
-async def call(app, method: str, path: str, headers=(), body: bytes = b""):
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
-             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(),
-             "query_string": b"", "root_path": "", "server": ("test", 80),
-             "client": ("test", 1),
-             "headers": [(b"content-type", b"application/json"),
-                         (b"content-length", str(len(body)).encode()), *headers]}
-    sent = False
-    out: dict = {"status": None, "headers": {}, "body": b""}
-
-    async def receive():
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await asyncio.sleep(3600)
-
-    async def send(msg):
-        if msg["type"] == "http.response.start":
-            out["status"] = msg["status"]
-            out["headers"] = {k.decode(): v.decode() for k, v in msg["headers"]}
-        elif msg["type"] == "http.response.body":
-            out["body"] += msg.get("body", b"")
-
-    await asyncio.wait_for(app(scope, receive, send), 30)
-    return out
+async def call(app, method: str, path: str, headers=(), body: bytes = b"") -> dict:
+    status, hdrs, out = await _call(app, path, body, method, headers)
+    return {"status": status, "headers": hdrs, "body": out}
 
 
 def bearer(key: str):

@@ -84,12 +84,15 @@ class Template:
         return "".join(m["content"] for m in messages), True
 
 
-async def _call(app, path: str, body: bytes) -> tuple[int, dict, bytes]:
+async def _call(app, path: str, body: bytes, method: str = "POST",
+                headers=()) -> tuple[int, dict, bytes]:
+    """One HTTP request through the ASGI interface: (status, headers, body)."""
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
+             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(),
              "query_string": b"", "root_path": "", "server": ("test", 80),
              "client": ("test", 1), "headers": [(b"content-type", b"application/json"),
-                                                (b"content-length", str(len(body)).encode())]}
+                                                (b"content-length", str(len(body)).encode()),
+                                                *headers]}
     sent = False
     out: dict = {"status": None, "headers": {}, "body": b""}
 
