@@ -98,7 +98,7 @@ class FrameSocket:
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
 
-    def _fill(self, view: memoryview, deadline: float | None = None) -> float | None:
+    def _fill(self, view: memoryview, deadline: float | None = None) -> float | None | bool:
         """Read exactly ``len(view)`` bytes; returns the frame's deadline (set from
         ``frame_timeout`` once a byte has arrived; None: unbounded), or False on a clean EOF
         before the first byte.
@@ -136,6 +136,9 @@ class FrameSocket:
         ------
         dgr.errors.FrameTooLarge
             The length prefix claims more than ``MAX_FRAME`` bytes (the stream is unusable).
+        dgr.errors.FrameTruncated
+            The frame did not arrive whole within ``frame_timeout`` of its first byte (the
+            stream is unusable).
         ConnectionError, OSError
             The connection broke.
         """
