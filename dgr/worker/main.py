@@ -40,7 +40,10 @@ def _parse_layers(text: str | None) -> tuple[int, int] | None:
 
 async def _serve(args) -> int:
     from dgr.core.engine import Engine
+    from dgr.worker.trust import RelayPolicy
 
+    relay_allow = _relay_allow(args.relay_allow)
+    RelayPolicy(relay_allow)  # a bad entry fails here, before the model loads
     model = args.model
     if model is None:
         from dgr.artifacts import models
@@ -54,7 +57,7 @@ async def _serve(args) -> int:
                     inline=args.inline_compute, cert_store=args.cert_store,
                     inline_below_ms=args.inline_below_ms, batching=args.batching,
                     native_frames=args.frames == "native", ring_groups=args.ring_groups,
-                    relay_allow=_relay_allow(args.relay_allow))
+                    relay_allow=relay_allow)
     if args.trace:
         worker.trace = open(args.trace, "a", buffering=1 << 16)
     worker.advertise_data_port = args.advertise_data_port

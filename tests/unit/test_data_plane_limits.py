@@ -178,3 +178,15 @@ def test_relay_policy_matches(allow, endpoint, ok):
 def test_relay_policy_refuses_bad_entries(bad):
     with pytest.raises(errors.InvalidArgument):
         RelayPolicy([bad])
+
+
+def test_a_bad_relay_allowlist_stops_the_worker_before_it_loads_a_model(tmp_path):
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "dgr.worker", "--model", str(tmp_path / "none.gguf"),
+                        "--relay-allow", "10.0.0.0/24,10.0.0.0/33"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert "relay allowlist entry '10.0.0.0/33'" in p.stderr
+    assert "none.gguf" not in p.stderr  # it never got as far as the model
