@@ -61,8 +61,9 @@ LIES: list[object] = [
 
 def resign(header: list, payload: bytes, fix_checksum: bool) -> bytes:
     """Re-encode a (mutated) header list with valid prefix and, optionally, payload checksum."""
-    if fix_checksum and len(header) > 14 and header[0] in (1, 2):
-        at = 14 if header[0] == 1 else 15
+    tag = header[0] if header else None
+    at = 14 if tag == 1 else 15 if tag == 2 else None  # Forward's / Result's checksum
+    if fix_checksum and at is not None and len(header) > at:
         header = list(header)
         header[at] = xxhash.xxh3_64_intdigest(payload)
     try:
