@@ -288,6 +288,25 @@ cdef object _checked(object array):
     return array
 
 
+cdef object _encode(CForward * f, CResult * r, bint forward, object array,
+                    CEncodedFrame * out):
+    """Encode the filled header (``f`` or ``r``) with ``array`` into ``out``; returns the
+    array as checked (``_checked``), which ``out`` points into."""
+    cdef CStatus st
+    cdef const float * data = NULL
+    cdef int64_t rows = 0, cols = 0
+    array = _checked(array)
+    if array is not None:
+        rows, cols = array.shape
+        data = <const float *> cnp.PyArray_DATA(<cnp.ndarray> array)
+    if forward:
+        st = encode_forward(f[0], data, rows, cols, out)
+    else:
+        st = encode_result(r[0], data, rows, cols, out)
+    _check(st)
+    return array
+
+
 def encode_frame(object header, object array=None):
     """``wire.encode(header, array)`` (raw codec, no compression) in C++: the same bytes.
 
@@ -298,20 +317,9 @@ def encode_frame(object header, object array=None):
     cdef CForward f
     cdef CResult r
     cdef CEncodedFrame out
-    cdef CStatus st
-    cdef const float * data = NULL
-    cdef int64_t rows = 0, cols = 0
     cdef list keep = []
     forward = _fill(header, &f, &r, keep)
-    array = _checked(array)
-    if array is not None:
-        rows, cols = array.shape
-        data = <const float *> cnp.PyArray_DATA(<cnp.ndarray> array)
-    if forward:
-        st = encode_forward(f, data, rows, cols, &out)
-    else:
-        st = encode_result(r, data, rows, cols, &out)
-    _check(st)
+    array = _encode(&f, &r, forward, array, &out)  # kept: out points into it until copied
     frame = PyBytes_FromStringAndSize(NULL, <Py_ssize_t> out.size())
     out.copy_to(<uint8_t *> PyBytes_AS_STRING(frame))
     return frame
@@ -585,23 +593,6 @@ cdef bytes _head_of(CEncodedFrame * out):
     return PyBytes_FromStringAndSize(out.head.data(), <Py_ssize_t> out.head.size())
 
 
-cdef tuple _encode_head(CForward * f, CResult * r, bint forward, object array):
-    cdef CEncodedFrame out
-    cdef CStatus st
-    cdef const float * data = NULL
-    cdef int64_t rows = 0, cols = 0
-    array = _checked(array)
-    if array is not None:
-        rows, cols = array.shape
-        data = <const float *> cnp.PyArray_DATA(<cnp.ndarray> array)
-    if forward:
-        st = encode_forward(f[0], data, rows, cols, &out)
-    else:
-        st = encode_result(r[0], data, rows, cols, &out)
-    _check(st)
-    return _head_of(&out), array
-
-
 def encode_head(object header, object array=None):
     """The frame ``encode_frame(header, array)`` would give, as two pieces: ``(head,
     payload)``, ``head`` its bytes up to the payload (prefix, header, padding) and
@@ -610,8 +601,10 @@ def encode_head(object header, object array=None):
     cdef CForward f
     cdef CResult r
     cdef list keep = []
+    cdef CEncodedFrame out
     forward = _fill(header, &f, &r, keep)
-    return _encode_head(&f, &r, forward, array)
+    array = _encode(&f, &r, forward, array, &out)
+    return _head_of(&out), array
 
 
 def relay_head(object header, object array, int32_t layer, bint keep_tokens):
@@ -621,6 +614,7 @@ def relay_head(object header, object array, int32_t layer, bint keep_tokens):
     boundary. Without building the new header in Python."""
     cdef CForward f
     cdef CResult r
+    cdef CEncodedFrame out
     cdef list keep = []
     if type(header) is not _wire.Forward:
         raise _errors.InvalidArgument(f"relay_head relays a Forward, not {type(header).__name__}")
@@ -632,4 +626,5 @@ def relay_head(object header, object array, int32_t layer, bint keep_tokens):
     if not keep_tokens:
         f.has_tokens = False
         f.tokens.clear()
-    return _encode_head(&f, &r, True, array)
+    array = _encode(&f, &r, True, array, &out)
+    return _head_of(&out), array

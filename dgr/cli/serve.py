@@ -64,10 +64,10 @@ def _cmd_serve(args) -> int:
     from dgr.artifacts import models
     from dgr.driver.route import AsyncRoute
     from dgr.serve.app import create_app
-    from dgr.serve.auth import keys_from_environment, load_keys
+    from dgr.serve.auth import load_keys
 
     try:
-        api_keys = load_keys(args.api_key_file, keys_from_environment())
+        api_keys = load_keys(args.api_key_file, os.environ.get("DGR_API_KEYS"))
     except (OSError, ValueError) as e:
         print(f"error: API keys: {e}", file=sys.stderr)
         return 2

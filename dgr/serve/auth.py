@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import os
 from collections.abc import Iterable
 
 __all__ = ["ApiKeys", "PUBLIC", "load_keys"]
@@ -99,8 +98,3 @@ class ApiKeys:
                                 (b"content-length", str(len(body)).encode()),
                                 (b"www-authenticate", b'Bearer realm="dgr"')]})
         await send({"type": "http.response.body", "body": body})
-
-
-def keys_from_environment() -> str | None:
-    """The value of ``DGR_API_KEYS`` (None when unset)."""
-    return os.environ.get("DGR_API_KEYS")

@@ -76,16 +76,12 @@ class Forwarder:
         except OSError as e:
             log.info("return connection of route %s broke: %s", reply_to or conn.name, e)
 
-    def burst(self):
-        """A block whose relay and loop frames leave together at its end (``Links.burst``)."""
-        return self.links.burst()
-
     def send_on(self, conn: FrameSocket, step: Step,
                 reply: Callable[[Step, bytearray], tuple], buf: bytearray,
                 on_error: Callable[[BaseException], None] | None = None) -> None:
         """Send a computed step's frames; ``reply(step, buf)`` encodes its ``Result`` (only
         when it is sent) as the pieces ``(head, payload)`` to send, ``buf`` the calling
-        thread's reusable frame buffer. Inside ``burst`` a relay or loop frame that cannot
+        thread's reusable frame buffer. Inside ``Links.burst`` a relay or loop frame that cannot
         be sent at the block's end goes to ``on_error`` (outside it, this raises).
 
         Raises

@@ -272,7 +272,7 @@ class Worker(StagePipeline):
         """The block a batch's steps are handed on in: its relay and loop frames leave as one
         write per next stage (``Links.burst``), so they batch together there too."""
         fw = self.forwarder
-        return fw.burst() if fw is not None else contextlib.nullcontext()
+        return fw.links.burst() if fw is not None else contextlib.nullcontext()
 
     def _reply_parts(self, step: Step, buf: bytearray) -> tuple:
         """The data plane's ``Result`` frame of ``step`` as the pieces to send."""

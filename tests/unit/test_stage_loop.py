@@ -105,14 +105,8 @@ def test_a_convoy_of_ring_steps_leaves_in_groups(loop):
     while this one computes the second."""
     lp, p = loop
     p.gate = threading.Event()
-    all_done = threading.Event()
-    done = []
-
-    def cb(s, f):
-        done.append(s.header.session)
-        if len(done) == 13:
-            all_done.set()
-
+    cb = Collect(13)
+    all_done = cb.all
     assert not lp.submit(step("first"), cb)
     assert p.entered.wait(WAIT)
     for i in range(12):
@@ -166,6 +160,22 @@ def step(session, n=1, ring=0):
                            array=np.zeros((n, 4), np.float32)[:, :], lease=None, batch=None)
 
 
+class Collect:
+    """A done callback: records each step's session (and in ``also``, when given); ``all``
+    is set once ``n`` steps were handed on."""
+
+    def __init__(self, n: int, also: list | None = None):
+        self.n, self.sessions, self.also = n, [], also
+        self.all = threading.Event()
+
+    def __call__(self, s, f) -> None:
+        self.sessions.append(s.header.session)
+        if self.also is not None:
+            self.also.append(s.header.session)
+        if len(self.sessions) == self.n:
+            self.all.set()
+
+
 @pytest.fixture()
 def loop():
     p = Pipeline()
@@ -185,14 +195,8 @@ def test_a_lone_step_runs_on_the_callers_thread_at_once(loop):
 def test_steps_arriving_while_the_engine_computes_run_as_one_batch(loop):
     lp, p = loop
     p.gate = threading.Event()
-    all_done = threading.Event()
-    done = []
-
-    def cb(s, f):
-        done.append(s.header.session)
-        if len(done) == 5:
-            all_done.set()
-
+    cb = Collect(5)
+    all_done, done = cb.all, cb.sessions
     assert not lp.submit(step("first"), cb)  # queued: the loop's thread runs it
     assert p.entered.wait(WAIT)
     for i in range(4):  # the engine is busy: these queue, and are not inline
@@ -293,14 +297,8 @@ def test_held_steps_wait_for_the_rest_of_their_burst(loop):
     """Steps submitted with hold=True queue without waking the loop's thread; the first
     submit without it wakes it, and all of them run as one batch."""
     lp, p = loop
-    done = []
-    all_done = threading.Event()
-
-    def cb(s, f):
-        done.append(s.header.session)
-        if len(done) == 4:
-            all_done.set()
-
+    cb = Collect(4)
+    all_done = cb.all
     for i in range(3):
         assert not lp.submit(step(f"h{i}"), cb, inline=False, hold=True)
     assert not lp.submit(step("last"), cb, inline=True)  # queue not empty: not inline
@@ -330,15 +328,8 @@ def test_a_batch_of_several_is_handed_on_inside_one_burst():
     p.gate = threading.Event()
     lp = StageLoop(p, max_tokens=64, burst=Burst)
     try:
-        all_done = threading.Event()
-        done = []
-
-        def cb(s, f):
-            done.append(s.header.session)
-            entered.append(s.header.session)
-            if len(done) == 4:
-                all_done.set()
-
+        cb = Collect(4, also=entered)
+        all_done = cb.all
         assert not lp.submit(step("first"), cb)
         assert p.entered.wait(WAIT)
         for i in range(3):
