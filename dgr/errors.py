@@ -33,6 +33,8 @@ __all__ = [
     "ModelMismatch",
     "RouteError",
     "RelayRefused",
+    "Unauthenticated",
+    "SessionForbidden",
     "WorkerUnavailable",
     "WorkerDraining",
     "StepDeadlineExceeded",
@@ -258,6 +260,19 @@ class RelayRefused(RouteError, PermissionError):
     code = 41
 
 
+class Unauthenticated(DgrError, PermissionError):
+    """The caller presented no cluster credential, or one this worker does not accept (wrong,
+    expired, replayed); the message never says which (docs/security.md)."""
+
+    code = 42
+
+
+class SessionForbidden(SessionError, PermissionError):
+    """A step or release names a session that another credential opened on this worker."""
+
+    code = 43
+
+
 class WorkerUnavailable(DgrError, ConnectionError):
     """The worker cannot be reached or went away mid-step."""
 
@@ -373,6 +388,22 @@ BY_CODE: dict[int, type[DgrError]] = {}
 for _cls in all_classes():
     BY_CODE.setdefault(_cls.code, _cls)
 del _cls
+
+
+def public_message(exc: BaseException) -> str:
+    """What a remote caller is told of ``exc``: a dgr error's own message (written for
+    callers: it names no path or internals); any other exception only as an internal error
+    with a reference, while the process log keeps the whole exception under that
+    reference."""
+    if isinstance(exc, DgrError):
+        return str(exc) or type(exc).__name__
+    import logging
+    import secrets
+
+    ref = secrets.token_hex(4)
+    logging.getLogger("dgr").error("internal error %s: %s: %s", ref, type(exc).__name__, exc,
+                                   exc_info=exc)
+    return f"internal error (reference {ref} in the worker's log)"
 
 
 def from_code(code: int, message: str) -> DgrError:

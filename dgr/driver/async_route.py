@@ -32,6 +32,7 @@ from dgr.driver.tokenizers import LocalTokenizer, RemoteTokenizer
 from dgr.protocol import wire
 from dgr.protocol.describe import StageInfo
 from dgr.transport.client import DEFAULT_STEP_TIMEOUT, DEFAULT_TIMEOUT, ShardClient
+from dgr.transport.security import Security, default_security
 from dgr.transport.dataplane import AsyncLink
 
 log = logging.getLogger("dgr.driver.route")
@@ -101,6 +102,10 @@ class AsyncRoute:
         sessions' steps (``dgr.worker.scheduler``; docs/batching.md). True by default.
         False marks every step ``Forward.solo``. A step that returns logits (the parity
         mode, ``logits=True``) is always solo.
+    security : dgr.transport.security.Security, optional
+        The cluster credential presented to the workers and TLS, on both planes
+        (docs/security.md). None: ``default_security()``, read from ``DGR_CLUSTER_KEY_FILE``,
+        ``DGR_TLS_CA``, ``DGR_TLS_CERT`` and ``DGR_TLS_KEY`` (unset: none, plaintext).
     """
 
 
@@ -112,7 +117,8 @@ class AsyncRoute:
                  spares: Sequence[str] = (), deadline_floor: float = 2.0,
                  deadline_factor: float = 10.0, probe_timeout: float = 1.0,
                  backoff: float = 0.05, relay: bool | None = None, loop: bool = True,
-                 loop_window: int = 32, batching: bool = True):
+                 loop_window: int = 32, batching: bool = True,
+                 security: Security | None = None):
         if codec not in wire.CODECS:
             raise errors.UnknownCodec(f"unknown codec {codec!r} (known: {', '.join(wire.CODECS)})")
         self._relay_arg = relay
@@ -145,7 +151,9 @@ class AsyncRoute:
         # direct relay: data links, replies awaited by (session, epoch, first_pos)
         self.relay = bool(relay)
         self.route_id = uuid.uuid4().hex
-        self.relay_links = RelayLinks(self.route_id, lambda: self.stages, probe_timeout)
+        self.security = security if security is not None else default_security()
+        self.relay_links = RelayLinks(self.route_id, lambda: self.stages, probe_timeout,
+                                      self.security)
         self.loop = bool(loop)
         if loop_window < 1:
             raise errors.InvalidArgument(f"loop_window must be >= 1, got {loop_window}")
@@ -171,7 +179,8 @@ class AsyncRoute:
         if not self.endpoints:
             self.endpoints = parse_endpoints(await self.provider.route())
         if not self.clients:
-            self.clients = [ShardClient(e, timeout=self.timeout) for e in self.endpoints]
+            self.clients = [ShardClient(e, timeout=self.timeout, security=self.security)
+                            for e in self.endpoints]
         infos = await asyncio.gather(*(c.describe() for c in self.clients))
         order = check_route(infos)
         by_ep = {c.endpoint: c for c in self.clients}

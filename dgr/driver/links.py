@@ -32,11 +32,14 @@ class RelayLinks:
         The route's stages now (they change when a stage is replaced).
     probe_timeout : float
         A link's connect and ``Hello`` wait at least this long (and at least 1 s), seconds.
+    security : dgr.transport.security.Security, optional
+        The credential and TLS of every link (None: ``default_security()``).
     """
 
     def __init__(self, route_id: str, stages: Callable[[], list[StageInfo]],
-                 probe_timeout: float):
+                 probe_timeout: float, security=None):
         self.route_id = route_id
+        self.security = security  # presented on every link (None: the environment's)
         self._stages = stages
         self.probe_timeout = probe_timeout
         self._links: dict[str, AsyncLink] = {}
@@ -102,7 +105,7 @@ class RelayLinks:
         t = max(self.probe_timeout, 1.0)
         hello = self._hellos[ep] = asyncio.get_running_loop().create_future()
         link = await AsyncLink(ep, self._on_frame, self._on_lost, i).open(
-            t, wire.Hello(route=self.route_id))
+            t, wire.Hello(route=self.route_id), self.security)
         try:  # the echo: this stage knows the return path before any relayed step gets there
             await asyncio.wait_for(hello, t)
         except (asyncio.TimeoutError, TimeoutError):

@@ -64,11 +64,14 @@ class StaticPool(RouteProvider):
         described on first use (and again while they cannot be reached).
     describe_timeout : float
         Deadline of a describe while learning an endpoint's range, seconds.
+    security : dgr.transport.security.Security, optional
+        Credential and TLS of those describes (None: the environment's).
     """
 
     def __init__(self, endpoints: Sequence[str], *,
                  layers: dict[str, tuple[int, int]] | None = None,
-                 describe_timeout: float = 2.0):
+                 describe_timeout: float = 2.0, security=None):
+        self.security = security
         self.entries = {e: _Entry(e) for e in parse_endpoints(list(endpoints))}
         for ep, lr in (layers or {}).items():
             self.entries.setdefault(ep, _Entry(ep)).layers = (int(lr[0]), int(lr[1]))
@@ -82,7 +85,7 @@ class StaticPool(RouteProvider):
             return
 
         async def one(e: _Entry) -> None:
-            c = ShardClient(e.endpoint, timeout=self.describe_timeout)
+            c = ShardClient(e.endpoint, timeout=self.describe_timeout, security=self.security)
             try:
                 info = await c.describe()
                 e.layers, e.n_layer = tuple(info.layers), info.n_layer

@@ -104,7 +104,7 @@ class Recovery:
         attempt = 0
         while True:
             for ep in await r.provider.candidates(st.layers):
-                c = ShardClient(ep, timeout=r.timeout)
+                c = ShardClient(ep, timeout=r.timeout, security=r.security)
                 try:
                     await c.wait_ready(r.probe_timeout)
                     info = await c.describe(timeout=r.probe_timeout)

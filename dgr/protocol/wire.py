@@ -22,6 +22,7 @@ from dgr.errors import (
     InvalidBoundary,
     UnknownCodec,
     from_code,
+    public_message,
 )
 from dgr.protocol.codecs import (
     CODECS,
@@ -218,10 +219,11 @@ class ErrorReply(msgspec.Struct, tag=3, array_like=True, frozen=True, kw_only=Tr
 
     @classmethod
     def from_exception(cls, exc: BaseException, *, session: str = "", epoch: int = 0) -> ErrorReply:
-        """Describe ``exc``; a non-dgr exception becomes code ``DgrError.code`` (100)."""
+        """Describe ``exc``; a non-dgr exception becomes code ``DgrError.code`` (100) and an
+        internal error with a log reference (``dgr.errors.public_message``)."""
         code = exc.code if isinstance(exc, DgrError) else DgrError.code
         retry = getattr(exc, "retry_after", None)
-        msg = str(exc) or type(exc).__name__
+        msg = public_message(exc)
         return cls(code=code, message=msg, session=session, epoch=epoch, retry_after=retry)
 
     def to_exception(self) -> DgrError:

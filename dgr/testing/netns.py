@@ -123,13 +123,16 @@ class Netns:
 class NetnsWorker(WorkerProcess):
     """A ``python -m dgr.worker`` on host ``i`` of ``net``, listening on its address, and
     relaying to the hosts of ``net`` (``--relay-allow`` its /24: the operator's list of a
-    real multi-host route)."""
+    real multi-host route). Without ``--cluster-keys`` or ``--tls-client-auth`` in ``args``
+    it runs ``--insecure`` (these namespaces are the test's own)."""
 
     def __init__(self, net: Netns, i: int, model: str, layers=None, *, port: int = 7000,
                  **kw):
         super().__init__(model, layers, listen=f"{net.hosts[i].address}:{port}", **kw)
         self.net, self.host = net, i
         self.args = [*self.args, "--relay-allow", f"10.213.{net.subnet}.0/24"]
+        if "--cluster-keys" not in self.args and "--tls-client-auth" not in self.args:
+            self.args.append("--insecure")
 
     def command(self) -> list[str]:
         return self.net.exec_args(self.host) + super().command()

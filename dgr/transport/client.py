@@ -13,7 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from dgr import errors
 from dgr._proto import dgr_pb2, dgr_pb2_grpc
 from dgr.protocol.describe import StageInfo
-from dgr.transport.common import MAX_MESSAGE, STEP_METHOD, channel_options
+from dgr.transport.common import MAX_MESSAGE, SERVICE, STEP_METHOD, channel_options
+from dgr.transport.security import Security, default_security
 from dgr.transport.status import CODE_KEY, from_rpc_error, from_status
 
 __all__ = ["ShardClient", "StepStream", "DEFAULT_TIMEOUT", "DEFAULT_STEP_TIMEOUT",
@@ -25,6 +26,11 @@ DEFAULT_TIMEOUT = 10.0
 DEFAULT_STEP_TIMEOUT = 60.0
 #: Deadline of a whole step stream; the route driver opens a new one when it ends.
 DEFAULT_STREAM_TIMEOUT = 6 * 3600.0
+
+#: the full gRPC method of each control call (what a call's token is signed for)
+_METHODS = {"describe": f"/{SERVICE}/Describe", "release": f"/{SERVICE}/Release",
+            "tokenize": f"/{SERVICE}/Tokenize", "detokenize": f"/{SERVICE}/Detokenize",
+            "health": "/grpc.health.v1.Health/Check"}
 
 if sys.version_info >= (3, 11):
     timeout_after = asyncio.timeout
@@ -60,7 +66,8 @@ class StepStream:
 
     def __init__(self, client: ShardClient, timeout: float):
         self.client = client
-        self._call = client._step_method(timeout=timeout)
+        self._call = client._step_method(timeout=timeout,
+                                         metadata=client.security.metadata(STEP_METHOD))
         self.broken = False
 
     async def step(self, frame: bytes, timeout: float = DEFAULT_STEP_TIMEOUT) -> bytes:
@@ -144,20 +151,30 @@ class ShardClient:
         Deadline of control calls (seconds).
     max_message : int
         Largest gRPC message sent or accepted (bytes).
+    security : Security, optional
+        The credential presented on every call and TLS (``dgr.transport.security``); None:
+        ``default_security()`` (the environment's).
     """
 
     def __init__(self, endpoint: str, *, timeout: float = DEFAULT_TIMEOUT,
-                 max_message: int = MAX_MESSAGE):
+                 max_message: int = MAX_MESSAGE, security: Security | None = None):
         self.endpoint = endpoint
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(endpoint, options=channel_options(max_message))
+        self.security = security = security if security is not None else default_security()
+        options = channel_options(max_message)
+        if security.tls is not None:
+            self._channel = grpc.aio.secure_channel(endpoint, security.tls.channel_credentials(),
+                                                    options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(endpoint, options=options)
         self._stub = dgr_pb2_grpc.ShardStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._step_method = self._channel.stream_stream(STEP_METHOD)  # raw bytes both ways
 
     async def _unary(self, what: str, fn, request, timeout: float | None):
         try:
-            return await fn(request, timeout=self.timeout if timeout is None else timeout)
+            return await fn(request, timeout=self.timeout if timeout is None else timeout,
+                            metadata=self.security.metadata(_METHODS[what]))
         except grpc.RpcError as e:
             raise from_rpc_error(e, f"{self.endpoint} {what}") from None
 

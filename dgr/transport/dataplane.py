@@ -12,6 +12,10 @@ length (u32, little endian), for the hot path:
   connection (``Links``) and only the last stage (or a stage that fails) answers the driver,
   on the driver's return connection for that route (``wire.Hello``);
 - the driver side (``AsyncLink``) is an asyncio protocol that parses replies as they arrive.
+
+With a ``Security`` (``dgr.transport.security``) a connection starts with TLS
+(``dgr.transport.tls``) and its first frame authenticates it: the data server reads nothing
+else before that frame's token is accepted.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from typing import Callable
 
 from dgr import errors
 from dgr.protocol import wire
+from dgr.transport.security import AUTH_MAGIC, DENIED, MAX_TOKEN, Security, default_security
+from dgr.transport.tls import tunnels
 
 __all__ = ["LEN", "MAX_FRAME", "FrameSocket", "DataServer", "Links", "AsyncLink",
            "connect", "split_endpoint"]
@@ -39,6 +45,8 @@ log = logging.getLogger("dgr.transport")
 LEN = struct.Struct("<I")
 #: Largest frame accepted: the wire's own payload and header limits plus prefix and padding.
 MAX_FRAME = wire.MAX_PAYLOAD + wire.MAX_HEADER + 4096
+#: Largest authentication frame (a connection's first, when credentials are on)
+MAX_AUTH_FRAME = len(AUTH_MAGIC) + MAX_TOKEN
 #: Receive buffers start at this size and grow to the largest frame seen on the connection.
 _INITIAL_BUFFER = 1 << 16
 
@@ -55,15 +63,19 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def connect(endpoint: str, timeout: float) -> socket.socket:
-    """A connected, tuned, blocking TCP socket to ``endpoint``.
+def connect(endpoint: str, timeout: float, security: Security | None = None) -> socket.socket:
+    """A connected, tuned, blocking socket to ``endpoint``: TCP, or the plaintext end of a
+    TLS connection (``dgr.transport.tls``) when ``security`` has TLS.
 
     Raises
     ------
     dgr.errors.WorkerUnavailable
-        Not reachable within ``timeout`` seconds.
+        Not reachable (or the TLS handshake failed) within ``timeout`` seconds.
     """
     host, port = split_endpoint(endpoint)
+    ctx = security.client_context() if security is not None else None
+    if ctx is not None:
+        return tunnels().connect(host, port, ctx, timeout)
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as e:
@@ -262,8 +274,15 @@ class DataServer:
     def __init__(self, handler: Callable[[FrameSocket], None], host: str = "127.0.0.1",
                  port: int = 0, max_connections: int = 256,
                  conn_class: type[FrameSocket] | None = None,
-                 max_per_address: int | None = 64, frame_timeout: float | None = 30.0):
+                 max_per_address: int | None = 64, frame_timeout: float | None = 30.0,
+                 security: Security | None = None, auth_timeout: float = 10.0):
         self.handler = handler
+        #: credentials accepted (``security.keys``: every connection's first frame must
+        #: authenticate it) and TLS (``security.tls``); None: neither
+        self.security = security
+        self._tls = security.server_context() if security is not None else None
+        #: seconds from accept to the end of the authentication frame (and the handshake)
+        self.auth_timeout = auth_timeout
         #: the class of the accepted connections (a ``FrameSocket`` with native I/O, say)
         self.conn_class = conn_class or FrameSocket
         #: connections beyond this many get an ``ErrorReply`` (ResourceExhausted) and are
@@ -310,8 +329,13 @@ class DataServer:
             except OSError:
                 return  # closed
             _tune(sock)
+            t_accept = time.monotonic()
+            if self._tls is not None:  # TLS ends on the tunnel thread; frames use the rest
+                sock = tunnels().wrap_accepted(sock, self._tls, self.auth_timeout)
             conn = self.conn_class(sock, f"{peer[0]}:{peer[1]}", self.frame_timeout)
             conn.peer_address = addr = peer[0]
+            conn.t_accept = t_accept
+            conn.credential = None
             with self._lock:
                 if self._closed:
                     conn.close()
@@ -340,6 +364,13 @@ class DataServer:
 
     def _serve(self, conn: FrameSocket) -> None:
         try:
+            sec = self.security
+            if sec is not None and sec.keys is not None:
+                try:
+                    conn.credential = sec.verify_auth_frame(self._first_frame(conn))
+                except errors.Unauthenticated as e:
+                    conn.send(wire.encode(wire.ErrorReply.from_exception(e)))
+                    return
             self.handler(conn)
         except (ConnectionError, OSError) as e:
             if not conn.closed:
@@ -354,6 +385,47 @@ class DataServer:
                     self._per_address[conn.peer_address] -= 1
                     if not self._per_address[conn.peer_address]:
                         del self._per_address[conn.peer_address]
+
+    def _first_frame(self, conn: FrameSocket) -> bytes:
+        """The connection's first frame, read directly off its socket, which must be
+        whole within ``auth_timeout`` of the accept and no longer than an authentication
+        frame can be; nothing after it is read.
+
+        Raises
+        ------
+        dgr.errors.Unauthenticated
+            Too long, too late, or the connection ended first.
+        """
+        sock = conn.sock
+        deadline = conn.t_accept + self.auth_timeout
+
+        def read(n: int) -> bytes:
+            buf = bytearray(n)
+            view, got = memoryview(buf), 0
+            while got < n:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise errors.Unauthenticated(DENIED)
+                sock.settimeout(left)
+                try:
+                    k = sock.recv_into(view[got:])
+                except (TimeoutError, OSError):
+                    raise errors.Unauthenticated(DENIED) from None
+                if not k:
+                    raise errors.Unauthenticated(DENIED)
+                got += k
+            return bytes(buf)
+
+        try:
+            (size,) = LEN.unpack(read(LEN.size))
+            if size > MAX_AUTH_FRAME:
+                raise errors.Unauthenticated(DENIED)
+            return read(size)
+        finally:
+            try:
+                sock.settimeout(None)
+            except OSError:
+                pass
 
     def stop(self) -> None:
         """Stop accepting and close every connection."""
@@ -376,9 +448,13 @@ class Links:
     reconnects instead of writing into a dead connection.
     """
 
-    def __init__(self, connect_timeout: float = 2.0, conn_class: type[FrameSocket] | None = None):
+    def __init__(self, connect_timeout: float = 2.0, conn_class: type[FrameSocket] | None = None,
+                 security: Security | None = None):
         self.connect_timeout = connect_timeout
         self.conn_class = conn_class or FrameSocket
+        #: the credential presented (the first frame of every link) and TLS to the next
+        #: stages; None: ``default_security()``
+        self.security = security if security is not None else default_security()
         self._tls = threading.local()  # .pending: a burst's frames per endpoint, or None
         self._links: dict[str, FrameSocket] = {}
         self._lock = threading.Lock()
@@ -391,7 +467,16 @@ class Links:
             link = self._links.get(endpoint)
             if link is not None and not link.closed:
                 return link
-            link = self.conn_class(connect(endpoint, self.connect_timeout), endpoint)
+            link = self.conn_class(connect(endpoint, self.connect_timeout, self.security),
+                                   endpoint)
+            auth = self.security.auth_frame()
+            if auth is not None:
+                try:
+                    link.send(auth)
+                except OSError as e:
+                    link.close()
+                    raise errors.WorkerUnavailable(
+                        f"{endpoint}: data plane send failed ({e})") from None
             self._links[endpoint] = link
         threading.Thread(target=self._watch, args=(link,), name="dgr-data-link",
                          daemon=True).start()
@@ -531,16 +616,25 @@ class AsyncLink:
         self.transport: asyncio.Transport | None = None
         self.closed = False
 
-    async def open(self, timeout: float, hello: wire.Hello | None = None) -> AsyncLink:
+    async def open(self, timeout: float, hello: wire.Hello | None = None,
+                   security: Security | None = None) -> AsyncLink:
+        """Connect (TLS and the authentication frame first when ``security`` says so;
+        None: ``default_security()``), then send ``hello``."""
         host, port = split_endpoint(self.endpoint)
         loop = asyncio.get_running_loop()
+        sec = security if security is not None else default_security()
+        ctx = sec.client_context()
+        tls = {"ssl": ctx, "server_hostname": host} if ctx is not None else {}
         try:
             self.transport, _ = await asyncio.wait_for(
-                loop.create_connection(lambda: _Protocol(self), host, port), timeout)
+                loop.create_connection(lambda: _Protocol(self), host, port, **tls), timeout)
         except (OSError, asyncio.TimeoutError, TimeoutError) as e:
             self.closed = True
             raise errors.WorkerUnavailable(
                 f"{self.endpoint}: data plane unreachable ({type(e).__name__}: {e})") from None
+        auth = sec.auth_frame()
+        if auth is not None:
+            self.send(auth)
         if hello is not None:
             self.send(wire.encode(hello))
         return self

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, Protocol, Sequence
 
@@ -11,7 +12,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dgr import errors
 from dgr._proto import dgr_pb2, dgr_pb2_grpc
+from dgr.protocol import wire
 from dgr.transport.common import HEALTH_SERVICE, MAX_MESSAGE, SERVICE, server_options
+from dgr.transport.security import CALLER, METADATA_KEY, PUBLIC_METHODS, Security
 from dgr.transport.status import to_status
 
 __all__ = ["StageBackend", "ShardServer"]
@@ -41,6 +44,76 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     status, details, md = to_status(exc)
     context.set_trailing_metadata(md)
     await context.abort(status, details)
+
+
+def _rewrap(handler, wrap):
+    """``handler`` with its behaviour replaced by ``wrap(behaviour, streaming_response)``."""
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(
+            wrap(handler.unary_unary), handler.request_deserializer, handler.response_serializer)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(
+            wrap(handler.unary_stream, True), handler.request_deserializer,
+            handler.response_serializer)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(
+            wrap(handler.stream_unary), handler.request_deserializer,
+            handler.response_serializer)
+    return grpc.stream_stream_rpc_method_handler(
+        wrap(handler.stream_stream, True), handler.request_deserializer,
+        handler.response_serializer)
+
+
+class Authenticate(grpc.aio.ServerInterceptor):
+    """Every call but ``PUBLIC_METHODS`` (health) needs a token of a credential in
+    ``security.keys`` in its ``x-dgr-auth`` metadata (``dgr.transport.security``); the
+    handler of an accepted call sees the credential as ``CALLER``. A refused call ends with
+    UNAUTHENTICATED before its handler runs; a refused ``Step`` stream first answers its
+    first frame with an ``ErrorReply`` (``Unauthenticated``), since aborting a stream before
+    its first message can reach the client as INTERNAL."""
+
+    def __init__(self, security: Security):
+        self.keys = security.keys
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method in PUBLIC_METHODS:
+            return handler
+        token = None
+        for k, v in details.invocation_metadata or ():
+            if k == METADATA_KEY:
+                token = v
+                break
+        try:
+            cred = self.keys.verify(token, "grpc:" + details.method)
+        except errors.Unauthenticated as e:
+            refusal = e
+            return _rewrap(handler, lambda fn, streaming=False: _deny(refusal, details.method))
+        return _rewrap(handler, lambda fn, streaming=False: _as_caller(fn, cred, streaming))
+
+
+def _as_caller(fn, cred, streaming: bool):
+    if streaming and not asyncio.iscoroutinefunction(fn):  # an async generator handler
+        async def gen(request, context):
+            CALLER.set(cred)
+            async for r in fn(request, context):
+                yield r
+        return gen
+
+    async def call(request, context):
+        CALLER.set(cred)
+        return await fn(request, context)
+    return call
+
+
+def _deny(exc: errors.Unauthenticated, method: str):
+    async def deny(request, context):
+        if method.endswith("/Step"):
+            data = await context.read()
+            if data is not grpc.aio.EOF:
+                await context.write(wire.encode(wire.ErrorReply.from_exception(exc)))
+        await _abort(context, exc)
+    return deny
 
 
 class _Servicer(dgr_pb2_grpc.ShardServicer):
@@ -104,15 +177,23 @@ class ShardServer:
     maximum_concurrent_rpcs : int, optional
         Beyond this many concurrent RPCs (open step streams count) gRPC answers
         RESOURCE_EXHAUSTED.
+    security : Security, optional
+        With ``keys``: every call but health needs a credential (``Authenticate``); with
+        ``tls``: the port serves TLS (mutual with ``tls.client_auth``). None: neither.
     """
 
     def __init__(self, backend: StageBackend, listen: str = "127.0.0.1:0", *,
-                 max_message: int = MAX_MESSAGE, maximum_concurrent_rpcs: int | None = None):
+                 max_message: int = MAX_MESSAGE, maximum_concurrent_rpcs: int | None = None,
+                 security: Security | None = None):
         self.backend = backend
         self.listen = listen
         self.port: int | None = None
+        self.security = security
+        interceptors = ([Authenticate(security)]
+                        if security is not None and security.keys is not None else [])
         self._server = grpc.aio.server(options=server_options(max_message),
-                                       maximum_concurrent_rpcs=maximum_concurrent_rpcs)
+                                       maximum_concurrent_rpcs=maximum_concurrent_rpcs,
+                                       interceptors=interceptors)
         servicer = _Servicer(backend)
         dgr_pb2_grpc.add_ShardServicer_to_server(servicer, self._server)
         # The Step method is not in the generated service (its messages are not protobuf):
@@ -135,8 +216,12 @@ class ShardServer:
         dgr.errors.InvalidArgument
             The address cannot be bound (in use, not local, malformed).
         """
+        tls = self.security.tls if self.security is not None else None
         try:
-            self.port = self._server.add_insecure_port(self.listen)
+            if tls is not None and tls.cert:
+                self.port = self._server.add_secure_port(self.listen, tls.server_credentials())
+            else:
+                self.port = self._server.add_insecure_port(self.listen)
         except RuntimeError as e:
             raise errors.InvalidArgument(f"cannot listen on {self.listen}: {e}") from None
         if not self.port:

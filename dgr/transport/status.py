@@ -51,6 +51,8 @@ STATUS_OF: dict[type[E.DgrError], grpc.StatusCode] = {
     E.ModelMismatch: S.FAILED_PRECONDITION,
     E.RouteError: S.FAILED_PRECONDITION,
     E.RelayRefused: S.PERMISSION_DENIED,
+    E.Unauthenticated: S.UNAUTHENTICATED,
+    E.SessionForbidden: S.PERMISSION_DENIED,
     E.WorkerUnavailable: S.UNAVAILABLE,
     E.WorkerDraining: S.UNAVAILABLE,
     E.StepDeadlineExceeded: S.DEADLINE_EXCEEDED,
@@ -75,6 +77,7 @@ CANONICAL: dict[grpc.StatusCode, type[E.DgrError]] = {
     S.UNIMPLEMENTED: E.UnknownCodec,
     S.INTERNAL: E.EngineError,
     S.UNKNOWN: E.DgrError,
+    S.UNAUTHENTICATED: E.Unauthenticated,
 }
 
 
@@ -94,10 +97,7 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str
     retry = getattr(exc, "retry_after", None)
     if retry is not None:
         md.append((RETRY_KEY, repr(float(retry))))
-    details = str(exc) or type(exc).__name__
-    if not isinstance(exc, E.DgrError):
-        details = f"{type(exc).__name__}: {details}"
-    return status_of(type(exc)), details, tuple(md)
+    return status_of(type(exc)), E.public_message(exc), tuple(md)
 
 
 def from_status(status: grpc.StatusCode, details: str | None,

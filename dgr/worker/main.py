@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
 import signal
@@ -38,12 +39,59 @@ def _parse_layers(text: str | None) -> tuple[int, int] | None:
         raise SystemExit(f"--layers must look like A:B (e.g. 0:10), got {text!r}") from None
 
 
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def security_of(args):
+    """The worker's ``Security`` from its options (``--cluster-keys``, ``--present-key``,
+    ``--tls-*``), and the secure default: listening beyond loopback without a credential
+    needs ``--insecure`` (and is logged as a warning).
+
+    Raises
+    ------
+    dgr.errors.InvalidArgument
+        A credentials or certificate file that cannot be used, an option without the one it
+        needs, or a non-loopback ``--listen`` without credentials or ``--insecure``.
+    """
+    from dgr.transport.security import KeyRing, Security, TLSConfig, load_credentials, pick
+
+    keys = cred = tls = None
+    if args.cluster_keys:
+        creds = load_credentials(args.cluster_keys)
+        keys = KeyRing(creds, skew=args.auth_skew)
+        cred = pick(creds, args.present_key, prefer_peer=True)
+    elif args.present_key:
+        raise errors.InvalidArgument("--present-key names a credential of --cluster-keys")
+    if args.tls_cert or args.tls_key or args.tls_ca or args.tls_client_auth:
+        tls = TLSConfig(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca,
+                        client_auth=args.tls_client_auth)
+        tls.check_server()
+    host = args.listen.rsplit(":", 1)[0]
+    if not _is_loopback(host) and keys is None and not (tls and tls.client_auth):
+        if not args.insecure:
+            raise errors.InvalidArgument(
+                f"--listen {args.listen} is reachable beyond this machine and no credential "
+                "protects it: give --cluster-keys FILE (or --tls-client-auth), or --insecure "
+                "to serve anyone who can reach it (docs/security.md)")
+        log.warning("INSECURE: listening on %s with no credential: anyone who can reach it "
+                    "may run steps, read their tokens and drop sessions", args.listen)
+    return Security(cred, keys, tls)
+
+
 async def _serve(args) -> int:
     from dgr.core.engine import Engine
     from dgr.worker.trust import RelayPolicy
 
     relay_allow = _relay_allow(args.relay_allow)
     RelayPolicy(relay_allow)  # a bad entry fails here, before the model loads
+    security = security_of(args)  # and so does a bad credential or certificate
     model = args.model
     if model is None:
         from dgr.artifacts import models
@@ -57,11 +105,14 @@ async def _serve(args) -> int:
                     inline=args.inline_compute, cert_store=args.cert_store,
                     inline_below_ms=args.inline_below_ms, batching=args.batching,
                     native_frames=args.frames == "native", ring_groups=args.ring_groups,
-                    relay_allow=relay_allow)
+                    relay_allow=relay_allow, security=security,
+                    max_sessions_per_credential=args.max_sessions_per_credential or None,
+                    max_queued_per_credential=args.max_queued_per_credential or None)
     if args.trace:
         worker.trace = open(args.trace, "a", buffering=1 << 16)
     worker.advertise_data_port = args.advertise_data_port
-    server = ShardServer(worker, args.listen, maximum_concurrent_rpcs=args.max_streams)
+    server = ShardServer(worker, args.listen, maximum_concurrent_rpcs=args.max_streams,
+                         security=security)
     await server.start()
     addr = server.address
     if args.data_port >= 0:
@@ -188,6 +239,39 @@ def build_parser() -> argparse.ArgumentParser:
                         "repeatable. Default: loopback only (127.0.0.0/8, ::1, localhost); a "
                         "route across machines needs its stages' addresses here. Any other "
                         "endpoint gets RelayRefused and no connection: docs/security.md")
+    g = p.add_argument_group(
+        "security", "credentials, TLS and per-credential caps (docs/security.md). Without "
+        "--cluster-keys anyone who can reach the ports is served: the default --listen is "
+        "loopback, and any other address needs --cluster-keys (or --tls-client-auth) or "
+        "--insecure")
+    g.add_argument("--cluster-keys", metavar="FILE",
+                   help="credentials file ('name secret [peer] [sessions=N] [queued=N]' a "
+                        "line): every gRPC call (but health) and data-plane connection must "
+                        "present one of them; this worker presents its first peer entry to "
+                        "the next stages")
+    g.add_argument("--present-key", metavar="NAME",
+                   help="the credential of --cluster-keys this worker presents to other "
+                        "workers (default: the first marked peer, else the first)")
+    g.add_argument("--auth-skew", type=float, default=300.0,
+                   help="seconds a credential token's time may differ from this clock; a "
+                        "token is single-use within that window (default 300)")
+    g.add_argument("--tls-cert", metavar="PEM", help="certificate (chain) to serve TLS on both "
+                   "planes, and to present as a client certificate to the next stages")
+    g.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    g.add_argument("--tls-ca", metavar="PEM",
+                   help="CA certificates that verify the next stages (and, with "
+                        "--tls-client-auth, the clients); default: the system's")
+    g.add_argument("--tls-client-auth", action="store_true",
+                   help="mutual TLS: clients must present a certificate signed by --tls-ca")
+    g.add_argument("--insecure", action="store_true",
+                   help="allow --listen beyond loopback with no credential (logged as a "
+                        "warning)")
+    g.add_argument("--max-sessions-per-credential", type=int, default=0,
+                   help="sessions one non-peer credential may hold here when its own "
+                        "sessions=N is unset (default 0: no cap but the slots)")
+    g.add_argument("--max-queued-per-credential", type=int, default=0,
+                   help="steps one non-peer credential may have admitted and unfinished here "
+                        "when its own queued=N is unset (default 0: no cap)")
     p.add_argument("--ring-groups", action=argparse.BooleanOptionalAction, default=True,
                    help="cap a batch so that the sessions of a decode loop travel their ring "
                         "in as many groups as it has stages, keeping every stage busy "

@@ -100,6 +100,7 @@ class Step:
     tokens: list[int] | None = None  # sampled, one per wanted row
     seconds: float = 0.0  # the engine's forward call (its share of a batch's, by tokens)
     batch: tuple[int, int] | None = None  # (batch id, steps in it), set by the stage loop
+    credential: Any = None  # the caller's (dgr.transport.security.Credential), if any
 
 
 class _DeferredRelease:
@@ -153,6 +154,10 @@ class StagePipeline:
         self.stopped = False
         self.not_run = 0
         self.inflight = 0  # admitted and not finished
+        #: admitted and not finished, per non-peer credential name (``_busy``)
+        self._queued: collections.Counter[str] = collections.Counter()
+        #: steps a non-peer credential may have queued when its own ``max_queued`` is unset
+        self.max_queued_per_credential: int | None = None
         self.computing = 0  # computes hold the engine's lock: 0 or 1
         self.steps_total = 0
         self.errors_total = 0
@@ -175,7 +180,7 @@ class StagePipeline:
     # -- admit -----------------------------------------------------------------------------
 
     def admit(self, frame: wire.Frame, t_arrive: float, *,
-              returns: Container[str] | None = None) -> Step:
+              returns: Container[str] | None = None, credential=None) -> Step:
         """Check a decoded frame and lease its session's slot (``accept`` then ``lease``).
 
         Raises
@@ -184,28 +189,32 @@ class StagePipeline:
             WorkerDraining, FrameError (not a step), ModelMismatch, RouteError,
             InvalidArgument, and the session table's refusals.
         """
-        step = self.accept(frame, t_arrive, returns=returns)
+        step = self.accept(frame, t_arrive, returns=returns, credential=credential)
         try:
             self.lease(step)
         except BaseException:
-            self._busy(-1)
+            self._busy(-1, step.credential)
             raise
         return step
 
     def accept(self, frame: wire.Frame, t_arrive: float, *,
-               returns: Container[str] | None = None) -> Step:
+               returns: Container[str] | None = None, credential=None) -> Step:
         """Check a decoded frame: everything but the session table. The step has no lease
         yet: ``lease`` takes it when the step is about to run (the stage loop does, so a
         session's next step may arrive while its previous one still waits or computes).
 
         ``returns``: the routes with a return connection on this plane (the data plane's);
-        None where relayed frames cannot arrive (a gRPC ``Step`` stream).
+        None where relayed frames cannot arrive (a gRPC ``Step`` stream). ``credential``: the
+        caller's (``dgr.transport.security.Credential``; None without credentials): a
+        non-peer one may have at most its ``max_queued`` (else ``max_queued_per_credential``)
+        steps admitted and not finished at once.
 
         Raises
         ------
         dgr.errors.DgrError
             WorkerDraining, FrameError (not a step), ModelMismatch, RouteError,
-            InvalidArgument, InvalidBoundary, MissingTokenIds.
+            InvalidArgument, InvalidBoundary, MissingTokenIds, ResourceExhausted (the
+            credential's queued steps).
         """
         h = frame.header
         if self.draining:
@@ -220,8 +229,8 @@ class StagePipeline:
             if self.is_last and h.reply_to not in returns:
                 raise errors.RouteError(f"relayed frame names route {h.reply_to!r}, which sent "
                                         "this worker no Hello (no return connection)")
-        self._busy(1)
-        return Step(h, frame.array, None, t_arrive)
+        self._busy(1, credential)
+        return Step(h, frame.array, None, t_arrive, credential=credential)
 
     def lease(self, step: Step) -> None:
         """Lease ``step``'s session slot from the session table (``step.lease``).
@@ -234,7 +243,8 @@ class StagePipeline:
         """
         h = step.header
         with self.lock:
-            step.lease = self.table.acquire(h.session, h.epoch, h.first_pos, h.n_tokens)
+            step.lease = self.table.acquire(h.session, h.epoch, h.first_pos, h.n_tokens,
+                                            step.credential)
 
     def _check(self, h) -> None:
         """What a frame means for this stage, beyond what the engine checks of its inputs."""
@@ -296,8 +306,27 @@ class StagePipeline:
                 f"layers [{self.layers[0]}, {self.layers[1]}) route by token id: send the "
                 "token ids with the boundary")
 
-    def _busy(self, delta: int) -> None:
+    def _busy(self, delta: int, credential=None) -> None:
+        """Count a step admitted (+1) or finished (-1), in all and for a non-peer
+        ``credential``, whose cap a new step must fit under.
+
+        Raises
+        ------
+        dgr.errors.ResourceExhausted
+            ``delta`` is +1 and the credential has its cap of steps queued (nothing counted).
+        """
         with self._counts:
+            if credential is not None and not credential.peer:
+                name = credential.name
+                if delta > 0:
+                    cap = credential.max_queued or self.max_queued_per_credential
+                    if cap is not None and self._queued[name] >= cap:
+                        raise errors.ResourceExhausted(
+                            f"credential {name!r} has {cap} steps queued on this worker, its "
+                            "cap: send more after their replies", retry_after=0.05)
+                self._queued[name] += delta
+                if not self._queued[name]:
+                    del self._queued[name]
             self.inflight += delta
 
     # -- compute ---------------------------------------------------------------------------
@@ -521,7 +550,7 @@ class StagePipeline:
                 self.window.add(step.header.n_tokens, step.seconds)
                 if step.header.n_tokens == 1:
                     self.hop_ms.append((time.perf_counter() - step.t_arrive) * 1e3)
-        self._busy(-1)
+        self._busy(-1, step.credential)
 
     # -- frames ----------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ class ThreadedWorker:
         self.worker = Worker(engine, **worker_kw)
 
         async def start() -> ShardServer:
-            srv = ShardServer(self.worker, listen)
+            srv = ShardServer(self.worker, listen, security=self.worker.security)
             await srv.start()
             return srv
 

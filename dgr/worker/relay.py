@@ -39,11 +39,12 @@ class Forwarder:
     """
 
     def __init__(self, layer_end: int, is_first: bool, is_last: bool,
-                 frames: Frames | None = None):
+                 frames: Frames | None = None, security=None):
         self.layer_end = layer_end
         self.is_first, self.is_last = is_first, is_last
         self.frames = frames or Frames()
-        self.links = Links(conn_class=self.frames.conn_class)
+        #: links present ``security``'s credential and TLS (None: the environment's)
+        self.links = Links(conn_class=self.frames.conn_class, security=security)
         self._returns: dict[str, FrameSocket] = {}  # route id -> the driver's connection
         self._lock = threading.Lock()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -12,6 +13,7 @@ from dgr.errors import (
     InvalidArgument,
     ResourceExhausted,
     SessionError,
+    SessionForbidden,
     StaleEpoch,
     UnknownSession,
 )
@@ -43,6 +45,8 @@ class SessionInfo:
     busy: bool = False
     steps: int = 0
     ticket: int = 0  # the admitted step's lease (Lease.ticket) while busy
+    owner: str = ""  # the name of the credential that opened it ("": no credentials)
+    by_peer: bool = False  # opened by a peer credential (relayed from another stage)
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,16 @@ class SessionTable:
     - a new session needs a free slot: idle sessions past ``ttl`` are expired first, then the
       least recently used session idle for at least ``evict_after`` is evicted; when none
       qualifies, ``ResourceExhausted`` with ``retry_after`` (seconds until one would).
+
+    With credentials (``who``: an object with ``name``, ``peer`` and ``max_sessions``, a
+    ``dgr.transport.security.Credential``), a session belongs to the credential that opened
+    it: a step of another non-peer credential gets ``SessionForbidden`` and its release is
+    refused (False), except that a session a peer opened (relayed here by another stage, so
+    this worker never saw its tenant) may be released by any credential (its id is the
+    capability: the driver that made it releases it on every stage), and a non-peer credential opens at most its ``max_sessions`` (else the
+    table's ``max_sessions_per_owner``; None: no cap but the slots), beyond which its new
+    session gets ``ResourceExhausted``. Peer credentials (the cluster's workers, relaying
+    for every tenant) act on any session and are not capped.
 
     The table is not thread-safe: the worker calls it under its table lock. Compute happens
     between ``acquire`` and ``commit``/``abort``; a session is ``busy`` meanwhile and a second
@@ -117,6 +131,9 @@ class SessionTable:
         self._free: list[int] = list(range(n_slots - 1, -1, -1))  # pop() gives slot 0 first
         self._tickets = 0
         self.closed = False  # set while draining: no new sessions or epochs
+        #: sessions a non-peer credential may hold when its own ``max_sessions`` is unset
+        self.max_sessions_per_owner: int | None = None
+        self._owned: collections.Counter[str] = collections.Counter()
 
     # -- facts ---------------------------------------------------------------------------
 
@@ -144,7 +161,8 @@ class SessionTable:
 
     # -- steps ---------------------------------------------------------------------------
 
-    def acquire(self, session: str, epoch: int, first_pos: int, n_tokens: int) -> Lease:
+    def acquire(self, session: str, epoch: int, first_pos: int, n_tokens: int,
+                who=None) -> Lease:
         """Check a step against the session's state and reserve its slot.
 
         Returns
@@ -155,7 +173,7 @@ class SessionTable:
 
         Raises
         ------
-        StaleEpoch, CacheMiss, UnknownSession, ContextFull, ResourceExhausted
+        StaleEpoch, CacheMiss, UnknownSession, ContextFull, ResourceExhausted, SessionForbidden
             As described in the class docstring; the table is unchanged except for expired or
             evicted idle sessions.
         SessionError
@@ -168,6 +186,9 @@ class SessionTable:
             raise InvalidArgument(f"a step needs at least one token, got {n_tokens}")
         now = self._clock()
         s = self._sessions.get(session)
+        tenant = who is not None and not who.peer
+        if s is not None and tenant and s.owner != who.name:
+            raise SessionForbidden(f"session {session!r} was opened by another credential")
         if s is not None and s.busy:
             raise SessionError(f"session {session!r} already has a step in flight; send the "
                                "next step after its reply")
@@ -201,11 +222,21 @@ class SessionTable:
             s.epoch, s.next_pos, s.busy, s.last_used = epoch, 0, True, now
             s.ticket = self._next_ticket()
             return Lease(session, epoch, s.slot, 0, n_tokens, new=True, ticket=s.ticket)
+        owner = who.name if who is not None else ""
+        if tenant:
+            cap = who.max_sessions or self.max_sessions_per_owner
+            if cap is not None and self._owned[owner] >= cap:
+                raise ResourceExhausted(
+                    f"credential {owner!r} holds {self._owned[owner]} sessions on this worker, "
+                    f"its cap: release one (or let one expire) first",
+                    retry_after=max(self.evict_after, 0.1))
         slot = self._take_slot(now)
         self.engine.release(slot)  # whatever a previous owner left there
         t = self._next_ticket()
         self._sessions[session] = SessionInfo(session, epoch, slot, 0, now, now, busy=True,
-                                              ticket=t)
+                                              ticket=t, owner=owner,
+                                              by_peer=who is not None and who.peer)
+        self._owned[owner] += 1
         self._emit("open", session, epoch, slot, "")
         return Lease(session, epoch, slot, 0, n_tokens, new=True, ticket=t)
 
@@ -241,10 +272,12 @@ class SessionTable:
 
     # -- housekeeping --------------------------------------------------------------------
 
-    def release(self, session: str) -> bool:
-        """Drop a session now (explicit release). False when it was unknown."""
+    def release(self, session: str, who=None) -> bool:
+        """Drop a session now (explicit release). False when it was unknown (or, with
+        ``who`` a non-peer credential, another's)."""
         s = self._sessions.get(session)
-        if s is None:
+        if s is None or (who is not None and not who.peer and s.owner != who.name
+                         and not s.by_peer):
             return False
         self._drop(s, "release", "")
         return True
@@ -261,6 +294,10 @@ class SessionTable:
         """Drop every idle session (shutdown)."""
         for s in [s for s in self._sessions.values() if not s.busy]:
             self._drop(s, "release", "shutdown")
+
+    def owned(self, owner: str) -> int:
+        """Sessions held by the credential named ``owner``."""
+        return self._owned.get(owner, 0)
 
     def snapshot(self) -> list[SessionInfo]:
         return [SessionInfo(**vars(s)) for s in self._sessions.values()]
@@ -298,6 +335,9 @@ class SessionTable:
 
     def _drop(self, s: SessionInfo, event: str, detail: str) -> None:
         del self._sessions[s.session]
+        self._owned[s.owner] -= 1
+        if not self._owned[s.owner]:
+            del self._owned[s.owner]
         # With a step in flight this must run after it: the worker's engine adapter defers
         # release() to the next compute, which holds the engine's lock, so it does.
         self.engine.release(s.slot)

@@ -20,6 +20,7 @@ from dgr import __version__, errors
 from dgr.protocol import wire
 from dgr.protocol.settings import NUMERIC_SETTINGS
 from dgr.transport.common import MAX_MESSAGE
+from dgr.transport.security import CALLER, Security
 from dgr.transport.server import ShardServer
 from dgr.worker.frames import Frames
 from dgr.worker.pipeline import StagePipeline, Step
@@ -59,8 +60,15 @@ class Worker(StagePipeline):
                  inline: bool = False, name: str = "", max_message: int = MAX_MESSAGE,
                  cert_store: str | None = None, inline_below_ms: float = 0.0,
                  batching: bool = True, native_frames: bool = True,
-                 ring_groups: bool = True, relay_allow=None):
+                 ring_groups: bool = True, relay_allow=None, security: Security | None = None,
+                 max_sessions_per_credential: int | None = None,
+                 max_queued_per_credential: int | None = None):
         super().__init__(engine, ttl=ttl, evict_after=evict_after, max_message=max_message)
+        #: the credentials accepted and presented, and TLS (dgr.transport.security; both
+        #: planes use it): none by default
+        self.security = security if security is not None else Security()
+        self.table.max_sessions_per_owner = max_sessions_per_credential
+        self.max_queued_per_credential = max_queued_per_credential
         #: whom relayed frames may make this worker connect to (default: loopback only)
         self.relay_policy = RelayPolicy(relay_allow)
         #: the data plane's frame codec and I/O (dgr.worker.frames): C++ unless
@@ -134,8 +142,9 @@ class Worker(StagePipeline):
             return b""
 
     def release(self, session: str) -> bool:
+        """Release ``session`` for the caller (``CALLER``: another credential's is not)."""
         with self.lock:
-            return self.table.release(session)
+            return self.table.release(session, CALLER.get())
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool):
         return self.engine.tokenize(text, add_special, parse_special)
@@ -152,7 +161,7 @@ class Worker(StagePipeline):
         try:
             frame = self.frames.decode(data)
             h = frame.header
-            step = self.accept(frame, t_arrive)
+            step = self.accept(frame, t_arrive, credential=CALLER.get())
         except Exception as e:  # noqa: BLE001 - every refusal is an ErrorReply
             return self.error(e, *_who(h))
         aloop = asyncio.get_running_loop()
@@ -197,11 +206,13 @@ class Worker(StagePipeline):
         from dgr.transport.dataplane import DataServer
         from dgr.worker.relay import Forwarder
 
-        self.forwarder = Forwarder(self.layers[1], self.is_first, self.is_last, self.frames)
+        self.forwarder = Forwarder(self.layers[1], self.is_first, self.is_last, self.frames,
+                                   self.security)
         self.data_server = DataServer(self._data_connection, host, port, max_connections,
                                       conn_class=self.frames.conn_class,
                                       max_per_address=max_per_address,
-                                      frame_timeout=frame_timeout).start()
+                                      frame_timeout=frame_timeout,
+                                      security=self.security).start()
         return self.data_server.port
 
     def stop_data(self) -> None:
@@ -241,7 +252,8 @@ class Worker(StagePipeline):
             if type(h) is wire.Hello:  # a driver's return connection
                 fw.hello(conn, h.route)
                 return
-            step = self.accept(frame, t_arrive, returns=fw)
+            step = self.accept(frame, t_arrive, returns=fw,
+                               credential=getattr(conn, "credential", None))
         except Exception as e:  # noqa: BLE001 - every refusal is an ErrorReply
             fw.send_back(conn, getattr(h, "reply_to", ""), self.error(e, *_who(h)))
             return

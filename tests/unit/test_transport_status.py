@@ -62,10 +62,17 @@ def test_unlisted_subclass_uses_nearest_ancestor():
     assert st.status_of(KeyError) == grpc.StatusCode.INTERNAL
 
 
-def test_non_dgr_exception():
-    status, details, md = st.to_status(KeyError("k"))
-    assert status == grpc.StatusCode.INTERNAL and details.startswith("KeyError")
+def test_non_dgr_exception(caplog):
+    """A remote caller learns nothing of an unexpected exception but a log reference; the
+    log keeps it whole under that reference."""
+    status, details, md = st.to_status(KeyError("/srv/models/secret.gguf"))
+    assert status == grpc.StatusCode.INTERNAL and details.startswith("internal error")
+    assert "secret" not in details and "KeyError" not in details
+    ref = details.split("reference ")[1].split()[0]
+    assert ref in caplog.text and "/srv/models/secret.gguf" in caplog.text
     assert type(st.from_status(status, details, md)) is E.DgrError
+    # a dgr error's own message is meant for callers: it goes as it is
+    assert st.to_status(E.CacheMiss("re-prefill"))[1] == "re-prefill"
 
 
 @pytest.mark.parametrize("status,cls", [

@@ -386,8 +386,9 @@ def test_error_reply_round_trip() -> None:
     back = f.header.to_exception()
     assert type(back) is errors.ResourceExhausted and back.retry_after == 0.25
     assert str(back) == "no free slot"
-    other = wire.ErrorReply.from_exception(KeyError("x"))
+    other = wire.ErrorReply.from_exception(KeyError("/home/op/model.gguf"))
     assert other.code == 100 and type(other.to_exception()) is errors.DgrError
+    assert other.message.startswith("internal error") and "model.gguf" not in other.message
     assert type(wire.ErrorReply(code=999, message="?").to_exception()) is errors.DgrError
 
 
