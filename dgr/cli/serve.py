@@ -4,15 +4,19 @@ With no arguments it starts the local 3-stage cluster on the default model (as `
 dgr run`` does) and serves it on http://127.0.0.1:8000/v1; ``--route host:port,...`` serves
 workers that are already running instead. The chat template comes from the model's GGUF
 (``--model``; with ``--route`` and no ``--model``, only ``/v1/completions`` is served).
+
+It listens beyond loopback only with API keys, or with ``--insecure`` (docs/security.md).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
 
 from dgr.protocol import settings as engine_settings
+from dgr.transport.security import is_loopback
 
 __all__ = ["add_serve_parser"]
 
@@ -30,15 +34,18 @@ def add_serve_parser(sub) -> None:
                     "Without --route it starts N local workers on the model (default: the "
                     "registry's default model, 3 stages) and stops them on exit. Point any "
                     "OpenAI client at "
-                    "http://HOST:PORT/v1 (any API key).")
+                    "http://HOST:PORT/v1 (any API key, unless --api-key-file or DGR_API_KEYS "
+                    "sets them). A --host beyond loopback needs API keys or --insecure.")
     s.add_argument("--model", help="GGUF path: the model of the local workers, and the source "
                                    "of the chat template (default: the registry's default)")
     s.add_argument("--route", help="comma-separated host:port of running workers, in any order "
                                    "(default: start local workers)")
     s.add_argument("--stages", type=int, default=3, help="local workers (default 3)")
     s.add_argument("--splits", help="interior split layers of the local workers, e.g. 10,20")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
-                                                       "127.0.0.1: this machine only)")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only). Any "
+                        "other than loopback needs API keys (--api-key-file, DGR_API_KEYS) "
+                        "or --insecure")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     s.add_argument("--model-name", help="the model id clients send (default: the GGUF's file "
                                         "name without .gguf)")
@@ -47,10 +54,21 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--start-timeout", type=float, default=180.0,
                    help="seconds to wait for the local workers to listen")
     s.add_argument("--api-key-file", metavar="FILE",
-                   help="API keys, one a line: every request but /health and the status "
-                        "page's files then needs 'Authorization: Bearer KEY' (401 otherwise); "
-                        "also read from DGR_API_KEYS (comma-separated). Default: no key "
-                        "needed. Keys are never logged: docs/security.md")
+                   help="API keys, one a line, as KEY or NAME KEY (the name, not the "
+                        "key, is what logs and metrics show; a bare key is named key-N): every "
+                        "request but /health and the status page's files then needs "
+                        "'Authorization: Bearer KEY' (401 otherwise); also read from "
+                        "DGR_API_KEYS (comma-separated). Default: no key needed. Keys are "
+                        "never logged: docs/security.md")
+    s.add_argument("--max-requests-per-key", type=int, default=None, metavar="N",
+                   help="generation requests (chat, completions; a stream until it ends) one "
+                        "API key may have in flight; one more gets a 429 with Retry-After at "
+                        "once. Default: half the route's slots, at least 1 (on a route of 2 "
+                        "slots or more one key never holds them all). 0: no cap. Applies "
+                        "only with API keys: without them there is no key to count")
+    s.add_argument("--insecure", action="store_true",
+                   help="allow a --host beyond loopback without API keys (a warning is "
+                        "logged): anyone who can reach the port may use it")
     s.add_argument("--relay", choices=["auto", "on", "off"], default="auto",
                    help="direct relay over the workers' data plane (default: where it applies)")
     engine_settings.add_arguments(s)
@@ -71,6 +89,21 @@ def _cmd_serve(args) -> int:
     except (OSError, ValueError) as e:
         print(f"error: API keys: {e}", file=sys.stderr)
         return 2
+    if args.max_requests_per_key is not None and args.max_requests_per_key < 0:
+        print(f"error: --max-requests-per-key must be >= 0, got {args.max_requests_per_key}",
+              file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="[dgr.serve] %(levelname)s %(message)s")
+    if not api_keys and not is_loopback(args.host):
+        if not args.insecure:
+            print(f"error: --host {args.host} is beyond loopback and no API key is configured: "
+                  "give --api-key-file FILE or DGR_API_KEYS, or --insecure to serve anyone who "
+                  "can reach the port", file=sys.stderr)
+            return 2
+        logging.getLogger("dgr.serve").warning(
+            "--insecure: serving %s without API keys; anyone who can reach the port may use "
+            "it", args.host)
     cluster = None
     try:
         model = args.model
@@ -109,9 +142,14 @@ def _cmd_serve(args) -> int:
         app = create_app(AsyncRoute(endpoints, relay=relay), model=name,
                          template=template if template is not None and template.available
                          else None,
-                         queue_timeout=args.queue_timeout, api_keys=api_keys)
-        _say(f"API keys: {len(api_keys)} (Authorization: Bearer)" if api_keys else
-             "API keys: none; anyone who can reach the port may use it")
+                         queue_timeout=args.queue_timeout, api_keys=api_keys,
+                         max_per_key=args.max_requests_per_key)
+        cap = args.max_requests_per_key
+        cap_text = ("half the route's slots" if cap is None else "no cap" if cap == 0
+                    else str(cap))
+        _say(f"API keys: {len(api_keys)} ({', '.join(k.name for k in api_keys)}; "
+             f"Authorization: Bearer); requests in flight per key: {cap_text}" if api_keys
+             else "API keys: none; anyone who can reach the port may use it")
         _say(f"serving '{name}' over {len(endpoints)} stage(s) on "
              f"http://{args.host}:{args.port}/v1; status page http://{args.host}:{args.port}/ "
              "(Ctrl-C stops)")

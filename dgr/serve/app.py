@@ -11,7 +11,12 @@ Endpoints follow the OpenAI API reference: ``GET /v1/models``, ``POST /v1/comple
 ``{"error": {"message", "type", "param", "code"}}`` and its HTTP status: a malformed request
 400, an unknown model 404, a prompt and completion longer than the context 400 naming both
 lengths, every slot busy 429 with ``Retry-After`` once a request waited ``queue_timeout``
-seconds, the route down 503.
+seconds, the route down 503. With API keys, a key with ``max_per_key`` generation requests in
+flight gets a 429 for one more, without waiting and without holding anything.
+
+An error a client sees names no path, endpoint or other internals: the route's and the
+app's own failures answer a generic message with the request's id (also the ``X-Request-Id``
+header), and the detail goes to the ``dgr.serve`` log under that id.
 
 One route session per request, released on every stage when the request ends, however it
 ends: a client that disconnects mid-stream cancels its generation, and the session is
@@ -24,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import pathlib
 import time
 import uuid
@@ -40,7 +46,7 @@ from starlette.staticfiles import StaticFiles
 
 from dgr import errors
 from dgr.protocol.sampling import SamplingParams
-from dgr.serve.auth import ApiKeys
+from dgr.serve.auth import KEY_SCOPE, ApiKeys
 from dgr.serve.logprobs import (
     MAX_TOP_CHAT,
     MAX_TOP_COMPLETIONS,
@@ -49,12 +55,23 @@ from dgr.serve.logprobs import (
     token_logprob,
 )
 
-__all__ = ["create_app", "ApiError", "MAX_BODY"]
+__all__ = ["create_app", "ApiError", "MAX_BODY", "MAX_STOP_CHARS", "per_key_default"]
+
+log = logging.getLogger("dgr.serve")
 
 #: the largest request body read (bytes); a larger one is a 413 before it is parsed
 MAX_BODY = 8 << 20
+#: the longest stop string (characters): each token's text is checked against every prefix
+#: of every stop string, so a longer one would hold the event loop of every request
+MAX_STOP_CHARS = 256
 #: the status page's files (``GET /``, ``/static/...``), packaged with dgr
 STATIC = pathlib.Path(__file__).with_name("static")
+
+
+def per_key_default(capacity: int) -> int:
+    """The default cap on one API key's generation requests in flight: half the route's
+    slots (at least 1), so one key never takes every slot of a route with two or more."""
+    return max(1, capacity // 2)
 
 
 class ApiError(Exception):
@@ -73,19 +90,26 @@ class ApiError(Exception):
                             status_code=self.status, headers=self.headers)
 
 
-def _from_dgr(e: errors.DgrError) -> ApiError:
-    """The HTTP status of a dgr error met while serving a request."""
+def _from_dgr(e: errors.DgrError, rid: str) -> ApiError:
+    """The HTTP status of a dgr error met while serving request ``rid``. The route's message
+    may name endpoints, sessions or paths: it goes to the log, and the client gets a generic
+    message with ``rid`` and the error's class as the code."""
     name = type(e).__name__
+    log.warning("request %s: %s: %s", rid, name, e)
     if isinstance(e, errors.ResourceExhausted):
-        return ApiError(429, str(e), type="rate_limit_error", code=name,
+        return ApiError(429, f"the route has no room for this request now; retry later "
+                             f"(request {rid})", type="rate_limit_error", code=name,
                         headers={"Retry-After": "1"})
     if isinstance(e, (errors.WorkerUnavailable, errors.StepDeadlineExceeded,
                       errors.RouteError, errors.ModelMismatch)):
-        return ApiError(503, f"the route is unavailable: {e}", type="server_error", code=name)
+        return ApiError(503, f"the route is unavailable; retry later (request {rid})",
+                        type="server_error", code=name)
     if isinstance(e, (errors.InvalidArgument, errors.InvalidToken, errors.ContextFull,
                       errors.InvalidPosition)) or isinstance(e, ValueError):
-        return ApiError(400, str(e), code=name)
-    return ApiError(500, f"{name}: {e}", type="server_error", code=name)
+        return ApiError(400, f"the route refused this request: {name} (request {rid})",
+                        code=name)
+    return ApiError(500, f"internal error (request {rid})", type="server_error",
+                    code="internal_error")
 
 
 # -- request fields ----------------------------------------------------------------------------
@@ -118,8 +142,10 @@ class Params:
         for name in names:
             v = _field(body, name, (int,))
             if v is not None:
-                if v < 1:
-                    raise ApiError(400, f"'{name}' must be >= 1, got {v}", param=name)
+                if v < 1:  # OpenAI's answer to 0 or less
+                    raise ApiError(400, f"Invalid '{name}': integer below minimum value. "
+                                        f"Expected a value >= 1, but got {v} instead.",
+                                   param=name, code="integer_below_min_value")
                 self.max_tokens = v
                 break
         if self.max_tokens is None and not chat:
@@ -147,6 +173,9 @@ class Params:
         else:
             raise ApiError(400, "'stop' must be a string or a list of at most 4 strings",
                            param="stop")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ApiError(400, f"a stop string is at most {MAX_STOP_CHARS} characters",
+                           param="stop")
         if chat:
             # chat: "logprobs": bool, "top_logprobs": 0..20 alternatives (needs logprobs)
             self.logprobs = bool(_field(body, "logprobs", (bool,), False))
@@ -171,11 +200,17 @@ class Params:
 # -- the app -----------------------------------------------------------------------------------
 
 def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
-               metrics_registry=None, api_keys=None) -> Starlette:
+               metrics_registry=None, api_keys=None,
+               max_per_key: int | None = None) -> Starlette:
     """The ASGI app serving ``route`` (an ``AsyncRoute``) as the model named ``model``.
 
-    ``api_keys``: keys a request must present as ``Authorization: Bearer`` (``dgr.serve.auth``;
-    None or empty: no key needed).
+    ``api_keys``: keys a request must present as ``Authorization: Bearer`` (strings or
+    ``dgr.serve.auth.ApiKey``; None or empty: no key needed).
+
+    ``max_per_key``: the generation requests (``/v1/chat/completions``, ``/v1/completions``)
+    one API key may have in flight, from arrival until the response or stream ends, however
+    it ends; one more gets a 429 at once. None: ``per_key_default`` of the route's slots; 0:
+    no cap. Without ``api_keys`` there is no key to count, and no cap.
 
     ``template``: a ``dgr.serve.templates.ChatTemplate`` for the chat endpoint (None: chat
     requests get a 400 saying the model has no chat template; completions still work). The
@@ -184,11 +219,15 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
     from dgr.serve import metrics as serve_metrics
     from dgr.serve import status as serve_status
 
+    if max_per_key is not None and max_per_key < 0:
+        raise ValueError(f"max_per_key must be >= 0, got {max_per_key}")
     # "pieces": each token id's text, as detokenized alone (for log probabilities)
     # "active": the requests generating now (id -> _Generation); "waiting": those queued for
     # a slot
+    # "per_key": generation requests in flight by API key name; "per_key_cap": their cap (0:
+    # none)
     state: dict[str, Any] = {"slots": None, "capacity": 0, "in_flight": 0, "pieces": {},
-                             "active": {}, "waiting": 0}
+                             "active": {}, "waiting": 0, "per_key": {}, "per_key_cap": 0}
     created = int(time.time())
     m = serve_metrics.ServeMetrics(metrics_registry)
     traffic = serve_status.Traffic()
@@ -201,6 +240,7 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
         cap = min(int(s.settings["n_slots"]) for s in route.stages)
         state["capacity"] = cap
         state["slots"] = asyncio.Semaphore(cap)
+        state["per_key_cap"] = per_key_default(cap) if max_per_key is None else max_per_key
         try:
             yield
         finally:
@@ -208,6 +248,31 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
 
     def n_ctx() -> int:
         return min(int(s.settings["n_ctx"]) for s in route.stages)
+
+    def take_key(key: str | None) -> bool:
+        """Count one more request in flight for ``key``; False (nothing counted) at its cap."""
+        cap = state["per_key_cap"]
+        if key is None or not cap:
+            return True
+        held = state["per_key"].get(key, 0)
+        if held >= cap:
+            m.key_refused(key)
+            log.info("API key %r is at its cap of %d request(s) in flight: 429", key, cap)
+            return False
+        state["per_key"][key] = held + 1
+        m.key_in_flight(key, held + 1)
+        return True
+
+    def give_key(key: str | None) -> None:
+        """Count one request of ``key`` (taken by ``take_key``) no longer in flight."""
+        if key is None or key not in state["per_key"]:
+            return
+        held = state["per_key"][key] - 1
+        if held:
+            state["per_key"][key] = held
+        else:
+            del state["per_key"][key]
+        m.key_in_flight(key, held)
 
     async def body_of(request: Request) -> dict:
         raw = bytearray()
@@ -263,6 +328,12 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
                 ids = await route.tokenize(p, True, True)
             elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
                                                    for t in p):
+                n_vocab = int(route.stages[0].n_vocab)
+                bad = next((i for i, t in enumerate(p) if not 0 <= t < n_vocab), None)
+                if bad is not None:
+                    raise ApiError(400, f"prompt[{bad}] = {p[bad]} is not a token id of this "
+                                        f"model (0 to {n_vocab - 1})", param="prompt",
+                                   code="invalid_token")
                 text, ids = "", p
             else:
                 raise ApiError(400, "'prompt' must be a string or a list of token ids (one "
@@ -289,34 +360,51 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
     async def complete(request: Request, chat: bool) -> Response:
         endpoint = "chat" if chat else "completions"
         t0 = time.perf_counter()
-        try:
-            body = await body_of(request)
-            params = Params(body, chat=chat)
-            ids, _ = await prompt_tokens(body, chat)
-            max_tokens = budget(ids, params)
-            await acquire_slot()
-        except ApiError as e:
-            m.request(endpoint, e.status)
-            return e.response()
-        except errors.DgrError as e:
-            err = _from_dgr(e)
-            m.request(endpoint, err.status)
-            return err.response()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        gen = _Generation(route, ids, max_tokens, params, metrics=m, t0=t0, state=state,
-                          rid=rid, endpoint=endpoint, traffic=traffic)
+        ident = {"X-Request-Id": rid}
+
+        def fail(e: ApiError) -> Response:
+            m.request(endpoint, e.status)
+            e.headers.update(ident)
+            return e.response()
+
+        key = request.scope.get(KEY_SCOPE)
+        if not take_key(key):
+            return fail(ApiError(
+                429, f"this API key already has {state['per_key_cap']} request(s) in flight, "
+                     f"its cap (--max-requests-per-key); retry when one ends (request {rid})",
+                type="rate_limit_error", code="max_requests_per_key",
+                headers={"Retry-After": "1"}))
+        gen = None
+        try:
+            try:
+                body = await body_of(request)
+                params = Params(body, chat=chat)
+                ids, _ = await prompt_tokens(body, chat)
+                max_tokens = budget(ids, params)
+                await acquire_slot()
+            except ApiError as e:
+                return fail(e)
+            except errors.DgrError as e:
+                return fail(_from_dgr(e, rid))
+            # from here on gen.close() gives back the slot and the key's count
+            gen = _Generation(route, ids, max_tokens, params, metrics=m, t0=t0, state=state,
+                              rid=rid, endpoint=endpoint, traffic=traffic,
+                              on_close=lambda: give_key(key))
+        finally:
+            if gen is None:  # refused, failed or cancelled before the generation: the count
+                give_key(key)
         if params.stream:
             return _Stream(_sse(gen, rid, chat, model, created, params.include_usage, endpoint, m),
                            gen, media_type="text/event-stream",
-                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                    **ident})
         try:
             text = ""
             async for piece in gen.pieces():
                 text += piece
         except errors.DgrError as e:
-            err = _from_dgr(e)
-            m.request(endpoint, err.status)
-            return err.response()
+            return fail(_from_dgr(e, rid))
         finally:
             await gen.close()
         m.request(endpoint, 200)
@@ -332,7 +420,7 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
             obj = "text_completion"
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": model,
                              "choices": [choice], "usage": usage,
-                             "system_fingerprint": None})
+                             "system_fingerprint": None}, headers=ident)
 
     async def chat_completions(request: Request) -> Response:
         return await complete(request, chat=True)
@@ -345,17 +433,21 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
             {"id": model, "object": "model", "created": created, "owned_by": "dgr"}]})
 
     async def health(request: Request) -> Response:
+        # with API keys, a probe without a valid key learns the status only: no endpoints
+        detail = not api_keys or request.scope.get(KEY_SCOPE) is not None
         try:
             infos = await route.describe()
         except errors.DgrError as e:
-            return JSONResponse({"status": "unavailable", "error": f"{type(e).__name__}: {e}"},
-                                status_code=503)
+            return JSONResponse({"status": "unavailable", "error": f"{type(e).__name__}: {e}"}
+                                if detail else {"status": "unavailable"}, status_code=503)
         stages = [{"endpoint": s.endpoint, "layers": list(s.layers), "draining": s.draining,
                    "free_slots": s.free_slots, "sessions": s.sessions} for s in infos]
         ok = not any(s.draining for s in infos)
-        return JSONResponse({"status": "ok" if ok else "draining", "model": model,
+        status = "ok" if ok else "draining"
+        return JSONResponse({"status": status, "model": model,
                              "in_flight": state["in_flight"], "capacity": state["capacity"],
-                             "stages": stages}, status_code=200 if ok else 503)
+                             "stages": stages} if detail else {"status": status},
+                            status_code=200 if ok else 503)
 
     async def metrics(request: Request) -> Response:
         body, ctype = m.exposition()
@@ -391,8 +483,12 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
                         code="method_not_allowed").response()
 
     async def server_error(request: Request, exc) -> Response:
-        return ApiError(500, f"internal error: {type(exc).__name__}", type="server_error",
-                        code="internal_error").response()
+        # the exception's class and text stay in the log (uvicorn logs the traceback after)
+        rid = "req-" + uuid.uuid4().hex
+        log.error("request %s (%s %s) failed: %s: %s", rid, request.method, request.url.path,
+                  type(exc).__name__, exc)
+        return ApiError(500, f"internal error (request {rid})", type="server_error",
+                        code="internal_error", headers={"X-Request-Id": rid}).response()
 
     return Starlette(
         routes=[HttpRoute("/", page, methods=["GET"]),
@@ -428,7 +524,8 @@ class _Generation:
     while it may still become a stop string or ends inside a UTF-8 sequence)."""
 
     def __init__(self, route, ids: list[int], max_tokens: int, params: Params, *, metrics,
-                 t0: float, state: dict, rid: str, endpoint: str, traffic):
+                 t0: float, state: dict, rid: str, endpoint: str, traffic,
+                 on_close=None):
         self.route, self.ids, self.max_tokens, self.params = route, ids, max_tokens, params
         self.rid, self.endpoint, self.traffic = rid, endpoint, traffic
         self.ttft_s: float | None = None
@@ -442,6 +539,7 @@ class _Generation:
         self.finish_reason = "length"
         self.metrics, self.t0 = metrics, t0
         self._closed = False
+        self._on_close = on_close  # called once by close(): the request's API key count
         #: log probabilities of ``tokens`` (with ``params.logprobs``), and how many were sent
         self.logprobs: list = []
         self._lp_sent = 0
@@ -510,14 +608,16 @@ class _Generation:
                 "total_tokens": len(self.ids) + len(self.tokens)}
 
     async def close(self) -> None:
-        """Release the session on every stage and the request's slot, once (also when the
-        request was cancelled, or its stream never started)."""
+        """Release the session on every stage, the request's slot and its API key's count,
+        once (also when the request was cancelled, or its stream never started)."""
         if self._closed:
             return
         self._closed = True
         self.state["in_flight"] -= 1
         self.state["active"].pop(self.rid, None)
         self.state["slots"].release()
+        if self._on_close is not None:
+            self._on_close()
         with anyio.CancelScope(shield=True):
             await self.session.close()
 
@@ -564,8 +664,13 @@ async def _sse(gen: _Generation, rid: str, chat: bool, model: str, created: int,
         try:
             async for piece in gen.pieces():
                 yield event([choice(piece, None, lp=await gen.take_logprobs(chat, chunk=True))])
-        except errors.DgrError as e:
-            err = _from_dgr(e)
+        except Exception as e:  # noqa: BLE001 - whatever failed, the client gets an error event
+            if isinstance(e, errors.DgrError):
+                err = _from_dgr(e, rid)
+            else:
+                log.exception("request %s failed mid-stream: %s: %s", rid, type(e).__name__, e)
+                err = ApiError(500, f"internal error (request {rid})", type="server_error",
+                               code="internal_error")
             status = err.status
             yield b"data: " + json.dumps({"error": {"message": err.message, "type": err.type,
                                                     "param": None, "code": err.code}}).encode() \

@@ -7,6 +7,11 @@ paths are the health probe and the status page's own files, which hold no data; 
 for a key when its ``/status`` request is refused. A key is compared in constant time against
 every configured key (``hmac.compare_digest`` of SHA-256 digests), and is never logged or
 echoed.
+
+Each key has a name, which is not secret: ``NAME KEY`` on a line of the key file, or
+``key-N`` for a bare ``KEY`` (N its place among all keys). A request that presents a key
+carries that name in its ASGI scope under ``KEY_SCOPE``, public paths included; the app caps
+the requests each name has in flight and logs and counts by name, never by secret.
 """
 
 from __future__ import annotations
@@ -14,75 +19,122 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
-__all__ = ["ApiKeys", "PUBLIC", "load_keys"]
+__all__ = ["ApiKey", "ApiKeys", "KEY_SCOPE", "PUBLIC", "load_keys"]
 
 #: paths served without a key: the health probe, the status page and its static files
 PUBLIC = ("/health", "/", "/static/")
+#: the ASGI scope entry that names the key a request presented (absent: no valid key)
+KEY_SCOPE = "dgr.api_key"
+_NAME = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """A configured key: ``name`` (what logs, metrics and ``/status`` show) and ``secret``
+    (what a client sends; left out of the repr)."""
+
+    name: str
+    secret: str = field(repr=False)
 
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8")).digest()
 
 
-def load_keys(path: str | None = None, env: str | None = None) -> list[str]:
-    """Keys from ``path`` (one a line; blank lines and lines starting with ``#`` skipped)
-    and from ``env`` (the value of ``DGR_API_KEYS``: comma-separated).
+def _entry(text: str, place: int) -> ApiKey:
+    """One key from ``KEY`` or ``NAME KEY``; errors name the key's place, never the key."""
+    parts = text.split()
+    if len(parts) == 1:
+        name, secret = f"key-{place}", parts[0]
+    elif len(parts) == 2:
+        name, secret = parts
+        if not _NAME.fullmatch(name):
+            raise ValueError(f"API key {place}: a name is 1 to 64 letters, digits or _.@-")
+    else:
+        raise ValueError(f"API key {place}: expected KEY or NAME KEY")
+    if len(secret) < 8:
+        raise ValueError(f"API key {place} is shorter than 8 characters or holds whitespace")
+    return ApiKey(name, secret)
+
+
+def load_keys(path: str | None = None, env: str | None = None) -> list[ApiKey]:
+    """Keys from ``path`` (one a line, ``KEY`` or ``NAME KEY``; blank lines and lines
+    starting with ``#`` skipped) and from ``env`` (the value of ``DGR_API_KEYS``:
+    comma-separated entries of the same form). A bare ``KEY`` is named ``key-N``, N its place
+    among all keys (1-based). A key never holds whitespace, so every file of bare keys reads
+    as it always did.
 
     Raises
     ------
     OSError
         ``path`` cannot be read.
     ValueError
-        A key with whitespace inside or shorter than 8 characters.
+        A key shorter than 8 characters, a bad name, a line of more than two fields, or two
+        keys of one name.
     """
-    keys: list[str] = []
+    entries: list[str] = []
     if path:
         with open(path, encoding="utf-8") as f:
-            keys += [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
+            entries += [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
     if env:
-        keys += [k.strip() for k in env.split(",") if k.strip()]
-    for i, k in enumerate(keys):
-        if len(k) < 8 or any(c.isspace() for c in k):
-            raise ValueError(f"API key {i + 1} is shorter than 8 characters or holds whitespace")
+        entries += [k.strip() for k in env.split(",") if k.strip()]
+    keys = [_entry(e, i + 1) for i, e in enumerate(entries)]
+    seen: set[str] = set()
+    for k in keys:
+        if k.name in seen:
+            raise ValueError(f"two API keys are named {k.name!r}")
+        seen.add(k.name)
     return keys
 
 
 class ApiKeys:
     """ASGI middleware: HTTP requests outside ``public`` need ``Authorization: Bearer`` with
-    one of ``keys``."""
+    one of ``keys`` (``ApiKey`` entries, or bare strings named ``key-N``). A request with a
+    valid key, on any path, gets the key's name in ``scope[KEY_SCOPE]``."""
 
-    def __init__(self, app, keys: Iterable[str], public: Iterable[str] = PUBLIC):
+    def __init__(self, app, keys: Iterable[str | ApiKey], public: Iterable[str] = PUBLIC):
         self.app = app
-        self._digests = [_digest(k) for k in keys]
-        if not self._digests:
+        entries = [k if isinstance(k, ApiKey) else ApiKey(f"key-{i + 1}", k)
+                   for i, k in enumerate(keys)]
+        if not entries:
             raise ValueError("ApiKeys needs at least one key")
+        self._digests = [_digest(k.secret) for k in entries]
+        self.names = [k.name for k in entries]
         self.public = tuple(public)
 
     def _open(self, path: str) -> bool:
         return any(path == p or (p.endswith("/") and p != "/" and path.startswith(p))
                    for p in self.public)
 
-    def allows(self, header: bytes | None) -> bool:
-        """Whether an ``Authorization`` header value carries a configured key."""
+    def identify(self, header: bytes | None) -> str | None:
+        """The name of the configured key an ``Authorization`` header value carries (None:
+        no header, another scheme, or no configured key)."""
         if not header:
-            return False
+            return None
         scheme, _, key = header.decode("latin-1").partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
-            return False
+            return None
         d = _digest(key.strip())
-        ok = False
-        for k in self._digests:  # every key, whatever matched: no early exit to time
-            ok |= hmac.compare_digest(d, k)
-        return ok
+        found = -1
+        for i, k in enumerate(self._digests):  # every key, whatever matched: no early exit
+            if hmac.compare_digest(d, k):
+                found = i
+        return self.names[found] if found >= 0 else None
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or self._open(scope.get("path", "")):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), None)
-        if self.allows(header):
+        name = self.identify(header)
+        if name is not None:
+            await self.app({**scope, KEY_SCOPE: name}, receive, send)
+            return
+        if self._open(scope.get("path", "")):
             await self.app(scope, receive, send)
             return
         if header:

@@ -6,6 +6,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
 )
@@ -14,7 +15,9 @@ __all__ = ["ServeMetrics"]
 
 
 class ServeMetrics:
-    """Requests by endpoint and HTTP status, generated tokens, time to first token."""
+    """Requests by endpoint and HTTP status, generated tokens, time to first token; with API
+    keys, each key's generation requests in flight and those refused at its cap, labelled by
+    the key's name (never its secret)."""
 
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -27,6 +30,12 @@ class ServeMetrics:
                                "From a request's arrival to its first generated token",
                                buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
                                registry=self.registry)
+        self._key_in_flight = Gauge("dgr_serve_key_requests_in_flight",
+                                    "Generation requests in flight by API key name", ["key"],
+                                    registry=self.registry)
+        self._key_refused = Counter("dgr_serve_key_requests_refused",
+                                    "Generation requests refused (429) at their API key's cap "
+                                    "of requests in flight", ["key"], registry=self.registry)
 
     def request(self, endpoint: str, status: int) -> None:
         self._requests.labels(endpoint=endpoint, status=str(status)).inc()
@@ -36,6 +45,12 @@ class ServeMetrics:
 
     def first_token(self, seconds: float) -> None:
         self._ttft.observe(seconds)
+
+    def key_in_flight(self, key: str, n: int) -> None:
+        self._key_in_flight.labels(key=key).set(n)
+
+    def key_refused(self, key: str) -> None:
+        self._key_refused.labels(key=key).inc()
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -38,6 +38,7 @@ import collections
 import contextvars
 import hashlib
 import hmac
+import ipaddress
 import os
 import re
 import secrets
@@ -49,8 +50,8 @@ from dataclasses import dataclass, field
 from dgr import errors
 
 __all__ = ["Credential", "KeyRing", "TLSConfig", "Security", "load_credentials",
-           "parse_credentials", "sign", "default_security", "CALLER", "AUTH_MAGIC",
-           "METADATA_KEY", "PUBLIC_METHODS", "DENIED"]
+           "parse_credentials", "sign", "default_security", "is_loopback", "pick", "CALLER",
+           "AUTH_MAGIC", "METADATA_KEY", "PUBLIC_METHODS", "DENIED", "MAX_TOKEN"]
 
 #: the token scheme's version, its first field
 VERSION = "dgr1"
@@ -428,6 +429,18 @@ def pick(credentials: list[Credential], name: str | None = None,
             if c.peer:
                 return c
     return credentials[0]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is ``localhost`` or a loopback address literal (no DNS lookup: any
+    other name counts as beyond loopback)."""
+    host = host.strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 _default: Security | None = None

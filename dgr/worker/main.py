@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import logging
 import os
 import signal
@@ -39,16 +38,6 @@ def _parse_layers(text: str | None) -> tuple[int, int] | None:
         raise SystemExit(f"--layers must look like A:B (e.g. 0:10), got {text!r}") from None
 
 
-def _is_loopback(host: str) -> bool:
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def security_of(args):
     """The worker's ``Security`` from its options (``--cluster-keys``, ``--present-key``,
     ``--tls-*``), and the secure default: listening beyond loopback without a credential
@@ -60,7 +49,14 @@ def security_of(args):
         A credentials or certificate file that cannot be used, an option without the one it
         needs, or a non-loopback ``--listen`` without credentials or ``--insecure``.
     """
-    from dgr.transport.security import KeyRing, Security, TLSConfig, load_credentials, pick
+    from dgr.transport.security import (
+        KeyRing,
+        Security,
+        TLSConfig,
+        is_loopback,
+        load_credentials,
+        pick,
+    )
 
     keys = cred = tls = None
     if args.cluster_keys:
@@ -74,7 +70,7 @@ def security_of(args):
                         client_auth=args.tls_client_auth)
         tls.check_server()
     host = args.listen.rsplit(":", 1)[0]
-    if not _is_loopback(host) and keys is None and not (tls and tls.client_auth):
+    if not is_loopback(host) and keys is None and not (tls and tls.client_auth):
         if not args.insecure:
             raise errors.InvalidArgument(
                 f"--listen {args.listen} is reachable beyond this machine and no credential "

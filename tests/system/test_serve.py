@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP front (dgr.serve) over a real 2-stage SmolLM2 route, driven by
 the official ``openai`` client: models, chat and completions (streamed and not), stop strings,
 usage, the greedy text equal to the route's own greedy output, the error shapes and statuses,
-the slot limit (429), and a client that disconnects mid-stream (its sessions released)."""
+the slot limit (429), a client that disconnects mid-stream (its sessions released), API keys,
+and one key at its cap of requests in flight while another key's generation is served."""
 
 from __future__ import annotations
 
@@ -381,3 +382,60 @@ def test_api_keys_with_the_openai_client(stages, template, route):
         conn.close()
     finally:
         s.stop()
+
+
+def _key_in_flight(s: Served, key: str, name: str) -> float:
+    """``dgr_serve_key_requests_in_flight{key=name}`` from the front's /metrics."""
+    conn = http.client.HTTPConnection(s.host, s.port, timeout=30)
+    conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {key}"})
+    text = conn.getresponse().read().decode()
+    conn.close()
+    line = next((ln for ln in text.splitlines()
+                 if ln.startswith(f'dgr_serve_key_requests_in_flight{{key="{name}"}}')), None)
+    return float(line.split()[-1]) if line else 0.0
+
+
+def test_one_key_at_its_cap_cannot_take_another_keys_slot(stages, template, route):
+    """Key A opens as many streamed generations as its cap allows (the default: half the
+    route's 2 slots) and one more, which the official client sees as RateLimitError (429,
+    ``Retry-After``); key B's greedy completion meanwhile equals the route's own greedy text.
+    Closing A's streams gives its count back to 0, and A is served again."""
+    from dgr.serve.app import per_key_default
+    from dgr.serve.auth import ApiKey
+
+    keys = [ApiKey("team-a", "sk-dgr-team-a-0123456789"),
+            ApiKey("team-b", "sk-dgr-team-b-0123456789")]
+    s = _serve(stages, template, api_keys=keys, queue_timeout=0.5)
+    try:
+        a, b = (openai.OpenAI(base_url=s.base + "/v1", api_key=k.secret, max_retries=0,
+                              timeout=60) for k in keys)
+        cap = per_key_default(SETTINGS["n_slots"])
+        held = []
+        for _ in range(cap):
+            stream = a.completions.create(model=NAME, prompt=PROMPT, max_tokens=200,
+                                          temperature=0.8, seed=1, stream=True)
+            next(iter(stream))  # its generation runs on a session
+            held.append(stream)
+        assert _key_in_flight(s, keys[0].secret, "team-a") == cap
+        with pytest.raises(openai.RateLimitError) as e:
+            a.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, stream=True)
+        assert e.value.status_code == 429 and e.value.response.headers["retry-after"] == "1"
+        err = e.value.body["error"] if "error" in e.value.body else e.value.body
+        assert err["code"] == "max_requests_per_key" and err["type"] == "rate_limit_error"
+        r = b.completions.create(model=NAME, prompt=PROMPT, max_tokens=12, temperature=0)
+        assert r.choices[0].finish_reason in ("length", "stop")
+        for stream in held:
+            stream.close()  # the client goes: the server cancels the generation
+        deadline = time.monotonic() + 10
+        while _key_in_flight(s, keys[0].secret, "team-a") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _key_in_flight(s, keys[0].secret, "team-a") == 0
+        again = a.completions.create(model=NAME, prompt=PROMPT, max_tokens=2, temperature=0)
+        assert again.usage.completion_tokens >= 1
+    finally:
+        s.stop()
+    deadline = time.monotonic() + 10
+    while any(_sessions(stages)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ids = route.tokenize(PROMPT, True, True)
+    assert r.choices[0].text == _greedy_text(route, ids, 12)[0] and r.choices[0].text

@@ -1,6 +1,7 @@
 """API keys on the HTTP front (dgr.serve.auth): OpenAI's Bearer header, a 401 in OpenAI's
 shape for a missing or wrong key on every data path, the health probe and the status page's
-files public, and keys never echoed."""
+files public (the probe without a key says only its status), keys named in the key file, and
+keys never echoed."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from test_serve_fuzz import FakeRoute, Template, _call  # the fuzz test's fakes
 
 from dgr.serve.app import create_app
-from dgr.serve.auth import ApiKeys, load_keys
+from dgr.serve.auth import ApiKey, ApiKeys, load_keys
 
 KEYS = ["sk-dgr-first-0123456789", "sk-dgr-second-abcdefghij"]
 
@@ -74,7 +75,11 @@ def test_each_key_opens_every_path(app, key):
 def test_the_health_probe_and_the_page_are_public(app):
     async def go():
         async with contextlib_lifespan(app):
-            assert (await call(app, "GET", "/health"))["status"] == 200
+            r = await call(app, "GET", "/health")
+            # without a key: the status only, no stage endpoints; with one: the whole record
+            assert r["status"] == 200 and json.loads(r["body"]) == {"status": "ok"}
+            r = await call(app, "GET", "/health", bearer(KEYS[1]))
+            assert r["status"] == 200 and set(json.loads(r["body"])) >= {"stages", "capacity"}
             page = await call(app, "GET", "/")
             assert page["status"] == 200 and b"api-key" in page["body"]
             assert (await call(app, "GET", "/static/status.js"))["status"] == 200
@@ -95,16 +100,41 @@ def test_without_keys_nothing_is_asked():
 
 def test_load_keys_reads_a_file_and_the_environment(tmp_path):
     f = tmp_path / "keys"
-    f.write_text("# the team's keys\nsk-dgr-file-key-1\n\n  sk-dgr-file-key-2  \n")
-    assert load_keys(str(f), "sk-dgr-env-key-1, sk-dgr-env-key-2,") == [
-        "sk-dgr-file-key-1", "sk-dgr-file-key-2", "sk-dgr-env-key-1", "sk-dgr-env-key-2"]
+    f.write_text("# the team's keys\nsk-dgr-file-key-1\n\n  sk-dgr-file-key-2  \n"
+                 "alice\tsk-dgr-file-key-3\n")
+    keys = load_keys(str(f), "sk-dgr-env-key-1, bob sk-dgr-env-key-2,")
+    assert [(k.name, k.secret) for k in keys] == [
+        ("key-1", "sk-dgr-file-key-1"), ("key-2", "sk-dgr-file-key-2"),
+        ("alice", "sk-dgr-file-key-3"), ("key-4", "sk-dgr-env-key-1"),
+        ("bob", "sk-dgr-env-key-2")]
+    assert all(k.secret not in repr(keys) for k in keys)  # a logged list shows names only
     assert load_keys(None, None) == []
-    for bad in ("tiny7", "has space inside"):
+    # (an entry, its secret parts): a short key, three fields, a bad name, a short named key,
+    # two keys named key-1
+    for bad, secrets in [("tiny7", ["tiny7"]), ("has space inside", ["space", "inside"]),
+                         ("al/ice sk-dgr-secret-1", ["sk-dgr-secret-1"]),
+                         ("carol tiny7", ["tiny7"]),
+                         ("sk-dgr-secret-1,key-1 sk-dgr-secret-2",
+                          ["sk-dgr-secret-1", "sk-dgr-secret-2"])]:
         with pytest.raises(ValueError) as e:
             load_keys(None, bad)
-        assert bad not in str(e.value)  # the message names the key's place, not the key
+        assert not any(x in str(e.value) for x in secrets), e.value  # the place, not the key
     with pytest.raises(ValueError):
         ApiKeys(None, [])
+
+
+def test_a_request_carries_the_name_of_its_key():
+    seen = []
+
+    async def inner(scope, receive, send):
+        seen.append(scope.get("dgr.api_key"))
+
+    mw = ApiKeys(inner, [ApiKey("alice", KEYS[0]), KEYS[1]])  # a bare string is key-2
+    scope = {"type": "http", "path": "/v1/models"}
+    for key in KEYS:
+        run(mw({**scope, "headers": bearer(key)}, None, None))
+    run(mw({"type": "http", "path": "/health", "headers": []}, None, None))  # public, no key
+    assert seen == ["alice", "key-2", None]
 
 
 class contextlib_lifespan:
