@@ -181,7 +181,13 @@ class AsyncRoute:
         if not self.clients:
             self.clients = [ShardClient(e, timeout=self.timeout, security=self.security)
                             for e in self.endpoints]
-        infos = await asyncio.gather(*(c.describe() for c in self.clients))
+        # every describe ends before a failure is raised: none is left pending when the
+        # caller closes the route (and its event loop)
+        infos = await asyncio.gather(*(c.describe() for c in self.clients),
+                                     return_exceptions=True)
+        failed = next((e for e in infos if isinstance(e, BaseException)), None)
+        if failed is not None:
+            raise failed
         order = check_route(infos)
         by_ep = {c.endpoint: c for c in self.clients}
         self.stages = order

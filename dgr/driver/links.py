@@ -156,6 +156,9 @@ class RelayLinks:
                 self.fail_pending(exc, lambda k: k[0] == h.session and k[1] == h.epoch)
             else:
                 self.fail_pending(exc)
+                fut = self._hellos.get(link.endpoint)  # e.g. the connection was refused
+                if fut is not None and not fut.done():  # (Unauthenticated): say so
+                    fut.set_exception(exc)
         elif cls is wire.Hello:
             fut = self._hellos.get(link.endpoint)
             if fut is not None and not fut.done():

@@ -452,3 +452,20 @@ def test_tls_tunnels_carry_a_long_stream_both_ways(certs):
         c.close()
     finally:
         srv.stop()
+
+
+def test_a_refused_data_connection_tells_the_driver_why(stages):
+    """A driver whose credential the data plane refuses (gRPC accepted it: the workers'
+    files differ, say) learns Unauthenticated from the Hello, not a lost connection."""
+    from dgr.driver.links import RelayLinks
+
+    async def go():
+        async with AsyncRoute([w.address for w in stages], relay=False,
+                              security=Security(ACME)) as r:
+            links = RelayLinks("r-x", lambda: r.stages, 1.0, Security(STRANGER))
+            with pytest.raises(errors.Unauthenticated):
+                await links.links()
+            links.close()
+
+    asyncio.run(go())
+    _idle(stages)
