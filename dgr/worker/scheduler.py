@@ -85,18 +85,19 @@ def take(queue: collections.deque, max_tokens: int, solo_rows: int = SOLO_ROWS,
     tokens = head.step.header.n_tokens
     picked = {0}
     for want_decode in (True, False):
+        blocked: set[str] = set()  # sessions with an earlier step left in the queue
         for i, it in enumerate(items):
             if max_steps is not None and len(batch) >= max_steps:
                 break
             if i in picked:
                 continue
             h = it.step.header
-            if alone(h) or (h.n_tokens == 1) != want_decode:
+            if h.session in seen or h.session in blocked:
                 continue
-            if h.session in seen:
-                continue
-            if tokens + h.n_tokens > max_tokens:
-                if want_decode:
+            fits = tokens + h.n_tokens <= max_tokens
+            if alone(h) or (h.n_tokens == 1) != want_decode or not fits:
+                blocked.add(h.session)  # its later steps must not overtake this one
+                if want_decode and not fits and h.n_tokens == 1:
                     break
                 continue
             picked.add(i)

@@ -57,6 +57,21 @@ def test_one_step_per_session_in_order():
     assert [j.step.header.first_pos for j in q] == [1, 2]
 
 
+def test_a_chunk_left_out_keeps_its_sessions_later_steps_behind_it():
+    """A session's later chunk never overtakes an earlier one left out of a batch (too big
+    for the room left, or one that runs alone): its first chunk must run first. Found by
+    benches/soak.py: pipelined prefill of a 2-chunk prompt got UnknownSession/CacheMiss."""
+    q = collections.deque([job("b", pos=40), job("a", 32, pos=0), job("a", 16, pos=32)])
+    assert names(take(q, 32)) == [("b", 1)]  # a's 32 do not fit next to b's 1: nor do its 16
+    assert [(j.step.header.session, j.step.header.first_pos) for j in q] == [("a", 0),
+                                                                              ("a", 32)]
+    q = collections.deque([job("d"), job("a", 64, pos=0), job("a", 8, pos=64)])
+    assert names(take(q, 128)) == [("d", 1)] and names(q) == [("a", 64), ("a", 8)]
+    q = collections.deque([job("d"), job("a", 8, pos=0), job("a", pos=8)])
+    assert names(take(q, 64)) == [("d", 1), ("a", 8)]  # a's decode waits for its chunk
+    assert names(q) == [("a", 1)]
+
+
 def test_decode_steps_beyond_the_budget_wait():
     q = collections.deque(job(f"s{i}") for i in range(10))
     assert len(take(q, 4)) == 4 and len(q) == 6
