@@ -354,6 +354,13 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
     }
     if (cfg.n_ctx < 1) return Status(kInvalidArgument, "n_ctx (per slot) must be >= 1");
     if (cfg.n_ubatch < 1) return Status(kInvalidArgument, "n_ubatch must be >= 1");
+    if (cfg.n_slots > cfg.n_ubatch) {
+        // llama.cpp sizes its output buffer for one output per sequence but at most n_ubatch
+        // (n_outputs_max) and aborts the process on the first decode past it
+        return Status(kInvalidArgument, "n_slots (" + std::to_string(cfg.n_slots) +
+                      ") must not exceed n_ubatch (" + std::to_string(cfg.n_ubatch) +
+                      "): raise --ubatch or lower --slots");
+    }
     if (cfg.n_threads < 1) return Status(kInvalidArgument, "n_threads must be >= 1");
     ggml_type tk, tv;
     if (!parse_type(cfg.type_k, &tk)) return Status(kInvalidArgument, "unknown KV type_k: " + cfg.type_k);

@@ -222,6 +222,9 @@ def test_bad_arguments(eng, tiny_llama):
         dgr.Engine(tiny_llama, n_slots=0)
     with pytest.raises(errors.InvalidArgument, match="type_k"):
         dgr.Engine(tiny_llama, type_k="f7")
+    # more slots than n_ubatch: llama.cpp would abort the process at the first decode
+    with pytest.raises(errors.InvalidArgument, match=r"n_slots \(9\) must not exceed n_ubatch"):
+        dgr.Engine(tiny_llama, n_slots=9, n_ubatch=8)
     with pytest.raises(errors.MtpNotSupported, match="reserved"):
         dgr.Engine(tiny_llama, mtp=True)
 
