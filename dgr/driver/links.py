@@ -112,6 +112,9 @@ class RelayLinks:
             link.close()
             raise errors.WorkerUnavailable(f"{ep}: no answer to the data-plane Hello within "
                                            f"{t:g} s") from None
+        except BaseException:  # refused (Unauthenticated, say) or lost: let it go
+            link.close()
+            raise
         finally:
             self._hellos.pop(ep, None)
         self._links[ep] = link

@@ -45,6 +45,8 @@ log = logging.getLogger("dgr.transport")
 LEN = struct.Struct("<I")
 #: Largest frame accepted: the wire's own payload and header limits plus prefix and padding.
 MAX_FRAME = wire.MAX_PAYLOAD + wire.MAX_HEADER + 4096
+#: Seconds a refused connection reads (and drops) what its peer sent before it closes
+LINGER = 1.0
 #: Largest authentication frame (a connection's first, when credentials are on)
 MAX_AUTH_FRAME = len(AUTH_MAGIC) + MAX_TOKEN
 #: Receive buffers start at this size and grow to the largest frame seen on the connection.
@@ -263,6 +265,23 @@ class FrameSocket:
         self.sock.close()
 
 
+def _refuse(conn: FrameSocket, exc: BaseException, linger: float = LINGER) -> None:
+    """Answer ``exc`` as one ``ErrorReply``, then close without a reset: stop writing, and
+    read and drop what the peer already sent, for at most ``linger`` seconds (a close with
+    unread bytes sends a TCP reset, which can cost the peer the answer)."""
+    sock = conn.sock
+    try:
+        conn.send(wire.encode(wire.ErrorReply.from_exception(exc)))
+        sock.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + linger
+        while (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            if not sock.recv(65536):
+                break
+    except (OSError, ValueError):
+        pass
+
+
 class DataServer:
     """Accepts data-plane connections; runs ``handler(conn)`` on a thread per connection.
 
@@ -369,7 +388,7 @@ class DataServer:
                 try:
                     conn.credential = sec.verify_auth_frame(self._first_frame(conn))
                 except errors.Unauthenticated as e:
-                    conn.send(wire.encode(wire.ErrorReply.from_exception(e)))
+                    _refuse(conn, e)
                     return
             self.handler(conn)
         except (ConnectionError, OSError) as e:

@@ -23,17 +23,26 @@ __all__ = ["Tunnels", "tunnels"]
 
 #: seconds a TLS handshake may take
 HANDSHAKE_TIMEOUT = 10.0
+#: seconds a refused connection keeps reading (and dropping) before it closes
+#: (``dgr.transport.dataplane.LINGER``, the same for a TLS connection)
+LINGER = 1.0
 
 
 class _Pipe(asyncio.Protocol):
     """One side of a tunnel: what it receives is written to the other side (flow control
     passes through: a full side pauses reading on the other)."""
 
-    def __init__(self):
+    def __init__(self, linger: float = 0.0):
         self.transport: asyncio.Transport | None = None
         self.other: _Pipe | None = None
         self.held: list[bytes] = []  # received before the other side was up
         self.closed = False
+        #: on the frame I/O's side of a served connection: when it stops writing (a
+        #: refusal: one ErrorReply, then the close), the TLS side stays open this long,
+        #: reading and dropping what the client sends, so the client reads the answer
+        #: instead of a reset
+        self.linger = linger
+        self._lingering = False
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -53,7 +62,11 @@ class _Pipe(asyncio.Protocol):
         self.held.clear()
 
     def eof_received(self):
-        return False  # close this side; connection_lost closes the other
+        o = self.other
+        if self.linger and o is not None and o.transport is not None and not o.closed:
+            self._lingering = True  # the other side closes later; it drops what it reads
+            asyncio.get_running_loop().call_later(self.linger, o.close)
+        return False  # close this side; connection_lost closes the other (or the timer)
 
     def pause_writing(self) -> None:
         if self.other is not None and self.other.transport is not None:
@@ -66,7 +79,7 @@ class _Pipe(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         self.closed = True
         o = self.other
-        if o is not None and o.transport is not None and not o.closed:
+        if o is not None and o.transport is not None and not o.closed and not self._lingering:
             o.transport.close()
 
     def close(self) -> None:
@@ -96,7 +109,7 @@ class Tunnels:
 
     async def _serve(self, sock, inner, ctx, handshake_timeout) -> None:
         loop = self._loop
-        outer_p, inner_p = _Pipe(), _Pipe()
+        outer_p, inner_p = _Pipe(), _Pipe(linger=LINGER)
         outer_p.other, inner_p.other = inner_p, outer_p
         try:
             await loop.connect_accepted_socket(lambda: inner_p, inner)

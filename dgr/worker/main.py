@@ -63,6 +63,10 @@ def security_of(args):
         creds = load_credentials(args.cluster_keys)
         keys = KeyRing(creds, skew=args.auth_skew)
         cred = pick(creds, args.present_key, prefer_peer=True)
+        if not cred.peer:
+            log.warning("this worker presents %r to the next stages, which is not a peer "
+                        "credential: the sessions it relays count against that credential's "
+                        "caps there (mark the workers' line 'peer')", cred.name)
     elif args.present_key:
         raise errors.InvalidArgument("--present-key names a credential of --cluster-keys")
     if args.tls_cert or args.tls_key or args.tls_ca or args.tls_client_auth:

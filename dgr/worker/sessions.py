@@ -86,7 +86,9 @@ class SessionTable:
     it: a step of another non-peer credential gets ``SessionForbidden`` and its release is
     refused (False), except that a session a peer opened (relayed here by another stage, so
     this worker never saw its tenant) may be released by any credential (its id is the
-    capability: the driver that made it releases it on every stage), and a non-peer credential opens at most its ``max_sessions`` (else the
+    capability: the driver that made it releases it on every stage) and taken over by a
+    tenant's step under a higher epoch (which starts from an empty cache: its driver moved
+    it to the gRPC path, or recovered it), and a non-peer credential opens at most its ``max_sessions`` (else the
     table's ``max_sessions_per_owner``; None: no cap but the slots), beyond which its new
     session gets ``ResourceExhausted``. Peer credentials (the cluster's workers, relaying
     for every tenant) act on any session and are not capped.
@@ -188,7 +190,17 @@ class SessionTable:
         s = self._sessions.get(session)
         tenant = who is not None and not who.peer
         if s is not None and tenant and s.owner != who.name:
-            raise SessionForbidden(f"session {session!r} was opened by another credential")
+            if not (s.by_peer and epoch > s.epoch and not s.busy):
+                raise SessionForbidden(f"session {session!r} was opened by another credential")
+            # a relayed session (a peer opened it) that its driver now steps directly, under
+            # a new epoch (its recovery, or the gRPC path): the step drops the old cache, so
+            # nothing of it is read; the session becomes the tenant's, within its cap
+            self._check_cap(who)
+            self._owned[s.owner] -= 1
+            if not self._owned[s.owner]:
+                del self._owned[s.owner]
+            s.owner, s.by_peer = who.name, False
+            self._owned[s.owner] += 1
         if s is not None and s.busy:
             raise SessionError(f"session {session!r} already has a step in flight; send the "
                                "next step after its reply")
@@ -224,12 +236,7 @@ class SessionTable:
             return Lease(session, epoch, s.slot, 0, n_tokens, new=True, ticket=s.ticket)
         owner = who.name if who is not None else ""
         if tenant:
-            cap = who.max_sessions or self.max_sessions_per_owner
-            if cap is not None and self._owned[owner] >= cap:
-                raise ResourceExhausted(
-                    f"credential {owner!r} holds {self._owned[owner]} sessions on this worker, "
-                    f"its cap: release one (or let one expire) first",
-                    retry_after=max(self.evict_after, 0.1))
+            self._check_cap(who)
         slot = self._take_slot(now)
         self.engine.release(slot)  # whatever a previous owner left there
         t = self._next_ticket()
@@ -312,6 +319,15 @@ class SessionTable:
         if first_pos + n_tokens > self.n_ctx:
             raise ContextFull(f"session {session!r}: positions {first_pos}..{first_pos + n_tokens - 1} "
                               f"do not fit the context of {self.n_ctx} tokens per session")
+
+    def _check_cap(self, who) -> None:
+        """Raise ``ResourceExhausted`` when the tenant ``who`` holds its cap of sessions."""
+        cap = who.max_sessions or self.max_sessions_per_owner
+        if cap is not None and self._owned[who.name] >= cap:
+            raise ResourceExhausted(
+                f"credential {who.name!r} holds {self._owned[who.name]} sessions on this "
+                "worker, its cap: release one (or let one expire) first",
+                retry_after=max(self.evict_after, 0.1))
 
     def _take_slot(self, now: float) -> int:
         if not self._free:

@@ -120,7 +120,7 @@ class _Engine:
 
 
 def test_sessions_belong_to_their_credential_and_are_capped_per_credential():
-    t = SessionTable(_Engine(), 4, 64, evict_after=3600)
+    t = SessionTable(_Engine(), 8, 64, evict_after=3600)
 
     def step(session, pos, who=None):
         t.commit(t.acquire(session, 1, pos, 1, who))
@@ -144,6 +144,17 @@ def test_sessions_belong_to_their_credential_and_are_capped_per_credential():
     with pytest.raises(errors.SessionForbidden):
         t.acquire("r1", 1, 1, 1, B)
     assert t.release("r1", B) is True
+    # a relayed session its driver now steps itself, under a new epoch (its recovery, the
+    # gRPC path): the tenant takes it over from an empty cache, within its cap
+    step("r2", 0, P)
+    with pytest.raises(errors.ResourceExhausted):  # acme holds its 2 already
+        t.acquire("r2", 2, 0, 1, A)
+    with pytest.raises(errors.SessionForbidden):  # not under the same epoch: its cache
+        t.acquire("r2", 1, 1, 1, B)
+    t.commit(t.acquire("r2", 2, 0, 1, B))  # beta has no cap
+    assert t.get("r2").owner == "beta" and t.get("r2").epoch == 2 and t.owned("beta") == 2
+    with pytest.raises(errors.SessionForbidden):  # and now it is beta's
+        t.acquire("r2", 3, 0, 1, A)
     # without credentials (who=None) nothing is checked
     step("x", 0)
     assert t.release("x") is True
