@@ -2,7 +2,7 @@
 worker processes, for a set time; every legitimate session's tokens checked.
 
     python benches/soak.py [--duration 120] [--sessions 24] [--stages 3] [--seed 1]
-                           [--json out.json] [--model PATH]
+                           [--json out.json] [--model PATH] [--secure]
 
 Setup. ``--stages`` ``python -m dgr.worker`` processes on loopback (``LocalCluster``, as
 ``python -m dgr run`` starts them) serve even layer ranges of the model (default: the
@@ -26,7 +26,9 @@ differ; *lost* when it raised anything (a legitimate session must never fail; re
 inside the driver are allowed and counted) or did not finish within ``SESSION_TIMEOUT``.
 
 Faults and bad clients, one started every 0.3-1.5 s (at most ``FAULTS_AT_ONCE`` at a time),
-each with the answer it was designed to get (anything else counts as *unexpected*):
+drawn from a shuffled deck that holds each kind :data:`WEIGHTS` times (so every kind comes up
+in each pass of the deck), each with the answer it was designed to get (anything else counts
+as *unexpected*):
 
 - ``driver_drop``: a driver of its own (an ``AsyncRoute``) starts a generation, its task is
   cancelled after a random number of tokens and the route closed without releasing the
@@ -50,6 +52,19 @@ each with the answer it was designed to get (anything else counts as *unexpected
 - ``flood``: ``--flood-cap`` + ``FLOOD_EXTRA`` connections at once from one address to one
   worker's data port, capped at ``--flood-cap`` per address: the rest refused with
   ``ResourceExhausted``, the served ones echo a ``Hello``.
+
+With ``--secure`` the workers take cluster credentials (a peer one for themselves, a tenant
+one for the drivers) and mutual TLS on both planes, every client above presents the tenant's
+credential and certificate (an authenticated abuser), and four more kinds come in:
+
+- ``auth_missing``: a data connection without the authentication frame: one
+  ``Unauthenticated`` and the close;
+- ``auth_wrong``: its first frame signed with a wrong secret, by an unknown name, or no
+  token at all: the same;
+- ``auth_replay``: a captured authentication frame replayed on a second connection: the
+  first connection is served, the replay refused;
+- ``grpc_unauthenticated``: gRPC calls without the credential or with a wrong one:
+  ``Unauthenticated`` (health stays public and says SERVING).
 
 Bad clients use their own sockets (the gRPC ones a ``ShardClient`` channel of their own), the
 data-plane ones bound to loopback source addresses of their own (127.0.0.2 and up;
@@ -827,8 +842,9 @@ del _f
 
 async def faults(bad: BadClients, opts, t_end: float) -> None:
     rng = random.Random(f"{opts.seed}-faults")
-    kinds = list(kinds_of(opts))
-    weights = [WEIGHTS[k] for k in kinds]
+    # drawn from a shuffled deck holding each kind as often as its weight: every kind comes
+    # up once in each pass of the deck (sum of the weights faults), whatever the seed
+    deck: list[str] = []
     sem = asyncio.Semaphore(FAULTS_AT_ONCE)
     running: set[asyncio.Task] = set()
 
@@ -844,7 +860,10 @@ async def faults(bad: BadClients, opts, t_end: float) -> None:
         if time.monotonic() >= t_end:
             sem.release()
             break
-        kind = rng.choices(kinds, weights)[0]
+        if not deck:
+            deck = [k for k in kinds_of(opts) for _ in range(WEIGHTS[k])]
+            rng.shuffle(deck)
+        kind = deck.pop()
         t = asyncio.create_task(one(kind, random.Random(rng.random())))
         running.add(t)
         t.add_done_callback(running.discard)

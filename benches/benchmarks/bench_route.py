@@ -88,6 +88,7 @@ async def _route_decode(endpoints, n_decode: int, rounds: int, **route_kw) -> di
         "rtt_ms": [st.decode_rtt_ms for st in s.stats],
         "compute_ms": compute,
         "relay": relay,
+        "loop": loop,
         "hop_ms": hop,
     }
 

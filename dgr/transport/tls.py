@@ -7,7 +7,8 @@ TLS is not put on that socket. Instead each TLS connection is terminated by asyn
 thread per process (``Tunnels``), which owns the TLS state alone, and is paired with one end
 of a local ``socketpair``; the frame I/O gets the other end and works on it exactly as on a
 TCP connection. What TLS costs a seam is that thread's work and one local copy each way
-(benches/seams.py --tls measures it; docs/security.md gives the figures).
+(benches/tls_seams.py measures it; docs/performance.md and docs/security.md give the
+figures).
 """
 
 from __future__ import annotations
@@ -145,6 +146,7 @@ class Tunnels:
             raise
         except Exception as e:  # noqa: BLE001 - the future's own timeout included
             fut.cancel()
+            fut.add_done_callback(_close_late)  # a connection made just too late is closed
             raise errors.WorkerUnavailable(f"{host}:{port}: TLS connection failed "
                                            f"({type(e).__name__}: {e})") from None
 
@@ -166,12 +168,24 @@ class Tunnels:
             except OSError:
                 pass
         plain, inner = socket.socketpair()
-        await loop.connect_accepted_socket(lambda: inner_p, inner)
+        try:
+            await loop.connect_accepted_socket(lambda: inner_p, inner)
+        except BaseException:
+            transport.close()
+            plain.close()
+            inner.close()
+            raise
         outer_p.flush()
         return plain
 
     def close(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
+
+
+def _close_late(fut) -> None:
+    """Close the plaintext end of a tunnel whose caller stopped waiting for it."""
+    if not fut.cancelled() and fut.exception() is None:
+        fut.result().close()
 
 
 _tunnels: Tunnels | None = None

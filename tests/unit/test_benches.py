@@ -1,4 +1,5 @@
-"""The pure parts of benches/compare.py, timeline.py and process_floor.py (no workers, no model)."""
+"""The pure parts of benches/compare.py, timeline.py, process_floor.py and tls_seams.py (no
+workers, no model; tls_seams: a tiny link micro over loopback, TLS with a throwaway CA)."""
 
 from __future__ import annotations
 
@@ -343,3 +344,78 @@ def test_process_floor_summary():
     assert s["relay_over_pipes_ms_per_stage"] == pytest.approx(0.5)  # of 0.5, 0.5, 1.0
     assert s["relay_over_alone"] == pytest.approx(1.2)  # of 1.2, 1.25, 1.1667
     assert s["pipes_stage_compute_ms"] == [6, 6] and s["alone_stage_compute_ms"] == [6, 6]
+
+
+def _decode_ms(tps, hop=1.0):
+    return {"tokens_per_s": tps, "hop_ms": hop, "compute_ms": [1.0, 2.0, 3.0]}
+
+
+def test_tls_seams_arguments_and_summaries():
+    tls_seams = pytest.importorskip("tls_seams")
+    a = tls_seams.parse_args(["--rounds", "2", "--modes", "tls", "--micro-n", "3"])
+    assert (a.rounds, a.micro_n, a.modes) == (2, 3, ["plain", "tls"])  # plain: the baseline
+    assert tls_seams.parse_args([]).modes == ["plain", "keys", "tls", "mtls"]
+    for bad in (["--modes", "ssh"], ["--rounds", "0"]):
+        with pytest.raises(SystemExit):
+            tls_seams.parse_args(bad)
+    out = tls_seams.summarize_decode({
+        ("plain", "relay"): [_decode_ms(100.0), _decode_ms(50.0), _decode_ms(200.0)],
+        ("tls", "relay"): [_decode_ms(80.0, 2.0)] * 3,
+        ("tls", "grpc"): [_decode_ms(40.0)],
+        ("plain", "grpc"): [_decode_ms(50.0, 3.0)], ("keys", "grpc"): [_decode_ms(40.0, 4.0)]})
+    p, t = out["plain"]["relay"], out["tls"]["relay"]
+    assert p["tokens_per_s"] == 100.0 and p["ms_per_token"] == 10.0 and p["links"] == 3
+    assert p["added_ms_per_seam"] == 0.0
+    assert t["added_ms_per_seam"] == pytest.approx((12.5 - 10.0) / 3)  # over 3 links
+    assert t["hop_ms"] == 2.0 and t["compute_ms"] == [1.0, 2.0, 3.0]
+    assert t["added_hop_ms_per_link"] == 1.0  # relay: hop ms is per link
+    # per round: (12.5 - 10) / 3, (12.5 - 20) / 3, (12.5 - 5) / 3 -> the median
+    assert t["added_ms_per_seam_paired"] == pytest.approx(2.5 / 3)
+    assert t["round_tokens_per_s"] == [80.0] * 3
+    assert out["plain"]["relay"]["added_hop_ms_per_link"] == 0.0
+    k = out["keys"]["grpc"]
+    assert k["links"] == 6 and k["added_ms_per_seam"] == pytest.approx((25.0 - 20.0) / 6)
+    assert k["added_hop_ms_per_link"] == 0.5  # gRPC: hop ms is a round trip, 2 links
+    assert "added_ms_per_seam" in out["tls"]["grpc"]
+    assert tls_seams.summarize_decode({("tls", "grpc"): [_decode_ms(40.0)]})["tls"]["grpc"][
+        "added_ms_per_seam"] is None  # no plain run to compare with
+    assert tls_seams.LINKS == {"relay": 3, "grpc": 6}
+    assert tls_seams.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
+    assert tls_seams.percentile(list(range(101)), 99) == 99.0
+    assert tls_seams.percentile([1.0, 2.0], 50) == 1.5
+
+
+def test_tls_seams_link_micro_through_tls(tmp_path):
+    """A tiny link micro in this process: plaintext and TLS echo servers, every frame size
+    and frame I/O, the TLS client verifying the throwaway CA's certificate."""
+    tls_seams = pytest.importorskip("tls_seams")
+    pytest.importorskip("trustme")
+    from dgr.worker.frames import HAVE_NATIVE
+
+    if not HAVE_NATIVE:
+        pytest.skip("no native frame I/O in this build")
+    pki = tls_seams.write_pki(str(tmp_path))
+    servers = {m: tls_seams.echo_servers(m, pki, tls_seams.micro_ios(m))
+               for m in ("plain", "mtls")}
+    try:
+        out = tls_seams.run_micro({m: {io: s.address for io, s in ss.items()}
+                                   for m, ss in servers.items()}, pki, rounds=1, n=3,
+                                  sizes=(16, 4096), n_connect=1)
+        with pytest.raises((RuntimeError, OSError)):  # plaintext to a TLS server: cut off
+            tls_seams.EchoClient(servers["mtls"]["native"].address,
+                                 tls_seams.driver_security("plain", pki), "native")
+    finally:
+        for ss in servers.values():
+            for s in ss.values():
+                s.stop()
+    assert sorted(out) == ["mtls", "plain"]
+    assert sorted(out["plain"]) == ["native", "python"]
+    assert sorted(out["mtls"]) == ["native", "python", "sslsock"]
+    for ios in out.values():
+        for row in ios.values():
+            assert row["connect_ms"] > 0
+            assert {k: v["n"] for k, v in row.items() if k != "connect_ms"} == {"16": 3,
+                                                                                "4096": 3}
+    text = tls_seams.table({"args": {"micro_n": 3, "rounds": 1}, "micro": out,
+                            "load_average": 1.0})
+    assert "mtls   sslsock" in text
