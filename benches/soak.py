@@ -96,7 +96,6 @@ import time
 import uuid
 
 import msgspec
-import xxhash
 
 #: Numeric settings of every worker and of the reference (docs/batching.md: one thread per
 #: stage and chunks under 64 rows keep batched rows bit-identical on SmolLM2's quant). No more
@@ -418,14 +417,9 @@ def error_of(h):
 
 def resign(header: list, payload: bytes = b"") -> bytes:
     """A frame of a (malformed) msgpack header list with a valid prefix and header sum."""
-    try:
-        hb = msgspec.msgpack.encode(header)
-    except (OverflowError, TypeError, msgspec.EncodeError):
-        hb = b"\x90"
-    poff = (16 + len(hb) + 63) // 64 * 64
-    body = hb + bytes(poff - 16 - len(hb))
-    return _PREFIX.pack(b"DGRF", 1, 0, 0, len(hb),
-                        xxhash.xxh3_64_intdigest(body) & 0xFFFFFFFF) + body + payload
+    from dgr.testing.wirefuzz import resign as signed
+
+    return signed(header, payload, fix_checksum=False)
 
 
 class BadClients:
@@ -765,15 +759,20 @@ async def _auth_refused(c: Raw) -> tuple[str, bool]:
     return h, h == f"ErrorReply {errors.Unauthenticated.__name__}" and end is None
 
 
-async def auth_missing(self, rng):
-    """A data connection without the authentication frame."""
+async def _refused_with(self, rng, kind: str, auth: bool | bytes):
+    """A data connection opened with ``auth`` (``Raw.open``): it must be refused."""
     st, ep = self._data(rng)
-    c = await Raw.open(ep, SOURCES["auth_missing"], auth=False)
+    c = await Raw.open(ep, SOURCES[kind], auth=auth)
     try:
         answer, ok = await _auth_refused(c)
     finally:
         c.close()
     return answer, ok, ""
+
+
+async def auth_missing(self, rng):
+    """A data connection without the authentication frame."""
+    return await _refused_with(self, rng, "auth_missing", False)
 
 
 async def auth_wrong(self, rng):
@@ -781,17 +780,11 @@ async def auth_wrong(self, rng):
     name, or is not a token at all)."""
     from dgr.transport.security import AUTH_MAGIC, Credential, sign
 
-    st, ep = self._data(rng)
     forged = [AUTH_MAGIC + sign(Credential(self.security.credential.name, b"x" * 32),
                                 "data").encode(),
               AUTH_MAGIC + sign(Credential("mallory", b"x" * 32), "data").encode(),
               AUTH_MAGIC + rng.randbytes(rng.randint(0, 120))]
-    c = await Raw.open(ep, SOURCES["auth_wrong"], auth=rng.choice(forged))
-    try:
-        answer, ok = await _auth_refused(c)
-    finally:
-        c.close()
-    return answer, ok, ""
+    return await _refused_with(self, rng, "auth_wrong", rng.choice(forged))
 
 
 async def auth_replay(self, rng):
