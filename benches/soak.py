@@ -201,7 +201,7 @@ def secure_files(opts: argparse.Namespace, directory: str) -> None:
         opts.files[name] = path
     text = f"workers {secrets.token_hex(16)} peer\nsoak {secrets.token_hex(16)}\n"
     opts.files["keys"] = os.path.join(directory, "cluster.keys")
-    with open(opts.files["keys"], "w") as f:
+    with open(os.open(opts.files["keys"], os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
         f.write(text)
     opts.tenant = parse_credentials(text)[1]
 

@@ -18,7 +18,8 @@ A credential is either a **driver**'s (a tenant's: it may hold at most ``max_ses
 sessions and ``max_queued`` admitted steps on a worker, and touch only sessions it opened),
 or a **peer**'s (``peer``: the workers of one cluster, which relay each other's frames for
 every tenant, so they are not capped and act on any session). The credentials file holds one
-credential a line::
+credential a line (a secret holds no whitespace and no ``#``, which starts a comment; keep
+the file readable by its owner only)::
 
     # name     secret (>= 16 characters)    options
     workers    8c6f0d3f5b0e41c7a9e2d4b6     peer
@@ -39,6 +40,7 @@ import contextvars
 import hashlib
 import hmac
 import ipaddress
+import logging
 import os
 import re
 import secrets
@@ -139,9 +141,14 @@ def load_credentials(path: str) -> list[Credential]:
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
+            mode = os.fstat(f.fileno()).st_mode
     except OSError as e:
         raise errors.InvalidArgument(f"cannot read the credentials file {path}: "
                                      f"{e.strerror}") from None
+    if mode & 0o077:
+        logging.getLogger("dgr.transport").warning(
+            "the credentials file %s may be read by other users (mode %o): chmod 600 it",
+            path, mode & 0o777)
     return parse_credentials(text, os.path.basename(path))
 
 

@@ -84,6 +84,8 @@ def test_a_route_across_hosts_with_credentials_and_mutual_tls(tiny_llama, tmp_pa
             "workers 5f0c4e8a9b7d6c3e2f1a0b9c peer\n"
             "tenant  a1b2c3d4e5f60718293a4b5c sessions=2\n")
         (tmp_path / "tenant.keys").write_text("tenant  a1b2c3d4e5f60718293a4b5c\n")
+        for k in ("cluster.keys", "tenant.keys"):
+            (tmp_path / k).chmod(0o600)
         sec = ["--cluster-keys", str(tmp_path / "cluster.keys"), "--tls-cert", p["node"],
                "--tls-key", p["node_key"], "--tls-ca", p["ca"], "--tls-client-auth"]
         workers = [NetnsWorker(net, i, str(tiny_llama), lr, settings=SETTINGS, args=sec)

@@ -50,6 +50,20 @@ def test_credentials_file():
         pick(creds, "nobody")
 
 
+def test_a_credentials_file_others_may_read_is_warned_of(tmp_path, caplog):
+    from dgr.transport.security import load_credentials
+
+    f = tmp_path / "keys"
+    f.write_text("acme 0123456789abcdef0123\n")
+    f.chmod(0o600)
+    assert load_credentials(str(f))[0].name == "acme" and "chmod" not in caplog.text
+    f.chmod(0o644)
+    load_credentials(str(f))
+    assert "chmod 600" in caplog.text and "0123456789" not in caplog.text
+    with pytest.raises(errors.InvalidArgument, match="cannot read"):
+        load_credentials(str(tmp_path / "missing"))
+
+
 @pytest.mark.parametrize("text,why", [
     ("", "holds no credential"),
     ("acme", "expected 'name secret"),
