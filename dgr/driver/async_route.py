@@ -215,10 +215,11 @@ class AsyncRoute:
         await self.close()
 
     async def close(self) -> None:
-        self.relay_links.close()
+        links = self.relay_links.close()
         clients, self.clients = self.clients + self.recovery.retired, []
         self.recovery.retired = []
-        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+        await asyncio.gather(*(c.close() for c in clients), *(k.wait_closed() for k in links),
+                             return_exceptions=True)
 
     # -- direct relay --------------------------------------------------------------------
 

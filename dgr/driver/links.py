@@ -188,9 +188,11 @@ class RelayLinks:
             if match is None or match((*k, 0)):
                 q.put_nowait(exc)
 
-    def close(self) -> None:
-        """Close every link and fail what is still awaited."""
+    def close(self) -> list[AsyncLink]:
+        """Close every link and fail what is still awaited; returns the links closed (their
+        ``wait_closed`` ends their TLS close)."""
         links, self._links = list(self._links.values()), {}
         for link in links:
             link.close()
         self.fail_pending(errors.WorkerUnavailable("the route was closed"))
+        return links

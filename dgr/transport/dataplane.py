@@ -388,6 +388,8 @@ class DataServer:
                 try:
                     conn.credential = sec.verify_auth_frame(self._first_frame(conn))
                 except errors.Unauthenticated as e:
+                    if self._tls is not None:
+                        tunnels().linger(conn.sock)
                     _refuse(conn, e)
                     return
             self.handler(conn)
@@ -618,6 +620,7 @@ class _Protocol(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.link._lost(exc)
+        self.link.gone.set()
 
 
 class AsyncLink:
@@ -634,6 +637,8 @@ class AsyncLink:
         self.index = index
         self.transport: asyncio.Transport | None = None
         self.closed = False
+        #: set once the connection is gone (its transport's ``connection_lost``)
+        self.gone = asyncio.Event()
 
     async def open(self, timeout: float, hello: wire.Hello | None = None,
                    security: Security | None = None) -> AsyncLink:
@@ -673,3 +678,14 @@ class AsyncLink:
         self.closed = True
         if self.transport is not None:
             self.transport.close()
+
+    async def wait_closed(self, timeout: float = 1.0) -> None:
+        """After ``close``: wait (at most ``timeout`` s) until the connection is gone. A TLS
+        connection's close takes a few turns of the event loop (its close_notify), which a
+        caller about to stop its loop must give it."""
+        if self.transport is None:
+            return
+        try:
+            await asyncio.wait_for(self.gone.wait(), timeout)
+        except (asyncio.TimeoutError, TimeoutError):
+            self.transport.abort()

@@ -25,7 +25,7 @@ __all__ = ["Tunnels", "tunnels"]
 #: seconds a TLS handshake may take
 HANDSHAKE_TIMEOUT = 10.0
 #: seconds a refused connection keeps reading (and dropping) before it closes
-#: (``dgr.transport.dataplane.LINGER``, the same for a TLS connection)
+#: (``Tunnels.linger``; ``dgr.transport.dataplane.LINGER`` is the same for plain TCP)
 LINGER = 1.0
 
 
@@ -33,17 +33,18 @@ class _Pipe(asyncio.Protocol):
     """One side of a tunnel: what it receives is written to the other side (flow control
     passes through: a full side pauses reading on the other)."""
 
-    def __init__(self, linger: float = 0.0):
+    def __init__(self, on_lost=None):
         self.transport: asyncio.Transport | None = None
         self.other: _Pipe | None = None
         self.held: list[bytes] = []  # received before the other side was up
         self.closed = False
-        #: on the frame I/O's side of a served connection: when it stops writing (a
-        #: refusal: one ErrorReply, then the close), the TLS side stays open this long,
-        #: reading and dropping what the client sends, so the client reads the answer
-        #: instead of a reset
-        self.linger = linger
+        #: on the frame I/O's side of a served connection, set by ``Tunnels.linger`` (a
+        #: refusal: one ErrorReply, then the close): once that side stops writing, the TLS
+        #: side stays open this long, reading and dropping what the client sends, so that
+        #: the client reads the answer instead of a reset. 0: it closes at once
+        self.linger = 0.0
         self._lingering = False
+        self._on_lost = on_lost
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -79,6 +80,8 @@ class _Pipe(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.closed = True
+        if self._on_lost is not None:
+            self._on_lost()
         o = self.other
         if o is not None and o.transport is not None and not o.closed and not self._lingering:
             o.transport.close()
@@ -92,6 +95,8 @@ class Tunnels:
     """TLS terminations of one process, on one event-loop thread (module docstring)."""
 
     def __init__(self):
+        #: the frame I/O side of each served connection, by ``id`` of its plaintext socket
+        self._served: dict[int, _Pipe] = {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="dgr-tls",
                                         daemon=True)
@@ -104,19 +109,31 @@ class Tunnels:
         out, that end sees EOF."""
         plain, inner = socket.socketpair()
         sock.setblocking(False)
-        asyncio.run_coroutine_threadsafe(self._serve(sock, inner, ctx, handshake_timeout),
-                                         self._loop)
+        key = id(plain)
+        inner_p = _Pipe(on_lost=lambda: self._served.pop(key, None))
+        self._served[key] = inner_p
+        asyncio.run_coroutine_threadsafe(
+            self._serve(sock, inner, inner_p, ctx, handshake_timeout), self._loop)
         return plain
 
-    async def _serve(self, sock, inner, ctx, handshake_timeout) -> None:
+    def linger(self, plain: socket.socket, seconds: float = LINGER) -> None:
+        """The served connection of ``plain`` is being refused: once its frame I/O stops
+        writing, keep the TLS side open ``seconds`` more, dropping what arrives, so that
+        the client gets the answer rather than a reset."""
+        p = self._served.get(id(plain))
+        if p is not None:
+            p.linger = seconds
+
+    async def _serve(self, sock, inner, inner_p, ctx, handshake_timeout) -> None:
         loop = self._loop
-        outer_p, inner_p = _Pipe(), _Pipe(linger=LINGER)
+        outer_p = _Pipe()
         outer_p.other, inner_p.other = inner_p, outer_p
         try:
             await loop.connect_accepted_socket(lambda: inner_p, inner)
         except OSError:
             sock.close()
             inner.close()
+            inner_p.connection_lost(None)  # never made: forget it
             return
         try:
             await loop.connect_accepted_socket(lambda: outer_p, sock, ssl=ctx,
