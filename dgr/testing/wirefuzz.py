@@ -54,9 +54,10 @@ LIES: list[object] = [
 ]
 
 
-def resign(header: list, payload: bytes, fix_checksum: bool) -> bytes:
-    """Re-encode a (mutated) header list with valid prefix and, optionally, payload checksum."""
-    tag = header[0] if header else None
+def resign(header, payload: bytes, fix_checksum: bool) -> bytes:
+    """Re-encode a (mutated) header (a list, or anything msgpack encodes) with valid prefix
+    and, optionally, payload checksum."""
+    tag = header[0] if isinstance(header, list) and header else None
     at = 14 if tag == 1 else 15 if tag == 2 else None  # Forward's / Result's checksum
     if fix_checksum and at is not None and len(header) > at:
         header = list(header)
