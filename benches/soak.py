@@ -518,6 +518,18 @@ class BadClients:
         st = rng.choice(self.stages)
         return st, st.data_endpoint
 
+    async def _answer_then_hello(self, kind: str, ep: str, frame: bytes):
+        """Send ``frame`` on a connection of its own: the reply's header, and the label of
+        a ``Hello`` sent after it ("Hello echoed" when the connection kept serving)."""
+        from dgr.transport.dataplane import LEN
+
+        c = await Raw.open(ep, SOURCES[kind])
+        try:
+            await c.send(LEN.pack(len(frame)) + frame)
+            return await c.frame(), await c.hello()
+        finally:
+            c.close()
+
     async def _partial(self, rng, kind: str):
         from dgr.transport.dataplane import LEN
 
@@ -591,50 +603,28 @@ class BadClients:
 
     async def data_garbage(self, rng):
         from dgr import errors
-        from dgr.transport.dataplane import LEN
 
         st, ep = self._data(rng)
         body = rng.randbytes(rng.randint(0, 2048))
-        c = await Raw.open(ep, SOURCES["data_garbage"])
-        try:
-            await c.send(LEN.pack(len(body)) + body)
-            h = await c.frame()
-            kept = await c.hello()
-        finally:
-            c.close()
+        h, kept = await self._answer_then_hello("data_garbage", ep, body)
         ok = isinstance(error_of(h), errors.FrameError) and kept == "Hello echoed"
         return f"{label(h)}; {kept}", ok, f"{len(body)} random bytes"
 
     async def data_bad_header(self, rng):
         from dgr import errors
-        from dgr.transport.dataplane import LEN
 
         st, ep = self._data(rng)
-        f = self.bad_header(rng)
-        c = await Raw.open(ep, SOURCES["data_bad_header"])
-        try:
-            await c.send(LEN.pack(len(f)) + f)
-            h = await c.frame()
-            kept = await c.hello()
-        finally:
-            c.close()
+        h, kept = await self._answer_then_hello("data_bad_header", ep, self.bad_header(rng))
         e = error_of(h)
         ok = e is not None and type(e) is not errors.DgrError and kept == "Hello echoed"
         return f"{label(h)}; {kept}", ok, str(e)
 
     async def data_wrong_model(self, rng):
         from dgr import errors
-        from dgr.transport.dataplane import LEN
 
         st, ep = self._data(rng)
         f = self.forward(st, f"wrong-model-{self.n}", self.prompts[1][:6], model="not-a-model")
-        c = await Raw.open(ep, SOURCES["data_wrong_model"])
-        try:
-            await c.send(LEN.pack(len(f)) + f)
-            h = await c.frame()
-            kept = await c.hello()
-        finally:
-            c.close()
+        h, kept = await self._answer_then_hello("data_wrong_model", ep, f)
         ok = type(error_of(h)) is errors.ModelMismatch and kept == "Hello echoed"
         return f"{label(h)}; {kept}", ok, ""
 

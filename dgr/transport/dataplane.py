@@ -34,7 +34,7 @@ from typing import Callable
 from dgr import errors
 from dgr.protocol import wire
 from dgr.transport.security import AUTH_MAGIC, DENIED, MAX_TOKEN, Security, default_security
-from dgr.transport.tls import tunnels
+from dgr.transport.tls import LINGER, tunnels
 
 __all__ = ["LEN", "MAX_FRAME", "FrameSocket", "DataServer", "Links", "AsyncLink",
            "connect", "split_endpoint"]
@@ -45,8 +45,6 @@ log = logging.getLogger("dgr.transport")
 LEN = struct.Struct("<I")
 #: Largest frame accepted: the wire's own payload and header limits plus prefix and padding.
 MAX_FRAME = wire.MAX_PAYLOAD + wire.MAX_HEADER + 4096
-#: Seconds a refused connection reads (and drops) what its peer sent before it closes
-LINGER = 1.0
 #: Largest authentication frame (a connection's first, when credentials are on)
 MAX_AUTH_FRAME = len(AUTH_MAGIC) + MAX_TOKEN
 #: Receive buffers start at this size and grow to the largest frame seen on the connection.

@@ -207,10 +207,14 @@ class KeyRing:
         """
         cred = self._check(token, purpose)
         if cred is None:
-            with self._lock:
-                self.refused += 1
-            raise errors.Unauthenticated(DENIED)
+            self.refuse()
         return cred
+
+    def refuse(self) -> None:
+        """Count a refusal and raise ``Unauthenticated`` (``DENIED``)."""
+        with self._lock:
+            self.refused += 1
+        raise errors.Unauthenticated(DENIED)
 
     def _check(self, token, purpose: str) -> Credential | None:
         if isinstance(token, (bytes, bytearray, memoryview)):
@@ -403,12 +407,10 @@ class Security:
         dgr.errors.Unauthenticated
             Not an authentication frame, or its token is refused.
         """
-        head = bytes(frame[:len(AUTH_MAGIC)])
-        if head != AUTH_MAGIC or self.keys is None:
-            if self.keys is not None:
-                with self.keys._lock:
-                    self.keys.refused += 1
+        if self.keys is None:
             raise errors.Unauthenticated(DENIED)
+        if bytes(frame[:len(AUTH_MAGIC)]) != AUTH_MAGIC:
+            self.keys.refuse()
         return self.keys.verify(frame[len(AUTH_MAGIC):], "data")
 
     def __repr__(self) -> str:

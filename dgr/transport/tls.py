@@ -24,8 +24,8 @@ __all__ = ["Tunnels", "tunnels"]
 
 #: seconds a TLS handshake may take
 HANDSHAKE_TIMEOUT = 10.0
-#: seconds a refused connection keeps reading (and dropping) before it closes
-#: (``Tunnels.linger``; ``dgr.transport.dataplane.LINGER`` is the same for plain TCP)
+#: seconds a refused connection keeps reading (and dropping) before it closes, on plain TCP
+#: (``dgr.transport.dataplane``) and through a tunnel (``Tunnels.linger``)
 LINGER = 1.0
 
 

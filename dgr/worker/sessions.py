@@ -88,10 +88,10 @@ class SessionTable:
     this worker never saw its tenant) may be released by any credential (its id is the
     capability: the driver that made it releases it on every stage) and taken over by a
     tenant's step under a higher epoch (which starts from an empty cache: its driver moved
-    it to the gRPC path, or recovered it), and a non-peer credential opens at most its ``max_sessions`` (else the
-    table's ``max_sessions_per_owner``; None: no cap but the slots), beyond which its new
-    session gets ``ResourceExhausted``. Peer credentials (the cluster's workers, relaying
-    for every tenant) act on any session and are not capped.
+    it to the gRPC path, or recovered it), and a non-peer credential opens at most its
+    ``max_sessions`` (else the table's ``max_sessions_per_owner``; None: no cap but the
+    slots), beyond which its new session gets ``ResourceExhausted``. Peer credentials (the
+    cluster's workers, relaying for every tenant) act on any session and are not capped.
 
     The table is not thread-safe: the worker calls it under its table lock. Compute happens
     between ``acquire`` and ``commit``/``abort``; a session is ``busy`` meanwhile and a second
@@ -196,9 +196,7 @@ class SessionTable:
             # a new epoch (its recovery, or the gRPC path): the step drops the old cache, so
             # nothing of it is read; the session becomes the tenant's, within its cap
             self._check_cap(who)
-            self._owned[s.owner] -= 1
-            if not self._owned[s.owner]:
-                del self._owned[s.owner]
+            self._disown(s)
             s.owner, s.by_peer = who.name, False
             self._owned[s.owner] += 1
         if s is not None and s.busy:
@@ -320,6 +318,12 @@ class SessionTable:
             raise ContextFull(f"session {session!r}: positions {first_pos}..{first_pos + n_tokens - 1} "
                               f"do not fit the context of {self.n_ctx} tokens per session")
 
+    def _disown(self, s: SessionInfo) -> None:
+        """``s`` no longer counts against its owner's sessions."""
+        self._owned[s.owner] -= 1
+        if not self._owned[s.owner]:
+            del self._owned[s.owner]
+
     def _check_cap(self, who) -> None:
         """Raise ``ResourceExhausted`` when the tenant ``who`` holds its cap of sessions."""
         cap = who.max_sessions or self.max_sessions_per_owner
@@ -351,9 +355,7 @@ class SessionTable:
 
     def _drop(self, s: SessionInfo, event: str, detail: str) -> None:
         del self._sessions[s.session]
-        self._owned[s.owner] -= 1
-        if not self._owned[s.owner]:
-            del self._owned[s.owner]
+        self._disown(s)
         # With a step in flight this must run after it: the worker's engine adapter defers
         # release() to the next compute, which holds the engine's lock, so it does.
         self.engine.release(s.slot)
