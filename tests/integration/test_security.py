@@ -96,6 +96,20 @@ def _idle(ws) -> None:
                    f"{w.address} idle")
 
 
+def _conns(w) -> set:
+    """The worker's open data connections, a snapshot."""
+    srv = w.worker.data_server
+    with srv._lock:
+        return set(srv._conns)
+
+
+def _freed(w, before: set, what: str) -> None:
+    """Wait until every data connection the worker holds is one it held at ``before``:
+    those the test opened are freed. (Not a count: one an earlier test left may close
+    meanwhile.)"""
+    wait_until(lambda: _conns(w) <= before, what)
+
+
 def _conn(ep: str, first: bytes | None = None) -> dataplane.FrameSocket:
     s = dataplane.connect(ep, 5.0)
     s.settimeout(10.0)
@@ -162,7 +176,7 @@ def test_the_data_plane_reads_nothing_before_the_first_frame_authenticates(stage
     frame = {None: _forward(w), "wrong": AUTH_MAGIC + sign(WRONG, "data").encode(),
              "unknown": AUTH_MAGIC + sign(STRANGER, "data").encode(),
              "garbage": AUTH_MAGIC + b"x" * 40}[first]
-    steps, conns = w.worker.steps_total, len(w.worker.data_server._conns)
+    steps, conns = w.worker.steps_total, _conns(w)
     c = _conn(ep, frame)
     if first is not None:  # a refused first frame: what follows is never read
         try:
@@ -174,8 +188,7 @@ def test_the_data_plane_reads_nothing_before_the_first_frame_authenticates(stage
     finally:
         c.close()
     assert w.worker.steps_total == steps
-    wait_until(lambda: len(w.worker.data_server._conns) == conns,
-               "the refused connection is freed")
+    _freed(w, conns, "the refused connection is freed")
 
 
 def test_a_replayed_or_stale_token_is_refused_on_both_planes(stages, reference):
@@ -226,7 +239,7 @@ def test_a_replayed_or_stale_token_is_refused_on_both_planes(stages, reference):
 def test_a_silent_first_frame_is_cut_off_at_the_auth_deadline(stages):
     w = stages[0]
     srv = w.worker.data_server
-    t, conns = srv.auth_timeout, len(srv._conns)
+    t, conns = srv.auth_timeout, _conns(w)
     srv.auth_timeout = 0.5
     try:
         c = _conn(srv.address)
@@ -235,7 +248,7 @@ def test_a_silent_first_frame_is_cut_off_at_the_auth_deadline(stages):
         c.close()
     finally:
         srv.auth_timeout = t
-    wait_until(lambda: len(srv._conns) == conns, "the stalled connection is freed")
+    _freed(w, conns, "the stalled connection is freed")
 
 
 def test_sessions_belong_to_the_credential_that_opened_them(stages, reference):
@@ -356,7 +369,7 @@ def test_mutual_tls_route_matches_the_whole_model(tls_stages, certs, reference):
 def test_tls_refuses_plaintext_and_clients_without_a_trusted_certificate(tls_stages, certs,
                                                                          how):
     w = tls_stages[0]
-    steps, conns = w.worker.steps_total, len(w.worker.data_server._conns)
+    steps, conns = w.worker.steps_total, _conns(w)
     tls = {"plaintext": None, "no-client-cert": TLSConfig(ca=certs["ca"]),
            "untrusted-client-cert": TLSConfig(cert=certs["scert"], key=certs["skey"],
                                               ca=certs["ca"])}[how]
@@ -389,8 +402,7 @@ def test_tls_refuses_plaintext_and_clients_without_a_trusted_certificate(tls_sta
     finally:
         raw.close()
     assert w.worker.steps_total == steps
-    wait_until(lambda: len(w.worker.data_server._conns) == conns,
-               "the refused connection is freed")
+    _freed(w, conns, "the refused connection is freed")
 
 
 def test_the_wire_fuzzer_through_an_authenticated_tls_connection(tls_stages, certs, reference):
@@ -401,7 +413,7 @@ def test_the_wire_fuzzer_through_an_authenticated_tls_connection(tls_stages, cer
     rng = random.Random(20261201)
     w = tls_stages[0]
     sec = Security(ACME, None, _tls(certs))
-    conns = len(w.worker.data_server._conns)
+    conns = _conns(w)
     answered = sent = 0
     deadline = time.monotonic() + 20
     while sent < 300 and time.monotonic() < deadline:
@@ -420,8 +432,7 @@ def test_the_wire_fuzzer_through_an_authenticated_tls_connection(tls_stages, cer
         finally:
             c.close()
     assert sent >= 300 and answered > 0
-    wait_until(lambda: len(w.worker.data_server._conns) == conns,
-               "the fuzz connections are freed")
+    _freed(w, conns, "the fuzz connections are freed")
     with Route([s.address for s in tls_stages], relay=True, security=sec) as r:
         assert r.complete(PROMPT, max_tokens=8, stop_on_eog=False).tokens == reference
     _idle(tls_stages)
