@@ -18,6 +18,7 @@ __all__ = [
     "InvalidArgument",
     "EngineError",
     "CoreNotBuilt",
+    "RollbackUnsupported",
     "FrameError",
     "FrameTruncated",
     "FrameTooLarge",
@@ -220,6 +221,13 @@ class CacheMiss(SessionError, LookupError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+class RollbackUnsupported(CacheMiss):
+    """A stage's cache cannot drop the tail a step rolls back (rejected speculative drafts);
+    the stage cleared the session's slot: re-prefill."""
+
+    code = 15
 
 
 class UnknownSession(SessionError, LookupError):

@@ -286,6 +286,7 @@ struct Engine::Impl {
     // cleared after); on an M-RoPE model an embedding batch gets the sectioned positions.
     int32_t Decode(int32_t n);
     Status Release(int32_t slot);
+    Status Truncate(int32_t slot, int32_t pos);
     // boundary rows gathered into slot order when the caller's are not (n_ubatch rows)
     std::vector<float> embd_gather;
 };
@@ -339,6 +340,10 @@ Status Engine::ForwardBatch(const int32_t * slots, const int32_t * pos, const in
 
 Status Engine::Release(int32_t slot) {
     return guarded("release", [&] { return impl_->Release(slot); });
+}
+
+Status Engine::Truncate(int32_t slot, int32_t pos) {
+    return guarded("truncate", [&] { return impl_->Truncate(slot, pos); });
 }
 
 Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * out) {
@@ -561,6 +566,25 @@ Status Engine::Impl::Release(int32_t slot) {
                       std::to_string(m.cfg.n_slots - 1));
     }
     llama_memory_seq_rm(llama_get_memory(m.ctx), slot, -1, -1);
+    return Status();
+}
+
+Status Engine::Impl::Truncate(int32_t slot, int32_t pos) {
+    Impl & m = *this;
+    if (slot < 0 || (uint32_t) slot >= m.cfg.n_slots) {
+        return Status(kUnknownSlot, "slot " + std::to_string(slot) + " does not exist; this engine has slots 0.." +
+                      std::to_string(m.cfg.n_slots - 1));
+    }
+    if (pos < 0) return Status(kInvalidPosition, "truncate position " + std::to_string(pos) + " is negative");
+    llama_memory_t mem = llama_get_memory(m.ctx);
+    const int32_t next = llama_memory_seq_pos_max(mem, slot) + 1;
+    if (pos >= next) return Status();  // nothing past pos
+    if (!llama_memory_seq_rm(mem, slot, pos, -1)) {
+        llama_memory_seq_rm(mem, slot, -1, -1);
+        return Status(kRollbackUnsupported, "this stage's cache cannot drop positions " + std::to_string(pos) +
+                      ".." + std::to_string(next - 1) + " of slot " + std::to_string(slot) +
+                      " (" + m.info.arch + "); the slot was cleared: re-prefill");
+    }
     return Status();
 }
 

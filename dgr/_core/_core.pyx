@@ -214,6 +214,21 @@ cdef class Engine:
                 st = self._e.get().Release(slot)
         check_status(st)
 
+    def truncate(self, int slot, int pos):
+        """Drop the slot's positions from ``pos`` on (rejected drafts); its next forward
+        starts at ``pos``. ``pos`` at or past ``next_pos`` changes nothing.
+
+        Raises
+        ------
+        dgr.errors.RollbackUnsupported
+            A cache of this stage cannot drop that tail; the slot was cleared (re-prefill).
+        """
+        cdef CStatus st
+        with self.lock:
+            with nogil:
+                st = self._e.get().Truncate(slot, pos)
+        check_status(st)
+
     def _forward(self, int slot, object pos, object tokens, object boundary, object want,
                  object out):
         """Validated-array forward; see ``dgr.Engine.forward``.

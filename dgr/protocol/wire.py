@@ -48,6 +48,8 @@ __all__ = [
     "CODECS",
     "COMPRESSIONS",
     "WANTS",
+    "DRAFTERS",
+    "MAX_DRAFT",
     "RESULT_KINDS",
     "Sampling",
     "Hop",
@@ -73,7 +75,9 @@ FORMAT_VERSION = 1
 #: ``Hello`` message (direct relay, decode loop).
 #: 3: ``Forward.streams`` and ``Result.streams`` retired (always 1: the width alone is the
 #: boundary's); their slots stay, reserved (``_reserved``), so no other field moves.
-SCHEMA_VERSION = 3
+#: 4: speculative decoding: ``Forward.rollback`` / ``drafts`` / ``speculate`` /
+#: ``max_draft`` and ``Result.drafted`` (docs/speculative.md).
+SCHEMA_VERSION = 4
 #: magic[4] version:u8 flags:u8 reserved:u16 header_len:u32 header_sum:u32, little endian.
 _PREFIX = struct.Struct("<4sBBHII")
 PREFIX_SIZE = _PREFIX.size  # 16
@@ -85,6 +89,10 @@ MAX_PAYLOAD = 256 << 20
 MAX_HEADER = 1 << 20
 
 WANTS = ("boundary", "logits", "token", "token+logits")
+#: the last stage's drafters (``Forward.speculate``; "" is none)
+DRAFTERS = ("", "ngram", "mtp")
+#: the most drafts one step may carry (``Forward.max_draft``)
+MAX_DRAFT = 32
 RESULT_KINDS = ("none", "boundary", "logits")
 _DTYPES = ("f32",)
 
@@ -168,6 +176,17 @@ class Forward(msgspec.Struct, tag=1, array_like=True, frozen=True, kw_only=True)
     #: compute this step alone, never in one forward with other sessions' steps (the
     #: route's parity mode: a batched row may differ in its last bits from the row alone)
     solo: bool = False
+    #: positions the session's cache drops before this step runs (rejected drafts of the
+    #: step before): the step starts at ``rollback`` positions before the cache's end
+    rollback: _NonNeg32 = 0
+    #: the last ``drafts`` tokens are unverified drafts: the last stage samples the
+    #: ``drafts + 1`` rows from the one before them and accepts the longest prefix of drafts
+    #: that matches (``Result.drafted``)
+    drafts: _NonNeg32 = 0
+    #: the decode loop's drafter on the last stage (``DRAFTERS``: "" none, "ngram", "mtp")
+    speculate: str = ""
+    #: at most this many drafts per step of the loop (``MAX_DRAFT`` at most)
+    max_draft: _NonNeg32 = 0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -200,6 +219,9 @@ class Result(msgspec.Struct, tag=2, array_like=True, frozen=True, kw_only=True):
     payload_len: _NonNeg63 = 0
     checksum: _UInt64 = 0
     tokens: Union[list[_NonNeg32], None] = None
+    #: drafts the step verified (``Forward.drafts``): ``tokens`` are the accepted drafts and
+    #: the token sampled after them, cut after a stop token
+    drafted: _NonNeg32 = 0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -301,6 +323,15 @@ def _check_forward(h: Forward) -> str | None:
             return f"Forward.steps is {h.steps} but want is {h.want!r} (a loop feeds tokens)"
         if h.rows is not None:
             return "Forward.steps > 1 continues from the last row: rows must be None"
+    if h.drafts:
+        if h.drafts >= n:
+            return f"Forward.drafts is {h.drafts} but n_tokens is {n} (a draft follows a token)"
+        if not h.want.startswith("token") or h.rows is not None:
+            return "Forward.drafts asks the last stage to verify: want a token, rows None"
+    if h.speculate not in DRAFTERS:
+        return f"unknown Forward.speculate {h.speculate!r} (known: ngram, mtp)"
+    if h.max_draft > MAX_DRAFT or h.drafts > MAX_DRAFT:
+        return f"Forward.max_draft / drafts may be at most {MAX_DRAFT}"
     return None
 
 

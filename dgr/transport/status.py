@@ -46,6 +46,7 @@ STATUS_OF: dict[type[E.DgrError], grpc.StatusCode] = {
     E.SessionError: S.FAILED_PRECONDITION,
     E.StaleEpoch: S.ABORTED,               # a sequencer check failed: a newer epoch exists
     E.CacheMiss: S.FAILED_PRECONDITION,    # re-prefill, then retry
+    E.RollbackUnsupported: S.FAILED_PRECONDITION,
     E.UnknownSession: S.NOT_FOUND,
     E.ResourceExhausted: S.RESOURCE_EXHAUSTED,
     E.ModelMismatch: S.FAILED_PRECONDITION,

@@ -119,6 +119,12 @@ public:
     // Drop a slot's state; the next Forward on it must start at position 0.
     Status Release(int32_t slot);
 
+    // Drop a slot's positions from `pos` on (rejected speculative drafts), in every cache
+    // the stage keeps; the next Forward on it starts at `pos`. pos >= NextPos is a no-op.
+    // kRollbackUnsupported when a cache cannot drop that tail (DeepSeek V4's compressed
+    // state outside its rollback window): the slot is then cleared, and must re-prefill.
+    Status Truncate(int32_t slot, int32_t pos);
+
     // Next position the slot expects (0 when empty), or -1 for an unknown slot.
     int32_t NextPos(int32_t slot) const;
 

@@ -22,6 +22,7 @@ enum StatusCode : int {
     kMtpNotSupported    = 11,
     kInvalidArgument    = 12,
     kEngineError        = 13,
+    kRollbackUnsupported = 15, // a partial tail removal this cache cannot do: re-prefill
     // wire frames (cpp/include/dgr/frame.h, dgr/protocol/wire.py)
     kFrameError         = 20,
     kFrameTruncated     = 21,

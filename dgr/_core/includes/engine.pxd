@@ -80,6 +80,7 @@ cdef extern from "dgr/engine.h" namespace "dgr" nogil:
                              const float * boundary, int32_t n_tokens, const uint8_t * want,
                              float * out, size_t out_capacity, int32_t * n_out_rows) except +
         CStatus Release(int32_t slot) except +
+        CStatus Truncate(int32_t slot, int32_t pos) except +
         int32_t NextPos(int32_t slot) except +
         CStatus RefreshMemory() except +
 
