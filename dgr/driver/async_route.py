@@ -32,8 +32,8 @@ from dgr.driver.tokenizers import LocalTokenizer, RemoteTokenizer
 from dgr.protocol import wire
 from dgr.protocol.describe import StageInfo
 from dgr.transport.client import DEFAULT_STEP_TIMEOUT, DEFAULT_TIMEOUT, ShardClient
-from dgr.transport.security import Security, default_security
 from dgr.transport.dataplane import AsyncLink
+from dgr.transport.security import Security, default_security
 
 log = logging.getLogger("dgr.driver.route")
 
@@ -106,6 +106,17 @@ class AsyncRoute:
         The cluster credential presented to the workers and TLS, on both planes
         (docs/security.md). None: ``default_security()``, read from ``DGR_CLUSTER_KEY_FILE``,
         ``DGR_TLS_CA``, ``DGR_TLS_CERT`` and ``DGR_TLS_KEY`` (unset: none, plaintext).
+    speculate : str
+        Speculative decoding in the decode loop (docs/speculative.md): the last stage drafts
+        the next tokens and the ring verifies them in one step, so a trip can make several
+        tokens. ``"ngram"``: drafts from the session's own tokens (prompt lookup; the last
+        stage gets the token ids); ``"mtp"``: from the model's multi-token-prediction block,
+        which the last stage's worker loads (``--mtp``). ``""`` (default): off. The tokens
+        are the ones plain decoding makes from the same rows; the parity mode
+        (``logits=True``) never speculates.
+    max_draft : int
+        At most this many drafts per trip (the last stage adapts the number to what it
+        measures is accepted and what a longer step costs, down to none).
     """
 
 
@@ -118,7 +129,7 @@ class AsyncRoute:
                  deadline_factor: float = 10.0, probe_timeout: float = 1.0,
                  backoff: float = 0.05, relay: bool | None = None, loop: bool = True,
                  loop_window: int = 32, batching: bool = True,
-                 security: Security | None = None):
+                 security: Security | None = None, speculate: str = "", max_draft: int = 8):
         if codec not in wire.CODECS:
             raise errors.UnknownCodec(f"unknown codec {codec!r} (known: {', '.join(wire.CODECS)})")
         self._relay_arg = relay
@@ -163,6 +174,16 @@ class AsyncRoute:
         #: sessions' (False: every step is ``Forward.solo``; the parity mode's steps always
         #: are: ``dgr.driver.headers.solo_of``)
         self.batching = bool(batching)
+        if speculate not in wire.DRAFTERS:
+            raise errors.InvalidArgument(
+                f"unknown speculate={speculate!r} (known: ngram, mtp; '' for none)")
+        if not 1 <= max_draft <= wire.MAX_DRAFT:
+            raise errors.InvalidArgument(
+                f"max_draft must be in [1, {wire.MAX_DRAFT}], got {max_draft}")
+        #: the decode loop's drafter on the last stage ("": none) and its most drafts a trip
+        self.speculate, self.max_draft = speculate, int(max_draft)
+        # the last stage drafts from the session's tokens: it gets the token ids of every step
+        self.relay_links.tokens_to_last = bool(speculate)
 
     # -- setup ---------------------------------------------------------------------------
 

@@ -21,7 +21,9 @@ def forward_header(session: str, epoch: int, stage: StageInfo, pos: int, toks: l
                    want: str, sampling: wire.Sampling | None, last: bool = True,
                    tokens: bool = True, relay: list[wire.Hop] | None = None,
                    reply_to: str = "", loop: list[wire.Hop] | None = None, steps: int = 0,
-                   stop_tokens: list[int] | None = None, solo: bool = False) -> wire.Forward:
+                   stop_tokens: list[int] | None = None, solo: bool = False,
+                   rollback: int = 0, speculate: str = "", max_draft: int = 0
+                   ) -> wire.Forward:
     """The step of ``toks`` at ``pos`` of ``session`` (``epoch``), sent to ``stage``.
 
     ``last``: the step ends where the driver reads the reply, so it asks for ``want`` with
@@ -30,14 +32,17 @@ def forward_header(session: str, epoch: int, stage: StageInfo, pos: int, toks: l
     ``reply_to``: the stages after ``stage`` and the route to answer (direct relay);
     ``loop``, ``steps``, ``stop_tokens``: the decode loop (every stage, tokens to run, where
     the last stage stops it). ``solo``: every stage computes the step alone, not batched
-    with other sessions' steps (``solo_of``).
+    with other sessions' steps (``solo_of``). ``rollback``: positions every stage drops from
+    the session's cache first (drafts a decode loop left there, rejected); ``speculate``,
+    ``max_draft``: the decode loop's drafter on the last stage.
     """
     return wire.Forward(model=stage.identity, session=session, epoch=epoch, first_pos=pos,
                         n_tokens=len(toks), layer=stage.layers[0],
                         tokens=toks if tokens else None,
                         want=want if last else "boundary",
                         sampling=sampling if last else None, relay=relay, reply_to=reply_to,
-                        loop=loop, steps=steps, stop_tokens=stop_tokens, solo=solo)
+                        loop=loop, steps=steps, stop_tokens=stop_tokens, solo=solo,
+                        rollback=rollback, speculate=speculate, max_draft=max_draft)
 
 
 def solo_of(route, want: str) -> bool:

@@ -87,12 +87,15 @@ class HopByHop(StepPath):
         s = self.s
         r = s.route
         n = len(toks)
+        rollback = s.take_rollback(pos)
         x = None
         last = len(r.stages) - 1
         for i, st in enumerate(r.stages):
             h = forward_header(s.id, s.epoch, st, pos, toks, want=want, sampling=sampling,
-                               last=i == last, tokens=i == 0 or st.needs_token_ids,
-                               solo=solo_of(r, want))
+                               last=i == last,
+                               tokens=i == 0 or st.needs_token_ids or (
+                                   i == last and bool(r.speculate)),
+                               solo=solo_of(r, want), rollback=rollback)
             if x is None:
                 data = wire.encode(h)
             else:
@@ -203,7 +206,7 @@ class Relay(StepPath):
             for k, toks in enumerate(chunks):
                 h = forward_header(s.id, s.epoch, st0, pos, toks, want=want, sampling=sampling,
                                    last=k == len(chunks) - 1, relay=hops, reply_to=r.route_id,
-                                   solo=solo_of(r, want))
+                                   solo=solo_of(r, want), rollback=s.take_rollback(pos))
                 key = (s.id, s.epoch, pos)
                 fut = rl.pending[key] = loop.create_future()
                 keys.append((key, len(toks), fut))
@@ -273,24 +276,30 @@ class DecodeLoop(Relay):
         st0 = r.stages[0]
         left = n
         n_ctx = int(r.settings.get("n_ctx") or 0)
+        # the parity mode (logits) keeps one row per token: it never speculates
+        spec = "" if logits else r.speculate
+        per_trip = 1 + (r.max_draft if spec else 0)  # tokens a trip's step may carry
         try:
             while left > 0:
                 # a window never loops past the context: the first stage's refusal of the
                 # step after the last one that fits (ContextFull) would race that step's
                 # token, which comes from the last stage, and could reach us first; a step
                 # at or past n_ctx is sent alone and refused with nothing else in flight
+                # (the last stage drafts nothing past the context either)
                 window = min(left, r.loop_window, max(n_ctx - pos, 1) if n_ctx else left)
                 h = forward_header(s.id, s.epoch, st0, pos, [tok], want=want,
                                    sampling=sampling, relay=rl.hops(), reply_to=r.route_id,
                                    loop=rl.loop_hops(), steps=window,
                                    stop_tokens=sorted(eog) if eog else None,
-                                   solo=solo_of(r, want))
+                                   solo=solo_of(r, want), rollback=s.take_rollback(pos),
+                                   speculate=spec, max_draft=r.max_draft if spec else 0)
                 links[0].send(wire.encode(h))
                 fed = tok
-                for _ in range(window):
+                got = 0
+                while got < window:
                     t0 = time.perf_counter()
                     try:
-                        async with timeout_after(r.deadline(len(r.stages), 1)):
+                        async with timeout_after(r.deadline(len(r.stages), per_trip)):
                             item = await q.get()
                     except TimeoutError:
                         raise errors.StepDeadlineExceeded(
@@ -299,18 +308,29 @@ class DecodeLoop(Relay):
                     if isinstance(item, BaseException):
                         raise item
                     rh = item.header
-                    if rh.first_pos != pos or not rh.tokens:
+                    toks = rh.tokens
+                    if rh.first_pos != pos or not toks or got + len(toks) > window \
+                            or len(toks) > rh.drafted + 1 \
+                            or rh.n_tokens != rh.drafted + 1:
                         # the loop and this session's history disagree: re-prefill, go on
                         raise errors.CacheMiss(
-                            f"decode loop: expected the token after position {pos}, got a "
-                            f"reply for position {rh.first_pos} with tokens {rh.tokens}")
-                    r.deadlines.measured_relay(1, time.perf_counter() - t0)
+                            f"decode loop: expected the tokens after position {pos}, got a "
+                            f"reply for position {rh.first_pos} with tokens {toks}")
+                    r.deadlines.measured_relay(rh.n_tokens, time.perf_counter() - t0)
                     r.relay_steps += 1
-                    s._extend([fed])
-                    pos += 1
-                    fed = s._take(item, logits)
-                    left -= 1
-                    yield fed
+                    s.trip(rh.drafted, len(toks))
+                    # the token fed and the drafts accepted after it are the caches' now;
+                    # the rejected ones stay there until the next step rolls them back
+                    s._extend([fed, *toks[:-1]])
+                    pos += len(toks)
+                    s.rollback = rh.first_pos + rh.n_tokens - pos
+                    if logits:
+                        s.logits.append(item.array[-1].copy())
+                    for t in toks:
+                        got += 1
+                        left -= 1
+                        yield int(t)
+                    fed = int(toks[-1])
                 tok = fed
         finally:
             if rl.rings.get(key) is q:

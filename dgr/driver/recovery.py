@@ -158,6 +158,7 @@ class Recovery:
             await release_quietly(r.clients[i], s.id, r.probe_timeout)
         s.recoveries += 1
         s.epoch += 1
+        s.rollback = 0  # the new epoch starts from empty caches
         hist = s.history
         for p, n in s.steps:
             await hops.forward(hist[p:p + n], p, "boundary", None)

@@ -38,6 +38,21 @@ class Generation:
     decode_s: float               # from the first token to the last
     recoveries: int = 0           # re-prefills after a failure
     logits: list[np.ndarray] | None = None
+    #: speculative decoding (docs/speculative.md): decode-loop trips, the drafts they
+    #: carried, the drafts accepted
+    trips: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        """Drafts accepted over drafts sent (0 without drafts)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_trip(self) -> float:
+        """Tokens each decode-loop trip made, on average (0 without trips)."""
+        return (self.trips + self.accepted) / self.trips if self.trips else 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:

@@ -40,6 +40,11 @@ class AsyncRouteSession:
         self.steps: list[tuple[int, int]] = []
         #: logits rows that sampled each token (only with ``logits=True``)
         self.logits: list[np.ndarray] = []
+        #: positions the stages' caches hold past ``history`` (drafts a decode loop left
+        #: there, rejected): the next step rolls them back (``Forward.rollback``)
+        self.rollback = 0
+        #: decode-loop trips, drafts sent and drafts accepted (speculative decoding)
+        self.trips = self.drafted = self.accepted = 0
         self.recoveries = 0
         self.stats = [StageStats(s.endpoint, s.layers) for s in route.stages]
         self._cleanup: set[asyncio.Task] = set()  # releases on replaced workers
@@ -111,6 +116,19 @@ class AsyncRouteSession:
                 if tokens is not None:
                     await tokens.aclose()
 
+    def take_rollback(self, pos: int) -> int:
+        """``Forward.rollback`` of the next step, at ``pos`` (the end of ``history``): what
+        the caches hold past it; the step drops it."""
+        r, self.rollback = self.rollback, 0
+        return r if pos == len(self.history) else 0
+
+    def trip(self, drafted: int, made: int) -> None:
+        """A decode-loop trip verified ``drafted`` drafts and made ``made`` tokens."""
+        self.trips += 1
+        if drafted:
+            self.drafted += drafted
+            self.accepted += made - 1
+
     def _extend(self, toks: list[int]) -> None:
         self.steps.append((len(self.history), len(toks)))
         self.history.extend(toks)
@@ -126,6 +144,7 @@ class AsyncRouteSession:
         """Start over: the next step begins a new epoch at position 0."""
         self.epoch += 1
         self.history, self.steps, self.logits = [], [], []
+        self.rollback = 0
 
     async def prefill(self, tokens: Sequence[int], *, sample: bool = True,
                       sampling: SamplingParams | None = None, logits: bool = False
@@ -214,6 +233,7 @@ class AsyncRouteSession:
         t_first = None
         toks: list[int] = []
         rec0 = self.recoveries
+        spec0 = (self.trips, self.drafted, self.accepted)
         async for t in self.generate(prompt, max_tokens=max_tokens, sampling=sampling,
                                      stop=stop, stop_on_eog=stop_on_eog, logits=logits):
             if t_first is None:
@@ -228,7 +248,9 @@ class AsyncRouteSession:
         return Generation(tokens=toks, text=text, stop_reason=self.stop_reason,
                           prompt_tokens=n_prompt, time_to_first_token_s=(t_first or t1) - t0,
                           decode_s=t1 - (t_first or t1), recoveries=self.recoveries - rec0,
-                          logits=list(self.logits) if logits else None)
+                          logits=list(self.logits) if logits else None,
+                          trips=self.trips - spec0[0], drafted=self.drafted - spec0[1],
+                          accepted=self.accepted - spec0[2])
 
     async def release(self) -> None:
         """Free this session's slot on every stage now (ignores stages that are gone)."""

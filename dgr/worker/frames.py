@@ -138,10 +138,11 @@ class Frames:
     def relay(self, h: wire.Forward, boundary: np.ndarray, layer: int, codec: str,
               buf: bytearray) -> tuple:
         """The ``Forward`` a stage relays: ``h`` for the next range (``layer``, the relay
-        list without its first hop, token ids when that hop routes by them) carrying
-        ``boundary``. Returns the pieces to send, ``(head, payload)``; ``buf`` is the
-        calling thread's reused frame buffer, for the Python path."""
-        keep_tokens = h.relay[0].tokens
+        list without its first hop, token ids while a hop still to come needs them: one
+        that routes by them, or a last stage that drafts from them) carrying ``boundary``.
+        Returns the pieces to send, ``(head, payload)``; ``buf`` is the calling thread's
+        reused frame buffer, for the Python path."""
+        keep_tokens = any(hop.tokens for hop in h.relay)
         if self.native and codec == "raw" and h.compression != "zstd":
             return _frame.relay_head(h, boundary, layer, keep_tokens)
         nh = msgspec.structs.replace(h, layer=layer, relay=h.relay[1:],

@@ -39,6 +39,7 @@ from dgr.protocol.sampling import sample_rows
 from dgr.protocol.settings import settings_tag, stage_identity
 from dgr.transport.common import MAX_MESSAGE
 from dgr.worker.sessions import Lease, SessionTable
+from dgr.worker.speculation import Speculator, accept
 
 __all__ = ["StagePipeline", "Step", "ComputeWindow"]
 
@@ -97,10 +98,24 @@ class Step:
     t_arrive: float  # time.perf_counter() when its frame arrived
     kind: str = "none"  # what ``result`` is: "boundary", "logits" or "none"
     result: Any = None  # the boundary or the logits rows
-    tokens: list[int] | None = None  # sampled, one per wanted row
+    tokens: list[int] | None = None  # sampled, one per wanted row (verified: the emitted)
+    accepted: int = 0  # drafts (``Forward.drafts``) the verification accepted
     seconds: float = 0.0  # the engine's forward call (its share of a batch's, by tokens)
     batch: tuple[int, int] | None = None  # (batch id, steps in it), set by the stage loop
     credential: Any = None  # the caller's (dgr.transport.security.Credential), if any
+
+
+def wanted_rows(h: wire.Forward) -> list[int]:
+    """The rows of ``h`` the last stage returns (logits) or samples (a token): none for a
+    boundary, ``rows`` when given, a step's draft rows (``drafts``: the row before the first
+    draft and every draft's), else the last row."""
+    if h.want == "boundary":
+        return []
+    if h.drafts:
+        return list(range(h.n_tokens - h.drafts - 1, h.n_tokens))
+    if h.rows is None:
+        return [h.n_tokens - 1]
+    return sorted(set(h.rows))
 
 
 class _DeferredRelease:
@@ -166,8 +181,19 @@ class StagePipeline:
         #: hop latency of 1-token steps (ms, arrival to reply ready), for the capability record
         self.hop_ms: collections.deque = collections.deque(maxlen=1024)
         self.last_error, self.last_error_at = "", None
+        #: the last stage's speculative decoding (dgr.worker.speculation): its drafters and
+        #: per-session state; None on other stages
+        self.speculator: Speculator | None = None
+        if self.is_last:
+            mtp = None
+            if getattr(engine, "mtp", False):
+                from dgr.worker.speculation import MtpDrafter
+                mtp = MtpDrafter(engine)
+            self.speculator = Speculator(int(self.settings["n_ctx"]), mtp=mtp)
 
     def _event(self, event: str, session: str, epoch: int, slot: int, detail: str) -> None:
+        if self.speculator is not None:  # every event starts or ends a session's state
+            self.speculator.forget(session)
         log.info("%s session=%s epoch=%d slot=%d%s", event, session, epoch, slot,
                  f" ({detail})" if detail else "")
 
@@ -244,7 +270,7 @@ class StagePipeline:
         h = step.header
         with self.lock:
             step.lease = self.table.acquire(h.session, h.epoch, h.first_pos, h.n_tokens,
-                                            step.credential)
+                                            step.credential, rollback=h.rollback)
 
     def _check(self, h) -> None:
         """What a frame means for this stage, beyond what the engine checks of its inputs."""
@@ -393,6 +419,14 @@ class StagePipeline:
                         f"session {s.lease.session!r} epoch {s.lease.epoch} was released "
                         "while this step waited for the engine; the step was not run: "
                         "re-prefill")
+            for i in list(run):  # rejected drafts of the step before: roll them back
+                h = steps[i].header
+                if h.rollback and not steps[i].lease.new:
+                    try:
+                        self.engine.truncate(steps[i].lease.slot, h.first_pos)
+                    except Exception as e:  # noqa: BLE001 - RollbackUnsupported: re-prefill
+                        fails[i] = e
+                        run.remove(i)
             for i in run:
                 steps[i].batch = (batch_id, len(run))
             self.computing += 1
@@ -467,12 +501,7 @@ class StagePipeline:
         picks: list[list[int]] = []
         a = 0
         for h in hs:
-            if h.want == "boundary":
-                rows: list[int] = []
-            elif h.rows is None:
-                rows = [h.n_tokens - 1]
-            else:
-                rows = sorted(set(h.rows))
+            rows = wanted_rows(h)
             mask[[a + r for r in rows]] = True
             picks.append(rows)
             a += h.n_tokens
@@ -485,9 +514,7 @@ class StagePipeline:
             r0 += len(rows)
             s.seconds = seconds * h.n_tokens / n
             if h.want.startswith("token"):
-                pos = [(h.positions[r] if h.positions is not None else h.first_pos + r) + 1
-                       for r in rows]
-                s.tokens = sample_rows(logits, pos, h.sampling)
+                self._sample(s, logits, rows)
             if h.want in ("logits", "token+logits"):
                 s.kind, s.result = "logits", logits
 
@@ -507,30 +534,40 @@ class StagePipeline:
             step.kind = "boundary"
             return
         want = h.want
-        if want == "boundary":  # the last stage has no boundary: run, return nothing
-            rows: list[int] = []
-            mask: Any = np.zeros(n, dtype=bool)
-        elif h.rows is None:
-            rows, mask = [n - 1], "last"
-        else:
-            rows = sorted(set(h.rows))
+        rows = wanted_rows(h)
+        mask: Any
+        if rows == [n - 1]:
+            mask = "last"
+        else:  # (none, for a boundary: the last stage has none to return)
             mask = np.zeros(n, dtype=bool)
             mask[rows] = True
         logits = eng.forward(lease.slot, positions, tokens, boundary=step.array, logits=mask,
                              **kw)
         step.seconds = time.perf_counter() - t0
         if want.startswith("token"):
-            first = h.first_pos
-            pos = [(h.positions[r] if h.positions is not None else first + r) + 1 for r in rows]
-            step.tokens = sample_rows(logits, pos, h.sampling)
+            self._sample(step, logits, rows)
         if want in ("logits", "token+logits"):
             step.kind, step.result = "logits", logits
+
+    @staticmethod
+    def _sample(step: Step, logits: np.ndarray, rows: list[int]) -> None:
+        """A token from each wanted row; with drafts (``Forward.drafts``), the verified
+        ones: the accepted drafts and the token after them (``speculation.accept``)."""
+        h = step.header
+        pos = [(h.positions[r] if h.positions is not None else h.first_pos + r) + 1
+               for r in rows]
+        sampled = sample_rows(logits, pos, h.sampling)
+        if h.drafts:
+            step.tokens, step.accepted = accept(h.tokens[h.n_tokens - h.drafts:], sampled,
+                                                h.stop_tokens)
+        else:
+            step.tokens = sampled
 
     def out_rows(self, h: wire.Forward) -> int:
         """Rows of what the engine returns for ``h`` (a reused output buffer's need)."""
         if not self.is_last:
             return h.n_tokens
-        return 1 if h.rows is None else len(set(h.rows))
+        return max(len(wanted_rows(h)), 1)
 
     # -- finish ----------------------------------------------------------------------------
 
@@ -544,6 +581,8 @@ class StagePipeline:
                     self.table.commit(lease)
                 else:
                     self.table.abort(lease, f"{type(failure).__name__}: {failure}")
+        if failure is None and self.speculator is not None:  # the session's tokens, drafts
+            self.speculator.observe(step.header, step.tokens, step.accepted, step.t_arrive)
         if failure is None:
             with self._counts:
                 self.steps_total += 1
@@ -565,7 +604,8 @@ class StagePipeline:
             compress = h.compression == "zstd"
         else:
             r = wire.Result(session=h.session, epoch=h.epoch, first_pos=h.first_pos,
-                            n_tokens=h.n_tokens, kind=step.kind, tokens=step.tokens)
+                            n_tokens=h.n_tokens, kind=step.kind, tokens=step.tokens,
+                            drafted=h.drafts)
             codec, compress = "raw", False
         res = None if step.result is None else np.ascontiguousarray(step.result)
         return r, res, codec, compress

@@ -5,7 +5,8 @@
   next stage named by ``Forward.relay``, over a pooled link;
 - direct relay, last stage: the ``Result`` goes to the route's return connection (the
   driver's, registered by its ``Hello``); with a decode loop (``Forward.steps``) the next
-  step goes to the route's first stage too.
+  step goes to the route's first stage too: the token just sampled and, when the loop
+  speculates (``Forward.speculate``), the drafts after it (``dgr.worker.speculation``).
 
 A refused or failed step's ``ErrorReply`` goes to the return connection as well when the
 step was relayed, else back to the sender.
@@ -39,9 +40,11 @@ class Forwarder:
     """
 
     def __init__(self, layer_end: int, is_first: bool, is_last: bool,
-                 frames: Frames | None = None, security=None):
+                 frames: Frames | None = None, security=None, speculator=None):
         self.layer_end = layer_end
         self.is_first, self.is_last = is_first, is_last
+        #: the last stage's drafting (dgr.worker.speculation.Speculator), if any
+        self.speculator = speculator
         self.frames = frames or Frames()
         #: links present ``security``'s credential and TLS (None: the environment's)
         self.links = Links(conn_class=self.frames.conn_class, security=security)
@@ -97,16 +100,20 @@ class Forwarder:
             self.relay(step, buf, on_error)
         else:
             toks = step.tokens
-            loop = h.steps > 1 and toks and (h.stop_tokens is None
-                                             or toks[-1] not in h.stop_tokens)
+            left = h.steps - len(toks) if toks else 0  # tokens the loop still makes
+            loop = h.steps > 1 and left > 0 and (h.stop_tokens is None
+                                                 or toks[-1] not in h.stop_tokens)
+            drafts: list[int] = []
+            if loop and h.speculate and self.speculator is not None:
+                drafts = self.speculator.draft(h, step.lease.slot, toks[-1], left)
             # the loop step first, so stage 1 starts at once; but when this worker is
             # stage 1 too, the next step runs here on another thread and its reply must
             # not overtake this one: reply first then
             if loop and not self.is_first:
-                self.loop(h, toks[-1], on_error)
+                self.loop(h, toks, drafts, left, on_error)
             self.send_back(conn, h.reply_to, *reply(step, buf))
             if loop and self.is_first:
-                self.loop(h, toks[-1], on_error)
+                self.loop(h, toks, drafts, left, on_error)
 
     def relay(self, step: Step, buf: bytearray, on_error=None) -> None:
         """Forward this stage's boundary to the next stage named by ``Forward.relay``."""
@@ -119,15 +126,22 @@ class Forwarder:
                                           buf)
         self.links.send(h.relay[0].endpoint, head, payload, on_error)
 
-    def loop(self, h: wire.Forward, token: int, on_error=None) -> None:
-        """Decode loop (``Forward.steps``): feed the token just sampled to the first stage
-        (``loop[0]``) as the next step, without a round trip to the driver."""
+    def loop(self, h: wire.Forward, emitted: list[int], drafts: list[int], left: int,
+             on_error=None) -> None:
+        """Decode loop (``Forward.steps``): feed the last token ``h``'s step made to the
+        first stage (``loop[0]``) as the next step, without a round trip to the driver, with
+        ``drafts`` after it; it drops the drafts of ``h`` that were rejected (``rollback``).
+        ``left``: the tokens the loop still makes."""
         first = h.loop[0]
+        # ``h``'s input up to its last accepted draft stays; the last token emitted goes next
+        pos = h.first_pos + h.n_tokens - h.drafts + len(emitted) - 1
         nh = wire.Forward(model=h.model, session=h.session, epoch=h.epoch,
-                          first_pos=h.first_pos + h.n_tokens, n_tokens=1, layer=0,
-                          tokens=[token], want=h.want, sampling=h.sampling, relay=h.loop[1:],
-                          reply_to=h.reply_to, loop=h.loop, steps=h.steps - 1,
-                          stop_tokens=h.stop_tokens, solo=h.solo)
+                          first_pos=pos, n_tokens=1 + len(drafts), layer=0,
+                          tokens=[emitted[-1], *drafts], want=h.want, sampling=h.sampling,
+                          relay=h.loop[1:], reply_to=h.reply_to, loop=h.loop, steps=left,
+                          stop_tokens=h.stop_tokens, solo=h.solo,
+                          rollback=h.first_pos + h.n_tokens - pos, drafts=len(drafts),
+                          speculate=h.speculate, max_draft=h.max_draft)
         self.links.send(first.endpoint, self.frames.encode(nh), None, on_error)
 
     def close(self) -> None:

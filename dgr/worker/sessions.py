@@ -75,7 +75,9 @@ class SessionTable:
       must start at position 0 (otherwise ``UnknownSession`` for a new session, ``CacheMiss``
       for a higher epoch);
     - a lower epoch: ``StaleEpoch``;
-    - the current epoch: ``first_pos`` must be the next expected position (``CacheMiss``);
+    - the current epoch: ``first_pos`` must be the next expected position (``CacheMiss``),
+      less the ``rollback`` the step states (rejected drafts it drops from the cache first;
+      the stage truncates its caches before it computes);
     - ``first_pos + n`` must fit in the slot's context (``ContextFull``);
     - a new session needs a free slot: idle sessions past ``ttl`` are expired first, then the
       least recently used session idle for at least ``evict_after`` is evicted; when none
@@ -164,7 +166,7 @@ class SessionTable:
     # -- steps ---------------------------------------------------------------------------
 
     def acquire(self, session: str, epoch: int, first_pos: int, n_tokens: int,
-                who=None) -> Lease:
+                who=None, rollback: int = 0) -> Lease:
         """Check a step against the session's state and reserve its slot.
 
         Returns
@@ -206,9 +208,10 @@ class SessionTable:
             raise StaleEpoch(f"session {session!r} epoch {epoch} is stale: this worker serves "
                              f"epoch {s.epoch}")
         if s is not None and epoch == s.epoch:
-            if first_pos != s.next_pos:
+            if first_pos + rollback != s.next_pos:
+                rb = f" after rolling back {rollback}" if rollback else ""
                 raise CacheMiss(f"session {session!r} epoch {epoch}: step starts at position "
-                                f"{first_pos} but this worker's cache continues at "
+                                f"{first_pos}{rb} but this worker's cache continues at "
                                 f"{s.next_pos}; re-prefill under a new epoch")
             self._check_ctx(session, first_pos, n_tokens)
             s.busy = True

@@ -207,7 +207,7 @@ class Worker(StagePipeline):
         from dgr.worker.relay import Forwarder
 
         self.forwarder = Forwarder(self.layers[1], self.is_first, self.is_last, self.frames,
-                                   self.security)
+                                   self.security, self.speculator)
         self.data_server = DataServer(self._data_connection, host, port, max_connections,
                                       conn_class=self.frames.conn_class,
                                       max_per_address=max_per_address,

@@ -1,0 +1,328 @@
+"""Speculative decoding on the last stage of a route (docs/speculative.md).
+
+In the decode loop (``Forward.steps``) the last stage drafts the tokens it expects next and
+sends ``[token, draft...]`` around the ring as one step (``Forward.drafts``). When that step
+comes back, it samples every draft's row exactly as plain decoding would (``sample_rows``:
+a token depends on its row and its position only), accepts the longest prefix of drafts that
+matches, and the next step rolls the rest back on every stage (``Forward.rollback``).
+
+What lives here, all of it the last stage's, keyed by session and epoch like its caches:
+
+- ``accept``: the verification rule;
+- ``NgramDrafter``: prompt-lookup drafts from the session's own tokens (the driver sends the
+  last stage the token ids, prompt included, so it has them);
+- ``MtpDrafter``: drafts from the engine's multi-token-prediction block (``Engine.mtp_draft``);
+- ``DraftPolicy``: how many drafts pay, from the measured acceptance and the measured cost
+  of a trip with more tokens (down to 0: plain decoding);
+- ``Speculator``: the per-session state and the three calls the worker makes (``observe``
+  when a step commits, ``draft`` before the loop step leaves, ``forget`` when the session
+  table drops a session).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+__all__ = ["accept", "NgramDrafter", "MtpDrafter", "DraftPolicy", "Speculator", "SpecStats"]
+
+
+def accept(drafts: Sequence[int], sampled: Sequence[int],
+           stop_tokens: Sequence[int] | None = None) -> tuple[list[int], int]:
+    """Verify ``drafts`` against the tokens ``sampled`` from their rows.
+
+    ``sampled[j]`` is the token sampled from the row of the token before draft ``j`` (so
+    ``len(sampled) == len(drafts) + 1``). Draft ``j`` is accepted while every draft before it
+    was and ``sampled[j] == drafts[j]``. Returns ``(emitted, accepted)``: the tokens the step
+    makes (the accepted drafts, then the one sampled after them), cut after the first stop
+    token, and the number of drafts accepted. With a deterministic drafter this makes exactly
+    the tokens plain decoding would from the same rows.
+    """
+    a = 0
+    k = len(drafts)
+    while a < k and sampled[a] == drafts[a]:
+        a += 1
+    emitted = [int(t) for t in sampled[:a + 1]]
+    if stop_tokens:
+        stops = set(stop_tokens)
+        for i, t in enumerate(emitted):
+            if t in stops:
+                emitted = emitted[:i + 1]
+                break
+    return emitted, a
+
+
+class NgramDrafter:
+    """Prompt-lookup drafts: the tokens that followed the last time the session's latest
+    ``n`` tokens occurred, for the longest ``n`` in ``[n_min, n_max]`` that occurred before.
+
+    An index maps every n-gram of the history to the position after its latest occurrence;
+    ``extend`` and ``truncate`` keep it in step with the history, so a draft costs a few
+    dictionary lookups, not a scan.
+    """
+
+    kind = "ngram"
+
+    def __init__(self, n_min: int = 2, n_max: int = 4):
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= n_min <= n_max, got {n_min}, {n_max}")
+        self.n_min, self.n_max = n_min, n_max
+
+    def new_state(self) -> dict:
+        # per n: n-gram -> end positions of its occurrences (latest last)
+        return {n: {} for n in range(self.n_min, self.n_max + 1)}
+
+    def extend(self, index: dict, history: list[int], start: int) -> None:
+        """Index the n-grams that end at positions ``start..len(history)-1``."""
+        for n, table in index.items():
+            for end in range(max(start, n - 1), len(history)):
+                key = tuple(history[end - n + 1:end + 1])
+                table.setdefault(key, []).append(end + 1)
+
+    def truncate(self, index: dict, history: list[int], keep: int) -> None:
+        """Forget the n-grams that end at or after position ``keep`` (history is cut there)."""
+        for n, table in index.items():
+            # latest first: a key's entries are in position order, its latest last
+            for end in range(len(history) - 1, max(keep, n - 1) - 1, -1):
+                key = tuple(history[end - n + 1:end + 1])
+                ends = table.get(key)
+                if ends and ends[-1] == end + 1:
+                    ends.pop()
+                    if not ends:
+                        del table[key]
+
+    def draft(self, index: dict, history: list[int], token: int, k: int) -> list[int]:
+        """Up to ``k`` tokens to follow ``history + [token]``."""
+        if k <= 0:
+            return []
+        ctx = history + [token]
+        for n in range(self.n_max, self.n_min - 1, -1):
+            if len(ctx) < n + 1:
+                continue
+            key = tuple(ctx[-n:])
+            ends = index[n].get(key)
+            if not ends:
+                continue
+            # the latest occurrence (the token just sampled is not indexed, so every entry
+            # is an earlier one): what followed it, up to the context's end
+            at = ends[-1]
+            return [int(t) for t in ctx[at:at + k]]
+        return []
+
+
+class MtpDrafter:
+    """Drafts from the model's own multi-token-prediction (NextN) block, which the last
+    stage's engine loads (``mtp=True``) and keeps in step with every step it computes; its
+    state is the engine's, per slot (``Engine.mtp_draft``, ``Engine.truncate``)."""
+
+    kind = "mtp"
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def draft(self, slot: int, token: int, k: int) -> list[int]:
+        if k <= 0:
+            return []
+        return [int(t) for t in self.engine.mtp_draft(slot, token, k)]
+
+
+class DraftPolicy:
+    """How many drafts a trip should carry, from what the stage measured.
+
+    A trip with ``k`` drafts makes ``E(k) = (1 - a^(k+1)) / (1 - a)`` tokens on average when
+    each draft is accepted with probability ``a`` (given the ones before it were), and costs
+    ``T(k) = T0 * (1 + beta * k)``: the ring's time per trip grows with the step's tokens.
+    The policy picks the ``k`` in ``[0, k_max]`` that maximizes ``E(k) / T(k)``.
+
+    ``a`` is the session's (``SpecState``): accepted drafts over drafts tried, decayed, with a
+    prior that pulls it back up while no drafts are tried (so a session that stopped drafting
+    tries again after a while). ``beta`` is the stage's: fitted from the trips it timed (the
+    time from one of a session's loop steps reaching this stage to the next), by least
+    squares over the recent ones; ``beta_prior`` until they span more than one ``k``.
+    """
+
+    def __init__(self, beta_prior: float = 0.1, window: int = 256, prior: float = 0.5,
+                 prior_weight: float = 2.0, decay: float = 0.95):
+        self.beta_prior = beta_prior
+        self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+        self._trips: collections.deque = collections.deque(maxlen=window)
+        self._lock = threading.Lock()
+        self._beta: float | None = None
+
+    def trip(self, k: int, seconds: float) -> None:
+        """One trip of ``k`` drafts took ``seconds`` (loop step to loop step)."""
+        with self._lock:
+            self._trips.append((k, seconds))
+            self._beta = None
+
+    @property
+    def beta(self) -> float:
+        """The fitted relative cost of one more draft in a trip (``beta_prior`` until fitted)."""
+        with self._lock:
+            if self._beta is None:
+                self._beta = self._fit()
+            return self._beta
+
+    def _fit(self) -> float:
+        trips = list(self._trips)
+        if len(trips) < 8:
+            return self.beta_prior
+        ks = [k for k, _ in trips]
+        n = len(trips)
+        mk = sum(ks) / n
+        var = sum((k - mk) ** 2 for k in ks)
+        if var < 1e-9:
+            return self.beta_prior
+        mt = sum(t for _, t in trips) / n
+        slope = sum((k - mk) * (t - mt) for k, t in trips) / var
+        t0 = mt - slope * mk
+        if t0 <= 0:
+            return self.beta_prior
+        return max(slope / t0, 0.0)
+
+    def rate(self, st: SpecState) -> float:
+        """The session's estimated acceptance per draft."""
+        w = self.prior_weight
+        return (st.accepted + self.prior * w) / (st.tried + w)
+
+    def choose(self, st: SpecState, k_max: int) -> int:
+        """Drafts for the session's next trip (0: plain decoding pays best)."""
+        if k_max <= 0:
+            return 0
+        a = min(self.rate(st), 0.999)
+        beta = self.beta
+        best_k, best = 0, 1.0
+        e = 1.0
+        for k in range(1, k_max + 1):
+            e += a ** k
+            v = e / (1.0 + beta * k)
+            if v > best + 1e-9:
+                best_k, best = k, v
+        return best_k
+
+    def update(self, st: SpecState, drafted: int, accepted: int) -> None:
+        """A trip verified ``drafted`` drafts, ``accepted`` of them; a trip without drafts
+        decays what the session measured toward the prior."""
+        st.accepted *= self.decay
+        st.tried *= self.decay
+        if drafted:
+            st.accepted += accepted
+            # the drafts that were tried: those accepted and the first one rejected
+            st.tried += accepted + (1 if accepted < drafted else 0)
+
+
+@dataclass
+class SpecState:
+    """One session's speculation on the last stage (under one epoch)."""
+
+    epoch: int
+    history: list[int] = field(default_factory=list)  # tokens at positions 0..len-1
+    index: Any = None  # the n-gram drafter's index of ``history``
+    ok: bool = True  # False once a step came without token ids: no drafting this epoch
+    accepted: float = 0.0  # decayed drafts accepted
+    tried: float = 0.0  # decayed drafts tried
+    last_arrive: float = 0.0  # when the session's last loop step reached this stage
+    last_k: int = -1  # the drafts it carried (-1: not a loop step)
+
+
+@dataclass
+class SpecStats:
+    """What the stage's speculation did since it started (Describe counters)."""
+
+    trips: int = 0  # loop steps verified here (with or without drafts)
+    drafted: int = 0  # drafts sent around the ring
+    accepted: int = 0  # drafts accepted
+    emitted: int = 0  # tokens the verified trips made
+
+
+class Speculator:
+    """The last stage's speculation: per-session state, drafting, the policy, counters.
+
+    Thread-safe: the stage's threads call it for different sessions at once (a session's own
+    steps come one at a time).
+    """
+
+    def __init__(self, n_ctx: int, ngram: NgramDrafter | None = None,
+                 mtp: MtpDrafter | None = None, policy: DraftPolicy | None = None,
+                 clock=time.perf_counter):
+        self.n_ctx = n_ctx
+        self.ngram = ngram or NgramDrafter()
+        self.mtp = mtp
+        self.policy = policy or DraftPolicy()
+        self.stats = SpecStats()
+        self._states: dict[str, SpecState] = {}
+        self._lock = threading.Lock()
+        self._clock = clock
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def forget(self, session: str) -> None:
+        """The session table dropped (or re-epoched) ``session``: drop its state."""
+        with self._lock:
+            self._states.pop(session, None)
+
+    def state(self, session: str) -> SpecState | None:
+        with self._lock:
+            return self._states.get(session)
+
+    def observe(self, h, emitted: list[int] | None, accepted: int, t_arrive: float) -> None:
+        """A step of ``h`` committed on this (last) stage: its input tokens up to the
+        accepted drafts are now the session's history (``emitted``/``accepted``: what its
+        verification made, when it carried drafts)."""
+        toks = h.tokens
+        with self._lock:
+            st = self._states.get(h.session)
+            if toks is None:  # not speculating, or a gap: nothing to draft from this epoch
+                if st is not None:
+                    st.ok = False
+                    st.history, st.index = [], None
+                return
+            if st is None or st.epoch != h.epoch:
+                if h.first_pos != 0:
+                    return  # joined mid-epoch: nothing to draft from until the next epoch
+                st = self._states[h.session] = SpecState(h.epoch, index=self.ngram.new_state())
+        p = h.first_pos
+        if not st.ok:
+            return
+        if len(st.history) < p:
+            st.ok = False  # the history has a gap
+            st.history, st.index = [], None
+            return
+        keep = list(toks[:h.n_tokens - h.drafts]) + list(toks[h.n_tokens - h.drafts:][:accepted])
+        if len(st.history) > p:
+            self.ngram.truncate(st.index, st.history, p)
+            del st.history[p:]
+        st.history.extend(int(t) for t in keep)
+        self.ngram.extend(st.index, st.history, p)
+        if h.steps:  # a loop step: time the trip, score the drafts
+            if st.last_k >= 0 and st.last_arrive:
+                self.policy.trip(st.last_k, t_arrive - st.last_arrive)
+            st.last_arrive, st.last_k = t_arrive, h.drafts
+            self.policy.update(st, h.drafts, accepted)
+            with self._lock:
+                s = self.stats
+                s.trips += 1
+                s.drafted += h.drafts
+                s.accepted += accepted
+                s.emitted += len(emitted or ())
+
+    def draft(self, h, slot: int, token: int, left: int) -> list[int]:
+        """Drafts to send after ``token`` in the loop step following ``h`` (``left``: tokens
+        the loop still makes, ``token`` included; none past the context)."""
+        st = self.state(h.session)
+        if st is None or not st.ok or st.epoch != h.epoch or not h.speculate:
+            return []
+        pos = len(st.history)  # where ``token`` goes
+        k_max = min(h.max_draft, left - 1, self.n_ctx - pos - 1)
+        k = self.policy.choose(st, k_max)
+        if k <= 0:
+            return []
+        if h.speculate == "mtp":
+            if self.mtp is None:
+                return []
+            return self.mtp.draft(slot, token, k)
+        return self.ngram.draft(st.index, st.history, token, k)
