@@ -3,6 +3,7 @@
 // (the error code a bad frame gets), so keep both sides in step.
 #include "dgr/frame.h"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -349,7 +350,11 @@ bool read_forward(Reader& r, uint64_t n, Forward* h) {
     F(22, r.read_i32(0, &h->steps));
     F(23, r.read_i32_list(&h->has_stop_tokens, &h->stop_tokens));
     F(24, r.read_bool(&h->solo));
-    return n <= 25 || r.skip(n - 25);
+    F(25, r.read_i32(0, &h->rollback));  // schema 4: speculative decoding
+    F(26, r.read_i32(0, &h->drafts));
+    F(27, r.read_str(&h->speculate));
+    F(28, r.read_i32(0, &h->max_draft));
+    return n <= 29 || r.skip(n - 29);
 }
 
 bool read_result(Reader& r, uint64_t n, Result* h) {
@@ -371,7 +376,8 @@ bool read_result(Reader& r, uint64_t n, Result* h) {
     F(13, r.read_i64(&h->payload_len));
     F(14, r.read_uint_in(0, UINT64_MAX, &h->checksum));
     F(15, r.read_i32_list(&h->has_tokens, &h->tokens));
-    return n <= 16 || r.skip(n - 16);
+    F(16, r.read_i32(0, &h->drafted));  // schema 4
+    return n <= 17 || r.skip(n - 17);
 }
 
 bool read_error(Reader& r, uint64_t n, ErrorReply* h) {
@@ -405,48 +411,115 @@ bool is_want(std::string_view w) {
     return w == "boundary" || w == "logits" || w == "token" || w == "token+logits";
 }
 
-// `width` stands for h.width (the encoder checks the width it is about to write).
-const char* check_forward(const Forward& h, int32_t width) {
+bool is_drafter(std::string_view d) { return d.empty() || d == "ngram" || d == "mtp"; }
+
+// Python's repr() of a str (valid UTF-8), as the messages of wire.py quote values: exact for
+// code points below U+0100; above, the character is kept where Python would escape one it
+// deems non-printable (\u / \U), a difference only a message about such a value shows.
+std::string py_repr(std::string_view s) {
+    static const char kHex[] = "0123456789abcdef";
+    bool sq = s.find('\'') != std::string_view::npos;
+    bool dq = s.find('"') != std::string_view::npos;
+    char q = sq && !dq ? '"' : '\'';
+    std::string out(1, q);
+    for (size_t i = 0; i < s.size();) {
+        uint8_t c = static_cast<uint8_t>(s[i]);
+        if (c < 0x80) {
+            ++i;
+            if (c == static_cast<uint8_t>(q) || c == '\\') { out += '\\'; out += static_cast<char>(c); }
+            else if (c == '\t') out += "\\t";
+            else if (c == '\n') out += "\\n";
+            else if (c == '\r') out += "\\r";
+            else if (c < 0x20 || c == 0x7f) { out += "\\x"; out += kHex[c >> 4]; out += kHex[c & 15]; }
+            else out += static_cast<char>(c);
+            continue;
+        }
+        size_t k = (c & 0xe0) == 0xc0 ? 2 : (c & 0xf0) == 0xe0 ? 3 : 4;
+        if (k == 2 && i + 1 < s.size()) {
+            uint32_t cp = ((c & 0x1fu) << 6) | (static_cast<uint8_t>(s[i + 1]) & 0x3fu);
+            if (cp <= 0xa0 || cp == 0xad) {  // C1 controls, no-break space, soft hyphen
+                out += "\\x"; out += kHex[cp >> 4]; out += kHex[cp & 15];
+                i += 2;
+                continue;
+            }
+        }
+        k = std::min(k, s.size() - i);
+        out.append(s.data() + i, k);
+        i += k;
+    }
+    out += q;
+    return out;
+}
+
+std::string num(int64_t v) { return std::to_string(v); }
+
+// wire._check_forward, message for message; "" when the header is valid. `width` stands for
+// h.width (the encoder checks the width it is about to write).
+std::string check_forward(const Forward& h, int32_t width) {
     int64_t n = h.n_tokens;
-    if (n < 1) return "Forward.n_tokens must be >= 1 (zero-token steps are rejected)";
+    if (n < 1) return "Forward.n_tokens must be >= 1 (zero-token steps are rejected), got " + num(n);
     if (h.has_positions) {
         if (static_cast<int64_t>(h.positions.size()) != n)
-            return "Forward.positions has a length other than n_tokens";
-        if (h.positions[0] != h.first_pos) return "Forward.positions[0] differs from first_pos";
+            return "Forward.positions has " + num(static_cast<int64_t>(h.positions.size())) +
+                   " entries but n_tokens is " + num(n);
+        if (h.positions[0] != h.first_pos)
+            return "Forward.positions[0] is " + num(h.positions[0]) + " but first_pos is " +
+                   num(h.first_pos);
     } else if (static_cast<int64_t>(h.first_pos) + n - 1 > kI32Max) {
-        return "Forward.first_pos + n_tokens overflows int32 positions";
+        return "Forward.first_pos " + num(h.first_pos) + " + n_tokens " + num(n) +
+               " overflows int32 positions";
     }
     if (h.has_tokens && static_cast<int64_t>(h.tokens.size()) != n)
-        return "Forward.tokens has a length other than n_tokens";
+        return "Forward.tokens has " + num(static_cast<int64_t>(h.tokens.size())) +
+               " ids but n_tokens is " + num(n);
     if (width == 0 && !h.has_tokens)
         return "Forward carries neither a boundary (width is 0) nor token ids";
     if (!is_want(h.want))
-        return "unknown Forward.want (known: boundary, logits, token, token+logits)";
+        return "unknown Forward.want " + py_repr(h.want) +
+               " (known: boundary, logits, token, token+logits)";
     if (h.has_rows) {
         if (h.rows.empty()) return "Forward.rows is empty (use None for the last row)";
-        for (int32_t row : h.rows)
-            if (row >= n) return "Forward.rows names a row >= n_tokens";
+        int32_t top = h.rows[0];
+        for (int32_t row : h.rows) top = std::max(top, row);
+        if (top >= n) return "Forward.rows names row " + num(top) + " but n_tokens is " + num(n);
     }
     if (h.has_relay && h.reply_to.empty())
         return "Forward.relay is set but reply_to is empty (where would the result go?)";
+    bool token_want = h.want.substr(0, 5) == "token";
     if (h.steps > 1) {
         if (!h.has_loop || h.loop.empty() || h.reply_to.empty())
-            return "Forward.steps > 1 but loop or reply_to is empty";
-        if (h.want.substr(0, 5) != "token") return "Forward.steps > 1 but want is not a token want";
+            return "Forward.steps is " + num(h.steps) + " but loop or reply_to is empty";
+        if (!token_want)
+            return "Forward.steps is " + num(h.steps) + " but want is " + py_repr(h.want) +
+                   " (a loop feeds tokens)";
         if (h.has_rows) return "Forward.steps > 1 continues from the last row: rows must be None";
     }
-    return nullptr;
+    if (h.drafts) {
+        if (h.drafts >= n)
+            return "Forward.drafts is " + num(h.drafts) + " but n_tokens is " + num(n) +
+                   " (a draft follows a token)";
+        if (!token_want || h.has_rows)
+            return "Forward.drafts asks the last stage to verify: want a token, rows None";
+    }
+    if (!is_drafter(h.speculate))
+        return "unknown Forward.speculate " + py_repr(h.speculate) + " (known: ngram, mtp)";
+    if (h.max_draft > kMaxDraft || h.drafts > kMaxDraft)
+        return "Forward.max_draft / drafts may be at most " + num(kMaxDraft);
+    return std::string();
 }
 
-const char* check_result(std::string_view kind, int64_t rows, int64_t cols) {
+// wire._check_result, message for message; "" when valid.
+std::string check_result(std::string_view kind, int64_t rows, int64_t cols) {
     if (kind != "none" && kind != "boundary" && kind != "logits")
-        return "unknown Result.kind (known: none, boundary, logits)";
+        return "unknown Result.kind " + py_repr(kind) + " (known: none, boundary, logits)";
     if (kind == "none") {
-        if (rows || cols) return "Result.kind is 'none' but rows x cols is not 0 x 0";
+        if (rows || cols)
+            return "Result.kind is 'none' but rows x cols is " + num(rows) + " x " + num(cols);
     } else if (!rows || !cols) {
-        return "Result.kind is 'boundary' or 'logits' but rows or cols is 0";
+        return "Result.kind is " + py_repr(kind) + " but rows x cols is " + num(rows) + " x " +
+               num(cols);
     }
-    return nullptr;
+    return std::string();
 }
 
 uint32_t le32(const uint8_t* p) {
@@ -555,9 +628,9 @@ Status decode_frame(const uint8_t* data, size_t size, const DecodeLimits& limits
             return Status();
         }
         const Result& res = out->result;
-        const char* err = t == kForward ? check_forward(out->forward, out->forward.width)
+        std::string err = t == kForward ? check_forward(out->forward, out->forward.width)
                                         : check_result(res.kind, res.rows, res.cols);
-        if (err) return fail(kFrameError, err);
+        if (!err.empty()) return fail(kFrameError, std::move(err));
         std::string_view dtype, codec, comp;
         uint64_t rows, cols, plen, sum;
         if (t == kForward) {
@@ -736,7 +809,8 @@ Status encode_forward(const Forward& h, const float* array, int64_t rows, int64_
         if (h.width)
             return fail(kInvalidBoundary, "Forward.width is " + std::to_string(h.width) +
                                               " but no array was given");
-        if (const char* err = check_forward(h, 0)) return fail(kInvalidArgument, err);
+        if (std::string err = check_forward(h, 0); !err.empty())
+            return fail(kInvalidArgument, std::move(err));
     } else {
         if (rows != h.n_tokens)
             return fail(kInvalidBoundary, "array has " + std::to_string(rows) +
@@ -750,11 +824,12 @@ Status encode_forward(const Forward& h, const float* array, int64_t rows, int64_
         width = static_cast<int32_t>(cols);
         plen = 4 * static_cast<uint64_t>(rows) * static_cast<uint64_t>(cols);
         sum = xxh3(array, plen);
-        if (const char* err = check_forward(h, width)) return fail(kInvalidArgument, err);
+        if (std::string err = check_forward(h, width); !err.empty())
+            return fail(kInvalidArgument, std::move(err));
     }
     start(out);
     Writer w(&out->head);
-    w.array(26);
+    w.array(30);  // the tag and Forward's 29 fields
     w.u(kForward);
     w.u(h.schema);
     w.str(h.model);
@@ -791,6 +866,10 @@ Status encode_forward(const Forward& h, const float* array, int64_t rows, int64_
     w.i(h.steps);
     w.list(h.has_stop_tokens, h.stop_tokens);
     w.b(h.solo);
+    w.i(h.rollback);
+    w.i(h.drafts);
+    w.str(h.speculate);
+    w.i(h.max_draft);
     finish_head(out);
     out->payload = reinterpret_cast<const uint8_t*>(array);
     out->payload_len = static_cast<size_t>(plen);
@@ -806,7 +885,8 @@ Status encode_result(const Result& h, const float* array, int64_t rows, int64_t 
             return fail(kInvalidBoundary, "Result.rows x cols is " + std::to_string(h.rows) +
                                               " x " + std::to_string(h.cols) +
                                               " but no array was given");
-        if (const char* err = check_result(h.kind, 0, 0)) return fail(kInvalidArgument, err);
+        if (std::string err = check_result(h.kind, 0, 0); !err.empty())
+            return fail(kInvalidArgument, std::move(err));
     } else {
         if (h.kind == "none")
             return fail(kInvalidArgument,
@@ -818,11 +898,12 @@ Status encode_result(const Result& h, const float* array, int64_t rows, int64_t 
         c = cols;
         plen = 4 * static_cast<uint64_t>(rows) * static_cast<uint64_t>(cols);
         sum = xxh3(array, plen);
-        if (const char* err = check_result(h.kind, r, c)) return fail(kInvalidArgument, err);
+        if (std::string err = check_result(h.kind, r, c); !err.empty())
+            return fail(kInvalidArgument, std::move(err));
     }
     start(out);
     Writer w(&out->head);
-    w.array(17);
+    w.array(18);  // the tag and Result's 17 fields
     w.u(kResult);
     w.u(h.schema);
     w.str(h.session);
@@ -840,6 +921,7 @@ Status encode_result(const Result& h, const float* array, int64_t rows, int64_t 
     w.u(plen);
     w.u(sum);
     w.list(h.has_tokens, h.tokens);
+    w.i(h.drafted);
     finish_head(out);
     out->payload = reinterpret_cast<const uint8_t*>(array);
     out->payload_len = static_cast<size_t>(plen);

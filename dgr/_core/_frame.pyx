@@ -82,7 +82,8 @@ cdef dict _forward(const CForward & h):
         "relay": _hops(h.relay) if h.has_relay else None, "reply_to": _s(h.reply_to),
         "loop": _hops(h.loop) if h.has_loop else None, "steps": h.steps,
         "stop_tokens": _ints(h.stop_tokens) if h.has_stop_tokens else None,
-        "solo": h.solo,
+        "solo": h.solo, "rollback": h.rollback, "drafts": h.drafts,
+        "speculate": _s(h.speculate), "max_draft": h.max_draft,
     }
 
 
@@ -93,7 +94,7 @@ cdef dict _result(const CResult & h):
         "rows": h.rows, "cols": h.cols, "_reserved": h.reserved, "dtype": _s(h.dtype),
         "codec": _s(h.codec), "compression": _s(h.compression),
         "payload_len": h.payload_len, "checksum": h.checksum,
-        "tokens": _ints(h.tokens) if h.has_tokens else None,
+        "tokens": _ints(h.tokens) if h.has_tokens else None, "drafted": h.drafted,
     }
 
 
@@ -224,7 +225,8 @@ cdef object _fill(object header, CForward * f, CResult * r, list keep):
     try:
         if name == "Forward":
             keep += [header.model.encode("utf-8"), header.session.encode("utf-8"),
-                     header.want.encode("utf-8"), header.reply_to.encode("utf-8")]
+                     header.want.encode("utf-8"), header.reply_to.encode("utf-8"),
+                     header.speculate.encode("utf-8")]
             f.schema = header.schema
             f.model = _sv(keep[0])
             f.session = _sv(keep[1])
@@ -252,6 +254,10 @@ cdef object _fill(object header, CForward * f, CResult * r, list keep):
             f.steps = header.steps
             f.has_stop_tokens = _list(header.stop_tokens, &f.stop_tokens)
             f.solo = header.solo
+            f.rollback = header.rollback
+            f.drafts = header.drafts
+            f.speculate = _sv(keep[4])
+            f.max_draft = header.max_draft
         else:
             keep += [header.session.encode("utf-8"), header.kind.encode("utf-8")]
             r.schema = header.schema
@@ -265,6 +271,7 @@ cdef object _fill(object header, CForward * f, CResult * r, list keep):
             r.cols = header.cols
             r.reserved = header._reserved
             r.has_tokens = _list(header.tokens, &r.tokens)
+            r.drafted = header.drafted
     except OverflowError as e:
         raise _errors.InvalidArgument(f"cannot encode {name}: {e}") from None
     return name == "Forward"
@@ -557,7 +564,9 @@ cdef object _message(CFrameView * v):
                                     seed=s.seed, greedy=s.greedy) if f.has_sampling else None,
             relay=_hop_objs(f.relay) if f.has_relay else None, reply_to=_s(f.reply_to),
             loop=_hop_objs(f.loop) if f.has_loop else None, steps=f.steps,
-            stop_tokens=_ints_or(f.has_stop_tokens, f.stop_tokens), solo=f.solo)
+            stop_tokens=_ints_or(f.has_stop_tokens, f.stop_tokens), solo=f.solo,
+            rollback=f.rollback, drafts=f.drafts, speculate=_s(f.speculate),
+            max_draft=f.max_draft)
     if v.tag == kResult:
         r = &v.result
         return _wire.Result(
@@ -565,7 +574,7 @@ cdef object _message(CFrameView * v):
             n_tokens=r.n_tokens, kind=_s(r.kind), layer=r.layer, rows=r.rows, cols=r.cols,
             _reserved=r.reserved, dtype=_s(r.dtype), codec=_s(r.codec),
             compression=_s(r.compression), payload_len=r.payload_len, checksum=r.checksum,
-            tokens=_ints_or(r.has_tokens, r.tokens))
+            tokens=_ints_or(r.has_tokens, r.tokens), drafted=r.drafted)
     if v.tag == kErrorReply:
         e = &v.error
         return _wire.ErrorReply(schema=e.schema, code=e.code, message=_s(e.message),
@@ -611,7 +620,8 @@ def relay_head(object header, object array, int32_t layer, bint keep_tokens):
     """``encode_head`` of the ``Forward`` a stage relays on (``dgr.worker.relay``): ``header``
     with ``layer`` set, its first ``relay`` hop dropped (the stage it goes to) and its token
     ids kept only when ``keep_tokens`` (that stage routes by token id), and ``array`` the
-    boundary. Without building the new header in Python."""
+    boundary; every other field (the decode loop's, the speculative ``rollback``, ``drafts``,
+    ``speculate``, ``max_draft``) as it came. Without building the new header in Python."""
     cdef CForward f
     cdef CResult r
     cdef CEncodedFrame out

@@ -41,8 +41,29 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                         "next, the last answers; prefill chunks pipelined): auto (default) uses "
                         "it when every worker serves a data port and the codec is raw; off "
                         "relays every boundary through this process over gRPC")
+    add_speculate_arguments(p)
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="skip the comparison with the whole model in this process")
+
+
+def add_speculate_arguments(p) -> None:
+    """``--speculate`` and ``--max-draft``: speculative decoding in the decode loop."""
+    p.add_argument("--speculate", choices=["off", "ngram", "mtp"], default="off",
+                   help="speculative decoding (docs/speculative.md): the last stage drafts the "
+                        "next tokens and one ring trip verifies them, so a trip can make "
+                        "several tokens (the same tokens as without). ngram: drafts from the "
+                        "session's own tokens (repeated text, code edits); mtp: from the "
+                        "model's multi-token-prediction block (the last worker runs --mtp). "
+                        "Default off")
+    p.add_argument("--max-draft", type=int, default=8, metavar="K",
+                   help="at most K drafts per trip (default 8; the last stage adapts the "
+                        "number to what is accepted, down to none)")
+
+
+def speculate_of(args) -> dict:
+    """The ``AsyncRoute`` keywords of ``--speculate`` / ``--max-draft``."""
+    return {"speculate": "" if args.speculate == "off" else args.speculate,
+            "max_draft": args.max_draft}
 
 
 def _chat(args, text: str) -> str:
@@ -103,6 +124,11 @@ def _report(route, session, args, prompt, tokens, t0, t_first, t1, whole, before
     _say(f"{len(tokens)} tokens ({session.stop_reason}); time to first token {t_first - t0:.3f} s; "
          f"decode {route_tps:.1f} tokens/s over {len(route.stages)} stage(s)"
          + (f"; {session.recoveries} recoveries" if session.recoveries else ""))
+    trips, drafted, accepted = session.speculation
+    if trips and route.aroute.speculate:
+        _say(f"speculation ({route.aroute.speculate}): {trips} ring trips, "
+             f"{(trips + accepted) / trips:.2f} tokens per trip; {accepted} of {drafted} drafts "
+             f"accepted ({accepted / drafted if drafted else 0:.0%})")
     rc = 0
     whole_tps = None
     if whole is not None:
@@ -200,7 +226,8 @@ def _cmd_run(args) -> int:
 
         _say(f"starting {len(ranges)} worker process(es) on loopback ...")
         endpoints = cluster.start(timeout=args.start_timeout, progress=progress)
-        route = Route(endpoints, tokenizer=whole, codec=args.codec, relay=_relay(args))
+        route = Route(endpoints, tokenizer=whole, codec=args.codec, relay=_relay(args),
+                      **speculate_of(args))
         prompt = whole.tokenize(_chat(args, args.prompt), True, True)
         _say(f"route {','.join(endpoints)}")
         _say(f"prompt: {args.prompt!r} ({len(prompt)} tokens)\n")
@@ -242,7 +269,7 @@ def _cmd_generate(args) -> int:
     route = None
     try:
         route = Route(args.route, codec=args.codec, timeout=args.timeout,
-                      relay=_relay(args))
+                      relay=_relay(args), **speculate_of(args))
         _say("route: " + " -> ".join(f"{s.endpoint} [{s.layers[0]},{s.layers[1]})"
                                      for s in route.stages))
         whole = None

@@ -15,6 +15,7 @@ import os
 import sys
 import time
 
+from dgr.cli.commands import add_speculate_arguments, speculate_of
 from dgr.protocol import settings as engine_settings
 from dgr.transport.security import is_loopback
 
@@ -71,6 +72,7 @@ def add_serve_parser(sub) -> None:
                         "logged): anyone who can reach the port may use it")
     s.add_argument("--relay", choices=["auto", "on", "off"], default="auto",
                    help="direct relay over the workers' data plane (default: where it applies)")
+    add_speculate_arguments(s)
     engine_settings.add_arguments(s)
     s.set_defaults(func=_cmd_serve)
 
@@ -139,7 +141,7 @@ def _cmd_serve(args) -> int:
         name = args.model_name or (os.path.basename(model).removesuffix(".gguf") if model
                                    else "dgr")
         relay = {"auto": None, "on": True, "off": False}[args.relay]
-        app = create_app(AsyncRoute(endpoints, relay=relay), model=name,
+        app = create_app(AsyncRoute(endpoints, relay=relay, **speculate_of(args)), model=name,
                          template=template if template is not None and template.available
                          else None,
                          queue_timeout=args.queue_timeout, api_keys=api_keys,

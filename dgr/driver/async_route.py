@@ -210,6 +210,12 @@ class AsyncRoute:
         if failed is not None:
             raise failed
         order = check_route(infos)
+        old = [s for s in order if s.wire_schema_version < 4]
+        if self.speculate and old:
+            # a stage before wire schema 4 would ignore Forward.rollback and drafts
+            raise errors.RouteError(
+                f"speculate={self.speculate!r} needs every stage on wire schema 4 or later; "
+                + ", ".join(f"{s.endpoint} speaks {s.wire_schema_version}" for s in old))
         by_ep = {c.endpoint: c for c in self.clients}
         self.stages = order
         self.clients = [by_ep[s.endpoint] for s in order]

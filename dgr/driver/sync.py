@@ -184,6 +184,12 @@ class RouteSession:
         return self.inner.recoveries
 
     @property
+    def speculation(self) -> tuple[int, int, int]:
+        """Decode-loop trips, drafts sent and drafts accepted so far (docs/speculative.md)."""
+        s = self.inner
+        return s.trips, s.drafted, s.accepted
+
+    @property
     def stop_reason(self) -> str:
         return getattr(self.inner, "stop_reason", "")
 

@@ -41,6 +41,17 @@ def corpus() -> list[bytes]:
     out.append(wire.encode(wire.Forward(model="m", session="s", epoch=0, first_pos=0, n_tokens=2, layer=0, tokens=[1, 2])))
     out.append(wire.encode(wire.Result(session="s", epoch=0, first_pos=0, n_tokens=1, tokens=[3])))
     out.append(wire.encode(wire.ErrorReply(code=34, message="busy", retry_after=0.5)))
+    # schema 4, speculative decoding: a verify step of a speculating decode loop (its last
+    # two tokens drafts, two rejected positions rolled back first) and the Result it gets
+    a = rng.standard_normal((3, 8), dtype=np.float32)
+    hops = [wire.Hop(endpoint="10.0.0.2:7001"), wire.Hop(endpoint="10.0.0.3:7001", tokens=True)]
+    out.append(wire.encode(wire.Forward(
+        model="smollm2-135m-q4_1", session="sess-1", epoch=3, first_pos=20, n_tokens=3, layer=12,
+        tokens=[7, 8, 9], want="token", sampling=samp, relay=hops[1:], reply_to="route-1",
+        loop=[wire.Hop(endpoint="10.0.0.1:7001"), *hops], steps=30, stop_tokens=[2],
+        rollback=2, drafts=2, speculate="ngram", max_draft=4), a))
+    out.append(wire.encode(wire.Result(session="sess-1", epoch=3, first_pos=20, n_tokens=3,
+                                       tokens=[8, 11], drafted=2)))
     return out
 
 

@@ -100,7 +100,8 @@ async def _serve(args) -> int:
     t0 = time.monotonic()
     log.info("loading %s layers %s", model, args.layers or "all")
     engine = await asyncio.get_running_loop().run_in_executor(None, lambda: Engine(
-        model, layers=_parse_layers(args.layers), **engine_settings.from_args(args)))
+        model, layers=_parse_layers(args.layers), mtp=args.mtp,
+        **engine_settings.from_args(args)))
     worker = Worker(engine, ttl=args.ttl, evict_after=args.evict_after,
                     inline=args.inline_compute, cert_store=args.cert_store,
                     inline_below_ms=args.inline_below_ms, batching=args.batching,
@@ -228,6 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute single-token steps on the event loop thread while they take "
                         "less than this many ms and the compute thread is idle (default 0: "
                         "never; every step runs off the event loop)")
+    p.add_argument("--mtp", action="store_true",
+                   help="load the model's multi-token-prediction (NextN) block and draft with "
+                        "it for routes that speculate with mtp (docs/speculative.md); only on "
+                        "the last stage of a model that has one (DeepSeek V4)")
     p.add_argument("--batching", action=argparse.BooleanOptionalAction, default=True,
                    help="compute the ready steps of several sessions as one forward (default "
                         "on; steps marked solo, the parity mode's, always run alone): "

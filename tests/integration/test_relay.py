@@ -180,8 +180,8 @@ def test_decode_loop_stops_at_max_tokens_and_stop_tokens(stages, reference):
     one = ThreadedWorker(dgr.Engine(reference.model_path, **SETTINGS))
     loops: list[int] = []  # positions after which the worker fed the loop's next step
     real_loop = one.worker.forwarder.loop
-    one.worker.forwarder.loop = lambda h, token, on_error=None: (
-        loops.append(h.first_pos), real_loop(h, token, on_error))[1]
+    one.worker.forwarder.loop = lambda h, *rest: (
+        loops.append(h.first_pos), real_loop(h, *rest))[1]
     handled = _Positions(one.worker, "_data_done")
     try:
         ep = f"127.0.0.1:{one.worker.data_server.port}"
@@ -434,10 +434,10 @@ def test_a_one_stage_decode_loop_delivers_tokens_in_order(tiny_llama, reference)
     computed = _Positions(w, "finish")
     waited = []
 
-    def slow_after_loop(h, token, on_error=None):
+    def slow_after_loop(h, *rest):
         # widen the window after the loop step: position 5's loop step goes out, then this
         # thread holds on until the worker has computed position 6 (on another thread)
-        real_loop(h, token, on_error)
+        real_loop(h, *rest)
         if h.first_pos == 5:
             waited.append(computed.wait(6))
 
@@ -504,8 +504,8 @@ def test_decode_loop_runs_at_most_a_window_ahead_of_the_reader(stages, reference
         assert s.complete(PROMPT[:9], max_tokens=20, stop_on_eog=False).tokens == ref  # 5 windows
         loops: list[int] = []  # positions after which the last stage fed the next step
         real_loop = last.forwarder.loop
-        monkeypatch.setattr(last.forwarder, "loop", lambda h, token, on_error=None: (
-            loops.append(h.first_pos), real_loop(h, token, on_error))[1])
+        monkeypatch.setattr(last.forwarder, "loop", lambda h, *rest: (
+            loops.append(h.first_pos), real_loop(h, *rest))[1])
         it = s.generate(PROMPT[:9], max_tokens=20, stop_on_eog=False)
         before = last.steps_total
         toks = [next(it) for _ in range(3)]  # the prefill's token and 2 of the first window

@@ -52,6 +52,7 @@ def test_cpp_status_codes_match():
         "UnknownSlot": errors.UnknownSlot, "InvalidBoundary": errors.InvalidBoundary,
         "MissingTokenIds": errors.MissingTokenIds, "MtpNotSupported": errors.MtpNotSupported,
         "InvalidArgument": errors.InvalidArgument, "EngineError": errors.EngineError,
+        "RollbackUnsupported": errors.RollbackUnsupported,
         # wire frames (cpp/include/dgr/frame.h)
         "FrameError": errors.FrameError, "FrameTruncated": errors.FrameTruncated,
         "FrameTooLarge": errors.FrameTooLarge, "FrameChecksum": errors.FrameChecksumError,

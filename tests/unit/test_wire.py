@@ -36,11 +36,12 @@ FORWARD_FIELDS = (
     "schema", "model", "session", "epoch", "first_pos", "n_tokens", "layer", "width",
     "_reserved", "dtype", "codec", "compression", "payload_len", "checksum", "positions",
     "tokens", "want", "rows", "sampling", "relay", "reply_to", "loop", "steps", "stop_tokens",
-    "solo",
+    "solo", "rollback", "drafts", "speculate", "max_draft",
 )
 RESULT_FIELDS = (
     "schema", "session", "epoch", "first_pos", "n_tokens", "kind", "layer", "rows", "cols",
     "_reserved", "dtype", "codec", "compression", "payload_len", "checksum", "tokens",
+    "drafted",
 )
 ERROR_FIELDS = ("schema", "code", "message", "session", "epoch", "retry_after")
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "greedy")
@@ -83,7 +84,8 @@ def fwd_list(payload: bytes = b"", **kw: object) -> list:
         _reserved=1, dtype="f32", codec="raw", compression="none", payload_len=len(payload),
         checksum=xxhash.xxh3_64_intdigest(payload), positions=None, tokens=None,
         want="boundary", rows=None, sampling=None, relay=None, reply_to="", loop=None,
-        steps=0, stop_tokens=None, solo=False,
+        steps=0, stop_tokens=None, solo=False, rollback=0, drafts=0, speculate="",
+        max_draft=0,
     )
     for k, v in kw.items():
         assert k in f, k
@@ -96,6 +98,7 @@ def res_list(payload: bytes = b"", **kw: object) -> list:
         schema=1, session="s", epoch=1, first_pos=0, n_tokens=2, kind="logits", layer=0,
         rows=1, cols=4, _reserved=1, dtype="f32", codec="raw", compression="none",
         payload_len=len(payload), checksum=xxhash.xxh3_64_intdigest(payload), tokens=None,
+        drafted=0,
     )
     for k, v in kw.items():
         assert k in f, k
@@ -132,6 +135,31 @@ def test_field_order_is_the_documented_one() -> None:
     assert wire.Sampling.__struct_fields__ == SAMPLING_FIELDS
     assert wire.Hop.__struct_fields__ == HOP_FIELDS
     assert wire.Hello.__struct_fields__ == HELLO_FIELDS
+
+
+def test_speculative_fields_match_the_document() -> None:
+    # independent spelling of docs/wire.md: Forward fields 26-29, Result field 17 (schema 4)
+    raw = fwd_list(P8, tokens=[4, 5], want="token", rollback=3, drafts=1, speculate="mtp",
+                   max_draft=6)
+    assert raw[26:30] == [3, 1, "mtp", 6] and len(raw) == 30
+    h = wire.decode(build(raw, P8)).header
+    assert (h.rollback, h.drafts, h.speculate, h.max_draft) == (3, 1, "mtp", 6)
+    assert wire.encode(h, wire.decode(build(raw, P8)).array) == build(raw, P8)
+    r = res_list(P4, tokens=[4, 9], drafted=1)
+    assert len(r) == 18 and wire.decode(build(r, P4)).header.drafted == 1
+    # a schema-3 sender (no items 26-29 / 17): the defaults
+    h = wire.decode(build(fwd_list(P8, schema=3)[:26], P8)).header
+    assert (h.rollback, h.drafts, h.speculate, h.max_draft) == (0, 0, "", 0)
+    assert wire.decode(build(res_list(P4, schema=3)[:17], P4)).header.drafted == 0
+    for kw, msg in (({"drafts": 2}, "a draft follows a token"),
+                    ({"drafts": 1, "want": "logits"}, "want a token, rows None"),
+                    ({"drafts": 1, "want": "token", "rows": [1]}, "want a token, rows None"),
+                    ({"speculate": "eagle"}, "unknown Forward.speculate 'eagle'"),
+                    ({"max_draft": wire.MAX_DRAFT + 1}, "at most 32")):
+        with pytest.raises(FrameError, match=msg):
+            wire.decode(build(fwd_list(P8, tokens=[4, 5], **kw), P8))
+    with pytest.raises(FrameError, match=r"\(Forward.rollback\)"):
+        wire.decode(build(fwd_list(P8, rollback=-1), P8))
 
 
 def test_relay_fields_and_hello_match_the_document() -> None:

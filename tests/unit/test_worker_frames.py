@@ -56,6 +56,24 @@ def test_relayed_forward_has_the_bytes_wire_encode_gives(native, hop_tokens):
     assert (back.tokens is not None) == hop_tokens
 
 
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("codec", ["raw", "f16"])
+def test_a_relayed_step_keeps_its_speculative_fields(native, codec):
+    """A verify step (Forward.drafts) of a speculating loop relayed on: rollback, drafts,
+    speculate and max_draft reach the next stage unchanged, on the native path (relay_head)
+    and the Python one, with the same bytes; a Result with drafted leaves alike."""
+    h, x = forward(4, rollback=2, drafts=3, speculate="mtp", max_draft=5), boundary(4)
+    f = Frames(native)
+    got = joined(f.relay(h, x, 20, codec, bytearray()))
+    nh = msgspec.structs.replace(h, layer=20, relay=h.relay[1:])
+    assert got == wire.encode(nh, x, codec=codec)
+    back = f.decode(memoryview(got)).header  # native for raw, wire.decode for f16
+    assert (back.rollback, back.drafts, back.speculate, back.max_draft) == (2, 3, "mtp", 5)
+    r = wire.Result(session="s1", epoch=4, first_pos=7, n_tokens=4, tokens=[9, 8, 7], drafted=3)
+    sent = joined(f.result(r, None, "raw", False, bytearray()))
+    assert sent == wire.encode(r) and f.decode(memoryview(sent)).header.drafted == 3
+
+
 def test_relay_of_a_row_slice_sends_those_rows_uncopied():
     """The relayed payload is the engine's output rows themselves (a view, not a copy)."""
     out = boundary(8)

@@ -1,8 +1,9 @@
 // dgr wire frames in C++: decode + validate, and encode, byte-compatible with
-// dgr/protocol/wire.py (the spec is docs/wire.md; format version 1, schema version 3).
+// dgr/protocol/wire.py (the spec is docs/wire.md; format version 1, schema version 4).
 //
 // decode_frame applies every check of wire.decode, in the same order, and fails with the same
-// dgr::StatusCode (kFrameError .. kUnknownCodec) that wire.decode's exception carries. It
+// dgr::StatusCode (kFrameError .. kUnknownCodec) that wire.decode's exception carries (and,
+// for the cross-field rules of wire._check_forward / _check_result, the same message). It
 // handles every message (Forward, Result, ErrorReply, Hello) and the raw f32 codec without
 // compression: the boundary is a pointer into the input (no copy). A frame with another codec
 // (f16, bf16, q8) or zstd compression is checked as far as its payload checksum (rules 1-17 of
@@ -11,7 +12,9 @@
 //
 // One known difference: skipping unknown trailing header items is iterative here, so nesting
 // deeper than Python's recursion limit (about 1000 levels, less the caller's stack depth) is
-// accepted by C++ and refused by msgspec.
+// accepted by C++ and refused by msgspec. In a message that quotes a string value (an unknown
+// want, kind or speculate), a character above U+00FF that Python's repr() escapes as not
+// printable is kept as it is.
 //
 // encode_* produce the same bytes as wire.encode(header, array) (codec raw, no compression) for
 // Forward and Result, with the same checks and codes (kInvalidBoundary, kInvalidArgument).
@@ -29,7 +32,8 @@ namespace dgr {
 namespace wire {
 
 constexpr uint8_t kFormatVersion = 1;
-constexpr uint64_t kSchemaVersion = 3;
+constexpr uint64_t kSchemaVersion = 4;
+constexpr int32_t kMaxDraft = 32;  // wire.MAX_DRAFT: Forward.max_draft, drafts at most
 constexpr size_t kPrefixSize = 16;
 constexpr size_t kPayloadAlign = 64;
 constexpr uint64_t kMaxPayload = 256ull << 20;
@@ -72,6 +76,10 @@ struct Forward {
     int32_t steps = 0;
     std::vector<int32_t> stop_tokens;
     bool solo = false;
+    // schema 4, speculative decoding (docs/speculative.md)
+    int32_t rollback = 0, drafts = 0;
+    std::string_view speculate;  // wire.DRAFTERS: "" (none), "ngram", "mtp"
+    int32_t max_draft = 0;
 
     void reset();  // the defaults, keeping the vectors' capacity
 };
@@ -88,6 +96,7 @@ struct Result {
     uint64_t checksum = 0;
     bool has_tokens = false;
     std::vector<int32_t> tokens;
+    int32_t drafted = 0;  // schema 4: drafts the step verified (Forward.drafts)
 
     void reset();
 };

@@ -51,6 +51,9 @@ cdef extern from "dgr/frame.h" namespace "dgr::wire" nogil:
         int32_t steps
         vector[int32_t] stop_tokens
         bint solo
+        int32_t rollback, drafts
+        string_view speculate
+        int32_t max_draft
 
     cdef cppclass CResult "dgr::wire::Result":
         uint64_t schema
@@ -64,6 +67,7 @@ cdef extern from "dgr/frame.h" namespace "dgr::wire" nogil:
         uint64_t checksum
         bool has_tokens
         vector[int32_t] tokens
+        int32_t drafted
 
     cdef cppclass CErrorReply "dgr::wire::ErrorReply":
         uint64_t schema
