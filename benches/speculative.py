@@ -10,11 +10,13 @@ RTT 0 is the plain loopback workers (no emulator). Each configuration runs the d
 (``AsyncRoute(relay=True, loop=True)``) with ``speculate=""`` (off) and ``speculate="ngram"``,
 interleaved within each round, on each prompt:
 
-* ``code-rewrite``: a block of Python code and "the same code again with one change": a
-  repetition-heavy prompt where n-gram drafts are accepted;
-* ``story``: a short instruction to write something new: drafts find few matches;
-* ``rejected``: a prompt whose n-grams recur with a different continuation each time, so the
-  drafts that are made are mostly rejected (the worst case: the policy must stop drafting).
+* ``code-rewrite``: a block of Python code and "rewrite it with one change" (the model's chat
+  template): meant to be repetition-heavy, but SmolLM2-135M writes new code instead of
+  copying, so its n-gram drafts are mostly rejected: the case where the policy must stop
+  drafting;
+* ``list-pattern``: a list of "the X of the Y" pairs to continue: the model repeats it, so
+  drafts from the prompt and from its own output are accepted (repetition-heavy);
+* ``story``: a short story (chat template): new text, drafts find few matches.
 
 Reported per prompt and RTT (medians over ``--rounds``): tokens/s off and on and their ratio,
 the acceptance (drafts accepted / sent), tokens per ring trip, TPOT on, and the per-trip
@@ -22,8 +24,8 @@ model: a trip costs about ``C + S * RTT`` (C: the loopback TPOT with speculation
 same round; S: the seams a token crosses, ``compare.seams_model``), so TPOT on should be
 about ``(C + S * RTT) / tokens_per_trip`` plus the extra compute of the drafts' rows. The
 tokens of every run are checked against speculation off (the same tokens: the exactness
-contract). Goals (issue 20): at RTT 20 ms, >= 2x tokens/s on code-rewrite and >= 0.97x on
-rejected; on loopback, >= 1x on every prompt.
+contract). Goals (issue 20): at RTT 20 ms, >= 2x tokens/s on a repetition-heavy prompt and
+>= 0.97x where drafts are rejected; on loopback, >= 1x on every prompt.
 """
 
 from __future__ import annotations
@@ -47,15 +49,20 @@ CODE = ('def parse(line):\n    key, _, value = line.partition("=")\n'
         'def load(path):\n    out = {}\n    with open(path) as f:\n        for line in f:\n'
         '            if line.strip() and not line.startswith("#"):\n'
         '                k, v = parse(line)\n                out[k] = v\n    return out\n')
+
+
+def _chat(text: str) -> str:
+    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
 PROMPTS = {
-    "code-rewrite": f"{CODE}\nRewrite the code above, unchanged except that `load` is called "
-                    f"`read_config`:\n\n",
-    "story": "Write a short story about a lighthouse keeper who finds a map.",
-    # every bigram recurs with a new continuation: drafts are made, and rejected
-    "rejected": " ".join(f"the {a} of the {b}" for a, b in zip(
+    "code-rewrite": _chat(f"{CODE}\nRewrite the code above, unchanged except that `load` is "
+                          "called `read_config`."),
+    "list-pattern": " ".join(f"the {a} of the {b}" for a, b in zip(
         "king queen dog river house city boat tree star road wind door bird song".split(),
         "sea hill lake town moon wood farm ship rain gate sun field coast cave".split()))
     + ". Continue the list in the same pattern:",
+    "story": _chat("Write a short story about a lighthouse keeper who finds a map."),
 }
 MODES = ("off", "ngram")
 

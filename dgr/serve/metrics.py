@@ -15,7 +15,8 @@ __all__ = ["ServeMetrics"]
 
 
 class ServeMetrics:
-    """Requests by endpoint and HTTP status, generated tokens, time to first token; with API
+    """Requests by endpoint and HTTP status, generated tokens, time to first token, decode-loop
+    trips and speculative drafts (sent, accepted: their ratio is the acceptance); with API
     keys, each key's generation requests in flight and those refused at its cap, labelled by
     the key's name (never its secret)."""
 
@@ -33,6 +34,16 @@ class ServeMetrics:
         self._key_in_flight = Gauge("dgr_serve_key_requests_in_flight",
                                     "Generation requests in flight by API key name", ["key"],
                                     registry=self.registry)
+        self._trips = Counter("dgr_serve_decode_trips",
+                              "Decode-loop ring trips of completion requests (each makes one "
+                              "token, or more with speculative decoding)",
+                              registry=self.registry)
+        self._drafted = Counter("dgr_serve_speculative_drafts",
+                                "Draft tokens sent around the ring (speculative decoding)",
+                                registry=self.registry)
+        self._accepted = Counter("dgr_serve_speculative_drafts_accepted",
+                                 "Draft tokens the ring accepted (speculative decoding)",
+                                 registry=self.registry)
         self._key_refused = Counter("dgr_serve_key_requests_refused",
                                     "Generation requests refused (429) at their API key's cap "
                                     "of requests in flight", ["key"], registry=self.registry)
@@ -42,6 +53,12 @@ class ServeMetrics:
 
     def tokens(self, n: int) -> None:
         self._tokens.inc(n)
+
+    def speculation(self, trips: int, drafted: int, accepted: int) -> None:
+        """A request's decode-loop trips, drafts sent and drafts accepted."""
+        self._trips.inc(trips)
+        self._drafted.inc(drafted)
+        self._accepted.inc(accepted)
 
     def first_token(self, seconds: float) -> None:
         self._ttft.observe(seconds)

@@ -27,7 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-__all__ = ["accept", "NgramDrafter", "MtpDrafter", "DraftPolicy", "Speculator", "SpecStats"]
+__all__ = ["accept", "NgramDrafter", "MtpDrafter", "DraftPolicy", "Rate", "Speculator",
+           "SpecState", "SpecStats"]
 
 
 def accept(drafts: Sequence[int], sampled: Sequence[int],
@@ -96,8 +97,14 @@ class NgramDrafter:
 
     def draft(self, index: dict, history: list[int], token: int, k: int) -> list[int]:
         """Up to ``k`` tokens to follow ``history + [token]``."""
+        return self.lookup(index, history, token, k)[0]
+
+    def lookup(self, index: dict, history: list[int], token: int, k: int
+               ) -> tuple[list[int], int]:
+        """Up to ``k`` tokens to follow ``history + [token]``, and the size of the n-gram
+        that matched (0: none did)."""
         if k <= 0:
-            return []
+            return [], 0
         ctx = history + [token]
         for n in range(self.n_max, self.n_min - 1, -1):
             if len(ctx) < n + 1:
@@ -109,8 +116,8 @@ class NgramDrafter:
             # the latest occurrence (the token just sampled is not indexed, so every entry
             # is an earlier one): what followed it, up to the context's end
             at = ends[-1]
-            return [int(t) for t in ctx[at:at + k]]
-        return []
+            return [int(t) for t in ctx[at:at + k]], n
+        return [], 0
 
 
 class MtpDrafter:
@@ -137,17 +144,20 @@ class DraftPolicy:
     ``T(k) = T0 * (1 + beta * k)``: the ring's time per trip grows with the step's tokens.
     The policy picks the ``k`` in ``[0, k_max]`` that maximizes ``E(k) / T(k)``.
 
-    ``a`` is the session's (``SpecState``): accepted drafts over drafts tried, decayed, with a
-    prior that pulls it back up while no drafts are tried (so a session that stopped drafting
-    tries again after a while). ``beta`` is the stage's: fitted from the trips it timed (the
-    time from one of a session's loop steps reaching this stage to the next), by least
-    squares over the recent ones; ``beta_prior`` until they span more than one ``k``.
+    ``a`` is the stage's, per source of drafts (``Rate``: the n-gram size that matched, or
+    MTP): accepted drafts over drafts tried, decayed, with a prior that pulls it back up
+    while a source finds matches but is not drafted from (so a source that stopped paying is
+    tried again after a while). ``beta`` is the stage's too: fitted from the trips it timed
+    (the time from one of a session's loop steps reaching this stage to the next), by least
+    squares over the recent ones; ``beta_prior`` until they span more than one ``k``. A
+    ``k`` above 0 must promise ``margin`` more tokens per second than plain decoding.
     """
 
     def __init__(self, beta_prior: float = 0.1, window: int = 256, prior: float = 0.5,
-                 prior_weight: float = 2.0, decay: float = 0.95):
+                 prior_weight: float = 2.0, decay: float = 0.95, margin: float = 0.05):
         self.beta_prior = beta_prior
         self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+        self.margin = margin
         self._trips: collections.deque = collections.deque(maxlen=window)
         self._lock = threading.Lock()
         self._beta: float | None = None
@@ -183,18 +193,18 @@ class DraftPolicy:
             return self.beta_prior
         return max(slope / t0, 0.0)
 
-    def rate(self, st: SpecState) -> float:
-        """The session's estimated acceptance per draft."""
+    def rate(self, r: Rate) -> float:
+        """The estimated acceptance per draft of a source."""
         w = self.prior_weight
-        return (st.accepted + self.prior * w) / (st.tried + w)
+        return (r.accepted + self.prior * w) / (r.tried + w)
 
-    def choose(self, st: SpecState, k_max: int) -> int:
-        """Drafts for the session's next trip (0: plain decoding pays best)."""
+    def choose(self, r: Rate, k_max: int) -> int:
+        """Drafts for a trip from source ``r`` (0: plain decoding pays best)."""
         if k_max <= 0:
             return 0
-        a = min(self.rate(st), 0.999)
+        a = min(self.rate(r), 0.999)
         beta = self.beta
-        best_k, best = 0, 1.0
+        best_k, best = 0, 1.0 + self.margin
         e = 1.0
         for k in range(1, k_max + 1):
             e += a ** k
@@ -203,15 +213,25 @@ class DraftPolicy:
                 best_k, best = k, v
         return best_k
 
-    def update(self, st: SpecState, drafted: int, accepted: int) -> None:
-        """A trip verified ``drafted`` drafts, ``accepted`` of them; a trip without drafts
-        decays what the session measured toward the prior."""
-        st.accepted *= self.decay
-        st.tried *= self.decay
-        if drafted:
-            st.accepted += accepted
-            # the drafts that were tried: those accepted and the first one rejected
-            st.tried += accepted + (1 if accepted < drafted else 0)
+    def update(self, r: Rate, drafted: int, accepted: int) -> None:
+        """A trip verified ``drafted`` drafts of source ``r``, ``accepted`` of them; with
+        none (the source matched but was not drafted from), what it measured decays toward
+        the prior."""
+        with self._lock:
+            r.accepted *= self.decay
+            r.tried *= self.decay
+            if drafted:
+                r.accepted += accepted
+                # the drafts that were tried: those accepted and the first one rejected
+                r.tried += accepted + (1 if accepted < drafted else 0)
+
+
+@dataclass
+class Rate:
+    """How often the drafts of one source were accepted (decayed counts)."""
+
+    accepted: float = 0.0
+    tried: float = 0.0
 
 
 @dataclass
@@ -222,10 +242,9 @@ class SpecState:
     history: list[int] = field(default_factory=list)  # tokens at positions 0..len-1
     index: Any = None  # the n-gram drafter's index of ``history``
     ok: bool = True  # False once a step came without token ids: no drafting this epoch
-    accepted: float = 0.0  # decayed drafts accepted
-    tried: float = 0.0  # decayed drafts tried
     last_arrive: float = 0.0  # when the session's last loop step reached this stage
     last_k: int = -1  # the drafts it carried (-1: not a loop step)
+    source: Any = None  # the Rate of the source its drafts came from (None: no drafts)
 
 
 @dataclass
@@ -253,6 +272,8 @@ class Speculator:
         self.mtp = mtp
         self.policy = policy or DraftPolicy()
         self.stats = SpecStats()
+        #: the acceptance of each source of drafts: an n-gram size, or "mtp"
+        self.rates: dict[Any, Rate] = collections.defaultdict(Rate)
         self._states: dict[str, SpecState] = {}
         self._lock = threading.Lock()
         self._clock = clock
@@ -302,7 +323,9 @@ class Speculator:
             if st.last_k >= 0 and st.last_arrive:
                 self.policy.trip(st.last_k, t_arrive - st.last_arrive)
             st.last_arrive, st.last_k = t_arrive, h.drafts
-            self.policy.update(st, h.drafts, accepted)
+            if h.drafts and st.source is not None:
+                self.policy.update(st.source, h.drafts, accepted)
+            st.source = None
             with self._lock:
                 s = self.stats
                 s.trips += 1
@@ -318,11 +341,26 @@ class Speculator:
             return []
         pos = len(st.history)  # where ``token`` goes
         k_max = min(h.max_draft, left - 1, self.n_ctx - pos - 1)
-        k = self.policy.choose(st, k_max)
-        if k <= 0:
+        if k_max <= 0:
             return []
         if h.speculate == "mtp":
             if self.mtp is None:
                 return []
-            return self.mtp.draft(slot, token, k)
-        return self.ngram.draft(st.index, st.history, token, k)
+            rate = self.rates["mtp"]
+            k = self.policy.choose(rate, k_max)
+            if k <= 0:
+                self.policy.update(rate, 0, 0)
+                return []
+            out = self.mtp.draft(slot, token, k)
+        else:
+            out, n = self.ngram.lookup(st.index, st.history, token, k_max)
+            if not out:
+                return []
+            rate = self.rates[n]
+            k = self.policy.choose(rate, len(out))
+            if k <= 0:
+                self.policy.update(rate, 0, 0)
+                return []
+            out = out[:k]
+        st.source = rate if out else None
+        return out

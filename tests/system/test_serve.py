@@ -439,3 +439,36 @@ def test_one_key_at_its_cap_cannot_take_another_keys_slot(stages, template, rout
         time.sleep(0.05)
     ids = route.tokenize(PROMPT, True, True)
     assert r.choices[0].text == _greedy_text(route, ids, 12)[0] and r.choices[0].text
+
+
+def test_a_speculating_front_gives_the_plain_routes_text_and_counts_its_drafts(
+        stages, template, route):
+    """``serve --speculate ngram``: the same greedy text as a route without speculation,
+    and /metrics counts the decode trips and the drafts sent and accepted."""
+    from dgr.serve.app import create_app
+
+    prompt = "Say it three times: red green blue, red green blue,"
+    ids = route.tokenize(prompt, True, True)
+    text, _ = _greedy_text(route, ids, 24)
+    app = create_app(AsyncRoute([w.address for w in stages], speculate="ngram"), model=NAME,
+                     template=template)
+    s = Served(app)
+    try:
+        c = openai.OpenAI(base_url=s.base + "/v1", api_key="unused", max_retries=0,
+                          timeout=60)
+        r = c.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0)
+        c.close()
+        assert r.choices[0].text == text
+        conn = http.client.HTTPConnection(s.host, s.port, timeout=30)
+        conn.request("GET", "/metrics")
+        body = conn.getresponse().read().decode()
+        conn.close()
+        vals = {line.split()[0]: float(line.split()[1]) for line in body.splitlines()
+                if line.startswith("dgr_serve_") and "_total " in line}
+        trips = vals["dgr_serve_decode_trips_total"]
+        drafted = vals["dgr_serve_speculative_drafts_total"]
+        accepted = vals["dgr_serve_speculative_drafts_accepted_total"]
+        assert 0 < drafted and 0 < accepted <= drafted
+        assert trips + accepted == r.usage.completion_tokens - 1  # the first is the prefill's
+    finally:
+        s.stop()

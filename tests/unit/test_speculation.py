@@ -9,7 +9,7 @@ import pytest
 from dgr import errors
 from dgr.protocol import wire
 from dgr.worker.sessions import SessionTable
-from dgr.worker.speculation import DraftPolicy, NgramDrafter, Speculator, SpecState, accept
+from dgr.worker.speculation import DraftPolicy, NgramDrafter, Rate, Speculator, accept
 
 
 class _Slots:
@@ -103,7 +103,7 @@ def test_ngram_sizes_are_checked():
 
 def test_policy_drafts_more_when_drafts_are_accepted_and_none_when_they_are_not():
     p = DraftPolicy(beta_prior=0.1)
-    good, bad = SpecState(1), SpecState(1)
+    good, bad = Rate(), Rate()
     for _ in range(20):
         p.update(good, 8, 8)
         p.update(bad, 8, 0)
@@ -122,7 +122,7 @@ def test_policy_fits_the_cost_of_a_longer_trip():
         for _ in range(3):
             p.trip(k, 0.010 * (1 + 0.5 * k))
     assert p.beta == pytest.approx(0.5)
-    st = SpecState(1)
+    st = Rate()
     for _ in range(20):
         p.update(st, 4, 2)  # about half the drafts are accepted
     # E(k) / T(k) with a ~0.67 acceptance and beta 0.5 is best at one draft
@@ -142,7 +142,10 @@ def test_speculator_keeps_the_history_of_accepted_tokens_and_drafts_from_it():
     assert st.history == prompt
     # the loop step after the prompt: token 3 at position 10, drafts from the history
     h = _fwd(0, prompt)
-    assert sp.draft(h, 0, 3, left=8) == [4, 1, 2, 3, 4][:sp.policy.choose(st, 7)]
+    # (4, 1, 2, 3) last came before 4, 1, 2, 3; with no measurements yet the prior (half of
+    # the drafts accepted, a draft costing a tenth of a trip) says draft two of them
+    assert sp.draft(h, 0, 3, left=8) == [4, 1]
+    assert st.source is sp.rates[4]  # the 4-gram matched: its rate is scored
     # a trip [3, 4, 1, 9] of which two drafts were accepted: 9 is dropped
     trip = _fwd(10, [3, 4, 1, 9], drafts=3, steps=8)
     sp.observe(trip, [4, 1, 2], 2, 2.0)
