@@ -129,7 +129,9 @@ class MissingTokenIds(InvalidBoundary):
 
 
 class MtpNotSupported(DgrError, ValueError):
-    """Multi-token prediction is reserved and off."""
+    """Multi-token prediction (MTP) was asked where it cannot run: a stage that is not the
+    last, a model without a NextN block, an architecture dgr does not draft for, or
+    ``mtp_draft`` on an engine loaded without ``mtp``."""
 
     code = 11
 

@@ -102,6 +102,10 @@ Status guarded(const char * what, F && body) {
     }
 }
 
+// The most positions a Truncate drops on a rollback-limited cache (DeepSeek V4's n_rs_seq):
+// a verifying step of a token and up to 32 drafts.
+constexpr int32_t kRollbackWindow = 32;
+
 std::once_flag g_backend_once;
 
 void backend_init() {
@@ -251,6 +255,37 @@ struct Engine::Impl {
     std::vector<llama_pos> pos_sections;
     bool first = true;
     bool last = true;
+    // the trunk decode reads token ids: the first stage, and one owning hash-routed layers
+    // (info.needs_token_ids also asks them of an MTP stage, whose NextN block embeds them)
+    bool trunk_tokens = true;
+
+    // A rollback-limited trunk cache (DeepSeek V4: n_rs_seq snapshots of the compressor
+    // state, taken over the last ubatch of each sequence): the most positions a Truncate may
+    // drop (-1: no window of dgr's), and per slot how many the last llama_decode computed.
+    int32_t rs_window = -1;
+    std::vector<int32_t> rs_tail;
+
+    // ---- MTP (NextN) on the last stage: a second context of type MTP on the same model ----
+    // After every trunk chunk, the catch-up decode feeds it the pairs (x_q, h_{q-1}): the
+    // token at position q with the trunk's hidden row (t_h_nextn, n_embd_boundary wide) at
+    // q-1 (zeros at q = 0), as llama.cpp's draft-mtp driver does (common/speculative.cpp).
+    // Per slot the trunk rows of the last kMtpRows positions are kept: the last one is the
+    // pending h a draft or the next step pairs with, the others are what Truncate restores.
+    static constexpr int32_t kMtpRows = kRollbackWindow + 1;
+    bool mtp = false;
+    llama_context * mtp_ctx = nullptr;
+    llama_batch mtp_batch{};
+    llama_token * mtp_batch_token = nullptr;  // llama_batch_init's own token array
+    std::vector<float> mtp_embd;              // n_ubatch rows: the h column of mtp_batch
+    struct MtpSlot {
+        int32_t pos0 = 0;                     // position of the first row kept
+        int32_t n = 0;                        // rows kept: positions [pos0, pos0 + n)
+        std::vector<float> rows;              // kMtpRows * n_embd_boundary
+    };
+    std::vector<MtpSlot> mtp_slots;
+    std::vector<float> mtp_zeros;             // the h paired with a token at position 0
+    std::vector<llama_seq_id> mtp_seq;        // n_ubatch: a chunk's slot per row, batch order
+    std::vector<int32_t> mtp_tok;             // n_ubatch: a chunk's tokens, batch order
 
     ~Impl() {
         try {
@@ -259,6 +294,12 @@ struct Engine::Impl {
                 batch.embd = nullptr;
                 llama_batch_free(batch);
             }
+            if (mtp_batch.pos) {
+                mtp_batch.token = mtp_batch_token;
+                mtp_batch.embd = nullptr;
+                llama_batch_free(mtp_batch);
+            }
+            if (mtp_ctx) llama_free(mtp_ctx);
             if (ctx) llama_free(ctx);
             if (model) llama_model_free(model);
         } catch (...) {
@@ -287,6 +328,18 @@ struct Engine::Impl {
     int32_t Decode(int32_t n);
     Status Release(int32_t slot);
     Status Truncate(int32_t slot, int32_t pos);
+    Status MtpDraft(int32_t slot, int32_t token, int32_t n_max, std::vector<int32_t> * out);
+    // Clear a slot in every cache (trunk, MTP) and its bookkeeping; never fails.
+    void ClearSlot(int32_t slot);
+    // The h a token at `pos` of `slot` pairs with: the trunk row at pos-1 (zeros at 0).
+    const float * MtpPrevH(int32_t slot, int32_t pos) const;
+    // Keep the trunk rows h[0..n) of positions [pos, pos+n) as the slot's last rows.
+    void MtpKeepRows(int32_t slot, int32_t pos, const float * h, int32_t n);
+    // The MTP catch-up decode of the n rows of the trunk's last llama_decode (row k: token
+    // tok[k] of slot seq[k] at position pos[k], its trunk hidden row h + k*W); a slot's rows
+    // are consecutive and in position order. Returns llama_decode's code (0: done).
+    int32_t MtpCatchUp(const int32_t * tok, const llama_pos * pos, const llama_seq_id * seq,
+                       const float * h, int32_t n);
     // boundary rows gathered into slot order when the caller's are not (n_ubatch rows)
     std::vector<float> embd_gather;
 };
@@ -346,14 +399,15 @@ Status Engine::Truncate(int32_t slot, int32_t pos) {
     return guarded("truncate", [&] { return impl_->Truncate(slot, pos); });
 }
 
+Status Engine::MtpDraft(int32_t slot, int32_t token, int32_t n_max, std::vector<int32_t> * out) {
+    out->clear();
+    return guarded("mtp_draft", [&] { return impl_->MtpDraft(slot, token, n_max, out); });
+}
+
 Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * out) {
     backend_init();
     log_clear();
 
-    if (cfg.mtp) {
-        return Status(kMtpNotSupported, "multi-token prediction (MTP) is reserved and off in this "
-                      "version of dgr; load without mtp");
-    }
     if (cfg.n_slots < 1 || cfg.n_slots > 256) {
         return Status(kInvalidArgument, "n_slots must be in [1, 256], got " + std::to_string(cfg.n_slots));
     }
@@ -389,6 +443,29 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
                       "' (its stage graph is not adapted by dgr's patch stack); load the whole model "
                       "(layers=None) or use a supported architecture");
     }
+    if (cfg.mtp) {
+        // MTP drafts from the hidden state after the last layer, with the head: the last stage
+        if (end != n_layer) {
+            return Status(kMtpNotSupported, "MTP drafts on the last stage only: layers [" + std::to_string(start) +
+                          ", " + std::to_string(end) + ") end before n_layer=" + std::to_string(n_layer) +
+                          " of " + cfg.model_path + "; load this stage without mtp");
+        }
+        if (facts.n_layer_nextn <= 0) {
+            return Status(kMtpNotSupported, cfg.model_path + " has no NextN (MTP) block (" + facts.arch +
+                          ".nextn_predict_layers and blk." + std::to_string(n_layer) +
+                          ".nextn.* are absent); load it without mtp");
+        }
+        if (facts.arch != "deepseek4") {
+            return Status(kMtpNotSupported, "MTP is implemented for architecture 'deepseek4' only (its NextN "
+                          "graph, one block, pairs each token with the trunk's last hidden row); '" +
+                          facts.arch + "' has NextN blocks but dgr does not drive them: load without mtp");
+        }
+        if (facts.n_layer_nextn != 1 || facts.hash_layer_count > n_layer) {
+            return Status(kMtpNotSupported, "llama.cpp's deepseek4 MTP graph runs one NextN block that is not "
+                          "hash-routed; " + cfg.model_path + " has " + std::to_string(facts.n_layer_nextn) +
+                          " (hash_layer_count " + std::to_string(facts.hash_layer_count) + "): load without mtp");
+        }
+    }
 
     std::unique_ptr<Engine> e(new Engine());
     Impl & m = *e->impl_;
@@ -399,7 +476,8 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
     llama_model_params mp = llama_model_default_params();
     mp.n_gpu_layers = 0;
     mp.load_mode = cfg.use_mmap ? LLAMA_LOAD_MODE_AUTO : LLAMA_LOAD_MODE_NONE;
-    mp.load_mtp = false;
+    // the NextN block (and, on a partial last stage, token_embd: patch 0001) only with mtp
+    mp.load_mtp = cfg.mtp;
 #if DGR_LAYER_RANGE
     // the whole model keeps llama.cpp's default range (0, -1): upstream behaviour, whatever
     // n_layer llama.cpp derives
@@ -430,11 +508,52 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
     // n_embd_out = hc*n_embd: "tensor read out of bounds", ggml-backend.cpp).
     cp.embeddings = false;
     cp.no_perf = true;
+    // DeepSeek V4's trunk cache drops a tail (Truncate) only from its rollback snapshots of
+    // the compressor state: n_rs_seq of them per sequence, as llama.cpp's server sets it for
+    // speculative drafts (common_params_speculative::need_n_rs_seq, the draft length). Its
+    // equal split keeps a sequence's last n_rs_seq+1 tokens in one ubatch and asserts
+    // n_ubatch > n_rs_seq+1, hence the cap.
+    if (facts.arch == "deepseek4") {
+        cp.n_rs_seq = (uint32_t) std::max<int64_t>(0, std::min<int64_t>(kRollbackWindow, (int64_t) cfg.n_ubatch - 2));
+    }
     m.ctx = llama_init_from_model(m.model, cp);
     if (!m.ctx) {
         std::string why = log_last_error();
         return Status(kEngineError, "llama.cpp could not create a context for " + cfg.model_path +
                       (why.empty() ? std::string() : ": " + why));
+    }
+    if (facts.arch == "deepseek4") m.rs_window = (int32_t) llama_n_rs_seq(m.ctx);
+    m.rs_tail.assign(cfg.n_slots, 0);
+    if (cfg.mtp) {
+        // every row's hidden state after the last layer (not only the logits rows): the pairs
+        // of the catch-up decode. t_h_nextn is the residual the head reads; the logits do not
+        // change (checked by tests/integration/test_mtp_engine.py).
+        llama_set_embeddings_nextn(m.ctx, true, /*masked*/ false);
+        // ... and plan the graph's memory again: llama_set_embeddings_nextn does not ask for
+        // it (llama_context::set_embeddings_nextn leaves sched_need_reserve alone), so the
+        // plan reserved at context creation, made while the residual after the last layer
+        // was no output, would stay in use and let later nodes (the head) overwrite the rows
+        // before they are read (measured: wrong h rows on a [3, 6) stage, logits right).
+        // Re-setting a layer-input tap to its value (off) is the public call that requests
+        // the new plan (llama_context::set_embeddings_layer_inp: sched_need_reserve = true).
+        llama_set_embeddings_layer_inp(m.ctx, 0, false);
+        // llama.cpp's own MTP context (common_speculative_init_result): the target's settings,
+        // ctx_type MTP, no rollback snapshots (its memory is a plain KV cache of the NextN
+        // block), the target as ctx_other
+        llama_context_params mc = cp;
+        mc.ctx_type = LLAMA_CONTEXT_TYPE_MTP;
+        mc.n_rs_seq = 0;
+        mc.ctx_other = m.ctx;
+        m.mtp_ctx = llama_init_from_model(m.model, mc);
+        if (!m.mtp_ctx) {
+            std::string why = log_last_error();
+            return Status(kMtpNotSupported, "llama.cpp could not create the MTP context for " + cfg.model_path +
+                          (why.empty() ? std::string() : ": " + why));
+        }
+        // the NextN block's own hidden row of each logits row: the h of the next draft step
+        llama_set_embeddings_nextn(m.mtp_ctx, true, /*masked*/ true);
+        llama_set_embeddings_layer_inp(m.mtp_ctx, 0, false);  // the new plan, as for the trunk
+        m.mtp = true;
     }
     m.vocab = llama_model_get_vocab(m.model);
 
@@ -467,7 +586,11 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
     in.type_k = cfg.type_k;
     in.type_v = cfg.type_v;
     in.hash_layer_count = (int32_t) facts.hash_layer_count;
-    in.needs_token_ids = m.first || start < facts.hash_layer_count;
+    m.trunk_tokens = m.first || start < facts.hash_layer_count;
+    in.needs_token_ids = m.trunk_tokens || m.mtp;  // the NextN block embeds the tokens
+    in.mtp = m.mtp;
+    in.n_layer_nextn = (int32_t) facts.n_layer_nextn;
+    in.rollback_window = m.rs_window;
     in.n_params = llama_model_n_params(m.model);
     in.token_bos = llama_vocab_bos(m.vocab);
     in.token_eos = llama_vocab_eos(m.vocab);
@@ -490,6 +613,18 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
         m.pos_sections.assign((size_t) cfg.n_ubatch * m.n_pos_sections, 0);
     }
     for (uint32_t i = 0; i < cfg.n_ubatch; ++i) m.batch.n_seq_id[i] = 1;
+    if (m.mtp) {
+        const size_t W = (size_t) in.n_embd_boundary;
+        m.mtp_batch = llama_batch_init((int32_t) cfg.n_ubatch, 0, 1);
+        m.mtp_batch_token = m.mtp_batch.token;
+        for (uint32_t i = 0; i < cfg.n_ubatch; ++i) m.mtp_batch.n_seq_id[i] = 1;
+        m.mtp_embd.assign((size_t) cfg.n_ubatch * W, 0.0f);
+        m.mtp_zeros.assign(W, 0.0f);
+        m.mtp_seq.assign(cfg.n_ubatch, 0);
+        m.mtp_tok.assign(cfg.n_ubatch, 0);
+        m.mtp_slots.resize(cfg.n_slots);
+        for (auto & sl : m.mtp_slots) sl.rows.assign((size_t) Impl::kMtpRows * W, 0.0f);
+    }
     *out = std::move(e);
     return Status();
 }
@@ -501,6 +636,13 @@ Status Engine::Impl::RefreshMemory() {
         w += kvp.second.model;
         kv += kvp.second.context;
         comp += kvp.second.compute;
+    }
+    if (m.mtp_ctx) {
+        // the MTP context shares the model's weights; its KV and compute buffers are its own
+        for (const auto & kvp : llama_get_memory_breakdown(m.mtp_ctx)) {
+            kv += kvp.second.context;
+            comp += kvp.second.compute;
+        }
     }
     m.info.weight_bytes = w ? w : llama_model_size(m.model);
     m.info.kv_bytes = kv;
@@ -565,8 +707,19 @@ Status Engine::Impl::Release(int32_t slot) {
         return Status(kUnknownSlot, "slot " + std::to_string(slot) + " does not exist; this engine has slots 0.." +
                       std::to_string(m.cfg.n_slots - 1));
     }
-    llama_memory_seq_rm(llama_get_memory(m.ctx), slot, -1, -1);
+    m.ClearSlot(slot);
     return Status();
+}
+
+void Engine::Impl::ClearSlot(int32_t slot) {
+    Impl & m = *this;
+    llama_memory_seq_rm(llama_get_memory(m.ctx), slot, -1, -1);
+    m.rs_tail[slot] = 0;
+    if (m.mtp) {
+        llama_memory_seq_rm(llama_get_memory(m.mtp_ctx), slot, -1, -1);
+        m.mtp_slots[slot].pos0 = 0;
+        m.mtp_slots[slot].n = 0;
+    }
 }
 
 Status Engine::Impl::Truncate(int32_t slot, int32_t pos) {
@@ -579,11 +732,183 @@ Status Engine::Impl::Truncate(int32_t slot, int32_t pos) {
     llama_memory_t mem = llama_get_memory(m.ctx);
     const int32_t next = llama_memory_seq_pos_max(mem, slot) + 1;
     if (pos >= next) return Status();  // nothing past pos
+    const std::string span = "positions " + std::to_string(pos) + ".." + std::to_string(next - 1) + " of slot " +
+                             std::to_string(slot);
+    auto refuse = [&](const std::string & why) {
+        m.ClearSlot(slot);
+        return Status(kRollbackUnsupported, "this stage cannot drop " + span + ": " + why +
+                      "; the slot was cleared: re-prefill");
+    };
+    if (pos == 0) {  // the whole sequence: always possible
+        m.ClearSlot(slot);
+        return Status();
+    }
+    const int32_t drop = next - pos;
+    if (m.rs_window >= 0 && drop > std::min(m.rs_window, m.rs_tail[slot])) {
+        // The snapshots are of the slot's tokens in the last ubatch: past them (or after a
+        // truncate with no forward since) llama.cpp's seq_rm would accept a rollback it cannot
+        // restore exactly.
+        return refuse(m.info.arch + "'s compressed state rolls back at most " + std::to_string(m.rs_window) +
+                      " positions, and only of the slot's last forward (" + std::to_string(m.rs_tail[slot]) +
+                      " positions since its last forward or truncate)");
+    }
+    if (m.mtp) {
+        const MtpSlot & ms = m.mtp_slots[slot];
+        if (pos - 1 < ms.pos0 || pos - 1 >= ms.pos0 + ms.n) {
+            return refuse("MTP keeps the trunk's hidden rows of the last " + std::to_string(kMtpRows) +
+                          " positions only (" + std::to_string(ms.pos0) + ".." + std::to_string(ms.pos0 + ms.n - 1) +
+                          "), not that of position " + std::to_string(pos - 1));
+        }
+    }
     if (!llama_memory_seq_rm(mem, slot, pos, -1)) {
-        llama_memory_seq_rm(mem, slot, -1, -1);
-        return Status(kRollbackUnsupported, "this stage's cache cannot drop positions " + std::to_string(pos) +
-                      ".." + std::to_string(next - 1) + " of slot " + std::to_string(slot) +
-                      " (" + m.info.arch + "); the slot was cleared: re-prefill");
+        return refuse("the " + m.info.arch + " cache refuses this partial removal");
+    }
+    m.rs_tail[slot] = 0;
+    if (m.mtp) {
+        if (!llama_memory_seq_rm(llama_get_memory(m.mtp_ctx), slot, pos, -1)) {
+            return refuse("the MTP cache refuses this partial removal");
+        }
+        MtpSlot & ms = m.mtp_slots[slot];
+        ms.n = pos - ms.pos0;  // the last row kept is the trunk's h at pos-1: the pending h
+    }
+    return Status();
+}
+
+const float * Engine::Impl::MtpPrevH(int32_t slot, int32_t pos) const {
+    const MtpSlot & ms = mtp_slots[slot];
+    if (pos <= 0 || ms.n <= 0 || pos - 1 != ms.pos0 + ms.n - 1) return mtp_zeros.data();
+    return ms.rows.data() + (size_t) (ms.n - 1) * info.n_embd_boundary;
+}
+
+void Engine::Impl::MtpKeepRows(int32_t slot, int32_t pos, const float * h, int32_t n) {
+    MtpSlot & ms = mtp_slots[slot];
+    const size_t W = (size_t) info.n_embd_boundary;
+    if (ms.n > 0 && ms.pos0 + ms.n != pos) ms.n = 0;  // not a continuation: start over
+    if (ms.n == 0) ms.pos0 = pos;
+    if (n >= kMtpRows) {
+        std::memcpy(ms.rows.data(), h + (size_t) (n - kMtpRows) * W, sizeof(float) * W * kMtpRows);
+        ms.pos0 = pos + n - kMtpRows;
+        ms.n = kMtpRows;
+        return;
+    }
+    const int32_t drop = std::max(0, ms.n + n - kMtpRows);
+    if (drop > 0) {
+        std::memmove(ms.rows.data(), ms.rows.data() + (size_t) drop * W, sizeof(float) * W * (ms.n - drop));
+        ms.pos0 += drop;
+        ms.n -= drop;
+    }
+    std::memcpy(ms.rows.data() + (size_t) ms.n * W, h, sizeof(float) * W * n);
+    ms.n += n;
+}
+
+int32_t Engine::Impl::MtpCatchUp(const int32_t * tok, const llama_pos * pos, const llama_seq_id * seq,
+                                 const float * h, int32_t n) {
+    Impl & m = *this;
+    const size_t W = (size_t) m.info.n_embd_boundary;
+    llama_batch & b = m.mtp_batch;
+    // the pairs (x_q, h_{q-1}), gathered before this chunk's rows are kept
+    for (int32_t k = 0; k < n; ++k) {
+        const bool cont = k > 0 && seq[k - 1] == seq[k];
+        const float * prev = cont ? h + (size_t) (k - 1) * W : m.MtpPrevH(seq[k], pos[k]);
+        std::memcpy(m.mtp_embd.data() + (size_t) k * W, prev, sizeof(float) * W);
+        b.token[k] = tok[k];
+        b.pos[k] = pos[k];
+        b.seq_id[k][0] = seq[k];
+        b.logits[k] = 0;
+    }
+    for (int32_t k = 0; k < n;) {
+        int32_t e = k + 1;
+        while (e < n && seq[e] == seq[k]) ++e;
+        m.MtpKeepRows(seq[k], pos[k], h + (size_t) k * W, e - k);
+        k = e;
+    }
+    b.n_tokens = n;
+    b.embd = m.mtp_embd.data();
+    int32_t rc;
+    try {
+        rc = llama_decode(m.mtp_ctx, b);
+    } catch (...) {
+        b.embd = nullptr;
+        throw;
+    }
+    b.embd = nullptr;
+    return rc;
+}
+
+Status Engine::Impl::MtpDraft(int32_t slot, int32_t token, int32_t n_max, std::vector<int32_t> * out) {
+    Impl & m = *this;
+    out->clear();
+    if (!m.mtp) {
+        return Status(kMtpNotSupported, "this engine was loaded without mtp: load the last stage with mtp=True "
+                      "to draft with its NextN block");
+    }
+    if (slot < 0 || (uint32_t) slot >= m.cfg.n_slots) {
+        return Status(kUnknownSlot, "slot " + std::to_string(slot) + " does not exist; this engine has slots 0.." +
+                      std::to_string(m.cfg.n_slots - 1));
+    }
+    if (token < 0 || token >= m.info.n_vocab) {
+        return Status(kInvalidToken, "token id " + std::to_string(token) + " is outside the vocabulary [0, " +
+                      std::to_string(m.info.n_vocab) + ")");
+    }
+    if (n_max < 0) return Status(kInvalidArgument, "n_max must be >= 0, got " + std::to_string(n_max));
+    const int32_t pos0 = llama_memory_seq_pos_max(llama_get_memory(m.ctx), slot) + 1;
+    if (pos0 == 0) {
+        return Status(kInvalidPosition, "slot " + std::to_string(slot) + " holds no positions: forward the prompt "
+                      "before drafting from it");
+    }
+    // the verifying step (token + drafts) must fit in the slot's context
+    const int32_t n = (int32_t) std::max<int64_t>(0, std::min<int64_t>(n_max, (int64_t) m.info.n_ctx - pos0 - 1));
+    if (n == 0) return Status();
+    llama_memory_t mem = llama_get_memory(m.mtp_ctx);
+    const size_t W = (size_t) m.info.n_embd_boundary;
+    const int32_t V = m.info.n_vocab;
+    llama_batch & b = m.mtp_batch;
+    float * h = m.mtp_embd.data();
+    std::memcpy(h, m.MtpPrevH(slot, pos0), sizeof(float) * W);
+    auto failed = [&](const std::string & why) {
+        // the MTP memory past pos0 is the draft's own: drop it; the slot keeps its state
+        llama_memory_seq_rm(mem, slot, pos0, -1);
+        out->clear();
+        return Status(kEngineError, "MTP draft of slot " + std::to_string(slot) + " failed: " + why);
+    };
+    int32_t tok = token;
+    try {
+        for (int32_t i = 0; i < n; ++i) {
+            b.n_tokens = 1;
+            b.token[0] = tok;
+            b.pos[0] = pos0 + i;
+            b.seq_id[0][0] = slot;
+            b.logits[0] = 1;
+            b.embd = h;
+            const int32_t rc = llama_decode(m.mtp_ctx, b);
+            b.embd = nullptr;
+            if (rc != 0) {
+                std::string why = log_last_error();
+                return failed("llama_decode returned " + std::to_string(rc) + (why.empty() ? "" : ": " + why));
+            }
+            const float * lg = llama_get_logits_ith(m.mtp_ctx, 0);
+            if (!lg) return failed("llama.cpp returned no MTP logits");
+            int32_t best = 0;
+            for (int32_t v = 1; v < V; ++v) {
+                if (lg[v] > lg[best]) best = v;  // strict: the lowest id wins a tie
+            }
+            out->push_back(best);
+            if (i + 1 < n) {
+                const float * hn = llama_get_embeddings_nextn_ith(m.mtp_ctx, 0);
+                if (!hn) return failed("llama.cpp returned no NextN hidden row");
+                std::memcpy(h, hn, sizeof(float) * W);
+            }
+            tok = best;
+        }
+    } catch (...) {
+        b.embd = nullptr;
+        return failed(current_exception_text());
+    }
+    if (!llama_memory_seq_rm(mem, slot, pos0, -1)) {
+        m.ClearSlot(slot);
+        out->clear();
+        return Status(kEngineError, "the MTP cache could not drop the draft of slot " + std::to_string(slot) +
+                      "; the slot was cleared and must be re-prefilled");
     }
     return Status();
 }
@@ -609,8 +934,11 @@ Status Engine::Impl::CheckStageInputs(const int32_t * tokens, const float * boun
     }
     if (!m.first && in.needs_token_ids && !tokens) {
         return Status(kMissingTokenIds, "stage [" + std::to_string(in.layer_start) + ", " +
-                      std::to_string(in.layer_end) + ") owns hash-routed layers (hash_layer_count=" +
-                      std::to_string(in.hash_layer_count) + ") and needs the token ids with the boundary");
+                      std::to_string(in.layer_end) + ") " +
+                      (m.trunk_tokens ? "owns hash-routed layers (hash_layer_count=" +
+                                            std::to_string(in.hash_layer_count) + ")"
+                                      : std::string("drafts with MTP (its NextN block embeds the tokens)")) +
+                      " and needs the token ids with the boundary");
     }
     if (tokens) {
         for (int32_t i = 0; i < n_tokens; ++i) {
@@ -705,7 +1033,7 @@ Status Engine::Impl::Forward(int32_t slot, const int32_t * pos, const int32_t * 
     // A failure after a chunk was decoded: the slot holds part of the step, so it is cleared
     // (re-prefilled by the caller), as for a failed decode.
     auto cleared = [&](const std::string & why) {
-        llama_memory_seq_rm(llama_get_memory(m.ctx), slot, -1, -1);
+        m.ClearSlot(slot);
         return Status(kEngineError, why + "; slot " + std::to_string(slot) +
                       " was cleared and must be re-prefilled");
     };
@@ -716,7 +1044,7 @@ Status Engine::Impl::Forward(int32_t slot, const int32_t * pos, const int32_t * 
             const int32_t n = std::min(U, n_tokens - c0);
             llama_batch & b = m.batch;
             b.n_tokens = n;
-            b.token = (tokens && (m.first || in.needs_token_ids)) ? const_cast<int32_t *>(tokens + c0) : nullptr;
+            b.token = (tokens && m.trunk_tokens) ? const_cast<int32_t *>(tokens + c0) : nullptr;
             b.embd = m.first ? nullptr : const_cast<float *>(boundary + (size_t) c0 * W);
             for (int32_t i = 0; i < n; ++i) {
                 b.pos[i] = pos[c0 + i];
@@ -728,12 +1056,24 @@ Status Engine::Impl::Forward(int32_t slot, const int32_t * pos, const int32_t * 
             const int32_t rc = m.Decode(n);
             if (rc != 0) {
                 // Never leave a half-computed step behind: the slot must be re-prefilled.
-                llama_memory_seq_rm(llama_get_memory(m.ctx), slot, -1, -1);
+                m.ClearSlot(slot);
                 std::string why = log_last_error();
                 return Status(rc == 1 ? kContextFull : kEngineError,
                               "llama_decode failed with code " + std::to_string(rc) + " at position " +
                               std::to_string(pos[c0]) + "; slot " + std::to_string(slot) +
                               " was cleared and must be re-prefilled" + (why.empty() ? "" : ": " + why));
+            }
+            m.rs_tail[slot] = n;
+            if (m.mtp) {
+                const float * h = llama_get_embeddings_nextn(m.ctx);
+                if (!h) return cleared("llama.cpp returned no hidden rows for the MTP catch-up");
+                for (int32_t i = 0; i < n; ++i) m.mtp_seq[i] = slot;
+                const int32_t mrc = m.MtpCatchUp(tokens + c0, b.pos, m.mtp_seq.data(), h, n);
+                if (mrc != 0) {
+                    std::string why = log_last_error();
+                    return cleared("the MTP catch-up decode failed with code " + std::to_string(mrc) +
+                                   " at position " + std::to_string(pos[c0]) + (why.empty() ? "" : ": " + why));
+                }
             }
             if (m.last) {
                 for (int32_t i = 0; i < n; ++i) {
@@ -758,7 +1098,7 @@ Status Engine::Impl::Forward(int32_t slot, const int32_t * pos, const int32_t * 
         m.batch.token = nullptr;
         m.batch.embd = nullptr;
         const std::string why = current_exception_text();
-        llama_memory_seq_rm(llama_get_memory(m.ctx), slot, -1, -1);
+        m.ClearSlot(slot);
         return Status(kEngineError, "llama.cpp threw during the forward of slot " + std::to_string(slot) +
                       " (" + why + "); the slot was cleared and must be re-prefilled");
     }
@@ -843,10 +1183,10 @@ Status Engine::Impl::ForwardBatch(const int32_t * slots, const int32_t * pos, co
 
     const int32_t W = in.n_embd_boundary;
     const int32_t U = (int32_t) m.cfg.n_ubatch;
-    const bool pass_tokens = tokens && (m.first || in.needs_token_ids);
+    const bool pass_tokens = tokens && m.trunk_tokens;
     // A failure once llama_decode may have run: no slot of the batch keeps a half-computed step.
     auto clear_all = [&]() {
-        for (const int32_t s : seen) llama_memory_seq_rm(llama_get_memory(m.ctx), s, -1, -1);
+        for (const int32_t s : seen) m.ClearSlot(s);
     };
     auto slot_list = [&]() {
         std::string t;
@@ -902,6 +1242,28 @@ Status Engine::Impl::ForwardBatch(const int32_t * slots, const int32_t * pos, co
                               "llama_decode failed with code " + std::to_string(rc) + " on a batch of slots " +
                               slot_list() + "; they were cleared and must be re-prefilled" +
                               (why.empty() ? "" : ": " + why));
+            }
+            // each slot's tokens in this decode: its rollback window (the last ubatch keeps a
+            // sequence's last n_rs_seq+1 tokens together)
+            for (int32_t k = 0; k < n;) {
+                int32_t e = k + 1;
+                while (e < n && slots[idx[e]] == slots[idx[k]]) ++e;
+                m.rs_tail[slots[idx[k]]] = e - k;
+                k = e;
+            }
+            if (m.mtp) {
+                const float * h = llama_get_embeddings_nextn(m.ctx);
+                if (!h) return cleared("llama.cpp returned no hidden rows for the MTP catch-up");
+                for (int32_t k = 0; k < n; ++k) {
+                    m.mtp_tok[k] = tokens[idx[k]];
+                    m.mtp_seq[k] = slots[idx[k]];
+                }
+                const int32_t mrc = m.MtpCatchUp(m.mtp_tok.data(), b.pos, m.mtp_seq.data(), h, n);
+                if (mrc != 0) {
+                    std::string why = log_last_error();
+                    return cleared("the MTP catch-up decode failed with code " + std::to_string(mrc) +
+                                   (why.empty() ? "" : ": " + why));
+                }
             }
             if (m.last) {
                 for (int32_t k = 0; k < n; ++k) {

@@ -109,6 +109,7 @@ cdef class Engine:
     cdef readonly bint is_first
     cdef readonly bint is_last
     cdef readonly bint needs_token_ids
+    cdef readonly bint mtp
     cdef readonly int32_t n_slots
     cdef readonly object lock
 
@@ -143,6 +144,7 @@ cdef class Engine:
         self.is_first = self._e.get().is_first()
         self.is_last = self._e.get().is_last()
         self.needs_token_ids = info.needs_token_ids
+        self.mtp = info.mtp
         self.n_slots = info.n_slots
 
     def _info(self):
@@ -161,7 +163,8 @@ cdef class Engine:
             "needs_token_ids": bool(i.needs_token_ids), "n_params": i.n_params,
             "weight_bytes": i.weight_bytes, "kv_bytes": i.kv_bytes,
             "compute_bytes": i.compute_bytes, "token_bos": i.token_bos,
-            "token_eos": i.token_eos, "add_bos": bool(i.add_bos),
+            "token_eos": i.token_eos, "add_bos": bool(i.add_bos), "mtp": bool(i.mtp),
+            "n_layer_nextn": i.n_layer_nextn, "rollback_window": i.rollback_window,
         }
 
     def tokenize(self, text, bint add_special=True, bint parse_special=False):
@@ -216,18 +219,51 @@ cdef class Engine:
 
     def truncate(self, int slot, int pos):
         """Drop the slot's positions from ``pos`` on (rejected drafts); its next forward
-        starts at ``pos``. ``pos`` at or past ``next_pos`` changes nothing.
+        starts at ``pos``. ``pos`` at or past ``next_pos`` changes nothing. On an MTP engine
+        the NextN block's cache is truncated too, and its pending hidden row becomes the
+        trunk's row at ``pos - 1``.
 
         Raises
         ------
         dgr.errors.RollbackUnsupported
             A cache of this stage cannot drop that tail; the slot was cleared (re-prefill).
+            DeepSeek V4 drops at most ``describe()["rollback_window"]`` positions, and only of
+            the slot's last forward (not again before the next forward).
+        dgr.errors.UnknownSlot, dgr.errors.InvalidPosition
+            No such slot; ``pos`` is negative.
         """
         cdef CStatus st
         with self.lock:
             with nogil:
                 st = self._e.get().Truncate(slot, pos)
         check_status(st)
+
+    def mtp_draft(self, int slot, int token, int n_max):
+        """Greedy draft of up to ``n_max`` tokens by the NextN (MTP) block, as a list of ints.
+
+        ``token`` is the token at ``next_pos(slot)`` (the one sampled from the last logits);
+        the NextN block pairs it with the trunk's hidden row at ``next_pos(slot) - 1``, takes
+        the argmax (lowest id on ties), and feeds each draft back with its own hidden row.
+        Fewer than ``n_max`` only where the slot's context ends (``token`` and the drafts
+        must fit as one step). The slot's state is unchanged; the same state gives the same
+        drafts.
+
+        Raises
+        ------
+        dgr.errors.MtpNotSupported
+            The engine was loaded without ``mtp``.
+        dgr.errors.UnknownSlot, dgr.errors.InvalidToken, dgr.errors.InvalidArgument
+            No such slot; ``token`` outside the vocabulary; ``n_max < 0``.
+        dgr.errors.InvalidPosition
+            The slot holds no positions yet (forward the prompt first).
+        """
+        cdef vector[int32_t] out
+        cdef CStatus st
+        with self.lock:
+            with nogil:
+                st = self._e.get().MtpDraft(slot, token, n_max, &out)
+        check_status(st)
+        return [out[i] for i in range(out.size())]
 
     def _forward(self, int slot, object pos, object tokens, object boundary, object want,
                  object out):

@@ -81,17 +81,20 @@ def needed_tensor_names(tensors: Iterable[tuple[str, int | None, str]], a: int, 
     """Names of the tensors a stage owning layers ``[a, b)`` loads.
 
     ``tensors`` yields ``(name, layer, role)``. The first stage (``a == 0``) gets the input
-    embeddings; the last (``b == n_layer``) the head, plus ``token_embd.weight`` when the
-    embeddings are tied, plus any layer past ``n_layer`` (MTP lives on the last stage);
-    every stage gets the shared globals.
+    embeddings; the last (``b == n_layer``) the head, plus any layer past ``n_layer`` (MTP
+    lives on the last stage), plus ``token_embd.weight`` when the embeddings are tied or
+    there is such a layer (the NextN block embeds the drafted tokens with it: what llama.cpp
+    loads on a last stage with ``load_mtp``, patch 0001); every stage gets the shared globals.
     """
+    tensors = list(tensors)
     last = b >= n_layer
+    nextn = last and any(role == "layer" and layer >= n_layer for _, layer, role in tensors)
     out = set()
     for name, layer, role in tensors:
         if role == "layer":
             keep = a <= layer < b or (last and layer >= n_layer)
         elif role == "input":
-            keep = a == 0 or (last and tied and name == "token_embd.weight")
+            keep = a == 0 or (last and (tied or nextn) and name == "token_embd.weight")
         elif role == "output":
             keep = last
         else:

@@ -38,6 +38,7 @@ from dgr.control.certificates import (
     Lane,
     Parity,
     Scenario,
+    Speculation,
     StageCost,
     lane_id,
     load_store,
@@ -103,6 +104,7 @@ def certify(model: str | os.PathLike, ranges: Sequence[tuple[int, int]], *,
            if failover else ""))
     ref, ref_rows = generate_local(whole, tokens, max_tokens=max_tokens, logits=True)
     batching = _batching(model, whole, settings, say)
+    speculation = _speculation(whole, settings, say)
     procs = [None if r == (0, n_layer) else r for r in ranges]
     cluster = LocalCluster(model, procs + ([procs[mid]] if failover else []),
                            settings=settings)
@@ -154,7 +156,7 @@ def certify(model: str | os.PathLike, ranges: Sequence[tuple[int, int]], *,
         cpu_model=cpu_model, cpu_isa=list(isa), cpu_flags=list(flags), parity=par,
         certified_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         dgr_version=__version__, seconds=round(time.monotonic() - t0, 3), arch=whole.arch,
-        scenario=scenario, batching=batching)
+        scenario=scenario, batching=batching, speculation=speculation)
     ok = passed and (fo is None or fo.passed)
     return rec, (write(rec, store) if ok else None)
 
@@ -176,6 +178,35 @@ def _batching(model: str, whole, settings: dict, say, sessions: int = 4) -> Batc
     return Batching(sessions=m.sessions, decode_steps=m.decode_steps, rows=m.rows,
                     bit_identical=m.bit_identical, max_abs_diff=m.max_abs_diff,
                     top1_agreement=m.top1_agreement)
+
+
+def _speculation(whole, settings: dict, say, max_draft: int = 4) -> Speculation:
+    """The lane's speculative-trips-against-single-steps record, on the whole model."""
+    from dgr.control.speculation import measure
+
+    n_ctx = int(settings["n_ctx"])
+    decode = max(2, min(32, n_ctx - 24 - max_draft))
+    m = measure(whole, prompt_tokens=max(1, min(24, n_ctx - decode - max_draft)),
+                decode_tokens=decode, max_draft=max_draft)
+    whole.release(0)
+    say(f"speculative trips against single steps ({m.trips} trips, {m.rows} rows): "
+        + ("bit-identical" if m.bit_identical else
+           f"differ: max |diff| {m.max_abs_diff:.3g}, top-1 agreement {m.top1_agreement:.3f}"))
+    return Speculation(max_draft=m.max_draft, trips=m.trips, rows=m.rows,
+                       bit_identical=m.bit_identical, max_abs_diff=m.max_abs_diff,
+                       top1_agreement=m.top1_agreement)
+
+
+def speculation_line(s: Speculation | None) -> str:
+    """A record's speculation figure in one line."""
+    if s is None:
+        return "not measured (a record from before speculation was measured)"
+    if s.bit_identical:
+        return (f"speculative trips bit-identical to single steps ({s.rows} rows, up to "
+                f"{s.max_draft} drafts): speculation keeps plain decoding's tokens")
+    return (f"speculative trips NOT bit-identical to single steps ({s.rows} rows): max |diff| "
+            f"{s.max_abs_diff:.3g}, top-1 agreement {s.top1_agreement:.3f}: speculative tokens "
+            "agree with plain decoding's up to near ties")
 
 
 def batching_line(b: Batching | None) -> str:
@@ -392,6 +423,7 @@ def _cmd_lanes(args) -> int:
                 + ("" if split_ok else f"  NOT SPLITTABLE here ({rec.arch or 'arch unknown'})"))
         print(f"  scenario: {scenario_line(rec.scenario)}")
         print(f"  batching: {batching_line(rec.batching)}")
+        print(f"  speculation: {speculation_line(rec.speculation)}")
     return 0
 
 

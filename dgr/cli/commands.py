@@ -8,6 +8,7 @@ import sys
 import time
 
 from dgr.cli.interrupts import install_interrupts
+from dgr.cli.speculate import add_speculate_arguments, speculate_of
 from dgr.protocol import settings as engine_settings
 
 __all__ = ["main"]
@@ -44,26 +45,6 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     add_speculate_arguments(p)
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="skip the comparison with the whole model in this process")
-
-
-def add_speculate_arguments(p) -> None:
-    """``--speculate`` and ``--max-draft``: speculative decoding in the decode loop."""
-    p.add_argument("--speculate", choices=["off", "ngram", "mtp"], default="off",
-                   help="speculative decoding (docs/speculative.md): the last stage drafts the "
-                        "next tokens and one ring trip verifies them, so a trip can make "
-                        "several tokens (the same tokens as without). ngram: drafts from the "
-                        "session's own tokens (repeated text, code edits); mtp: from the "
-                        "model's multi-token-prediction block (the last worker runs --mtp). "
-                        "Default off")
-    p.add_argument("--max-draft", type=int, default=8, metavar="K",
-                   help="at most K drafts per trip (default 8; the last stage adapts the "
-                        "number to what is accepted, down to none)")
-
-
-def speculate_of(args) -> dict:
-    """The ``AsyncRoute`` keywords of ``--speculate`` / ``--max-draft``."""
-    return {"speculate": "" if args.speculate == "off" else args.speculate,
-            "max_draft": args.max_draft}
 
 
 def _chat(args, text: str) -> str:
@@ -124,7 +105,7 @@ def _report(route, session, args, prompt, tokens, t0, t_first, t1, whole, before
     _say(f"{len(tokens)} tokens ({session.stop_reason}); time to first token {t_first - t0:.3f} s; "
          f"decode {route_tps:.1f} tokens/s over {len(route.stages)} stage(s)"
          + (f"; {session.recoveries} recoveries" if session.recoveries else ""))
-    trips, drafted, accepted = session.speculation
+    trips, drafted, accepted = getattr(session, "speculation", (0, 0, 0))
     if trips and route.aroute.speculate:
         _say(f"speculation ({route.aroute.speculate}): {trips} ring trips, "
              f"{(trips + accepted) / trips:.2f} tokens per trip; {accepted} of {drafted} drafts "

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from dgr.cli.commands import add_speculate_arguments, speculate_of
+from dgr.cli.speculate import add_speculate_arguments, speculate_of
 from dgr.protocol import settings as engine_settings
 from dgr.transport.security import is_loopback
 

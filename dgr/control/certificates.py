@@ -96,6 +96,21 @@ class Batching(msgspec.Struct, kw_only=True):
     parity_mode: str = "solo steps (Forward.solo): the whole model's rows, bit for bit"
 
 
+class Speculation(msgspec.Struct, kw_only=True):
+    """Whether a speculative trip's rows (``max_draft + 1`` tokens in one step, the rejected
+    ones rolled back) are plain decoding's single-token rows, on this build, model and
+    settings (``dgr.control.speculation.measure`` on the whole model in the certifying
+    process). Bit-identical: speculation makes plain decoding's tokens on the lane. Not:
+    its tokens agree with plain decoding's up to the rows' near ties (``top1_agreement``)."""
+
+    max_draft: int
+    trips: int
+    rows: int
+    bit_identical: bool
+    max_abs_diff: float
+    top1_agreement: float
+
+
 class Scenario(msgspec.Struct, kw_only=True):
     """How a lane was certified, and what its certified generation cost per stage and seam."""
 
@@ -131,6 +146,9 @@ class Certification(msgspec.Struct, kw_only=True):
     scenario: Scenario | None = None
     #: batched against alone (None: a record from before batching was measured)
     batching: Batching | None = None
+    #: speculative trips against single-token steps (None: a record from before it was
+    #: measured)
+    speculation: Speculation | None = None
 
 
 def store_path(path: str | os.PathLike | None = None) -> Path:

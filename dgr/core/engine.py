@@ -62,6 +62,11 @@ class Engine(_CoreEngine):
         KV cache types (``"f16"``, ``"f32"``, ``"bf16"``, ``"q8_0"``, ...).
     use_mmap : bool
         Map the file instead of reading it (does not change numerics).
+    mtp : bool
+        Load the model's NextN (MTP) block and draft with it (:meth:`mtp_draft`): the last
+        stage of a deepseek4 model with one NextN block only. The trunk's logits stay
+        bit-identical to ``mtp=False``; such a stage also takes the token ids with its
+        boundary (``needs_token_ids``).
 
     Raises
     ------
@@ -71,6 +76,9 @@ class Engine(_CoreEngine):
         The range is empty or outside ``[0, n_layer)``, or the architecture has no stage graph.
     dgr.errors.InvalidArgument
         A setting is out of range.
+    dgr.errors.MtpNotSupported
+        ``mtp`` on a stage that is not the last, on a model without a NextN block, or on an
+        architecture other than deepseek4.
     """
 
     def __init__(self, model: str | os.PathLike, layers: tuple[int, int] | None = None, *,

@@ -216,6 +216,12 @@ class AsyncRoute:
             raise errors.RouteError(
                 f"speculate={self.speculate!r} needs every stage on wire schema 4 or later; "
                 + ", ".join(f"{s.endpoint} speaks {s.wire_schema_version}" for s in old))
+        if self.speculate and self.speculate not in order[-1].drafters:
+            raise errors.RouteError(
+                f"speculate={self.speculate!r}: the last stage {order[-1].endpoint} drafts with "
+                f"{', '.join(order[-1].drafters) or 'nothing'}"
+                + (" (start it with --mtp, on a model with a NextN block)"
+                   if self.speculate == "mtp" else ""))
         by_ep = {c.endpoint: c for c in self.clients}
         self.stages = order
         self.clients = [by_ep[s.endpoint] for s in order]

@@ -58,6 +58,8 @@ class StageInfo:
     decode_compute_s_total: float | None = None
     tokens_computed_total: int | None = None
     compute_s_total: float | None = None
+    #: the drafters the worker runs as a route's last stage (docs/speculative.md)
+    drafters: tuple = ()
     extra: dict = field(default_factory=dict)
 
     @functools.cached_property
@@ -89,13 +91,14 @@ class StageInfo:
             wire_format_version=r.wire_format_version,
             wire_schema_version=r.wire_schema_version, weight_bytes=r.weight_bytes,
             kv_bytes=r.kv_bytes, steps_total=r.steps_total, errors_total=r.errors_total,
-            uptime_s=r.uptime_s, data_port=r.data_port,
+            uptime_s=r.uptime_s, data_port=r.data_port, drafters=tuple(r.drafters),
             **{k: getattr(r, k) if r.HasField(k) else None for k in COUNTERS})
 
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "extra"}
         d["layers"] = list(self.layers)
         d["eog_tokens"] = sorted(self.eog_tokens)
+        d["drafters"] = list(self.drafters)
         d["identity"] = self.identity
         return d
 

@@ -189,7 +189,18 @@ class StagePipeline:
             if getattr(engine, "mtp", False):
                 from dgr.worker.speculation import MtpDrafter
                 mtp = MtpDrafter(engine)
-            self.speculator = Speculator(int(self.settings["n_ctx"]), mtp=mtp)
+            # a step's rollback never goes past what the caches can drop (DeepSeek V4's
+            # compressed state keeps a window of snapshots; -1: no limit)
+            window = int(info.get("rollback_window", -1))
+            self.speculator = Speculator(int(self.settings["n_ctx"]), mtp=mtp,
+                                         max_rollback=window if window >= 0 else None)
+
+    @property
+    def drafters(self) -> list[str]:
+        """The drafters this stage runs as a route's last stage (``Describe.drafters``)."""
+        if self.speculator is None:
+            return []
+        return ["ngram"] + (["mtp"] if self.speculator.mtp is not None else [])
 
     def _event(self, event: str, session: str, epoch: int, slot: int, detail: str) -> None:
         if self.speculator is not None:  # every event starts or ends a session's state

@@ -27,8 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-__all__ = ["accept", "NgramDrafter", "MtpDrafter", "DraftPolicy", "Rate", "Speculator",
-           "SpecState", "SpecStats"]
+__all__ = ["accept", "NgramDrafter", "MtpDrafter", "DraftPolicy", "FixedDraftPolicy", "Rate",
+           "Speculator", "SpecState", "SpecStats"]
 
 
 def accept(drafts: Sequence[int], sampled: Sequence[int],
@@ -226,6 +226,15 @@ class DraftPolicy:
                 r.tried += accepted + (1 if accepted < drafted else 0)
 
 
+class FixedDraftPolicy(DraftPolicy):
+    """Always as many drafts as allowed (``k_max``): a schedule that depends on the tokens
+    only, never on timing, for comparing routes under the same speculative schedule (tests,
+    benchmarks of the drafts' cost)."""
+
+    def choose(self, r: Rate, k_max: int) -> int:
+        return max(k_max, 0)
+
+
 @dataclass
 class Rate:
     """How often the drafts of one source were accepted (decayed counts)."""
@@ -266,8 +275,11 @@ class Speculator:
 
     def __init__(self, n_ctx: int, ngram: NgramDrafter | None = None,
                  mtp: MtpDrafter | None = None, policy: DraftPolicy | None = None,
-                 clock=time.perf_counter):
+                 clock=time.perf_counter, max_rollback: int | None = None):
         self.n_ctx = n_ctx
+        #: the most positions a step may roll back (the caches' window; None: any): a trip
+        #: carries no more drafts than that
+        self.max_rollback = max_rollback
         self.ngram = ngram or NgramDrafter()
         self.mtp = mtp
         self.policy = policy or DraftPolicy()
@@ -341,6 +353,8 @@ class Speculator:
             return []
         pos = len(st.history)  # where ``token`` goes
         k_max = min(h.max_draft, left - 1, self.n_ctx - pos - 1)
+        if self.max_rollback is not None:
+            k_max = min(k_max, self.max_rollback)
         if k_max <= 0:
             return []
         if h.speculate == "mtp":

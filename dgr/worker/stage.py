@@ -124,6 +124,7 @@ class Worker(StagePipeline):
             data_port=(self.advertise_data_port or self.data_server.port)
             if self.data_server is not None else 0,
             **self.compute_counters(),
+            drafters=self.drafters,
         )
 
     def capability(self):

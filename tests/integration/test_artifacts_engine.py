@@ -171,6 +171,7 @@ def test_deepseek4_slices_with_mtp_chain_to_the_whole_models_tokens(tmp_path):
     paths = _slices(model, ranges, tmp_path)
     last = {t.name for t in gguf_io.read_header(paths[-1], decode_arrays=False).tensors}
     assert any(n.startswith("blk.6.") for n in last)          # the MTP block rides with the head
+    assert "token_embd.weight" in last                        # which embeds the drafts with it
     assert not any(n.startswith("blk.6.") for p in paths[:-1]
                    for n in (t.name for t in gguf_io.read_header(p).tensors))
     mpath = tmp_path / "ds4.json"

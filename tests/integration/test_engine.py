@@ -225,7 +225,7 @@ def test_bad_arguments(eng, tiny_llama):
     # more slots than n_ubatch: llama.cpp would abort the process at the first decode
     with pytest.raises(errors.InvalidArgument, match=r"n_slots \(9\) must not exceed n_ubatch"):
         dgr.Engine(tiny_llama, n_slots=9, n_ubatch=8)
-    with pytest.raises(errors.MtpNotSupported, match="reserved"):
+    with pytest.raises(errors.MtpNotSupported, match="no NextN"):
         dgr.Engine(tiny_llama, mtp=True)
 
 

@@ -111,8 +111,25 @@ def test_a_stage_that_cannot_roll_back_is_repaired_by_a_re_prefill(split, plain,
     assert g.recoveries == 1 and g.tokens == plain.tokens
 
 
-def test_speculate_is_checked():
+def test_speculate_is_checked(split):
+    assert split[-1].worker.drafters == ["ngram"] and split[0].worker.drafters == []
+    with pytest.raises(errors.RouteError, match="--mtp"):  # SmolLM2 has no NextN block
+        Route([w.address for w in split], speculate="mtp")
     with pytest.raises(errors.InvalidArgument, match="speculate"):
         Route(["127.0.0.1:1"], speculate="medusa")
     with pytest.raises(errors.InvalidArgument, match="max_draft"):
         Route(["127.0.0.1:1"], speculate="ngram", max_draft=0)
+
+
+def test_the_lane_measure_of_speculative_trips(smollm2, tiny_llama):
+    """``dgr.control.speculation.measure``: trips of k+1 tokens with rollbacks against single
+    steps. SmolLM2's quantized weights at one thread: bit-identical (what the tests above rely
+    on); on any model the figures agree with each other."""
+    from dgr.control.speculation import measure
+
+    m = measure(dgr.Engine(smollm2, n_ctx=128, n_threads=1), max_draft=4)
+    assert m.bit_identical and m.max_abs_diff == 0.0 and m.top1_agreement == 1.0
+    assert m.rows == 32 and m.trips > 32 // 5
+    t = measure(dgr.Engine(tiny_llama, n_ctx=128, n_threads=2), max_draft=6, decode_tokens=20)
+    assert t.rows == 20 and t.bit_identical == (t.max_abs_diff == 0.0)
+    assert 0.0 <= t.top1_agreement <= 1.0 and (t.top1_agreement == 1.0 or not t.bit_identical)

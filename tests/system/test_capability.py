@@ -393,9 +393,16 @@ def test_failover_certification_records_its_scenario(tiny_llama, tmp_path):
     assert b.bit_identical == (b.max_abs_diff == 0.0) and 0 <= b.top1_agreement <= 1
     bl, = [ln for ln in ls.stdout.splitlines() if ln.startswith("  batching: ")]
     assert ("bit-identical to alone" if b.bit_identical else "NOT bit-identical") in bl, bl
+    # speculative trips against single steps, measured the same way
+    sp = rec.speculation
+    assert sp.max_draft == 4 and sp.rows > 0 and sp.trips > 0
+    assert sp.bit_identical == (sp.max_abs_diff == 0.0) and 0 <= sp.top1_agreement <= 1
+    sl, = [ln for ln in ls.stdout.splitlines() if ln.startswith("  speculation: ")]
+    assert ("bit-identical to single steps" if sp.bit_identical
+            else "NOT bit-identical") in sl, sl
     # a record written before scenarios were kept still decodes, and is listed as such
     old = msgspec.json.decode((d / name).read_bytes())
-    del old["scenario"], old["batching"]
+    del old["scenario"], old["batching"], old["speculation"]
     other = tmp_path / "old"
     other.mkdir()
     (other / name).write_bytes(msgspec.json.encode(old))
@@ -405,6 +412,7 @@ def test_failover_certification_records_its_scenario(tiny_llama, tmp_path):
                         capture_output=True, text=True, timeout=60)
     assert "  scenario: not recorded" in ls.stdout, ls.stdout
     assert "  batching: not measured" in ls.stdout, ls.stdout
+    assert "  speculation: not measured" in ls.stdout, ls.stdout
 
 
 def test_a_failover_whose_tokens_differ_is_not_written(tiny_llama, tmp_path, monkeypatch):

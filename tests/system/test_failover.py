@@ -124,6 +124,24 @@ def test_sigkill_of_the_middle_worker_completes_on_the_spare(cluster, refs):
     assert toks == refs[1]
 
 
+def test_sigkill_while_speculating_completes_on_the_spare(cluster, refs):
+    """The same with n-gram speculation: the failed trip's drafts are gone with the epoch,
+    the re-prefill rebuilds every cache, and the tokens are still the whole model's."""
+    victim, spare = cluster.workers[1], cluster.workers[3]
+    with Route(primaries(cluster), spares=[spare.endpoint], connect_timeout=10,
+               speculate="ngram") as r:
+        s = r.session()
+        it = s.generate(prompt(2), max_tokens=N_TOKENS, stop_on_eog=False)
+        toks = [next(it) for _ in range(10)]
+        trips, drafted, _ = s.speculation
+        victim.kill()
+        toks += list(it)
+        assert s.recoveries == 1 and r.stages[1].endpoint == spare.endpoint
+        s.close()
+    assert toks == refs[2]
+    assert trips > 0 and drafted > 0, "the generation did not speculate before the kill"
+
+
 def test_sigstop_hang_is_detected_by_the_deadline(cluster, refs):
     victim, spare = cluster.workers[1], cluster.workers[3]
     pool = RecordingPool(dict(zip(cluster.endpoints, RANGES + [(1, 3)])))

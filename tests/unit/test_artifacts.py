@@ -159,10 +159,15 @@ def test_needed_tensors_by_stage():
     need = lambda a, b, tied=False: needed_tensor_names(ts, a, b, 4, tied)  # noqa: E731
     assert need(0, 1) == {"token_embd.weight", "rope_freqs.weight", "blk.0.w"}
     assert need(1, 3) == {"rope_freqs.weight", "blk.1.w", "blk.2.w"}
+    # the last stage: the head, the MTP layer, and token_embd, which the NextN block embeds with
     assert need(3, 4) == {"output_norm.weight", "output.weight", "rope_freqs.weight",
-                          "blk.3.w", "blk.4.w"}
+                          "blk.3.w", "blk.4.w", "token_embd.weight"}
     assert "token_embd.weight" in need(3, 4, tied=True)
     assert need(0, 4) == set(names)
+    no_mtp = [t for t in ts if t[0] != "blk.4.w"]
+    assert needed_tensor_names(no_mtp, 3, 4, 4, False) == {
+        "output_norm.weight", "output.weight", "rope_freqs.weight", "blk.3.w"}
+    assert "token_embd.weight" in needed_tensor_names(no_mtp, 3, 4, 4, True)
 
 
 # ---- manifests ------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ EOG = 0
 class FakeSession:
     def __init__(self, route):
         self.route, self.logits, self.stop_reason = route, [], "length"
+        self.trips = self.drafted = self.accepted = 0  # the decode loop's, as the real one
         route.opened += 1
 
     def _sampled(self, tok, logits):
@@ -42,6 +43,7 @@ class FakeSession:
             yield self._sampled(9, logits)
             raise errors.WorkerUnavailable("stage 1 went away")
         for i in range(max_tokens):
+            self.trips += i > 0  # every token after the prefill's: one loop trip
             yield self._sampled(1 + (sum(ids) + i) % (N_VOCAB - 1), logits)
             await asyncio.sleep(0)
 

@@ -29,7 +29,10 @@ struct EngineConfig {
     std::string type_v   = "f16";
     // Settings that do not change numerics.
     bool     use_mmap    = true;
-    bool     mtp         = false; // reserved: must stay off
+    // Multi-token prediction: load the model's NextN (MTP) block and draft with it (MtpDraft).
+    // Only on the last stage (layer_end == n_layer) of a deepseek4 model with one NextN block;
+    // it leaves the trunk's logits and boundary bit-identical to mtp=false.
+    bool     mtp         = false;
 };
 
 struct EngineInfo {
@@ -59,6 +62,12 @@ struct EngineInfo {
     int32_t  token_bos = -1;
     int32_t  token_eos = -1;
     bool     add_bos = false;
+    bool     mtp = false;            // the engine drafts with the NextN block (MtpDraft)
+    int32_t  n_layer_nextn = 0;      // NextN (MTP) blocks in the file, after the n_layer layers
+    // The most positions Truncate may drop, counted back from NextPos and within the slot's
+    // last forward (DeepSeek V4: the trunk cache's n_rs_seq rollback snapshots); -1: dgr sets
+    // no window (the cache decides: kRollbackUnsupported when it cannot drop the tail).
+    int32_t  rollback_window = -1;
 };
 
 // One engine is used by one thread at a time: it keeps no lock of its own. The Python binding
@@ -120,10 +129,25 @@ public:
     Status Release(int32_t slot);
 
     // Drop a slot's positions from `pos` on (rejected speculative drafts), in every cache
-    // the stage keeps; the next Forward on it starts at `pos`. pos >= NextPos is a no-op.
-    // kRollbackUnsupported when a cache cannot drop that tail (DeepSeek V4's compressed
-    // state outside its rollback window): the slot is then cleared, and must re-prefill.
+    // the stage keeps (the MTP context's too, whose pending hidden state becomes the trunk's
+    // row at pos-1); the next Forward on it starts at `pos`. pos >= NextPos is a no-op.
+    // kRollbackUnsupported when a cache cannot drop that tail: DeepSeek V4's compressed
+    // state outside its rollback window (more than info().rollback_window positions, or more
+    // than the slot's last forward computed), or, with mtp, pos-1 older than the hidden rows
+    // kept (the last rollback_window+1 positions). The slot is then cleared and must
+    // re-prefill.
     Status Truncate(int32_t slot, int32_t pos);
+
+    // Greedy MTP draft (engines loaded with mtp): `token` is the token at NextPos(slot) (the
+    // one sampled from the last logits); the NextN block decodes (token, the trunk's hidden
+    // row at NextPos-1) there, its argmax (lowest id on ties) is the first draft d1, then
+    // (d1, the NextN block's own hidden row) at the next position, and so on: up to n_max
+    // tokens in *out, fewer only where the slot's context ends (a step of token + drafts must
+    // fit in n_ctx). The MTP memory is left as before the call; the trunk is not touched.
+    // Deterministic: the same slot state and arguments give the same drafts.
+    //   kMtpNotSupported  the engine was loaded without mtp
+    //   kInvalidPosition  the slot holds no positions yet (forward the prompt first)
+    Status MtpDraft(int32_t slot, int32_t token, int32_t n_max, std::vector<int32_t> * out);
 
     // Next position the slot expects (0 when empty), or -1 for an unknown slot.
     int32_t NextPos(int32_t slot) const;

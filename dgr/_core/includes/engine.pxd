@@ -60,6 +60,9 @@ cdef extern from "dgr/engine.h" namespace "dgr" nogil:
         int32_t token_bos
         int32_t token_eos
         bool add_bos
+        bool mtp
+        int32_t n_layer_nextn
+        int32_t rollback_window
 
     cdef cppclass CEngine "dgr::Engine":
         @staticmethod
@@ -81,6 +84,7 @@ cdef extern from "dgr/engine.h" namespace "dgr" nogil:
                              float * out, size_t out_capacity, int32_t * n_out_rows) except +
         CStatus Release(int32_t slot) except +
         CStatus Truncate(int32_t slot, int32_t pos) except +
+        CStatus MtpDraft(int32_t slot, int32_t token, int32_t n_max, vector[int32_t] * out) except +
         int32_t NextPos(int32_t slot) except +
         CStatus RefreshMemory() except +
 
