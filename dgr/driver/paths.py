@@ -95,7 +95,8 @@ class HopByHop(StepPath):
                                last=i == last,
                                tokens=i == 0 or st.needs_token_ids or (
                                    i == last and bool(r.speculate)),
-                               solo=solo_of(r, want), rollback=rollback)
+                               solo=solo_of(r, want), rollback=rollback,
+                               speculate=r.speculate if i == last else "")
             if x is None:
                 data = wire.encode(h)
             else:
@@ -206,7 +207,8 @@ class Relay(StepPath):
             for k, toks in enumerate(chunks):
                 h = forward_header(s.id, s.epoch, st0, pos, toks, want=want, sampling=sampling,
                                    last=k == len(chunks) - 1, relay=hops, reply_to=r.route_id,
-                                   solo=solo_of(r, want), rollback=s.take_rollback(pos))
+                                   solo=solo_of(r, want), rollback=s.take_rollback(pos),
+                                   speculate=r.speculate)
                 key = (s.id, s.epoch, pos)
                 fut = rl.pending[key] = loop.create_future()
                 keys.append((key, len(toks), fut))

@@ -315,8 +315,12 @@ class Speculator:
                     st.history, st.index = [], None
                 return
             if st is None or st.epoch != h.epoch:
-                if h.first_pos != 0:
-                    return  # joined mid-epoch: nothing to draft from until the next epoch
+                if h.first_pos != 0 or not h.speculate:
+                    # not speculating, or joined mid-epoch: nothing to draft from until the
+                    # next epoch
+                    if st is not None:
+                        del self._states[h.session]
+                    return
                 st = self._states[h.session] = SpecState(h.epoch, index=self.ngram.new_state())
         p = h.first_pos
         if not st.ok:

@@ -156,11 +156,11 @@ def test_decode_loop_matches_and_survives_a_broken_loop(stages, reference, monke
         calls = []
         real = type(last.forwarder).loop
 
-        def flaky(self, h, token, on_error=None):
+        def flaky(self, h, *rest):
             calls.append(h.first_pos)
             if len(calls) == 3:
                 raise errors.WorkerUnavailable("next stage: injected loop failure")
-            return real(self, h, token, on_error)
+            return real(self, h, *rest)
 
         monkeypatch.setattr(type(last.forwarder), "loop", flaky)
         g = s.complete(PROMPT, max_tokens=12, stop_on_eog=False)

@@ -173,6 +173,9 @@ def test_speculator_drafts_nothing_without_the_token_ids_or_past_the_budget():
     # a session first seen mid-epoch has nothing to draft from
     sp.observe(_fwd(7, [1, 2]), [1], 0, 1.0)
     assert sp.state("s") is None
+    # nor does the stage keep anything of a session that does not speculate
+    sp.observe(_fwd(0, [1, 2, 3], speculate=""), [1], 0, 1.0)
+    assert sp.state("s") is None and len(sp) == 0
 
 
 # -- the session table's rollback -----------------------------------------------------
