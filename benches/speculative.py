@@ -8,7 +8,8 @@ flash attention; one slot) on loopback, and n more behind ``dgr.testing.linkemu`
 on both planes (``compare.EmulatedCluster``, RTT/2 each way; the same as benches/wan.py).
 RTT 0 is the plain loopback workers (no emulator). Each configuration runs the decode loop
 (``AsyncRoute(relay=True, loop=True)``) with ``speculate=""`` (off) and ``speculate="ngram"``,
-interleaved within each round, on each prompt:
+side by side within each round (off first in even rounds, on first in odd ones), on each
+prompt:
 
 * ``code-rewrite``: a block of Python code and "rewrite it with one change" (the model's chat
   template): meant to be repetition-heavy, but SmolLM2-135M writes new code instead of
@@ -136,7 +137,9 @@ def main(argv=None) -> int:
                     emu.set_rtt(rtt)
                 eps = direct.endpoints if rtt == 0 else emu.endpoints
                 for p in prompts:
-                    for m in MODES:  # side by side: off then on, same route, same round
+                    # side by side on the same route in the same round; the order alternates
+                    # by round, so a drift within a round favours neither
+                    for m in (MODES if i % 2 == 0 else MODES[::-1]):
                         r = asyncio.run(_run(eps, PROMPTS[p], args.tokens,
                                              "" if m == "off" else m, args.max_draft,
                                              deadline_floor=max(2.0, rtt / 50)))

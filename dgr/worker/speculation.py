@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from dgr.protocol.wire import MAX_DRAFT
+
 __all__ = ["accept", "NgramDrafter", "MtpDrafter", "DraftPolicy", "FixedDraftPolicy", "Rate",
            "Speculator", "SpecState", "SpecStats"]
 
@@ -145,35 +147,50 @@ class DraftPolicy:
     The policy picks the ``k`` in ``[0, k_max]`` that maximizes ``E(k) / T(k)``.
 
     ``a`` is the stage's, per source of drafts (``Rate``: the n-gram size that matched, or
-    MTP): accepted drafts over drafts tried, decayed, with a prior that pulls it back up
+    MTP) and per position ``i`` of a trip's drafts (the chance draft ``i`` is accepted when
+    the ones before it were, so ``E(k) = 1 + sum_j prod_(i<j) a_i``: acceptance comes in
+    runs): accepted drafts over drafts tried, decayed, with a prior that pulls it back up
     while a source finds matches but is not drafted from (so a source that stopped paying is
     tried again after a while). ``beta`` is the stage's too: fitted from the trips it timed
     (the time from one of a session's loop steps reaching this stage to the next), by least
-    squares over the recent ones; ``beta_prior`` until they span more than one ``k``. A
-    ``k`` above 0 must promise ``margin`` more tokens per second than plain decoding.
+    squares over the recent ones (a trip's ``k``: the drafts each stage computed in it,
+    averaged); ``beta_prior`` until they span more than one ``k``. A
+    ``k`` above 0 must promise ``margin`` (10%) more tokens per second than plain decoding:
+    a draft that is rejected costs its row's compute on every stage.
     """
 
     def __init__(self, beta_prior: float = 0.1, window: int = 256, prior: float = 0.5,
-                 prior_weight: float = 2.0, decay: float = 0.95, margin: float = 0.05):
+                 prior_weight: float = 2.0, decay: float = 0.95, explore: float = 0.99,
+                 margin: float = 0.10):
         self.beta_prior = beta_prior
         self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+        #: the decay of a source's counts each time it matched but was not drafted from
+        #: (slower than ``decay``: a source judged bad is tried again after many matches)
+        self.explore = explore
         self.margin = margin
         self._trips: collections.deque = collections.deque(maxlen=window)
         self._lock = threading.Lock()
         self._beta: float | None = None
+        self._stale = 0  # trips since ``beta`` was fitted (refitted every ``REFIT`` trips)
 
-    def trip(self, k: int, seconds: float) -> None:
-        """One trip of ``k`` drafts took ``seconds`` (loop step to loop step)."""
+    #: trips between two fits of ``beta`` (a fit is a pass over ``window`` trips)
+    REFIT = 16
+
+    def trip(self, k: float, seconds: float) -> None:
+        """One trip of ``k`` drafts took ``seconds`` (loop step to loop step; ``k`` is the
+        mean over the stages it crossed)."""
         with self._lock:
             self._trips.append((k, seconds))
-            self._beta = None
+            self._stale += 1
+            if self._beta is not None and (self._stale >= self.REFIT or len(self._trips) < 32):
+                self._beta = None
 
     @property
     def beta(self) -> float:
         """The fitted relative cost of one more draft in a trip (``beta_prior`` until fitted)."""
         with self._lock:
             if self._beta is None:
-                self._beta = self._fit()
+                self._beta, self._stale = self._fit(), 0
             return self._beta
 
     def _fit(self) -> float:
@@ -193,21 +210,34 @@ class DraftPolicy:
             return self.beta_prior
         return max(slope / t0, 0.0)
 
-    def rate(self, r: Rate) -> float:
-        """The estimated acceptance per draft of a source."""
+    def rates(self, r: Rate, n: int):
+        """The estimated acceptance of a source's drafts ``0..n-1``, each given the ones
+        before it were accepted (a position never tried takes the one before it: acceptance
+        comes in runs, a copied passage goes on)."""
         w = self.prior_weight
-        return (r.accepted + self.prior * w) / (r.tried + w)
+        a = self.prior
+        for j in range(min(n, len(r.tried))):
+            if j == 0 or r.tried[j] > 0.05:
+                a = (r.accepted[j] + a * w) / (r.tried[j] + w)
+            yield a
+
+    def rate(self, r: Rate, i: int = 0) -> float:
+        """The estimated acceptance of a source's draft ``i`` (``rates``)."""
+        a = self.prior
+        for a in self.rates(r, i + 1):
+            pass
+        return a
 
     def choose(self, r: Rate, k_max: int) -> int:
         """Drafts for a trip from source ``r`` (0: plain decoding pays best)."""
         if k_max <= 0:
             return 0
-        a = min(self.rate(r), 0.999)
         beta = self.beta
         best_k, best = 0, 1.0 + self.margin
-        e = 1.0
-        for k in range(1, k_max + 1):
-            e += a ** k
+        e, p = 1.0, 1.0
+        for k, a in enumerate(self.rates(r, k_max), 1):
+            p *= min(a, 0.999)  # every draft up to k accepted
+            e += p
             v = e / (1.0 + beta * k)
             if v > best + 1e-9:
                 best_k, best = k, v
@@ -218,12 +248,14 @@ class DraftPolicy:
         none (the source matched but was not drafted from), what it measured decays toward
         the prior."""
         with self._lock:
-            r.accepted *= self.decay
-            r.tried *= self.decay
-            if drafted:
-                r.accepted += accepted
-                # the drafts that were tried: those accepted and the first one rejected
-                r.tried += accepted + (1 if accepted < drafted else 0)
+            f = self.decay if drafted else self.explore
+            for j in range(len(r.tried)):
+                r.accepted[j] *= f
+                r.tried[j] *= f
+            # draft j was tried when every one before it was accepted
+            for j in range(min(drafted, accepted + 1)):
+                r.tried[j] += 1
+                r.accepted[j] += j < accepted
 
 
 class FixedDraftPolicy(DraftPolicy):
@@ -237,10 +269,11 @@ class FixedDraftPolicy(DraftPolicy):
 
 @dataclass
 class Rate:
-    """How often the drafts of one source were accepted (decayed counts)."""
+    """How often the drafts of one source were accepted, per position in a trip's drafts
+    (decayed counts: draft ``j`` tried, and accepted, given the ones before it were)."""
 
-    accepted: float = 0.0
-    tried: float = 0.0
+    accepted: list[float] = field(default_factory=lambda: [0.0] * MAX_DRAFT)
+    tried: list[float] = field(default_factory=lambda: [0.0] * MAX_DRAFT)
 
 
 @dataclass
@@ -337,7 +370,11 @@ class Speculator:
         self.ngram.extend(st.index, st.history, p)
         if h.steps:  # a loop step: time the trip, score the drafts
             if st.last_k >= 0 and st.last_arrive:
-                self.policy.trip(st.last_k, t_arrive - st.last_arrive)
+                # the time since the session's last step arrived here: that step computed on
+                # this stage (its drafts), then this one on every other stage (its drafts)
+                n = max(len(h.loop or ()), 1)
+                k = (st.last_k + (n - 1) * h.drafts) / n
+                self.policy.trip(k, t_arrive - st.last_arrive)
             st.last_arrive, st.last_k = t_arrive, h.drafts
             if h.drafts and st.source is not None:
                 self.policy.update(st.source, h.drafts, accepted)
