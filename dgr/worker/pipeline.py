@@ -188,12 +188,25 @@ class StagePipeline:
             mtp = None
             if getattr(engine, "mtp", False):
                 from dgr.worker.speculation import MtpDrafter
-                mtp = MtpDrafter(engine)
+                mtp = MtpDrafter(engine, self._owns, self._drop)
             # a step's rollback never goes past what the caches can drop (DeepSeek V4's
             # compressed state keeps a window of snapshots; -1: no limit)
             window = int(info.get("rollback_window", -1))
             self.speculator = Speculator(int(self.settings["n_ctx"]), mtp=mtp,
                                          max_rollback=window if window >= 0 else None)
+
+    def _owns(self, session: str, epoch: int, slot: int) -> bool:
+        """Whether ``slot`` is still ``session``'s, under ``epoch``, with no step running and
+        no release pending (the MTP drafter's check before it touches the slot)."""
+        with self.lock:
+            s = self.table.get(session)
+            return (s is not None and s.epoch == epoch and s.slot == slot and not s.busy
+                    and slot not in self._releases)
+
+    def _drop(self, session: str) -> None:
+        """End ``session`` here (its slot was cleared): its next step is refused."""
+        with self.lock:
+            self.table.release(session)
 
     @property
     def drafters(self) -> list[str]:

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import collections
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from dgr.errors import RollbackUnsupported
 from dgr.protocol.wire import MAX_DRAFT
 
 __all__ = ["accept", "NgramDrafter", "MtpDrafter", "DraftPolicy", "FixedDraftPolicy", "Rate",
@@ -125,17 +125,36 @@ class NgramDrafter:
 class MtpDrafter:
     """Drafts from the model's own multi-token-prediction (NextN) block, which the last
     stage's engine loads (``mtp=True``) and keeps in step with every step it computes; its
-    state is the engine's, per slot (``Engine.mtp_draft``, ``Engine.truncate``)."""
+    state is the engine's, per slot (``Engine.mtp_draft``, ``Engine.truncate``).
+
+    The block drafts from the trunk's hidden row of the last position kept, so the slot's
+    rejected drafts are dropped first (``truncate`` to ``pos``; the next step's own rollback
+    then finds nothing left to drop). ``owns(session, epoch, slot)`` says whether the slot is
+    still the session's (the table may have released it meanwhile); ``drop(session)`` ends a
+    session whose slot could not roll back (its next step is then refused, and re-prefilled).
+    """
 
     kind = "mtp"
 
-    def __init__(self, engine):
+    def __init__(self, engine, owns=None, drop=None):
         self.engine = engine
+        self.owns = owns or (lambda session, epoch, slot: True)
+        self.drop = drop or (lambda session: None)
 
-    def draft(self, slot: int, token: int, k: int) -> list[int]:
+    def draft(self, session: str, epoch: int, slot: int, pos: int, token: int,
+              k: int) -> list[int]:
+        """Up to ``k`` drafts after ``token``, which goes at ``pos`` of ``slot``."""
         if k <= 0:
             return []
-        return [int(t) for t in self.engine.mtp_draft(slot, token, k)]
+        with self.engine.lock:  # no compute between the check, the truncate and the draft
+            if not self.owns(session, epoch, slot):
+                return []
+            try:
+                self.engine.truncate(slot, pos)
+            except RollbackUnsupported:
+                self.drop(session)
+                return []
+            return [int(t) for t in self.engine.mtp_draft(slot, token, k)]
 
 
 class DraftPolicy:
@@ -308,7 +327,7 @@ class Speculator:
 
     def __init__(self, n_ctx: int, ngram: NgramDrafter | None = None,
                  mtp: MtpDrafter | None = None, policy: DraftPolicy | None = None,
-                 clock=time.perf_counter, max_rollback: int | None = None):
+                 max_rollback: int | None = None):
         self.n_ctx = n_ctx
         #: the most positions a step may roll back (the caches' window; None: any): a trip
         #: carries no more drafts than that
@@ -321,7 +340,6 @@ class Speculator:
         self.rates: dict[Any, Rate] = collections.defaultdict(Rate)
         self._states: dict[str, SpecState] = {}
         self._lock = threading.Lock()
-        self._clock = clock
 
     def __len__(self) -> int:
         return len(self._states)
@@ -406,7 +424,7 @@ class Speculator:
             if k <= 0:
                 self.policy.update(rate, 0, 0)
                 return []
-            out = self.mtp.draft(slot, token, k)
+            out = self.mtp.draft(h.session, h.epoch, slot, pos, token, k)
         else:
             out, n = self.ngram.lookup(st.index, st.history, token, k_max)
             if not out:

@@ -108,3 +108,32 @@ def test_mtp_speculation_against_plain_decoding_as_the_lane_measures_it(model, r
 def test_mtp_is_refused_where_it_cannot_draft(model):
     with pytest.raises(errors.MtpNotSupported, match="last stage"):
         dgr.Engine(model, layers=(0, 3), mtp=True, **SETTINGS)
+
+
+def test_the_rings_mtp_drafts_come_from_the_accepted_tokens(model):
+    """Every draft the last stage made in the ring is what the NextN block drafts from the
+    tokens accepted so far: a fresh whole model fed exactly those tokens drafts the same (the
+    rejected drafts of the trip before left nothing behind)."""
+    ws = _workers(model, LAYOUTS["split-3"])
+    sp = ws[-1].worker.speculator
+    real, log = sp.mtp.draft, []
+
+    def logged(session, epoch, slot, pos, token, k):
+        out = real(session, epoch, slot, pos, token, k)
+        log.append((pos, token, k, out))
+        return out
+
+    sp.mtp.draft = logged
+    try:
+        g = _complete(ws, speculate="mtp", max_draft=4)
+    finally:
+        for w in ws:
+            w.stop()
+    seq = PROMPT + g.tokens
+    assert len(log) >= 10 and any(pos > len(PROMPT) + 2 for pos, *_ in log)
+    fresh = dgr.Engine(model, mtp=True, **SETTINGS)
+    for pos, token, k, out in log:
+        assert seq[pos] == token
+        fresh.release(0)
+        fresh.forward(0, 0, np.asarray(seq[:pos], np.int32))
+        assert fresh.mtp_draft(0, token, k) == out, f"drafts at position {pos}"

@@ -223,3 +223,43 @@ def test_a_trip_is_timed_against_the_drafts_each_stage_computed_in_it():
     sp.observe(step(11, [9, 1], 1), [5], 0, 1.8)
     assert list(sp.policy._trips) == [(pytest.approx((0 + 2 * 3) / 3), 0.5),
                                       (pytest.approx((3 + 2 * 1) / 3), pytest.approx(0.3))]
+
+
+class _FakeMtpEngine:
+    """Records the MTP drafter's engine calls; drafts ``token + 1, token + 2, ...``."""
+
+    def __init__(self, refuse: bool = False):
+        import threading
+
+        self.lock = threading.RLock()
+        self.calls: list[tuple] = []
+        self.refuse = refuse
+
+    def truncate(self, slot, pos):
+        self.calls.append(("truncate", slot, pos))
+        if self.refuse:
+            raise errors.RollbackUnsupported("no")
+
+    def mtp_draft(self, slot, token, k):
+        self.calls.append(("draft", slot, token, k))
+        return [token + 1 + i for i in range(k)]
+
+
+def test_mtp_drafts_from_the_accepted_end_of_the_slot():
+    """The NextN block drafts from the trunk row of the last position kept: the slot's
+    rejected drafts are dropped before the draft, and only while the slot is the session's."""
+    from dgr.worker.speculation import FixedDraftPolicy, MtpDrafter
+
+    eng, dropped, owner = _FakeMtpEngine(), [], {"ok": True}
+    mtp = MtpDrafter(eng, lambda s, e, slot: owner["ok"], dropped.append)
+    sp = Speculator(n_ctx=64, mtp=mtp, policy=FixedDraftPolicy())
+    sp.observe(_fwd(0, [1, 2, 3, 4], speculate="mtp"), [5], 0, 0.0)
+    # a trip [5, 6, 7, 8] at 4 whose first draft was accepted: the token after it goes at 6
+    trip = _fwd(4, [5, 6, 7, 8], drafts=3, steps=9, speculate="mtp", max_draft=4)
+    sp.observe(trip, [6, 9], 1, 1.0)
+    assert sp.draft(trip, 2, 9, left=7) == [10, 11, 12, 13]
+    assert eng.calls == [("truncate", 2, 6), ("draft", 2, 9, 4)]
+    owner["ok"] = False  # released meanwhile: the slot is not touched
+    assert sp.draft(trip, 2, 9, left=7) == [] and len(eng.calls) == 2
+    refusing = MtpDrafter(_FakeMtpEngine(refuse=True), lambda *a: True, dropped.append)
+    assert refusing.draft("s", 1, 2, 6, 9, 4) == [] and dropped == ["s"]
