@@ -187,8 +187,7 @@ def _speculation(whole, settings: dict, say, max_draft: int = 4) -> Speculation:
     n_ctx = int(settings["n_ctx"])
     decode = max(2, min(32, n_ctx - 24 - max_draft))
     m = measure(whole, prompt_tokens=max(1, min(24, n_ctx - decode - max_draft)),
-                decode_tokens=decode, max_draft=max_draft)
-    whole.release(0)
+                decode_tokens=decode, max_draft=max_draft)  # (it releases its slot)
     say(f"speculative trips against single steps ({m.trips} trips, {m.rows} rows): "
         + ("bit-identical" if m.bit_identical else
            f"differ: max |diff| {m.max_abs_diff:.3g}, top-1 agreement {m.top1_agreement:.3f}"))

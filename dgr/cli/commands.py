@@ -105,7 +105,7 @@ def _report(route, session, args, prompt, tokens, t0, t_first, t1, whole, before
     _say(f"{len(tokens)} tokens ({session.stop_reason}); time to first token {t_first - t0:.3f} s; "
          f"decode {route_tps:.1f} tokens/s over {len(route.stages)} stage(s)"
          + (f"; {session.recoveries} recoveries" if session.recoveries else ""))
-    trips, drafted, accepted = getattr(session, "speculation", (0, 0, 0))
+    trips, drafted, accepted = session.speculation
     if trips and route.aroute.speculate:
         _say(f"speculation ({route.aroute.speculate}): {trips} ring trips, "
              f"{(trips + accepted) / trips:.2f} tokens per trip; {accepted} of {drafted} drafts "

@@ -535,7 +535,6 @@ class _Generation:
         state["in_flight"] += 1
         state["active"][rid] = self
         self.session = route.session()
-        self._spec0 = (0, 0, 0)  # the session's trips, drafted, accepted before this request
         self.tokens: list[int] = []
         self.finish_reason = "length"
         self.metrics, self.t0 = metrics, t0
@@ -552,7 +551,7 @@ class _Generation:
         stops = self.params.stop
         want_lp = self.params.logprobs
         s = self.session
-        self._spec0 = (s.trips, s.drafted, s.accepted)
+        spec0 = (s.trips, s.drafted, s.accepted)  # the session's, before this request
         async for tok in self.session.generate(self.ids, max_tokens=self.max_tokens,
                                                sampling=self.params.sampling, stop=stops,
                                                logits=want_lp):
@@ -584,7 +583,7 @@ class _Generation:
         if len(text) > len(sent) and text.startswith(sent):
             yield text[len(sent):]
         self.metrics.tokens(len(self.tokens))
-        t0, d0, a0 = self._spec0
+        t0, d0, a0 = spec0
         self.metrics.speculation(s.trips - t0, s.drafted - d0, s.accepted - a0)
 
     async def take_logprobs(self, chat: bool, *, chunk: bool = False) -> dict | None:

@@ -67,8 +67,6 @@ class NgramDrafter:
     dictionary lookups, not a scan.
     """
 
-    kind = "ngram"
-
     def __init__(self, n_min: int = 2, n_max: int = 4):
         if not 1 <= n_min <= n_max:
             raise ValueError(f"n-gram sizes must satisfy 1 <= n_min <= n_max, got {n_min}, {n_max}")
@@ -134,12 +132,8 @@ class MtpDrafter:
     session whose slot could not roll back (its next step is then refused, and re-prefilled).
     """
 
-    kind = "mtp"
-
-    def __init__(self, engine, owns=None, drop=None):
-        self.engine = engine
-        self.owns = owns or (lambda session, epoch, slot: True)
-        self.drop = drop or (lambda session: None)
+    def __init__(self, engine, owns, drop):
+        self.engine, self.owns, self.drop = engine, owns, drop
 
     def draft(self, session: str, epoch: int, slot: int, pos: int, token: int,
               k: int) -> list[int]:
@@ -380,7 +374,7 @@ class Speculator:
             st.ok = False  # the history has a gap
             st.history, st.index = [], None
             return
-        keep = list(toks[:h.n_tokens - h.drafts]) + list(toks[h.n_tokens - h.drafts:][:accepted])
+        keep = toks[:h.n_tokens - h.drafts + accepted]  # the input up to its accepted drafts
         if len(st.history) > p:
             self.ngram.truncate(st.index, st.history, p)
             del st.history[p:]

@@ -54,7 +54,8 @@ def report(capsys, before, after, *, relay: bool, tokens: int = 11, dec_s: float
            stats=None) -> list[str]:
     """Run ``_report`` over ``tokens`` tokens whose decode took ``dec_s`` s; its lines."""
     session = types.SimpleNamespace(stop_reason="length", recoveries=0, logits=[],
-                                    stats=stats if stats is not None else [])
+                                    stats=stats if stats is not None else [],
+                                    speculation=(0, 0, 0))
     args = argparse.Namespace(max_tokens=tokens, parity=False, stop=[])
     rc = cli._report(FakeRoute(after, relay), session, args, [1, 2, 3], list(range(tokens)),
                      0.0, 1.0, 1.0 + dec_s, None, before)
