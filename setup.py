@@ -1,8 +1,11 @@
 """Build dgr: fetch + patch + build the pinned llama.cpp, then compile cpp/ and dgr/_core/.
 
 ``pip install -e .`` runs everything. The llama.cpp build lives out of tree under
-``$DGR_CACHE`` (default ``~/.cache/dgr``) keyed by manifest, patches, cmake options and compiler,
-so a second install reuses it. ``CMAKE_ARGS`` passes through to cmake (e.g. a CUDA build).
+``$DGR_CACHE`` (default ``~/.cache/dgr``) keyed by manifest, patches, backend, cmake options and
+compiler, so a second install reuses it. ``DGR_BACKEND`` (cpu, vulkan, cuda, rocm, metal) picks
+the ggml backend built beside the CPU one; the choice is recorded in ``dgr/_core/backend.txt``
+so later builds and the tools of this checkout use the same one. ``CMAKE_ARGS`` passes through
+to cmake (e.g. ``-DCMAKE_CUDA_ARCHITECTURES=native``).
 """
 
 import importlib.util
@@ -33,6 +36,8 @@ class BuildExt(build_ext):
         vendor = _load_vendor()
         v = vendor.Vendor(ROOT)
         v.build()
+        (ROOT / vendor.BACKEND_RECORD).write_text(v.backend + "\n")
+        built = v.built_backends()
         llama_h = (v.src / "include" / "llama.h").read_text()
         has_ranges = "llama_model_layer_start" in llama_h
         import numpy
@@ -48,6 +53,7 @@ class BuildExt(build_ext):
                                   ("DGR_LLAMA_COMMIT", f'"{v.commit}"'),
                                   ("DGR_PATCH_STACK_HASH", f'"{v.patch_stack_hash()}"'),
                                   ("DGR_VENDOR_KEY", f'"{v.key()}"'),
+                                  ("DGR_WITH_VULKAN", "1" if "vulkan" in built else "0"),
                                   ("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
             ext.extra_compile_args += ["-std=c++17", "-O2", "-fvisibility=hidden"]
             if "-fopenmp" in v.link_args():

@@ -3,12 +3,13 @@
 from dgr import errors
 from dgr.errors import DgrError
 
-__all__ = ["errors", "DgrError", "Engine"]
+__all__ = ["errors", "DgrError", "Engine", "devices"]
 __version__ = "0.1.0"
 
 # Heavy or compiled parts load on first use, so `python -m dgr.vendor` works before any build.
 _LAZY = {
     "Engine": ("dgr.core.engine", "Engine"),
+    "devices": ("dgr.core", "devices"),
     "Route": ("dgr.driver.route", "Route"),
     "RouteSession": ("dgr.driver.route", "RouteSession"),
     "AsyncRoute": ("dgr.driver.route", "AsyncRoute"),

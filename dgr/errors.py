@@ -18,6 +18,9 @@ __all__ = [
     "InvalidArgument",
     "EngineError",
     "CoreNotBuilt",
+    "DeviceNotFound",
+    "DeviceOutOfMemory",
+    "DeviceLost",
     "RollbackUnsupported",
     "FrameError",
     "FrameTruncated",
@@ -152,6 +155,20 @@ class CoreNotBuilt(DgrError, ImportError):
     """The compiled core ``dgr._core`` is missing; build it with ``pip install -e .``."""
 
     code = 14
+
+
+class DeviceNotFound(DgrError, LookupError):
+    """The compute device asked for is not one this process can use: no such device, or a
+    backend this binary was not built with (``python -m dgr devices`` lists the usable ones)."""
+
+    code = 16
+
+
+class DeviceOutOfMemory(DgrError, MemoryError):
+    """The layer range (weights, KV cache, compute buffers) does not fit the device's free
+    memory or the cap set on it; the message says how much it needs and how much is free."""
+
+    code = 17
 
 
 # --- wire ---------------------------------------------------------------------
@@ -293,6 +310,14 @@ class WorkerDraining(WorkerUnavailable):
     """The worker is shutting down and takes no new sessions."""
 
     code = 38
+
+
+class DeviceLost(WorkerUnavailable, RuntimeError):
+    """The stage's compute device failed mid-run (lost, reset, a kernel fault): every slot of
+    its engine is gone and it computes nothing more. A route fails over to a spare, as for a
+    worker that went away."""
+
+    code = 18
 
 
 class StepDeadlineExceeded(DgrError, TimeoutError):

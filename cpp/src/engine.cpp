@@ -3,6 +3,7 @@
 #include "dgr/engine.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -14,6 +15,7 @@
 #include <sys/stat.h>
 
 #include "ggml.h"
+#include "ggml-backend.h"
 #include "gguf.h"
 #include "llama.h"
 #include "llama-ext.h"
@@ -22,6 +24,15 @@
 // pinned tree carries it.
 #ifndef DGR_LAYER_RANGE
 #define DGR_LAYER_RANGE 0
+#endif
+
+// setup.py defines DGR_WITH_VULKAN when the build carries ggml's Vulkan backend: the Vulkan
+// loader then tells the driver of a device (ggml's registry names only the device).
+#ifndef DGR_WITH_VULKAN
+#define DGR_WITH_VULKAN 0
+#endif
+#if DGR_WITH_VULKAN
+#include <vulkan/vulkan.h>
 #endif
 
 namespace dgr {
@@ -148,7 +159,165 @@ struct GgufFacts {
     int64_t n_layer = 0;           // transformer layers, without NextN (MTP) blocks
     int64_t n_layer_nextn = 0;     // NextN (MTP) blocks after them, counted in block_count
     int64_t hash_layer_count = 0;
+    std::vector<uint64_t> layer_bytes;  // tensor bytes of each block (blk.N.*), NextN included
+    uint64_t head_bytes = 0;            // output*, the head's tensors (the last stage's)
+
+    // The weight bytes a range puts on its device: its blocks and, on the last stage, the
+    // head (the token embeddings stay in host memory).
+    uint64_t DeviceWeightBytes(int64_t start, int64_t end, bool last) const {
+        uint64_t b = last ? head_bytes : 0;
+        for (int64_t i = start; i < end && i < (int64_t) layer_bytes.size(); ++i) b += layer_bytes[i];
+        return b;
+    }
 };
+
+// ---- compute devices (ggml's backend registry) ------------------------------------------
+
+const char * dev_type_name(enum ggml_backend_dev_type t) {
+    switch (t) {
+        case GGML_BACKEND_DEVICE_TYPE_CPU:   return "cpu";
+        case GGML_BACKEND_DEVICE_TYPE_GPU:   return "gpu";
+        case GGML_BACKEND_DEVICE_TYPE_IGPU:  return "igpu";
+        case GGML_BACKEND_DEVICE_TYPE_ACCEL: return "accel";
+        default:                             return "other";
+    }
+}
+
+std::string lowered(std::string t) {
+    for (auto & c : t) c = (char) std::tolower((unsigned char) c);
+    return t;
+}
+
+// The driver of a device, where its backend can tell: Vulkan's driver name and version
+// ("llvmpipe Mesa 22.3.6 (LLVM 15.0.6)"), matched by the device's name.
+std::string device_driver(ggml_backend_dev_t dev) {
+    const std::string reg = ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev));
+#if DGR_WITH_VULKAN
+    if (reg == "Vulkan") {
+        static std::mutex mu;
+        static std::vector<std::pair<std::string, std::string>> cache;  // (device name, driver)
+        std::lock_guard<std::mutex> lk(mu);
+        if (cache.empty()) {
+            VkApplicationInfo app{};
+            app.sType = VK_STRUCTURE_TYPE_APPLICATION_INFO;
+            app.apiVersion = VK_API_VERSION_1_2;
+            VkInstanceCreateInfo ci{};
+            ci.sType = VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO;
+            ci.pApplicationInfo = &app;
+            VkInstance inst = VK_NULL_HANDLE;
+            if (vkCreateInstance(&ci, nullptr, &inst) == VK_SUCCESS) {
+                uint32_t n = 0;
+                vkEnumeratePhysicalDevices(inst, &n, nullptr);
+                std::vector<VkPhysicalDevice> pds(n);
+                vkEnumeratePhysicalDevices(inst, &n, pds.data());
+                for (VkPhysicalDevice pd : pds) {
+                    VkPhysicalDeviceDriverProperties dp{};
+                    dp.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES;
+                    VkPhysicalDeviceProperties2 p2{};
+                    p2.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2;
+                    p2.pNext = &dp;
+                    vkGetPhysicalDeviceProperties2(pd, &p2);
+                    cache.emplace_back(p2.properties.deviceName,
+                                       std::string(dp.driverName) + " " + dp.driverInfo);
+                }
+                vkDestroyInstance(inst, nullptr);
+            }
+            if (cache.empty()) cache.emplace_back("", "");  // asked once
+        }
+        const std::string desc = ggml_backend_dev_description(dev);
+        for (const auto & e : cache) {
+            if (!e.first.empty() && desc.rfind(e.first, 0) == 0) return e.second;
+        }
+    }
+#endif
+    (void) reg;
+    return "";
+}
+
+DeviceInfo describe_device(ggml_backend_dev_t dev) {
+    DeviceInfo d;
+    ggml_backend_dev_props props;
+    ggml_backend_dev_get_props(dev, &props);
+    d.name = props.name ? props.name : "";
+    d.description = props.description ? props.description : "";
+    d.type = dev_type_name(props.type);
+    d.backend = ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev));
+    d.device_id = props.device_id ? props.device_id : "";
+    d.driver = device_driver(dev);
+    d.memory_free = props.memory_free;
+    d.memory_total = props.memory_total;
+    return d;
+}
+
+// The device an engine computes on: "cpu" (any case) is the CPU device, anything else a
+// device name of the registry (case-insensitive).
+Status find_device(const std::string & name, ggml_backend_dev_t * out) {
+    const std::string want = lowered(name);
+    std::string names;
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+        const std::string n = ggml_backend_dev_name(dev);
+        const bool cpu = ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
+        if (lowered(n) == want || (cpu && want == "cpu")) {
+            *out = dev;
+            return Status();
+        }
+        names += (names.empty() ? "" : ", ") + (cpu ? std::string("cpu") : n);
+    }
+    std::string backends;
+    for (size_t i = 0; i < ggml_backend_reg_count(); ++i) {
+        backends += (i ? ", " : "") + std::string(ggml_backend_reg_name(ggml_backend_reg_get(i)));
+    }
+    // a device of a backend this binary lacks: say which build has it
+    static const struct { const char * prefix; const char * backend; const char * flag; } kKnown[] = {
+        {"vulkan", "Vulkan", "vulkan"}, {"cuda", "CUDA", "cuda"}, {"rocm", "ROCm", "rocm"},
+        {"hip", "ROCm", "rocm"}, {"mtl", "Metal", "metal"}, {"metal", "Metal", "metal"},
+    };
+    for (const auto & k : kKnown) {
+        if (want.rfind(k.prefix, 0) != 0) continue;
+        bool built = false;
+        for (size_t i = 0; i < ggml_backend_reg_count(); ++i) {
+            built = built || lowered(ggml_backend_reg_name(ggml_backend_reg_get(i))) == lowered(k.backend);
+        }
+        if (!built) {
+            return Status(kDeviceNotFound, "device '" + name + "' needs the " + k.backend + " backend, and this "
+                          "build of dgr has only " + backends + ": rebuild it with `DGR_BACKEND=" + k.flag +
+                          " pip install -e .`");
+        }
+        std::string hint;
+        if (std::string(k.backend) == "Vulkan" && !std::getenv("GGML_VK_VISIBLE_DEVICES")) {
+            hint = " (ggml lists a software Vulkan device such as lavapipe only when "
+                   "GGML_VK_VISIBLE_DEVICES names it, e.g. GGML_VK_VISIBLE_DEVICES=0)";
+        }
+        return Status(kDeviceNotFound, "no device named '" + name + "': the " + k.backend + " backend sees " +
+                      "no such device; this process can use " + names + hint);
+    }
+    return Status(kDeviceNotFound, "no device named '" + name + "'; this process can use " + names +
+                  " (python -m dgr devices lists them)");
+}
+
+// A C++ exception or log line of a backend that says the device itself failed.
+bool says_device_lost(const std::string & t) {
+    const std::string l = lowered(t);
+    return l.find("devicelost") != std::string::npos || l.find("device lost") != std::string::npos ||
+           l.find("device_lost") != std::string::npos;
+}
+
+bool says_out_of_memory(const std::string & t) {
+    const std::string l = lowered(t);
+    return l.find("out of memory") != std::string::npos || l.find("outofdevicememory") != std::string::npos ||
+           l.find("failed to allocate") != std::string::npos || l.find("unable to allocate") != std::string::npos;
+}
+
+std::string mib(uint64_t b) {
+    char buf[64];
+    if (b < 1024 * 1024) {
+        std::snprintf(buf, sizeof buf, "%.1f KiB", (double) b / 1024.0);
+    } else {
+        std::snprintf(buf, sizeof buf, "%.1f MiB", (double) b / (1024.0 * 1024.0));
+    }
+    return buf;
+}
 
 // Read what the range check needs from the GGUF header, and catch the files llama.cpp would
 // reject (or, for some, crash on) before handing them to it.
@@ -202,9 +371,23 @@ Status inspect_gguf(const std::string & path, GgufFacts * facts) {
                 facts->n_layer_nextn = nextn;
             }
         }
+        // Per block, the bytes of its tensors; the head's (output*) apart.
+        const int64_t n_t = gguf_get_n_tensors(g);
+        if (s.ok()) {
+            facts->layer_bytes.assign((size_t) (facts->n_layer + facts->n_layer_nextn), 0);
+            for (int64_t i = 0; i < n_t; ++i) {
+                const char * name = gguf_get_tensor_name(g, i);
+                const uint64_t sz = gguf_get_tensor_size(g, i);
+                if (std::strncmp(name, "blk.", 4) == 0) {
+                    const long il = std::strtol(name + 4, nullptr, 10);
+                    if (il >= 0 && (size_t) il < facts->layer_bytes.size()) facts->layer_bytes[il] += sz;
+                } else if (std::strncmp(name, "output", 6) == 0) {
+                    facts->head_bytes += sz;
+                }
+            }
+        }
         // A file cut short: a tensor whose data ends past the end of this file.
         const size_t data_off = gguf_get_data_offset(g);
-        const int64_t n_t = gguf_get_n_tensors(g);
         const bool split = gguf_find_key(g, "split.count") >= 0 && gguf_int(g, "split.count", 1) > 1;
         for (int64_t i = 0; s.ok() && !split && i < n_t; ++i) {
             const size_t end = data_off + gguf_get_tensor_offset(g, i) + gguf_get_tensor_size(g, i);
@@ -242,6 +425,9 @@ bool ArchSupportsLayerRange(const std::string & arch) noexcept {
 struct Engine::Impl {
     EngineConfig cfg;
     EngineInfo info;
+    ggml_backend_dev_t dev = nullptr;     // the compute device (the CPU device for "cpu")
+    bool on_cpu = true;
+    bool lost = false;                    // the device failed: every compute call refuses
     llama_model * model = nullptr;
     llama_context * ctx = nullptr;
     const llama_vocab * vocab = nullptr;
@@ -342,6 +528,25 @@ struct Engine::Impl {
                        const float * h, int32_t n);
     // boundary rows gathered into slot order when the caller's are not (n_ubatch rows)
     std::vector<float> embd_gather;
+
+    // Every compute call's status passes here: a failure that says the device itself failed
+    // (a lost Vulkan device, a reset) becomes kDeviceLost, and the engine refuses from then on.
+    Status Checked(Status st) {
+        if (st.ok() || on_cpu || st.code == kDeviceLost || !says_device_lost(st.message)) return st;
+        MarkLost();
+        return Status(kDeviceLost, "the device " + info.device + " (" + info.device_desc + ") failed: " +
+                      st.message + "; this engine's slots are gone: replace the stage");
+    }
+    Status Refuse() const {
+        return Status(kDeviceLost, "the device " + info.device + " (" + info.device_desc + ") of this engine was "
+                      "lost; it computes nothing more: replace the stage");
+    }
+    void MarkLost() {
+        lost = true;
+        for (uint32_t s = 0; s < cfg.n_slots; ++s) {
+            try { ClearSlot((int32_t) s); } catch (...) {}
+        }
+    }
 };
 
 Engine::Engine() : impl_(new Impl) {}
@@ -376,19 +581,21 @@ Status Engine::Forward(int32_t slot, const int32_t * pos, const int32_t * tokens
                        int32_t n_tokens, const uint8_t * want, float * out, size_t out_capacity,
                        int32_t * n_out_rows) {
     *n_out_rows = 0;
-    return guarded("forward", [&] {
+    if (impl_->lost) return impl_->Refuse();
+    return impl_->Checked(guarded("forward", [&] {
         return impl_->Forward(slot, pos, tokens, boundary, n_tokens, want, out, out_capacity, n_out_rows);
-    });
+    }));
 }
 
 Status Engine::ForwardBatch(const int32_t * slots, const int32_t * pos, const int32_t * tokens,
                             const float * boundary, int32_t n_tokens, const uint8_t * want, float * out,
                             size_t out_capacity, int32_t * n_out_rows) {
     *n_out_rows = 0;
-    return guarded("forward_batch", [&] {
+    if (impl_->lost) return impl_->Refuse();
+    return impl_->Checked(guarded("forward_batch", [&] {
         return impl_->ForwardBatch(slots, pos, tokens, boundary, n_tokens, want, out, out_capacity,
                                    n_out_rows);
-    });
+    }));
 }
 
 Status Engine::Release(int32_t slot) {
@@ -396,12 +603,44 @@ Status Engine::Release(int32_t slot) {
 }
 
 Status Engine::Truncate(int32_t slot, int32_t pos) {
-    return guarded("truncate", [&] { return impl_->Truncate(slot, pos); });
+    if (impl_->lost) return impl_->Refuse();
+    return impl_->Checked(guarded("truncate", [&] { return impl_->Truncate(slot, pos); }));
 }
 
 Status Engine::MtpDraft(int32_t slot, int32_t token, int32_t n_max, std::vector<int32_t> * out) {
     out->clear();
-    return guarded("mtp_draft", [&] { return impl_->MtpDraft(slot, token, n_max, out); });
+    if (impl_->lost) return impl_->Refuse();
+    return impl_->Checked(guarded("mtp_draft", [&] { return impl_->MtpDraft(slot, token, n_max, out); }));
+}
+
+Status Engine::InjectFault(const std::string & what) {
+    if (what == "device_lost") {
+        impl_->MarkLost();
+        return Status();
+    }
+    return Status(kInvalidArgument, "unknown fault '" + what + "' (known: device_lost)");
+}
+
+Status ListDevices(std::vector<DeviceInfo> * out) {
+    out->clear();
+    return guarded("listing the devices", [&] {
+        backend_init();
+        for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+            out->push_back(describe_device(ggml_backend_dev_get(i)));
+        }
+        return Status();
+    });
+}
+
+std::vector<std::string> BuiltBackends() {
+    std::vector<std::string> out;
+    try {
+        backend_init();
+        for (size_t i = 0; i < ggml_backend_reg_count(); ++i) out.emplace_back(ggml_backend_reg_name(ggml_backend_reg_get(i)));
+    } catch (...) {
+        // the registry's own start failed (a backend that throws at init): report none
+    }
+    return out;
 }
 
 Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * out) {
@@ -467,14 +706,43 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
         }
     }
 
+    ggml_backend_dev_t dev = nullptr;
+    s = find_device(cfg.device, &dev);
+    if (!s.ok()) return s;
+    const bool on_cpu = ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
+    const std::string dev_name = ggml_backend_dev_name(dev);
+    size_t dev_free = 0, dev_total = 0;
+    ggml_backend_dev_memory(dev, &dev_free, &dev_total);
+    if (!on_cpu) {
+        // The owned blocks (and the head) alone must fit: refuse before reading any weight.
+        const uint64_t need = facts.DeviceWeightBytes(start, end, end == n_layer);
+        const uint64_t cap = cfg.device_memory_limit;
+        if (need > dev_free || (cap && need > cap)) {
+            return Status(kDeviceOutOfMemory, "layers [" + std::to_string(start) + ", " + std::to_string(end) +
+                          ") of " + cfg.model_path + " need " + mib(need) + " of weights on " + dev_name +
+                          ", which has " + mib(dev_free) + " free of " + mib(dev_total) +
+                          (cap ? " (this engine may use " + mib(cap) + ")" : std::string()) +
+                          ", before the KV cache and compute buffers: take a smaller layer range");
+        }
+    }
+
     std::unique_ptr<Engine> e(new Engine());
     Impl & m = *e->impl_;
     m.cfg = cfg;
     m.first = start == 0;
     m.last = end == n_layer;
+    m.dev = dev;
+    m.on_cpu = on_cpu;
 
     llama_model_params mp = llama_model_default_params();
-    mp.n_gpu_layers = 0;
+    // Only the named device: never one that llama.cpp would pick by itself. On the CPU the
+    // list is empty (nothing offloaded, whatever GPUs the machine has); on a device it holds
+    // every owned layer and the output head (n_gpu_layers -1: all of them).
+    ggml_backend_dev_t devs[2] = {on_cpu ? nullptr : dev, nullptr};
+    mp.devices = devs;
+    mp.split_mode = LLAMA_SPLIT_MODE_NONE;
+    mp.main_gpu = 0;
+    mp.n_gpu_layers = on_cpu ? 0 : -1;
     mp.load_mode = cfg.use_mmap ? LLAMA_LOAD_MODE_AUTO : LLAMA_LOAD_MODE_NONE;
     // the NextN block (and, on a partial last stage, token_embd: patch 0001) only with mtp
     mp.load_mtp = cfg.mtp;
@@ -487,6 +755,11 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
     m.model = llama_model_load_from_file(cfg.model_path.c_str(), mp);
     if (!m.model) {
         std::string why = log_last_error();
+        if (!on_cpu && says_out_of_memory(why)) {
+            return Status(kDeviceOutOfMemory, "layers [" + std::to_string(start) + ", " + std::to_string(end) +
+                          ") of " + cfg.model_path + " do not fit on " + dev_name + " (" + mib(dev_free) +
+                          " free of " + mib(dev_total) + "): " + why);
+        }
         return Status(kInvalidModel, "llama.cpp could not load " + cfg.model_path +
                       (why.empty() ? std::string() : ": " + why));
     }
@@ -516,9 +789,17 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
     if (facts.arch == "deepseek4") {
         cp.n_rs_seq = (uint32_t) std::max<int64_t>(0, std::min<int64_t>(kRollbackWindow, (int64_t) cfg.n_ubatch - 2));
     }
+    // op_offload moves an op on host weights to the device for large batches: on the CPU
+    // there is no device to move it to
+    cp.op_offload = !on_cpu;
     m.ctx = llama_init_from_model(m.model, cp);
     if (!m.ctx) {
         std::string why = log_last_error();
+        if (!on_cpu && says_out_of_memory(why)) {
+            return Status(kDeviceOutOfMemory, "the KV cache and compute buffers of layers [" + std::to_string(start) +
+                          ", " + std::to_string(end) + ") do not fit on " + dev_name + " (" + mib(dev_free) +
+                          " free of " + mib(dev_total) + " before the weights): lower n_ctx or n_slots; " + why);
+        }
         return Status(kEngineError, "llama.cpp could not create a context for " + cfg.model_path +
                       (why.empty() ? std::string() : ": " + why));
     }
@@ -599,8 +880,26 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
         return Status(kInvalidArgument, "llama.cpp allocated " + std::to_string(in.n_ctx_alloc) +
                       " context tokens per slot, fewer than the n_ctx=" + std::to_string(cfg.n_ctx) + " asked");
     }
+    {
+        const DeviceInfo d = describe_device(dev);
+        in.device = d.name;
+        in.device_desc = d.description;
+        in.device_type = d.type;
+        in.backend = d.backend;
+        in.device_driver = d.driver;
+    }
     s = m.RefreshMemory();
     if (!s.ok()) return s;
+    if (!on_cpu && cfg.device_memory_limit) {
+        const uint64_t held = in.device_weight_bytes + in.device_kv_bytes + in.device_compute_bytes;
+        if (held > cfg.device_memory_limit) {
+            return Status(kDeviceOutOfMemory, "layers [" + std::to_string(start) + ", " + std::to_string(end) +
+                          ") of " + cfg.model_path + " need " + mib(held) + " on " + dev_name + " (weights " +
+                          mib(in.device_weight_bytes) + ", KV cache " + mib(in.device_kv_bytes) + ", compute " +
+                          mib(in.device_compute_bytes) + "), more than the " + mib(cfg.device_memory_limit) +
+                          " this engine may use: lower n_ctx or n_slots, or take a smaller range");
+        }
+    }
 
     // One reusable batch of n_ubatch rows: token and boundary arrays are pointed at the
     // caller's buffers per chunk, so only pos/seq/logits are written here.
@@ -647,6 +946,32 @@ Status Engine::Impl::RefreshMemory() {
     m.info.weight_bytes = w ? w : llama_model_size(m.model);
     m.info.kv_bytes = kv;
     m.info.compute_bytes = comp;
+    if (m.on_cpu) {
+        m.info.device_weight_bytes = m.info.weight_bytes;
+        m.info.device_kv_bytes = kv;
+        m.info.device_compute_bytes = comp;
+    } else {
+        // the device's own buffers (not the host-visible staging ones of its backend)
+        uint64_t dw = 0, dkv = 0, dc = 0;
+        auto add = [&](const llama_memory_breakdown & mb, bool weights) {
+            for (const auto & kvp : mb) {
+                ggml_backend_buffer_type_t buft = kvp.first;
+                if (ggml_backend_buft_is_host(buft) || ggml_backend_buft_get_device(buft) != m.dev) continue;
+                if (weights) dw += kvp.second.model;
+                dkv += kvp.second.context;
+                dc += kvp.second.compute;
+            }
+        };
+        add(llama_get_memory_breakdown(m.ctx), true);
+        if (m.mtp_ctx) add(llama_get_memory_breakdown(m.mtp_ctx), false);
+        m.info.device_weight_bytes = dw;
+        m.info.device_kv_bytes = dkv;
+        m.info.device_compute_bytes = dc;
+    }
+    size_t f = 0, t = 0;
+    ggml_backend_dev_memory(m.dev, &f, &t);
+    m.info.device_memory_free = f;
+    m.info.device_memory_total = t;
     return Status();
 }
 

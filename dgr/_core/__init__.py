@@ -1,7 +1,8 @@
 """Private compiled core of dgr (Cython over cpp/). Import ``dgr`` instead."""
 
 try:
-    from dgr._core._core import BUILD_INFO, HAS_LAYER_RANGES, Engine, arch_supports_layer_range
+    from dgr._core._core import (BUILD_INFO, HAS_LAYER_RANGES, Engine, arch_supports_layer_range,
+                                 backends, devices)
 except ImportError as _e:  # pragma: no cover - exercised by tests with a hidden build
     from dgr.errors import CoreNotBuilt
 
@@ -11,4 +12,5 @@ except ImportError as _e:  # pragma: no cover - exercised by tests with a hidden
         "and builds the pinned llama.cpp; `python -m dgr.vendor status` shows the cache)."
     ) from _e
 
-__all__ = ["Engine", "BUILD_INFO", "HAS_LAYER_RANGES", "arch_supports_layer_range"]
+__all__ = ["Engine", "BUILD_INFO", "HAS_LAYER_RANGES", "arch_supports_layer_range", "backends",
+           "devices"]

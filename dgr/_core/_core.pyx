@@ -14,8 +14,8 @@ import threading
 import numpy as np
 
 from dgr._core.includes.engine cimport (
-    DGR_LLAMA_COMMIT, DGR_PATCH_STACK_HASH, DGR_VENDOR_KEY, CEngine, CEngineConfig, CEngineInfo,
-    CStatus, ArchSupportsLayerRange, HasLayerRanges,
+    DGR_LLAMA_COMMIT, DGR_PATCH_STACK_HASH, DGR_VENDOR_KEY, CDeviceInfo, CEngine, CEngineConfig,
+    CEngineInfo, CStatus, ArchSupportsLayerRange, BuiltBackends, HasLayerRanges, ListDevices,
 )
 from dgr import errors as _errors
 
@@ -29,6 +29,37 @@ BUILD_INFO = {
     "vendor_key": DGR_VENDOR_KEY.decode(),
     "layer_ranges": HAS_LAYER_RANGES,
 }
+
+
+def devices():
+    """The compute devices this build's ggml backends see, the CPU first: one dict each with
+    ``name`` (what ``device=`` takes; ``"cpu"`` for the CPU), ``description``, ``type``
+    (``cpu``, ``gpu``, ``igpu``, ``accel``), ``backend``, ``device_id``, ``driver`` and
+    ``memory_free``/``memory_total`` in bytes."""
+    cdef vector[CDeviceInfo] out
+    cdef CStatus st
+    with nogil:
+        st = ListDevices(&out)
+    check_status(st)
+    res = []
+    for i in range(out.size()):
+        d = out[i]
+        name = d.name.decode("utf-8", "replace")
+        res.append({
+            "name": "cpu" if d.type.decode() == "cpu" else name,
+            "description": d.description.decode("utf-8", "replace"),
+            "type": d.type.decode(), "backend": d.backend.decode("utf-8", "replace"),
+            "device_id": d.device_id.decode("utf-8", "replace"),
+            "driver": d.driver.decode("utf-8", "replace"),
+            "memory_free": d.memory_free, "memory_total": d.memory_total,
+        })
+    return res
+
+
+def backends():
+    """The ggml backends this binary was built with, by registry name (``CPU``, ``Vulkan``,
+    ``CUDA``, ``RPC``, ...)."""
+    return [b.decode("utf-8", "replace") for b in BuiltBackends()]
 
 
 def arch_supports_layer_range(str arch):
@@ -116,7 +147,8 @@ cdef class Engine:
     def __cinit__(self, str model_path, int layer_start=0, int layer_end=-1, *,
                   unsigned int n_ctx=1024, unsigned int n_slots=1, int n_threads=1,
                   unsigned int n_ubatch=64, bint flash_attn=True, str type_k="f16",
-                  str type_v="f16", bint use_mmap=True, bint mtp=False):
+                  str type_v="f16", bint use_mmap=True, bint mtp=False, str device="cpu",
+                  unsigned long long device_memory_limit=0):
         cdef CEngineConfig cfg
         cdef CStatus st
         cdef unique_ptr[CEngine] e
@@ -132,6 +164,8 @@ cdef class Engine:
         cfg.type_v = type_v.encode()
         cfg.use_mmap = use_mmap
         cfg.mtp = mtp
+        cfg.device = device.encode("utf-8")
+        cfg.device_memory_limit = device_memory_limit
         self.lock = threading.RLock()
         with nogil:
             st = CEngine.Load(cfg, &e)
@@ -165,7 +199,24 @@ cdef class Engine:
             "compute_bytes": i.compute_bytes, "token_bos": i.token_bos,
             "token_eos": i.token_eos, "add_bos": bool(i.add_bos), "mtp": bool(i.mtp),
             "n_layer_nextn": i.n_layer_nextn, "rollback_window": i.rollback_window,
+            # "cpu" for the CPU device, else ggml's device name ("Vulkan0", "CUDA0")
+            "device": "cpu" if i.device_type.decode() == "cpu" else i.device.decode(),
+            "device_desc": i.device_desc.decode("utf-8", "replace"),
+            "device_type": i.device_type.decode(), "backend": i.backend.decode(),
+            "device_driver": i.device_driver.decode("utf-8", "replace"),
+            "device_memory_free": i.device_memory_free,
+            "device_memory_total": i.device_memory_total,
+            "device_weight_bytes": i.device_weight_bytes,
+            "device_kv_bytes": i.device_kv_bytes,
+            "device_compute_bytes": i.device_compute_bytes,
         }
+
+    def _inject_fault(self, str what):
+        """Test hook: ``"device_lost"`` makes the engine act as after a lost device (its
+        slots gone, every later compute call ``DeviceLost``), so the layers above can be
+        tested on any device."""
+        with self.lock:
+            check_status(self._e.get().InjectFault(what.encode()))
 
     def tokenize(self, text, bint add_special=True, bint parse_special=False):
         """Token ids of ``text`` (str or bytes) as an int32 array."""

@@ -94,7 +94,8 @@ def certify(model: str | os.PathLike, ranges: Sequence[tuple[int, int]], *,
     t0 = time.monotonic()
     model = os.fspath(model)
     whole = Engine(model, **(settings or {}))
-    settings = dict(whole.settings)
+    settings = dict(whole.settings)  # the lane's numeric settings
+    on = {**settings, "device": whole.device}  # the workers' and measuring engines' too
     n_layer = whole.n_layer
     tokens = [int(t) for t in whole.tokenize(prompt, True, True)]
     mid = n_stages // 2
@@ -103,11 +104,11 @@ def certify(model: str | os.PathLike, ranges: Sequence[tuple[int, int]], *,
         + (f"; failover of stage {mid} [{ranges[mid][0]},{ranges[mid][1]}) onto a spare"
            if failover else ""))
     ref, ref_rows = generate_local(whole, tokens, max_tokens=max_tokens, logits=True)
-    batching = _batching(model, whole, settings, say)
-    speculation = _speculation(whole, settings, say)
+    batching = _batching(model, whole, on, say)
+    speculation = _speculation(whole, on, say)
     procs = [None if r == (0, n_layer) else r for r in ranges]
     cluster = LocalCluster(model, procs + ([procs[mid]] if failover else []),
-                           settings=settings)
+                           settings=on)
     fo = None
     try:
         endpoints = cluster.start(timeout=start_timeout)
@@ -147,9 +148,12 @@ def certify(model: str | os.PathLike, ranges: Sequence[tuple[int, int]], *,
         notes=list(costs.notes), failover=fo)
     bi = capability.build_info()
     cpu_model, flags, isa = capability.cpu_features()
-    lane = Lane(backend=bi["backend"], model_identity=model_identity(model),
+    dev = capability.device_of(whole)
+    lane = Lane(backend=dev["backend"], model_identity=model_identity(model),
                 model_name=os.path.basename(model), quantisation=capability.quantisation(model),
-                codec=codec, settings=settings, stages=[[a, b] for a, b in ranges])
+                codec=codec, settings=settings, stages=[[a, b] for a, b in ranges],
+                device=dev["device"], device_type=dev["device_type"], driver=dev["driver"],
+                software_device=dev["software"])
     rec = Certification(
         lane_id=lane_id(lane), lane=lane, llama_cpp_commit=bi["llama_cpp_commit"],
         patch_stack_hash=bi["patch_stack_hash"], wire_schema_version=wire.SCHEMA_VERSION,
@@ -410,7 +414,10 @@ def _cmd_lanes(args) -> int:
         s = lane.settings
         # a split lane holds only where this build splits the architecture (docs/architectures.md)
         split_ok = len(lane.stages) == 1 or (rec.arch and arch_supports_layer_range(rec.arch))
-        print(f"{rec.lane_id}  {lane.backend}  {lane.model_name} ({lane.model_identity[:19]})  "
+        where = lane.backend if not lane.device else f"{lane.backend}:{lane.device}"
+        if lane.software_device:
+            where += " [software device, not hardware]"
+        print(f"{rec.lane_id}  {where}  {lane.model_name} ({lane.model_identity[:19]})  "
               f"{rec.arch or '?'}  "
               f"{lane.quantisation}  codec={lane.codec}  stages="
               + ",".join(f"[{a},{b})" for a, b in lane.stages)

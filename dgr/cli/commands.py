@@ -250,7 +250,8 @@ def _cmd_generate(args) -> int:
     route = None
     try:
         route = Route(args.route, codec=args.codec, timeout=args.timeout,
-                      relay=_relay(args), **speculate_of(args))
+                      relay=_relay(args), mixed_devices=args.mixed_devices,
+                      **speculate_of(args))
         _say("route: " + " -> ".join(f"{s.endpoint} [{s.layers[0]},{s.layers[1]})"
                                      for s in route.stages))
         whole = None
@@ -288,7 +289,47 @@ def _local_reference(args, route):
     if model_identity(path) != route.stages[0].model_identity:
         _say(f"{path} is not the route's model: not comparing with the whole model")
         return None
-    return Engine(path, **route.settings)
+    ref = Engine(path, **route.settings, device=args.device)
+    kinds = sorted({s.compute for s in route.stages})
+    if kinds != [ref.compute]:
+        _say(f"the whole model here computes on {ref.compute}, the route on "
+             f"{', '.join(kinds)}: other kernels, so the bits may differ (--device)")
+    return ref
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _cmd_devices(args) -> int:
+    import json
+
+    from dgr import errors
+
+    try:
+        from dgr.core import backends, devices
+        devs, regs = devices(), backends()
+    except errors.DgrError as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"backends": regs, "devices": devs}, indent=2))
+        return 0
+    print(f"backends in this build: {', '.join(regs)}")
+    rows = [("DEVICE", "TYPE", "BACKEND", "FREE / TOTAL", "DESCRIPTION")]
+    for d in devs:
+        what = d["description"] + (" [software device]" if d["software"] else "")
+        if d["driver"]:
+            what += f"; driver {d['driver']}"
+        rows.append((d["name"], d["type"], d["backend"],
+                     f"{_gib(d['memory_free'])} / {_gib(d['memory_total'])}", what))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4])
+    if "Vulkan" in regs and not any(d["backend"] == "Vulkan" for d in devs):
+        print("no Vulkan device: ggml lists a software Vulkan device (lavapipe) only when "
+              "GGML_VK_VISIBLE_DEVICES names it, e.g. GGML_VK_VISIBLE_DEVICES=0")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,8 +363,22 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--route", required=True, help="comma-separated host:port of every stage")
     g.add_argument("--model", help="local GGUF of the same model, for the check")
     g.add_argument("--timeout", type=float, default=10.0, help="control call deadline (s)")
+    g.add_argument("--mixed-devices", action="store_true",
+                   help="allow stages on different kinds of device (CPU and a GPU, two GPU "
+                        "models): such a route computes other bits than either whole model")
+    g.add_argument("--device", default="cpu",
+                   help="where the whole model of the check computes: cpu (default) or a device "
+                        "such as Vulkan0 (the route's kind of device gives the same bits)")
     _add_generation_args(g)
     g.set_defaults(func=_cmd_generate)
+    d = sub.add_parser(
+        "devices", help="list the compute devices this build can use (--device takes the name)",
+        description="The compute devices of this build's ggml backends (the CPU first): the "
+                    "name --device takes, type, backend, free and total memory, description "
+                    "and driver. A software device (lavapipe) is marked: lanes certified on it "
+                    "are never hardware lanes.")
+    d.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    d.set_defaults(func=_cmd_devices)
     from dgr.artifacts import cli as artifacts
 
     artifacts.add_subparser(sub)

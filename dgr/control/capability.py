@@ -20,7 +20,6 @@ from dgr._core import arch_supports_layer_range
 from dgr.control import certificates
 from dgr.protocol import wire
 from dgr.protocol.capability import (
-    BACKEND,
     Capability,
     Capacity,
     Compatibility,
@@ -44,9 +43,29 @@ def _vendor_facts() -> tuple[str, str]:
 
 
 def build_info() -> dict[str, str]:
-    """The build this process computes with: backend, llama.cpp commit, patch-stack hash."""
+    """The build this process computes with: llama.cpp commit, patch-stack hash, and the ggml
+    backends it carries (``backends``, comma-separated registry names: ``CPU, Vulkan, RPC``).
+    Which backend a record names is its engine's device's (:func:`device_of`)."""
+    from dgr._core import backends
+
     commit, patches = _vendor_facts()
-    return {"backend": BACKEND, "llama_cpp_commit": commit, "patch_stack_hash": patches}
+    return {"llama_cpp_commit": commit, "patch_stack_hash": patches,
+            "backends": ", ".join(backends())}
+
+
+def device_of(engine) -> dict:
+    """The compute device of ``engine`` as records name it: ``backend`` (``cpu``, ``vulkan``,
+    ...), ``device`` (the model; "" on the CPU), ``device_type``, ``driver``, ``software``
+    and ``compute`` (the kind stages compare), from the engine itself."""
+    facts = getattr(engine, "compute_facts", None)
+    if facts is None:  # an engine without devices (a test double): the CPU
+        return {"backend": "cpu", "device": "", "device_type": "cpu", "driver": "",
+                "software": False, "compute": "cpu"}
+    f = facts()
+    cpu = f["type"] == "cpu"
+    return {"backend": f["backend"], "device": "" if cpu else f["description"],
+            "device_type": f["type"], "driver": f["driver"], "software": bool(f["software"]),
+            "compute": f["kind"]}
 
 
 # Flags that change which compute kernels ggml's CPU backend runs (hence the bits).
@@ -123,6 +142,16 @@ def _percentile(values: list[float], q: float) -> float:
     return s[k]
 
 
+def _device_memory(engine, weight: int, kv: int) -> dict[str, int]:
+    facts = getattr(engine, "compute_facts", None)
+    if facts is None:
+        return {"device_weight_bytes": weight, "device_kv_bytes": kv}
+    f = facts()
+    return {"device_memory_free": int(f["memory_free"]), "device_memory_total": int(f["memory_total"]),
+            "device_weight_bytes": int(f["weight_bytes"]), "device_kv_bytes": int(f["kv_bytes"]),
+            "device_compute_bytes": int(f["compute_bytes"])}
+
+
 # -- the record -----------------------------------------------------------------------------
 
 def record_for(engine, *, worker=None, cert_store: str | os.PathLike | None = None,
@@ -139,6 +168,7 @@ def record_for(engine, *, worker=None, cert_store: str | os.PathLike | None = No
     info = worker.info if worker is not None else engine.describe()
     settings = dict(engine.settings)
     bi = build_info()
+    dev = device_of(engine)
     _, _, isa = cpu_features()
     width = int(engine.n_embd_boundary)
     layers = tuple(int(x) for x in engine.layers)
@@ -148,12 +178,15 @@ def record_for(engine, *, worker=None, cert_store: str | os.PathLike | None = No
     comp = Compatibility(
         model_identity=info["identity"], model_name=os.path.basename(model_path),
         arch=info["arch"], arch_splittable=bool(arch_supports_layer_range(info["arch"])),
-        quantisation=quantisation(model_path), backend=bi["backend"],
+        quantisation=quantisation(model_path), backend=dev["backend"], device=dev["device"],
+        device_type=dev["device_type"], device_driver=dev["driver"],
+        software_device=dev["software"], compute=dev["compute"],
         llama_cpp_commit=bi["llama_cpp_commit"], patch_stack_hash=bi["patch_stack_hash"],
         dgr_version=__version__, wire_format_version=wire.FORMAT_VERSION,
         boundary_schema_version=wire.SCHEMA_VERSION, boundary_width=width,
         boundary_dtype="f32", settings=settings,
-        stage_identity=stage_identity(info["identity"], settings), cpu_isa=list(isa))
+        stage_identity=stage_identity(info["identity"], settings, dev["compute"]),
+        cpu_isa=list(isa))
     weight, kv = int(info["weight_bytes"]), int(info["kv_bytes"])
     if worker is not None:
         table = worker.table
@@ -181,7 +214,8 @@ def record_for(engine, *, worker=None, cert_store: str | os.PathLike | None = No
         n_layer=int(info["n_layer"]), layer_start=layers[0], layer_end=layers[1],
         is_first=is_first, is_last=is_last, slots_total=n_slots, slots_free=slots_free,
         context_tokens_total=n_slots * n_ctx, context_tokens_free=ctx_free,
-        memory_bytes=weight + kv, weight_bytes=weight, kv_bytes=kv, rss_bytes=_rss_bytes())
+        memory_bytes=weight + kv, weight_bytes=weight, kv_bytes=kv, rss_bytes=_rss_bytes(),
+        **_device_memory(engine, weight, kv))
     load = Load(queue_depth=max(inflight - computing, 0), in_flight_steps=inflight,
                 sessions=sessions, tokens_per_s=float(tps), window_s=float(span))
     per_codec = {c: wire.payload_size(c, 1, width) for c in wire.CODECS}

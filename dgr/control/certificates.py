@@ -27,13 +27,19 @@ __all__ = ["Lane", "Parity", "StageCost", "Failover", "Scenario", "Batching", "C
 
 
 class Lane(msgspec.Struct, kw_only=True, frozen=True):
-    backend: str
+    backend: str                   # the engines' device's backend: cpu, vulkan, cuda, ...
     model_identity: str
     model_name: str
     quantisation: str
     codec: str
     settings: dict[str, Any]
     stages: list[list[int]]
+    # the device model ("" on the CPU), its type and driver; a software device (lavapipe) is
+    # recorded as such: its lanes are never hardware lanes
+    device: str = ""
+    device_type: str = "cpu"
+    driver: str = ""
+    software_device: bool = False
 
 
 class Parity(msgspec.Struct, kw_only=True):
@@ -210,6 +216,10 @@ def mismatches(rec: Certification, comp, layers: Sequence[int]) -> list[str]:
         why.append("the parity suite did not pass")
     if lane.backend != comp.backend:
         why.append(f"backend {lane.backend} != {comp.backend}")
+    if lane.device != getattr(comp, "device", ""):
+        why.append(f"device {lane.device or 'cpu'!r} != {getattr(comp, 'device', '') or 'cpu'!r}")
+    if lane.driver != getattr(comp, "device_driver", ""):
+        why.append(f"driver {lane.driver!r} != {getattr(comp, 'device_driver', '')!r}")
     if lane.model_identity != comp.model_identity:
         why.append(f"model identity {lane.model_identity} != {comp.model_identity}")
     if rec.llama_cpp_commit != comp.llama_cpp_commit:
@@ -247,7 +257,9 @@ def match(path, comp, layers: Sequence[int]) -> tuple[list, list]:
             other.append(Uncertified(lane_id=rec.lane_id, codec=rec.lane.codec, stages=stages,
                                      record=name, reasons=why))
         else:
-            lanes.append(LaneRef(lane_id=rec.lane_id, codec=rec.lane.codec, stages=stages,
+            lanes.append(LaneRef(lane_id=rec.lane_id, backend=rec.lane.backend,
+                                 device=rec.lane.device, software_device=rec.lane.software_device,
+                                 codec=rec.lane.codec, stages=stages,
                                  quantisation=rec.lane.quantisation,
                                  certified_at=rec.certified_at,
                                  parity=msgspec.to_builtins(rec.parity), record=name))

@@ -5,8 +5,26 @@
 - ``dgr.core.local``: range engines chained in one process, and the reference generation loop.
 """
 
-from dgr._core import BUILD_INFO, HAS_LAYER_RANGES
+from dgr._core import BUILD_INFO, HAS_LAYER_RANGES, backends
+from dgr._core import devices as _devices
 from dgr.core.engine import Engine
 from dgr.core.local import LocalChain, generate_local
+from dgr.protocol.settings import compute_kind, is_software_device
 
-__all__ = ["Engine", "LocalChain", "generate_local", "BUILD_INFO", "HAS_LAYER_RANGES"]
+__all__ = ["Engine", "LocalChain", "generate_local", "BUILD_INFO", "HAS_LAYER_RANGES", "backends",
+           "devices"]
+
+
+def devices() -> list[dict]:
+    """The compute devices this build can use (ggml's backend registry), the CPU first: per
+    device ``name`` (what ``Engine(device=...)`` and ``--device`` take), ``description``,
+    ``type`` (cpu, gpu, igpu, accel), ``backend``, ``driver``, ``kind`` (as routes and lanes
+    compare it), ``software`` (a software implementation such as lavapipe) and
+    ``memory_free``/``memory_total`` in bytes."""
+    out = []
+    for d in _devices():
+        d = dict(d)
+        d["kind"] = compute_kind(d["backend"], d["description"])
+        d["software"] = d["type"] != "cpu" and is_software_device(d["description"])
+        out.append(d)
+    return out

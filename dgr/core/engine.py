@@ -12,13 +12,9 @@ from dgr import errors
 from dgr._core import Engine as _CoreEngine
 from dgr.artifacts.identity import model_identity
 from dgr.core.refusals import refusal_reason
+from dgr.protocol.settings import NUMERIC_SETTINGS, compute_kind, is_software_device
 
 __all__ = ["Engine", "NUMERIC_SETTINGS"]
-
-# The settings that decide numerics: every stage of a route and any reference must agree on
-# all of them for results to be bit-identical (they fix the KV layout, the ubatch composition
-# and the thread split of every reduction, so a different value reorders float sums).
-NUMERIC_SETTINGS = ("n_ctx", "n_slots", "n_threads", "n_ubatch", "flash_attn", "type_k", "type_v")
 
 
 def _load_path(model, layers, a: int, b: int):
@@ -37,7 +33,8 @@ def _load_path(model, layers, a: int, b: int):
 
 
 class Engine(_CoreEngine):
-    """Layers ``[a, b)`` of a GGUF model, computed by the patched llama.cpp on the CPU.
+    """Layers ``[a, b)`` of a GGUF model, computed by the patched llama.cpp on the CPU or on
+    one device of a ggml backend (Vulkan, CUDA, ...).
 
     Parameters
     ----------
@@ -67,6 +64,14 @@ class Engine(_CoreEngine):
         stage of a deepseek4 model with one NextN block only. The trunk's logits stay
         bit-identical to ``mtp=False``; such a stage also takes the token ids with its
         boundary (``needs_token_ids``).
+    device : str
+        ``"cpu"``, or a device of this build's ggml backends such as ``"Vulkan0"`` or
+        ``"CUDA0"`` (``dgr.devices()`` lists them). Every owned layer, its caches and, on the
+        last stage, the head go there; boundary rows cross host memory once each way. Decides
+        numerics: compare a split with the whole model on the same kind of device.
+    device_memory_limit : int
+        The most bytes this engine may hold on its device (weights, KV, compute buffers);
+        0 for no cap but the device's free memory.
 
     Raises
     ------
@@ -79,17 +84,27 @@ class Engine(_CoreEngine):
     dgr.errors.MtpNotSupported
         ``mtp`` on a stage that is not the last, on a model without a NextN block, or on an
         architecture other than deepseek4.
+    dgr.errors.DeviceNotFound
+        No such device, or its backend is not in this build.
+    dgr.errors.DeviceOutOfMemory
+        The range does not fit the device's free memory (or ``device_memory_limit``); the
+        message says how much it needs and how much is free.
     """
 
     def __init__(self, model: str | os.PathLike, layers: tuple[int, int] | None = None, *,
                  n_ctx: int = 1024, n_slots: int = 1, n_threads: int = 1, n_ubatch: int = 64,
                  flash_attn: bool = True, type_k: str = "f16", type_v: str = "f16",
-                 use_mmap: bool = True, mtp: bool = False):
+                 use_mmap: bool = True, mtp: bool = False, device: str = "cpu",
+                 device_memory_limit: int = 0):
         self.model_path = os.fspath(model)
         self.settings = {"n_ctx": n_ctx, "n_slots": n_slots, "n_threads": n_threads,
                          "n_ubatch": n_ubatch, "flash_attn": bool(flash_attn),
                          "type_k": type_k, "type_v": type_v}
         info = self._info()
+        #: the device as ``device=`` names it ("cpu", "Vulkan0"), and its kind as routes and
+        #: lanes compare it (``dgr.protocol.settings.compute_kind``)
+        self.device: str = info["device"]
+        self.compute: str = compute_kind(info["backend"], info["device_desc"])
         self.n_layer: int = info["n_layer"]
         self.layers: tuple[int, int] = (info["layer_start"], info["layer_end"])
         self.n_embd: int = info["n_embd"]
@@ -121,6 +136,21 @@ class Engine(_CoreEngine):
                 f"{e}; {m.group(1)} is refused because {refusal_reason(m.group(1))} "
                 "(docs/architectures.md)") from None
 
+    def compute_facts(self) -> dict[str, Any]:
+        """The compute device and what this engine holds on it: ``device`` (as ``device=``
+        names it), ``backend``, ``type``, ``description``, ``driver``, ``kind``
+        (``compute_kind``), ``software`` (a software implementation such as lavapipe), and
+        bytes: ``memory_free``/``memory_total`` of the device, and the engine's
+        ``weight_bytes``, ``kv_bytes`` and ``compute_bytes`` there."""
+        i = self._info()
+        return {"device": i["device"], "backend": i["backend"].lower(), "type": i["device_type"],
+                "description": i["device_desc"], "driver": i["device_driver"],
+                "kind": compute_kind(i["backend"], i["device_desc"]),
+                "software": i["device_type"] != "cpu" and is_software_device(i["device_desc"]),
+                "memory_free": i["device_memory_free"], "memory_total": i["device_memory_total"],
+                "weight_bytes": i["device_weight_bytes"], "kv_bytes": i["device_kv_bytes"],
+                "compute_bytes": i["device_compute_bytes"]}
+
     # -- facts ------------------------------------------------------------------------
 
     @property
@@ -143,6 +173,7 @@ class Engine(_CoreEngine):
             boundary_width=info["n_embd_boundary"],
             boundary_dtype="float32",
             settings=dict(self.settings),
+            compute=self.compute,
         )
         return info
 

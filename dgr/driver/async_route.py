@@ -129,7 +129,8 @@ class AsyncRoute:
                  deadline_factor: float = 10.0, probe_timeout: float = 1.0,
                  backoff: float = 0.05, relay: bool | None = None, loop: bool = True,
                  loop_window: int = 32, batching: bool = True,
-                 security: Security | None = None, speculate: str = "", max_draft: int = 8):
+                 security: Security | None = None, speculate: str = "", max_draft: int = 8,
+                 mixed_devices: bool = False):
         if codec not in wire.CODECS:
             raise errors.UnknownCodec(f"unknown codec {codec!r} (known: {', '.join(wire.CODECS)})")
         self._relay_arg = relay
@@ -184,6 +185,8 @@ class AsyncRoute:
         self.speculate, self.max_draft = speculate, int(max_draft)
         # the last stage drafts from the session's tokens: it gets the token ids of every step
         self.relay_links.tokens_to_last = bool(speculate)
+        #: whether stages may compute on different kinds of device (``check_route``)
+        self.mixed_devices = bool(mixed_devices)
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -209,7 +212,11 @@ class AsyncRoute:
         failed = next((e for e in infos if isinstance(e, BaseException)), None)
         if failed is not None:
             raise failed
-        order = check_route(infos)
+        order = check_route(infos, mixed_devices=self.mixed_devices)
+        kinds = sorted({s.compute for s in order})
+        if len(kinds) > 1:
+            log.warning("a mixed route (%s): its bits differ from either whole model",
+                        " + ".join(kinds))
         old = [s for s in order if s.wire_schema_version < 4]
         if self.speculate and old:
             # a stage before wire schema 4 would ignore Forward.rollback and drafts

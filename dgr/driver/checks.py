@@ -18,13 +18,18 @@ def stage_name(st: StageInfo) -> str:
     return f"{st.endpoint} [{st.layers[0]}, {st.layers[1]})"
 
 
-def check_route(stages: Sequence[StageInfo]) -> list[StageInfo]:
+def check_route(stages: Sequence[StageInfo], *, mixed_devices: bool = False) -> list[StageInfo]:
     """Order stages by layer and check they form one route; returns them in route order.
+
+    Stages on different kinds of device (``StageInfo.compute``: the CPU, a Vulkan or CUDA
+    device model) compute other bits than either whole model: such a mixed route is refused
+    unless ``mixed_devices`` asks for it.
 
     Raises
     ------
     dgr.errors.ModelMismatch
-        Stages serve different models, numeric settings or wire formats.
+        Stages serve different models, numeric settings or wire formats, or compute on
+        different kinds of device without ``mixed_devices``.
     dgr.errors.RouteError
         The layer ranges leave a gap, overlap, or do not reach both ends.
     dgr.errors.WorkerDraining
@@ -45,6 +50,11 @@ def check_route(stages: Sequence[StageInfo]) -> list[StageInfo]:
             raise errors.ModelMismatch(
                 f"{s.endpoint} and {ref.endpoint} use different numeric settings ({pairs}); "
                 "every stage of a route must use the same ones")
+        if s.compute != ref.compute and not mixed_devices:
+            raise errors.ModelMismatch(
+                f"{s.endpoint} computes on {s.compute}, {ref.endpoint} on {ref.compute}: a route "
+                "mixing kinds of device computes other bits than either whole model; ask for it "
+                "with mixed_devices=True (--mixed-devices), or run every stage on one kind")
         if s.wire_format_version != ref.wire_format_version:
             raise errors.ModelMismatch(
                 f"{s.endpoint} speaks wire format {s.wire_format_version}, {ref.endpoint} "

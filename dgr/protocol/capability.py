@@ -12,18 +12,17 @@ from typing import Any, Optional
 
 import msgspec
 
-__all__ = ["SCHEMA", "BACKEND", "Compatibility", "Capacity", "Load", "Seam", "Health", "LaneRef",
+__all__ = ["SCHEMA", "Compatibility", "Capacity", "Load", "Seam", "Health", "LaneRef",
            "Uncertified", "Capability", "encode", "decode"]
 
 
 #: Version of this record's JSON form (bumped when a field changes meaning or goes away).
 #: 2: ``health.engine_restarts`` is gone (it was always 0: a worker never reloads its engine).
 #: 3: ``compatibility.arch_splittable``; a multi-stage lane needs it true.
-SCHEMA = 3
-
-
-#: The compute backend of this build of the core (llama.cpp's CPU backend).
-BACKEND = "cpu"
+#: 4: the compute device: ``compatibility.backend`` is the engine's (``cpu``, ``vulkan``,
+#:    ``cuda``, ...), with ``device``, ``device_type``, ``device_driver``, ``software_device``
+#:    and ``compute``; ``capacity.device_*`` bytes; lanes say their device.
+SCHEMA = 4
 
 
 class Compatibility(msgspec.Struct, kw_only=True):
@@ -35,7 +34,15 @@ class Compatibility(msgspec.Struct, kw_only=True):
     # false: only a whole-model (one-stage) lane can hold
     arch_splittable: bool = False
     quantisation: str              # GGUF general.file_type name, e.g. "Q4_1"
-    backend: str
+    backend: str                   # the engine's device's backend: "cpu", "vulkan", "cuda", ...
+    # the device model ("" on the CPU), its type (cpu, gpu, igpu, accel) and driver, whether it
+    # is a software implementation (lavapipe: its lanes are never hardware lanes), and the kind
+    # stages compare (dgr.protocol.settings.compute_kind)
+    device: str = ""
+    device_type: str = "cpu"
+    device_driver: str = ""
+    software_device: bool = False
+    compute: str = "cpu"
     llama_cpp_commit: str
     patch_stack_hash: str          # dgr.vendor.Vendor().patch_stack_hash()
     dgr_version: str
@@ -62,6 +69,13 @@ class Capacity(msgspec.Struct, kw_only=True):
     weight_bytes: int
     kv_bytes: int
     rss_bytes: int                 # resident set of the process (0 where unknown)
+    # the compute device's memory (bytes): free and total as it reports them, and what this
+    # stage holds in its own buffers (on the CPU: the figures above)
+    device_memory_free: int = 0
+    device_memory_total: int = 0
+    device_weight_bytes: int = 0
+    device_kv_bytes: int = 0
+    device_compute_bytes: int = 0
 
 
 class Load(msgspec.Struct, kw_only=True):
@@ -93,6 +107,9 @@ class Health(msgspec.Struct, kw_only=True):
 
 class LaneRef(msgspec.Struct, kw_only=True):
     lane_id: str
+    backend: str = "cpu"
+    device: str = ""               # the device model the lane was certified on ("" on the CPU)
+    software_device: bool = False  # certified on a software device (lavapipe), not on hardware
     codec: str
     stages: list[list[int]]
     quantisation: str

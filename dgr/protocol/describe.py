@@ -5,9 +5,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from dgr.protocol.settings import NUMERIC_SETTINGS, stage_identity
+from dgr.protocol.settings import CPU, NUMERIC_SETTINGS, compute_kind, stage_identity
 
-__all__ = ["StageInfo", "COUNTERS", "compute_between", "measured_compute"]
+__all__ = ["StageInfo", "COUNTERS", "DEVICE_FIELDS", "compute_between", "measured_compute"]
 
 
 #: DescribeReply's compute totals (proto3 ``optional``: unset on a worker older than them)
@@ -60,12 +60,23 @@ class StageInfo:
     compute_s_total: float | None = None
     #: the drafters the worker runs as a route's last stage (docs/speculative.md)
     drafters: tuple = ()
+    #: the compute device (``ComputeDevice`` fields: backend, name, type, description,
+    #: driver, software, memory and bytes held); empty from a worker older than it (the CPU)
+    device: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
 
     @functools.cached_property
+    def compute(self) -> str:
+        """The kind of the stage's device (``compute_kind``): ``"cpu"`` or, e.g.,
+        ``"vulkan:llvmpipe (LLVM 15.0.6, 256 bits)"``."""
+        if not self.device:
+            return CPU
+        return compute_kind(self.device.get("backend", CPU), self.device.get("description", ""))
+
+    @functools.cached_property
     def identity(self) -> str:
-        """The stage identity frames must carry (model and numeric settings)."""
-        return stage_identity(self.model_identity, self.settings)
+        """The stage identity frames must carry (model, numeric settings, device kind)."""
+        return stage_identity(self.model_identity, self.settings, self.compute)
 
     @property
     def data_endpoint(self) -> str | None:
@@ -92,6 +103,7 @@ class StageInfo:
             wire_schema_version=r.wire_schema_version, weight_bytes=r.weight_bytes,
             kv_bytes=r.kv_bytes, steps_total=r.steps_total, errors_total=r.errors_total,
             uptime_s=r.uptime_s, data_port=r.data_port, drafters=tuple(r.drafters),
+            device=_device_dict(r.device) if r.HasField("device") else {},
             **{k: getattr(r, k) if r.HasField(k) else None for k in COUNTERS})
 
     def to_dict(self) -> dict:
@@ -100,7 +112,17 @@ class StageInfo:
         d["eog_tokens"] = sorted(self.eog_tokens)
         d["drafters"] = list(self.drafters)
         d["identity"] = self.identity
+        d["compute"] = self.compute
         return d
+
+
+#: ``ComputeDevice``'s fields, as ``StageInfo.device`` keys them
+DEVICE_FIELDS = ("backend", "name", "type", "description", "driver", "software", "memory_free",
+                 "memory_total", "weight_bytes", "kv_bytes", "compute_bytes")
+
+
+def _device_dict(m) -> dict:
+    return {k: getattr(m, k) for k in DEVICE_FIELDS}
 
 
 def compute_between(before, after) -> list[tuple[int, float] | str]:

@@ -1,10 +1,14 @@
-"""The numeric engine settings, and the stage identity every frame carries.
+"""The engine settings that decide numerics, and the stage identity every frame carries.
 
 Every stage of a route and any reference must agree on all of :data:`NUMERIC_SETTINGS` for
 results to be bit-identical (they fix the KV layout, the ubatch composition and the thread
-split of every reduction, so a different value reorders float sums). This module is the one
-place that lists them: their short spelling in the stage identity, their command-line flags
-and defaults (``add_arguments``, ``from_args``, ``to_argv``).
+split of every reduction, so a different value reorders float sums). The compute device
+decides numerics too (another backend runs other kernels), but its *name* is a machine's own
+(``Vulkan0`` here may be another GPU than ``Vulkan0`` there): what a route compares is the
+device's kind, :func:`compute_kind` (backend and device model), which the stage identity
+carries. This module is the one place that lists the settings: their short spelling in the
+stage identity, their command-line flags and defaults (``add_arguments``, ``from_args``,
+``to_argv``).
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ from typing import Any
 
 from dgr.errors import InvalidArgument
 
-__all__ = ["NUMERIC_SETTINGS", "DEFAULTS", "settings_tag", "stage_identity", "add_arguments",
-           "from_args", "to_argv"]
+__all__ = ["NUMERIC_SETTINGS", "ENGINE_SETTINGS", "DEFAULTS", "CPU", "settings_tag",
+           "compute_kind", "is_software_device", "stage_identity", "add_arguments", "from_args",
+           "to_argv"]
 
 
 @dataclass(frozen=True)
@@ -38,8 +43,21 @@ _SETTINGS = (
     _Setting("type_v", "v", "--type-v", "f16", "KV cache type of V"),
 )
 NUMERIC_SETTINGS = tuple(s.key for s in _SETTINGS)
+#: The compute device: not in the settings tag (its name is the machine's own); the stage
+#: identity carries its kind (:func:`compute_kind`) instead.
+_DEVICE = _Setting("device", "", "--device", "cpu",
+                   "compute device: cpu, or a ggml device such as Vulkan0 or CUDA0 (python -m "
+                   "dgr devices lists them); every owned layer, its KV cache and the head go there")
+#: Every setting an engine takes from the command line: the numeric ones and the device.
+ENGINE_SETTINGS = NUMERIC_SETTINGS + (_DEVICE.key,)
 #: The command line's defaults (a worker's; ``dgr.Engine`` defaults to one slot).
-DEFAULTS = {s.key: s.default for s in _SETTINGS}
+DEFAULTS = {s.key: s.default for s in (*_SETTINGS, _DEVICE)}
+#: The compute kind of the CPU device.
+CPU = "cpu"
+
+#: Device descriptions of software implementations of a GPU API (they run on the CPU): a lane
+#: certified on one is recorded as such, never as certified on hardware.
+_SOFTWARE_DEVICES = ("llvmpipe", "lavapipe", "swiftshader", "softpipe")
 
 
 def settings_tag(settings: dict) -> str:
@@ -51,13 +69,35 @@ def settings_tag(settings: dict) -> str:
     return ".".join(parts)
 
 
-def stage_identity(model_identity: str, settings: dict) -> str:
-    """What a Forward frame's ``model`` field names: the model file and the numeric settings.
+def compute_kind(backend: str, description: str = "") -> str:
+    """The kind of a compute device, as stages and lanes compare it: ``"cpu"`` for the CPU
+    backend, else ``"<backend>:<device model>"``, e.g. ``"vulkan:llvmpipe (LLVM 15.0.6, 256
+    bits)"`` or ``"cuda:NVIDIA H200"`` (the same for every device of that model)."""
+    b = (backend or CPU).strip().lower()
+    if b == CPU:
+        return CPU
+    return f"{b}:{description.strip()}"
 
-    Two stages compute compatible numbers only when both agree, so a frame built for another
-    model *or* other settings is refused with ``ModelMismatch``.
+
+def is_software_device(description: str) -> bool:
+    """Whether a device is a software implementation of its API (lavapipe's ``llvmpipe``,
+    SwiftShader), which computes on the CPU."""
+    d = description.lower()
+    return any(name in d for name in _SOFTWARE_DEVICES)
+
+
+def stage_identity(model_identity: str, settings: dict, compute: str = CPU) -> str:
+    """What a Forward frame's ``model`` field names: the model file, the numeric settings and,
+    off the CPU, the compute kind (:func:`compute_kind`).
+
+    Two stages compute compatible numbers only when all agree, so a frame built for another
+    model, other settings or another kind of device is refused with ``ModelMismatch``. A CPU
+    stage's identity is what it was before devices existed.
     """
-    return f"{model_identity}+{settings_tag(settings)}"
+    ident = f"{model_identity}+{settings_tag(settings)}"
+    if compute != CPU:
+        ident += f"+{compute}"
+    return ident
 
 
 def _on_off(text: str) -> bool:
@@ -69,6 +109,8 @@ def _on_off(text: str) -> bool:
 def add_arguments(parser: argparse.ArgumentParser, *, per: str = "stage") -> None:
     """Add every numeric setting's flag (``--ctx``, ``--slots``, ...) to ``parser``."""
     g = parser.add_argument_group("engine settings (every stage and the reference must agree)")
+    g.add_argument(_DEVICE.flag, dest=_DEVICE.key, default=_DEVICE.default, metavar="DEVICE",
+                   help=f"{_DEVICE.help} (default {_DEVICE.default})")
     for s in _SETTINGS:
         if isinstance(s.default, bool):
             g.add_argument(s.flag, dest=s.key, type=_on_off, metavar="{on,off}",
@@ -80,17 +122,18 @@ def add_arguments(parser: argparse.ArgumentParser, *, per: str = "stage") -> Non
 
 
 def from_args(args: argparse.Namespace) -> dict:
-    """The settings ``add_arguments`` parsed, keyed as ``dgr.Engine`` takes them."""
-    return {k: getattr(args, k) for k in NUMERIC_SETTINGS}
+    """The settings ``add_arguments`` parsed, keyed as ``dgr.Engine`` takes them (the numeric
+    ones and ``device``)."""
+    return {k: getattr(args, k) for k in ENGINE_SETTINGS}
 
 
 def to_argv(settings: dict) -> list[str]:
     """The command-line arguments that give a worker ``settings`` (a subset is fine)."""
-    flags = {s.key: s for s in _SETTINGS}
+    flags = {s.key: s for s in (*_SETTINGS, _DEVICE)}
     argv = []
     for k, v in settings.items():
         if k not in flags:
-            raise InvalidArgument(f"unknown engine setting {k!r} (known: {', '.join(NUMERIC_SETTINGS)})")
+            raise InvalidArgument(f"unknown engine setting {k!r} (known: {', '.join(ENGINE_SETTINGS)})")
         if isinstance(flags[k].default, bool):
             v = "on" if v else "off"
         argv += [flags[k].flag, str(v)]

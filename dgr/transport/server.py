@@ -124,6 +124,8 @@ class _Servicer(dgr_pb2_grpc.ShardServicer):
         try:
             d = dict(self.b.describe())
             d["settings"] = dgr_pb2.EngineSettings(**d["settings"])
+            if "device" in d:
+                d["device"] = dgr_pb2.ComputeDevice(**d["device"])
             return dgr_pb2.DescribeReply(**d)
         except Exception as e:  # noqa: BLE001 - every failure leaves as a mapped status
             await _abort(context, e)

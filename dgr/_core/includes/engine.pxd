@@ -30,7 +30,9 @@ cdef extern from "dgr/engine.h" namespace "dgr" nogil:
         bool flash_attn
         string type_k
         string type_v
+        string device
         bool use_mmap
+        uint64_t device_memory_limit
         bool mtp
 
     cdef cppclass CEngineInfo "dgr::EngineInfo":
@@ -57,6 +59,16 @@ cdef extern from "dgr/engine.h" namespace "dgr" nogil:
         uint64_t weight_bytes
         uint64_t kv_bytes
         uint64_t compute_bytes
+        string device
+        string device_desc
+        string device_type
+        string backend
+        string device_driver
+        uint64_t device_memory_free
+        uint64_t device_memory_total
+        uint64_t device_weight_bytes
+        uint64_t device_kv_bytes
+        uint64_t device_compute_bytes
         int32_t token_bos
         int32_t token_eos
         bool add_bos
@@ -87,7 +99,20 @@ cdef extern from "dgr/engine.h" namespace "dgr" nogil:
         CStatus MtpDraft(int32_t slot, int32_t token, int32_t n_max, vector[int32_t] * out) except +
         int32_t NextPos(int32_t slot) except +
         CStatus RefreshMemory() except +
+        CStatus InjectFault(const string & what) except +
 
+    cdef cppclass CDeviceInfo "dgr::DeviceInfo":
+        string name
+        string description
+        string type
+        string backend
+        string device_id
+        string driver
+        uint64_t memory_free
+        uint64_t memory_total
+
+    CStatus ListDevices(vector[CDeviceInfo] * out) except +
+    vector[string] BuiltBackends() except +
     bool HasLayerRanges()
     bool ArchSupportsLayerRange(const string & arch)
 

@@ -1,0 +1,180 @@
+"""Vulkan stages on lavapipe (Mesa's Vulkan device that computes on the CPU): a split computes
+the whole model's bits on the device for four families, a certified lane of three Vulkan
+workers survives a failover and is recorded as a software-device lane, a mixed CPU + Vulkan
+route is refused unless asked for and its difference from each whole model is measured, and
+the device's typed errors.
+
+Every Vulkan engine runs in a child process whose environment names the device
+(``dgr.testing.devices``). Under CI (``CI`` set) a build or machine without a Vulkan device
+fails these tests; elsewhere they skip. lavapipe is slow (SmolLM2 decodes at ~2 tokens/s):
+the models and generations are small.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from dgr import errors
+from dgr.testing.devices import NoVulkan, vulkan_device, vulkan_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.system]
+
+SMALL = ["--ctx", "128", "--slots", "4", "--ubatch", "32", "--threads", "1"]
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def vk() -> dict:
+    try:
+        return vulkan_device()
+    except NoVulkan as e:
+        if os.environ.get("CI"):
+            pytest.fail(str(e))
+        pytest.skip(str(e))
+
+
+def _dgr(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dgr", *map(str, args)], env=vulkan_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_lavapipe_is_listed_as_a_software_device_with_its_driver(vk):
+    assert vk["backend"] == "Vulkan" and vk["name"].startswith("Vulkan")
+    assert vk["type"] in ("gpu", "igpu")
+    assert "llvmpipe" in vk["description"] and vk["software"] is True
+    assert vk["kind"] == f"vulkan:{vk['description']}"
+    assert "llvmpipe" in vk["driver"] and "Mesa" in vk["driver"]
+    assert vk["memory_total"] > 0
+
+
+@pytest.fixture(scope="module")
+def families(tiny_llama, smollm2, tmp_path_factory) -> dict:
+    from dgr.testing import archs
+    from dgr.testing.fixtures import TinyDeepseek4, write_tiny_deepseek4
+
+    moe = [f for f in archs.write("^qwen3moe$").files if f.name.endswith("-moe.gguf")]
+    assert moe, "the generator wrote no qwen3moe MoE fixture"
+    v4 = write_tiny_deepseek4(tmp_path_factory.mktemp("models") / "tiny-dsv4.gguf",
+                              TinyDeepseek4())
+    return {"llama": (tiny_llama, "2"), "smollm2": (smollm2, "12"),
+            "qwen3moe": (moe[0], "1"), "deepseek4": (v4, "1")}
+
+
+@pytest.mark.parametrize("family", ["llama", "smollm2", "qwen3moe", "deepseek4"])
+def test_a_split_computes_the_whole_models_bits_on_the_device(vk, families, family, tmp_path):
+    model, splits = families[family]
+    out = tmp_path / "parity.json"
+    p = _dgr("parity", "--model", model, "--splits", splits, "--device", vk["name"],
+             "--steps", 4, "--prompt", PROMPT, "--json", out, *SMALL)
+    assert out.exists(), p.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert rep["settings"]["device"] == vk["name"]
+    assert rep["prompt_rows_identical"], (family, rep)
+    assert rep["bit_identical"] and rep["max_abs_diff"] == 0.0, (family, p.stdout[-2000:])
+    assert p.returncode == 0
+
+
+def test_a_certified_vulkan_lane_survives_a_failover_and_is_a_software_device_lane(
+        vk, tiny_llama, tmp_path):
+    store = tmp_path / "certs"
+    p = _dgr("certify", "--model", tiny_llama, "--stages", 3, "--failover", "--store", store,
+             "--device", vk["name"], "--max-tokens", 10, "--prompt", PROMPT, *SMALL)
+    assert p.returncode == 0, p.stderr[-4000:]
+    [path] = list(store.glob("*.json"))
+    rec = json.loads(path.read_text())
+    lane = rec["lane"]
+    assert lane["backend"] == "vulkan" and lane["device"] == vk["description"]
+    assert lane["software_device"] is True and "llvmpipe" in lane["driver"]
+    assert rec["parity"]["passed"] and rec["parity"]["logits_bit_identical"]
+    fo = rec["scenario"]["failover"]
+    assert fo["passed"] and fo["tokens_match"] and fo["replaced_by"] == fo["spare"]
+    # batching and speculative rollback measured on the device, each with its verdict
+    assert rec["batching"]["rows"] > 0 and rec["speculation"]["trips"] > 0
+    lanes = _dgr("lanes", "--store", store)
+    assert lanes.returncode == 0, lanes.stderr
+    assert f"vulkan:{vk['description']} [software device, not hardware]" in lanes.stdout
+
+
+_WHOLE_LOGITS = textwrap.dedent("""
+    import sys, numpy as np, dgr
+    model, device, out = sys.argv[1:4]
+    toks = np.array([int(t) for t in sys.argv[4].split(",")], dtype=np.int32)
+    eng = dgr.Engine(model, device=device, n_ctx=128, n_slots=4, n_ubatch=32)
+    np.save(out, eng.forward(0, 0, toks, logits="all"))
+""")
+
+
+def test_a_mixed_cpu_and_vulkan_route_is_refused_unless_asked_and_its_difference_measured(
+        vk, tiny_llama, tmp_path, monkeypatch):
+    import dgr
+    from dgr.driver.route import Route
+    from dgr.worker.process import LocalCluster
+
+    settings = dict(n_ctx=128, n_slots=4, n_ubatch=32, n_threads=1)
+    cpu = LocalCluster(tiny_llama, [(0, 2)], settings=settings)
+    with monkeypatch.context() as m:  # the Vulkan worker's environment names the device
+        for k, v in vulkan_env().items():
+            m.setenv(k, v)
+        gpu = LocalCluster(tiny_llama, [(2, 4)], settings={**settings, "device": vk["name"]})
+        gpu_eps = gpu.start(timeout=300)
+    try:
+        eps = cpu.start(timeout=300) + gpu_eps
+        with pytest.raises(errors.ModelMismatch, match="mixed_devices=True"):
+            Route(eps).close()
+        whole = dgr.Engine(tiny_llama, **settings)
+        with Route(eps, tokenizer=whole, mixed_devices=True) as route:
+            assert [s.compute for s in route.stages] == ["cpu", vk["kind"]]
+            assert route.stages[0].identity != route.stages[1].identity
+            prompt = [int(t) for t in whole.tokenize(PROMPT, True, True)]
+            session = route.session()
+            got = list(session.generate(prompt, max_tokens=8, logits=True))
+            rows = np.stack(session.logits)
+            session.close()
+    finally:
+        cpu.stop()
+        gpu.stop()
+    seq = prompt + got
+    # each whole model over the same tokens: the rows that chose tokens 1..n
+    ref_cpu = whole.forward(0, 0, np.array(seq[:-1], dtype=np.int32), logits="all")
+    out = tmp_path / "vk.npy"
+    subprocess.run([sys.executable, "-c", _WHOLE_LOGITS, str(tiny_llama), vk["name"], str(out),
+                    ",".join(map(str, seq[:-1]))], env=vulkan_env(), check=True, timeout=600)
+    ref_vk = np.load(out)
+    tail = slice(len(prompt) - 1, len(seq) - 1)
+    figures = {}
+    for name, ref in (("cpu", ref_cpu[tail]), ("vulkan", ref_vk[tail])):
+        diff = float(np.max(np.abs(ref.astype(np.float64) - rows)))
+        top1 = float(np.mean(np.argmax(ref, axis=1) == np.argmax(rows, axis=1)))
+        figures[name] = (diff, top1)
+    print(f"mixed route vs whole models: {figures}")
+    # a mixed route computes other bits than either whole model, but the same model
+    assert all(np.isfinite(d) for d, _ in figures.values())
+    assert all(top1 >= 0.5 for _, top1 in figures.values()), figures
+
+
+def test_a_range_over_the_memory_cap_is_refused_with_the_figures(vk, tiny_llama):
+    code = textwrap.dedent("""
+        import sys, dgr
+        try:
+            dgr.Engine(sys.argv[1], device=sys.argv[2], n_ctx=64, device_memory_limit=4096)
+        except dgr.errors.DeviceOutOfMemory as e:
+            print("DeviceOutOfMemory:", e)
+        eng = dgr.Engine(sys.argv[1], device=sys.argv[2], n_ctx=64)
+        f = eng.compute_facts()
+        print(f["weight_bytes"], f["kv_bytes"], f["memory_total"])
+    """)
+    p = subprocess.run([sys.executable, "-c", code, str(tiny_llama), vk["name"]],
+                       env=vulkan_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    refused, figures = p.stdout.strip().splitlines()
+    assert refused.startswith("DeviceOutOfMemory:") and "KiB of weights on" in refused
+    assert "this engine may use 4.0 KiB" in refused and "free of" in refused
+    weights, kv, total = map(int, figures.split())
+    assert weights > 0 and kv > 0 and total > 0  # held in the device's own buffers
