@@ -22,7 +22,7 @@ def devices() -> list[dict]:
     compare it), ``software`` (a software implementation such as lavapipe) and
     ``memory_free``/``memory_total`` in bytes."""
     out = []
-    for d in _devices():
+    for d in sorted(_devices(), key=lambda d: d["type"] != "cpu"):  # the CPU first
         d = dict(d)
         d["kind"] = compute_kind(d["backend"], d["description"])
         d["software"] = d["type"] != "cpu" and is_software_device(d["description"])

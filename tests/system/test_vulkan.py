@@ -102,6 +102,15 @@ def test_a_certified_vulkan_lane_survives_a_failover_and_is_a_software_device_la
     assert f"vulkan:{vk['description']} [software device, not hardware]" in lanes.stdout
 
 
+def test_the_demo_runs_every_stage_on_the_device(vk, tiny_llama):
+    p = _dgr("run", "--model", tiny_llama, "--device", vk["name"], "--stages", 3,
+             "--max-tokens", 6, "--no-chat", "--prompt", PROMPT, "--parity", *SMALL)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert ("matches the whole model (in-process dgr.Engine, same settings): yes; logits "
+            "bit-identical over") in p.stderr
+    assert "computes on" not in p.stderr  # the whole model is on the route's kind of device
+
+
 _WHOLE_LOGITS = textwrap.dedent("""
     import sys, numpy as np, dgr
     model, device, out = sys.argv[1:4]
