@@ -528,6 +528,8 @@ struct Engine::Impl {
                        const float * h, int32_t n);
     // boundary rows gathered into slot order when the caller's are not (n_ubatch rows)
     std::vector<float> embd_gather;
+    // Forward's slot of every token: a one-slot step runs through ForwardBatch
+    std::vector<int32_t> one_slot;
 
     // Every compute call's status passes here: a failure that says the device itself failed
     // (a lost Vulkan device, a reset) becomes kDeviceLost, and the engine refuses from then on.
@@ -1302,11 +1304,12 @@ int32_t Engine::Impl::Decode(int32_t n) {
     return rc;
 }
 
+// A step of one slot is a batch of one slot: the one forward core is ForwardBatch. Only the
+// checks whose words are a single slot's are made here (a contiguous run of positions).
 Status Engine::Impl::Forward(int32_t slot, const int32_t * pos, const int32_t * tokens,
                              const float * boundary, int32_t n_tokens, const uint8_t * want, float * out,
                              size_t out_capacity, int32_t * n_out_rows) {
     Impl & m = *this;
-    const EngineInfo & in = m.info;
     *n_out_rows = 0;
     if (slot < 0 || (uint32_t) slot >= m.cfg.n_slots) {
         return Status(kUnknownSlot, "slot " + std::to_string(slot) + " does not exist; this engine has slots 0.." +
@@ -1314,121 +1317,15 @@ Status Engine::Impl::Forward(int32_t slot, const int32_t * pos, const int32_t * 
     }
     if (n_tokens <= 0) return Status(kInvalidArgument, "forward needs at least one token");
     if (!pos) return Status(kInvalidPosition, "positions are required");
-    Status in_ok = CheckStageInputs(tokens, boundary, n_tokens);
-    if (!in_ok.ok()) return in_ok;
-
-    const int32_t next = llama_memory_seq_pos_max(llama_get_memory(m.ctx), slot) + 1;
     for (int32_t i = 0; i < n_tokens; ++i) {
         if (pos[i] != pos[0] + i) {
             return Status(kInvalidPosition, "positions must be contiguous: position " + std::to_string(pos[i]) +
                           " at index " + std::to_string(i) + " should be " + std::to_string(pos[0] + i));
         }
     }
-    if (pos[0] != next) {
-        return Status(kInvalidPosition, "slot " + std::to_string(slot) + " continues at position " +
-                      std::to_string(next) + " but the input starts at " + std::to_string(pos[0]) +
-                      (pos[0] > next ? " (a gap: send the missing tokens first)"
-                                     : " (already computed: release the slot and re-prefill)"));
-    }
-    if ((int64_t) pos[0] + n_tokens > (int64_t) in.n_ctx) {
-        return Status(kContextFull, "slot " + std::to_string(slot) + " holds " + std::to_string(next) +
-                      " tokens; " + std::to_string(n_tokens) + " more exceed its context of " +
-                      std::to_string(in.n_ctx) + " tokens (release the slot or use a larger n_ctx)");
-    }
-
-    const int32_t width = OutputWidth();
-    int32_t rows_wanted = 0;
-    if (m.last) {
-        if (want) {
-            for (int32_t i = 0; i < n_tokens; ++i) rows_wanted += want[i] ? 1 : 0;
-        } else {
-            rows_wanted = 1;
-        }
-    } else {
-        rows_wanted = n_tokens;
-    }
-    if ((size_t) rows_wanted * (size_t) width > out_capacity) {
-        return Status(kInvalidArgument, "output buffer holds " + std::to_string(out_capacity) + " floats, " +
-                      std::to_string((size_t) rows_wanted * width) + " needed");
-    }
-
-    const int32_t W = in.n_embd_boundary;
-    const int32_t U = (int32_t) m.cfg.n_ubatch;
-    int32_t rows_out = 0;
-    // A failure after a chunk was decoded: the slot holds part of the step, so it is cleared
-    // (re-prefilled by the caller), as for a failed decode.
-    auto cleared = [&](const std::string & why) {
-        m.ClearSlot(slot);
-        return Status(kEngineError, why + "; slot " + std::to_string(slot) +
-                      " was cleared and must be re-prefilled");
-    };
-    // llama.cpp may throw from llama_decode (batch conversion, graph allocation) or from the
-    // read-out after it: as for a failed decode, never leave a half-computed step behind.
-    try {
-        for (int32_t c0 = 0; c0 < n_tokens; c0 += U) {
-            const int32_t n = std::min(U, n_tokens - c0);
-            llama_batch & b = m.batch;
-            b.n_tokens = n;
-            b.token = (tokens && m.trunk_tokens) ? const_cast<int32_t *>(tokens + c0) : nullptr;
-            b.embd = m.first ? nullptr : const_cast<float *>(boundary + (size_t) c0 * W);
-            for (int32_t i = 0; i < n; ++i) {
-                b.pos[i] = pos[c0 + i];
-                b.seq_id[i][0] = slot;
-                int8_t o = 0;
-                if (m.last) o = want ? (want[c0 + i] ? 1 : 0) : (c0 + i == n_tokens - 1 ? 1 : 0);
-                b.logits[i] = o;
-            }
-            const int32_t rc = m.Decode(n);
-            if (rc != 0) {
-                // Never leave a half-computed step behind: the slot must be re-prefilled.
-                m.ClearSlot(slot);
-                std::string why = log_last_error();
-                return Status(rc == 1 ? kContextFull : kEngineError,
-                              "llama_decode failed with code " + std::to_string(rc) + " at position " +
-                              std::to_string(pos[c0]) + "; slot " + std::to_string(slot) +
-                              " was cleared and must be re-prefilled" + (why.empty() ? "" : ": " + why));
-            }
-            m.rs_tail[slot] = n;
-            if (m.mtp) {
-                const float * h = llama_get_embeddings_nextn(m.ctx);
-                if (!h) return cleared("llama.cpp returned no hidden rows for the MTP catch-up");
-                for (int32_t i = 0; i < n; ++i) m.mtp_seq[i] = slot;
-                const int32_t mrc = m.MtpCatchUp(tokens + c0, b.pos, m.mtp_seq.data(), h, n);
-                if (mrc != 0) {
-                    std::string why = log_last_error();
-                    return cleared("the MTP catch-up decode failed with code " + std::to_string(mrc) +
-                                   " at position " + std::to_string(pos[c0]) + (why.empty() ? "" : ": " + why));
-                }
-            }
-            if (m.last) {
-                for (int32_t i = 0; i < n; ++i) {
-                    if (!b.logits[i]) continue;
-                    const float * row = llama_get_logits_ith(m.ctx, i);
-                    if (!row) return cleared("llama.cpp returned no logits for row " + std::to_string(c0 + i));
-                    std::memcpy(out + (size_t) rows_out * width, row, sizeof(float) * (size_t) width);
-                    ++rows_out;
-                }
-            } else {
-#if DGR_LAYER_RANGE
-                const float * bnd = llama_get_boundary(m.ctx);
-                if (!bnd) return cleared("llama.cpp returned no boundary");
-                std::memcpy(out + (size_t) rows_out * width, bnd, sizeof(float) * (size_t) n * width);
-                rows_out += n;
-#else
-                return Status(kUnsupportedArch, "this build of llama.cpp has no layer ranges");
-#endif
-            }
-        }
-    } catch (...) {
-        m.batch.token = nullptr;
-        m.batch.embd = nullptr;
-        const std::string why = current_exception_text();
-        m.ClearSlot(slot);
-        return Status(kEngineError, "llama.cpp threw during the forward of slot " + std::to_string(slot) +
-                      " (" + why + "); the slot was cleared and must be re-prefilled");
-    }
-    *n_out_rows = rows_out;
-    return Status();
+    m.one_slot.assign((size_t) n_tokens, slot);
+    return m.ForwardBatch(m.one_slot.data(), pos, tokens, boundary, n_tokens, want, out, out_capacity,
+                          n_out_rows);
 }
 
 Status Engine::Impl::ForwardBatch(const int32_t * slots, const int32_t * pos, const int32_t * tokens,

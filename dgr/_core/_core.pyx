@@ -318,21 +318,40 @@ cdef class Engine:
 
     def _forward(self, int slot, object pos, object tokens, object boundary, object want,
                  object out):
-        """Validated-array forward; see ``dgr.Engine.forward``.
+        """Validated-array forward of one slot; see ``dgr.Engine.forward``. A one-slot
+        ``_forward_batch`` (the C++ engine's ``Forward`` runs its one forward core)."""
+        return self._step(None, slot, pos, tokens, boundary, want, out)
+
+    def _forward_batch(self, object slots, object pos, object tokens, object boundary,
+                       object want, object out):
+        """Validated-array batched forward; see ``dgr.Engine.forward_batch``."""
+        return self._step(slots, 0, pos, tokens, boundary, want, out)
+
+    cdef object _step(self, object slots, int slot, object pos, object tokens, object boundary,
+                      object want, object out):
+        """The one binding of a forward: ``slots`` (one per token) for a batch, or None for a
+        step of ``slot`` alone.
 
         The C++ engine reads every array through a raw pointer, so each one is checked here,
-        before it is called: its type, dtype, C-contiguity, dimensions, and that its length
-        agrees with the ``len(pos)`` tokens of the step and its width with this stage's
-        (nothing is converted or copied). A mismatch raises the error ``dgr.Engine.forward``
-        raises for the same argument: ``InvalidPosition`` (pos), ``InvalidArgument``
-        (tokens, want, out), ``InvalidBoundary`` (boundary). What the values mean (token ids
-        in the vocabulary, positions continuing the slot, which stage takes what) the C++
+        before it is called: its type, dtype, C-contiguity, dimensions, one entry or row per
+        token, the boundary width (nothing is converted or copied). A mismatch raises the error
+        ``dgr.Engine.forward`` raises for the same argument: ``UnknownSlot`` (slots),
+        ``InvalidPosition`` (pos), ``InvalidArgument`` (tokens, want, out),
+        ``InvalidBoundary`` (boundary). What the values mean (slots in range, positions
+        continuing each slot, token ids in the vocabulary, which stage takes what) the C++
         engine checks.
         """
+        cdef cnp.ndarray sl
+        cdef const int32_t * pslots = NULL
         cdef cnp.ndarray p = _array(pos, "positions", np.int32, 1, _errors.InvalidPosition)
         if p.shape[0] > INT32_MAX:
             raise _errors.InvalidPosition(f"{p.shape[0]} positions: at most {INT32_MAX} per step")
         cdef int32_t n = <int32_t> p.shape[0]
+        if slots is not None:
+            sl = _array(slots, "slots", np.int32, 1, _errors.UnknownSlot)
+            if sl.shape[0] != n:
+                raise _errors.InvalidPosition(f"{n} positions for {sl.shape[0]} slots")
+            pslots = <const int32_t *> cnp.PyArray_DATA(sl)
         cdef const int32_t * ppos = <const int32_t *> cnp.PyArray_DATA(p)
         cdef const int32_t * ptok = NULL
         cdef const float * pbnd = NULL
@@ -348,20 +367,27 @@ cdef class Engine:
                 raise _errors.InvalidBoundary(
                     f"boundary must have shape [n_tokens, {self.n_embd_boundary}], "
                     f"got {list(boundary.shape)}")
-            if tokens is not None and len(boundary) != len(tokens):
+            if tokens is not None and a.shape[0] != len(tokens):
                 raise _errors.InvalidBoundary(
-                    f"boundary has {len(boundary)} rows but {len(tokens)} token ids were given")
+                    f"boundary has {a.shape[0]} rows but {len(tokens)} token ids were given")
             pbnd = <const float *> cnp.PyArray_DATA(a)
         if tokens is not None and len(tokens) != n:
             raise _errors.InvalidPosition(f"{n} positions for {len(tokens)} tokens")
         if boundary is not None and len(boundary) != n:
-            raise _errors.InvalidPosition(f"{n} positions for {len(boundary)} boundary rows")
+            if slots is None:  # a step's positions are its rows: the positions are wrong
+                raise _errors.InvalidPosition(f"{n} positions for {len(boundary)} boundary rows")
+            raise _errors.InvalidBoundary(
+                f"boundary has {len(boundary)} rows but the batch has {n} tokens")
         if want is not None:
             a = _mask(want, n)
             pwant = <const uint8_t *> cnp.PyArray_DATA(a)
             rows = <int32_t> np.count_nonzero(want) if self.is_last else n
+        elif not self.is_last:
+            rows = n
+        elif slots is None:
+            rows = 1
         else:
-            rows = 1 if self.is_last else n
+            rows = <int32_t> np.unique(sl).shape[0]
         out = _out(out, rows, self.output_width)
         cdef cnp.ndarray o = <cnp.ndarray> out
         cdef float * pout = <float *> cnp.PyArray_DATA(o)
@@ -370,64 +396,10 @@ cdef class Engine:
         cdef CStatus st
         with self.lock:
             with nogil:
-                st = self._e.get().Forward(slot, ppos, ptok, pbnd, n, pwant, pout, cap, &n_rows)
-        check_status(st)
-        return out if o.shape[0] == n_rows else out[:n_rows]
-
-
-    def _forward_batch(self, object slots, object pos, object tokens, object boundary,
-                       object want, object out):
-        """Validated-array batched forward; see ``dgr.Engine.forward_batch``.
-
-        As ``_forward``: every array is checked here before the C++ engine reads it through a
-        raw pointer (type, dtype, C-contiguity, dimensions, one entry or row per token, the
-        boundary width), nothing converted or copied; the C++ engine checks the values (slots
-        in range, each slot's positions continuing it, token ids, which stage takes what).
-        """
-        cdef cnp.ndarray sl = _array(slots, "slots", np.int32, 1, _errors.UnknownSlot)
-        cdef cnp.ndarray p = _array(pos, "positions", np.int32, 1, _errors.InvalidPosition)
-        if p.shape[0] > INT32_MAX:
-            raise _errors.InvalidPosition(f"{p.shape[0]} positions: at most {INT32_MAX} per step")
-        cdef int32_t n = <int32_t> p.shape[0]
-        if sl.shape[0] != n:
-            raise _errors.InvalidPosition(f"{n} positions for {sl.shape[0]} slots")
-        cdef const int32_t * pslots = <const int32_t *> cnp.PyArray_DATA(sl)
-        cdef const int32_t * ppos = <const int32_t *> cnp.PyArray_DATA(p)
-        cdef const int32_t * ptok = NULL
-        cdef const float * pbnd = NULL
-        cdef const uint8_t * pwant = NULL
-        cdef cnp.ndarray a
-        cdef int32_t rows
-        if tokens is not None:
-            a = _array(tokens, "tokens", np.int32, 1, _errors.InvalidArgument)
-            if a.shape[0] != n:
-                raise _errors.InvalidPosition(f"{n} positions for {a.shape[0]} tokens")
-            ptok = <const int32_t *> cnp.PyArray_DATA(a)
-        if boundary is not None:
-            a = _array(boundary, "boundary", np.float32, 2, _errors.InvalidBoundary)
-            if a.shape[1] != self.n_embd_boundary:
-                raise _errors.InvalidBoundary(
-                    f"boundary must have shape [n_tokens, {self.n_embd_boundary}], "
-                    f"got {list(boundary.shape)}")
-            if a.shape[0] != n:
-                raise _errors.InvalidBoundary(
-                    f"boundary has {a.shape[0]} rows but the batch has {n} tokens")
-            pbnd = <const float *> cnp.PyArray_DATA(a)
-        if want is not None:
-            a = _mask(want, n)
-            pwant = <const uint8_t *> cnp.PyArray_DATA(a)
-            rows = <int32_t> np.count_nonzero(want) if self.is_last else n
-        else:
-            rows = <int32_t> np.unique(sl).shape[0] if self.is_last else n
-        out = _out(out, rows, self.output_width)
-        cdef cnp.ndarray o = <cnp.ndarray> out
-        cdef float * pout = <float *> cnp.PyArray_DATA(o)
-        cdef size_t cap = <size_t> o.shape[0] * <size_t> o.shape[1]
-        cdef int32_t n_rows = 0
-        cdef CStatus st
-        with self.lock:
-            with nogil:
-                st = self._e.get().ForwardBatch(pslots, ppos, ptok, pbnd, n, pwant, pout, cap,
-                                                &n_rows)
+                if pslots == NULL:
+                    st = self._e.get().Forward(slot, ppos, ptok, pbnd, n, pwant, pout, cap, &n_rows)
+                else:
+                    st = self._e.get().ForwardBatch(pslots, ppos, ptok, pbnd, n, pwant, pout, cap,
+                                                    &n_rows)
         check_status(st)
         return out if o.shape[0] == n_rows else out[:n_rows]
