@@ -70,10 +70,26 @@ def tensor_role(name: str) -> tuple[int | None, str]:
     return None, "shared"
 
 
-def n_layer_of(block_count: int, nextn: int | None) -> int:
+def n_layer_of(block_count: int, nextn: int | None, arch: str = "",
+               tensor_names: Iterable[str] | None = None) -> int:
     """Layers a route splits: multi-token-prediction layers (``nextn``) are counted in
-    ``block_count`` but sit after the last layer."""
-    return block_count - (nextn or 0)
+    ``block_count`` but sit after the last layer.
+
+    The rule is llama.cpp's, and the engine's (``cpp/src/engine.cpp``, which checks it against
+    llama.cpp's own count at load): ``nextn`` blocks are subtracted when ``0 < nextn <
+    block_count``, and for ``deepseek4`` only when the first one is in the file
+    (``blk.<block_count - nextn>.nextn.eh_proj.weight``; a conversion that drops the MTP
+    weights keeps ``nextn_predict_layers`` and counts only the trunk). ``tensor_names`` None:
+    not known (a split whose other parts were not read): the block is taken as present.
+    """
+    nextn = nextn or 0
+    if not 0 < nextn < block_count:
+        return block_count
+    if arch == "deepseek4" and tensor_names is not None:
+        probe = f"blk.{block_count - nextn}.nextn.eh_proj.weight"
+        if probe not in set(tensor_names):
+            return block_count
+    return block_count - nextn
 
 
 def needed_tensor_names(tensors: Iterable[tuple[str, int | None, str]], a: int, b: int,
@@ -293,7 +309,7 @@ def model_facts(heads: Sequence[gguf_io.GGUFHeader]) -> dict:
     return {
         "arch": arch,
         "block_count": block_count,
-        "n_layer": n_layer_of(block_count, nextn),
+        "n_layer": n_layer_of(block_count, nextn, arch, names),
         "tied_embeddings": "output.weight" not in names and "token_embd.weight" in names,
         "n_tensors": len(names),
         "gguf_version": first.version,

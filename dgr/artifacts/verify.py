@@ -551,7 +551,11 @@ def precheck(model_path: str | os.PathLike, layers: tuple[int, int] | None = Non
         head = first
     if block_count is None:
         raise InvalidModel(f"{files[0]} has no block_count")
-    n_layer = n_layer_of(block_count, head.arch_int("nextn_predict_layers", 0))
+    # the file's own tensors tell whether a NextN block is there, unless other files (splits)
+    # or another stage's cut (a slice) may hold it
+    whole_file = len(files) == 1 and head.slice_range is None
+    names = [t.name for t in head.tensors] if whole_file else None
+    n_layer = n_layer_of(block_count, head.arch_int("nextn_predict_layers", 0), head.arch, names)
     a, b = (0, n_layer) if layers is None else check_range(layers, n_layer, str(p))
     held = head.slice_range
     if held is not None and not (held[0] <= a and b <= held[1]):

@@ -153,6 +153,9 @@ class TinyDeepseek4:
     hc: int = 4  # the loader asserts 4
     n_ctx_train: int = 4096
     mtp: bool = False
+    #: name a NextN block (``nextn_predict_layers`` 1) the file does not hold (``block_count``
+    #: counts the trunk only), as a conversion that drops the MTP weights writes it
+    nextn_metadata_only: bool = False
     seed: int = 0
 
 
@@ -187,8 +190,8 @@ def write_tiny_deepseek4(path: str | Path, cfg: TinyDeepseek4 = TinyDeepseek4())
     u32("context_length", cfg.n_ctx_train)
     u32("embedding_length", n_embd)
     u32("block_count", n_blocks)
-    if cfg.mtp:
-        u32("nextn_predict_layers", n_mtp)
+    if cfg.mtp or cfg.nextn_metadata_only:
+        u32("nextn_predict_layers", 1)
     u32("attention.head_count", cfg.n_head)
     u32("attention.head_count_kv", 1)
     u32("attention.key_length", cfg.head_dim)

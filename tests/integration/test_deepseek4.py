@@ -249,3 +249,22 @@ def test_slots_keep_their_own_compressed_state(dsv4):
     # slot 1 has the same numerics as slot 0 (one KV stream per slot)
     assert np.stack(rows[0]).tobytes() == alone[0].tobytes()
     assert np.stack(rows[1]).tobytes() == alone[1].tobytes()
+
+
+def test_n_layer_has_one_definition_for_a_file_naming_a_nextn_block_it_lacks(tmp_path):
+    """A V4 conversion that dropped the MTP weights keeps ``nextn_predict_layers`` and counts
+    only the trunk in ``block_count``: the artifacts (manifest, precheck) count the layers as
+    the engine and llama.cpp do, so both give the same layer ranges."""
+    import dataclasses
+
+    from dgr.artifacts import gguf as gguf_io
+    from dgr.artifacts.manifest import model_facts
+    from dgr.artifacts.verify import precheck
+
+    for name, cfg in (("no-mtp-weights", dataclasses.replace(CFG, nextn_metadata_only=True)),
+                      ("mtp", dataclasses.replace(CFG, mtp=True))):
+        path = write_tiny_deepseek4(tmp_path / f"{name}.gguf", cfg)
+        facts = model_facts([gguf_io.read_header(path, decode_arrays=False)])
+        eng = dgr.Engine(path, n_ctx=64)
+        assert facts["n_layer"] == eng.n_layer == CFG.n_layer, name
+        assert precheck(path, (0, CFG.n_layer))["layers"] == (0, CFG.n_layer)
