@@ -217,6 +217,14 @@ class AsyncRoute:
         if len(kinds) > 1:
             log.warning("a mixed route (%s): its bits differ from either whole model",
                         " + ".join(kinds))
+            # a relayed frame names one stage identity for every hop, and the stages of a
+            # mixed route have each their own: its steps go hop by hop
+            if self._relay_arg:
+                raise errors.RouteError(
+                    "relay=True: a relayed frame carries one stage identity, and the stages of "
+                    "a mixed route have each their own (their kind of device); use relay=None "
+                    "or False")
+            self.relay = False
         old = [s for s in order if s.wire_schema_version < 4]
         if self.speculate and old:
             # a stage before wire schema 4 would ignore Forward.rollback and drafts

@@ -36,7 +36,7 @@ from dgr import errors
 from dgr.protocol import wire
 from dgr.protocol.describe import COUNTERS
 from dgr.protocol.sampling import sample_rows
-from dgr.protocol.settings import CPU, settings_tag, stage_identity
+from dgr.protocol.settings import CPU, stage_identity
 from dgr.transport.common import MAX_MESSAGE
 from dgr.worker.sessions import Lease, SessionTable
 from dgr.worker.speculation import Speculator, accept
@@ -305,9 +305,10 @@ class StagePipeline:
         if h.model != self.identity:
             theirs, _, their_tag = h.model.partition("+")
             if theirs == self.model_identity:
+                ours = self.identity.partition("+")[2]
                 raise errors.ModelMismatch(
-                    f"frame was built for numeric settings {their_tag or '(none)'}; this worker "
-                    f"runs {settings_tag(self.settings)}")
+                    f"frame was built for numeric settings and device {their_tag or '(none)'}; "
+                    f"this worker runs {ours}")
             raise errors.ModelMismatch(
                 f"frame is for model {theirs or '(none)'}; this worker serves "
                 f"{self.model_identity} layers [{self.layers[0]}, {self.layers[1]})")

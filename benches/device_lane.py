@@ -1,0 +1,291 @@
+"""One device lane, certified and measured side by side in one run: the split against the
+whole model on the device, and dgr against llama.cpp's own programs on the same device.
+
+    python benches/device_lane.py --device CUDA0 [--models smollm2,qwen2-7b] [--tokens 64]
+                                  [--sessions 1,16,64] [--pp 512] [--json out.json]
+    python benches/device_lane.py --device Vulkan0 --tiny      # minutes on lavapipe
+
+``benches/device/lane.sh BACKEND`` builds the backend and runs this on its first device. Per
+model (``smollm2``: the registry's SmolLM2-135M; ``qwen2-7b``: ``benches/qwen2_7b.py``'s
+random-weight 7B-shaped qwen2; ``tiny``: a 4-layer random llama):
+
+1. **certify**: ``python -m dgr certify --device D --stages 2`` (the split's tokens and logits
+   rows against the whole model on the device, batching and speculative trips measured), the
+   record written to a store in the output folder.
+2. **decode**: whole-model greedy decode tokens/s in one process (``dgr.Engine`` on the
+   device), against relay over 2 and 3 worker processes sharing the device (direct relay and
+   the decode loop): tokens/s and the ratio to the whole model.
+3. **sessions**: k concurrent sessions through 2 stages (``AsyncRoute.complete`` gathered),
+   aggregate output tokens/s, against ``llama-batched-bench -ngl 99`` on the whole model with
+   the same settings (``-npl k``, one KV stream per sequence).
+4. **pp**: prompt tokens/s of one ``--pp``-token prompt through the whole model on the device
+   (dgr) against ``llama-bench -ngl 99 -p N -n 0``.
+
+The workers and llama.cpp's programs see the device as this process does: a software Vulkan
+device (lavapipe) only when ``GGML_VK_VISIBLE_DEVICES`` names it (lane.sh sets it). The table
+is printed last; ``--json`` keeps every figure with the commands that gave it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+#: every engine's settings (n_slots: the most sessions); llama.cpp's programs mirror them
+SETTINGS = dict(n_ctx=512, n_threads=1, n_ubatch=64, flash_attn=True)
+N_PROMPT = 16
+
+
+def log(msg: str) -> None:
+    print(f"[device-lane] {msg}", file=sys.stderr, flush=True)
+
+
+def model_path(name: str, tmp: str) -> str:
+    if name == "smollm2":
+        from dgr.artifacts import models
+
+        return str(models.path(models.DEFAULT_MODEL))
+    if name == "qwen2-7b":
+        sys.path.insert(0, HERE)
+        import qwen2_7b
+
+        return str(qwen2_7b.write())
+    if name == "tiny":
+        from dgr.testing.fixtures import write_tiny_llama
+
+        return str(write_tiny_llama(os.path.join(tmp, "tiny-llama.gguf")))
+    if os.path.exists(name):
+        return name
+    raise SystemExit(f"unknown model {name!r}: smollm2, qwen2-7b, tiny or a GGUF path")
+
+
+def prompt(i: int, n: int = N_PROMPT) -> list[int]:
+    """A different ``n``-token prompt per session (ids inside every vocabulary here)."""
+    return [1 + (17 * i + 7 * k) % 97 for k in range(n)]
+
+
+def certify(model: str, device: str, store: str, tokens: int, slots: int) -> dict:
+    cmd = [sys.executable, "-m", "dgr", "certify", "--model", model, "--stages", "2",
+           "--device", device, "--store", store, "--max-tokens", str(min(tokens, 16)),
+           "--ctx", str(SETTINGS["n_ctx"]), "--slots", str(slots), "--ubatch",
+           str(SETTINGS["n_ubatch"]), "--threads", str(SETTINGS["n_threads"]),
+           "--flash-attn", "on" if SETTINGS["flash_attn"] else "off"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    recs = sorted((os.path.join(store, f) for f in os.listdir(store) if f.endswith(".json")),
+                  key=os.path.getmtime) if os.path.isdir(store) else []
+    rec = json.load(open(recs[-1])) if p.returncode == 0 and recs else None
+    return {"command": shlex.join(cmd), "passed": rec is not None,
+            "bit_identical": bool(rec and rec["parity"]["logits_bit_identical"]),
+            "record": recs[-1] if rec else None, "stderr_tail": p.stderr[-1500:]}
+
+
+def whole_decode(model: str, device: str, tokens: int) -> dict:
+    import dgr
+    from dgr.core.local import generate_local
+
+    eng = dgr.Engine(model, device=device, n_slots=1, **SETTINGS)
+    generate_local(eng, prompt(0), max_tokens=2, stop_on_eog=False)  # warm up
+    eng.release(0)
+    t0 = time.perf_counter()
+    toks, _ = generate_local(eng, prompt(0), max_tokens=tokens, stop_on_eog=False)
+    wall = time.perf_counter() - t0
+    eng.release(0)
+    # the prompt's forward is timed apart (pp), so take decode as wall minus one prompt
+    t1 = time.perf_counter()
+    eng.forward(0, 0, prompt(0))
+    pre = time.perf_counter() - t1
+    eng.release(0)
+    n = max(len(toks) - 1, 1)
+    return {"tokens": len(toks), "decode_tps": n / max(wall - pre, 1e-9)}
+
+
+def pp(model: str, device: str, n: int) -> dict:
+    import dgr
+
+    eng = dgr.Engine(model, device=device, n_slots=1, **{**SETTINGS, "n_ctx": max(n + 8, 64)})
+    toks = [1 + (7 * k) % 97 for k in range(n)]
+    eng.forward(0, 0, toks[:8])
+    eng.release(0)
+    t0 = time.perf_counter()
+    eng.forward(0, 0, toks)
+    return {"tokens": n, "pp_tps": n / (time.perf_counter() - t0)}
+
+
+async def _gather(endpoints, k: int, n: int) -> dict:
+    from dgr.driver.route import AsyncRoute
+
+    async with AsyncRoute(endpoints) as r:
+        await r.complete(prompt(0), max_tokens=2, stop_on_eog=False)  # warm up
+        t0 = time.perf_counter()
+        gens = await asyncio.gather(*(r.complete(prompt(i), max_tokens=n, stop_on_eog=False)
+                                      for i in range(k)))
+        wall = time.perf_counter() - t0
+        relay = r.relay
+    toks = sum(len(g.tokens) for g in gens)
+    dec = [g.decode_s / max(len(g.tokens) - 1, 1) for g in gens]
+    return {"sessions": k, "wall_s": wall, "tokens": toks, "aggregate_tps": toks / wall,
+            "tpot_ms_max": 1e3 * max(dec), "relay": relay}
+
+
+def route_runs(model: str, device: str, stages: int, tokens: int, sessions: list[int]) -> dict:
+    import dgr
+    from dgr.protocol.ranges import ranges_for
+    from dgr.worker.process import LocalCluster
+
+    n_layer = dgr.Engine(model, n_ctx=64).n_layer
+    ranges = ranges_for(None, stages, n_layer)
+    cluster = LocalCluster(model, ranges, settings={**SETTINGS, "n_slots": max(sessions),
+                                                    "device": device})
+    try:
+        eps = cluster.start(timeout=600)
+        return {k: asyncio.run(_gather(eps, k, tokens)) for k in sessions}
+    finally:
+        cluster.stop()
+
+
+def _tool(name: str) -> str:
+    from dgr.vendor import Vendor
+
+    v = Vendor()
+    if not v.tool_path(name).exists():
+        log(f"building {name} (the pinned tree's, this backend's build) ...")
+        v.build([name])
+    return str(v.tool_path(name))
+
+
+def batched_bench(model: str, sessions: list[int], tokens: int) -> dict:
+    ub = str(SETTINGS["n_ubatch"])
+    cmd = [_tool("llama-batched-bench"), "-m", model, "-c", str(SETTINGS["n_ctx"] * max(sessions)),
+           "-no-kvu", "-b", ub, "-ub", ub, "-t", str(SETTINGS["n_threads"]),
+           "-fa", "on" if SETTINGS["flash_attn"] else "off",
+           "-ngl", "99", "-npp", str(N_PROMPT), "-ntg", str(tokens),
+           "-npl", ",".join(map(str, sessions)), "--output-format", "jsonl"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if p.returncode != 0:
+        return {"command": shlex.join(cmd), "error": p.stderr[-1500:]}
+    out = {"command": shlex.join(cmd)}
+    for line in p.stdout.splitlines():
+        if line.startswith("{"):
+            rec = json.loads(line)
+            out[int(rec["pl"])] = {"aggregate_tps": float(rec["speed_tg"]),
+                                   "n_gpu_layers": rec.get("n_gpu_layers")}
+    return out
+
+
+def llama_bench_pp(model: str, n: int) -> dict:
+    cmd = [_tool("llama-bench"), "-m", model, "-ngl", "99", "-p", str(n), "-n", "0", "-r", "2",
+           "-t", str(SETTINGS["n_threads"]), "-fa", "1" if SETTINGS["flash_attn"] else "0",
+           "-ub", str(SETTINGS["n_ubatch"]),
+           "-b", str(SETTINGS["n_ubatch"]), "-o", "jsonl"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if p.returncode != 0:
+        return {"command": shlex.join(cmd), "error": p.stderr[-1500:]}
+    recs = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+    return {"command": shlex.join(cmd), "pp_tps": float(recs[-1]["avg_ts"]),
+            "backends": recs[-1].get("backends", "")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python benches/device_lane.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", required=True, help="the device, as --device takes it")
+    ap.add_argument("--models", default="smollm2,qwen2-7b",
+                    help="comma-separated: smollm2, qwen2-7b, tiny, or GGUF paths")
+    ap.add_argument("--tokens", type=int, default=64, help="greedy tokens per generation")
+    ap.add_argument("--sessions", default="1,16,64", help="concurrent sessions")
+    ap.add_argument("--pp", type=int, default=512, help="prompt tokens of the pp row")
+    ap.add_argument("--flash-attn", choices=["on", "off"], default="on",
+                    help="flash attention in every engine and reference (default on)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="a size for a software device: the tiny model, 8 tokens, sessions "
+                         "1,4, pp 64, flash attention off (lavapipe of Mesa 22.3 crashes in a "
+                         "flash-attention decode of several sequences whose slots were "
+                         "released and filled again)")
+    ap.add_argument("--json", help="write every figure here")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.models, args.tokens, args.sessions, args.pp = "tiny", 8, "1,4", 64
+        args.flash_attn = "off"
+    SETTINGS["flash_attn"] = args.flash_attn == "on"
+    sessions = sorted({int(k) for k in args.sessions.split(",")})
+
+    import dgr
+
+    dev = next((d for d in dgr.devices() if d["name"].lower() == args.device.lower()), None)
+    if dev is None:
+        raise SystemExit(f"no device {args.device!r} here: "
+                         + ", ".join(d["name"] for d in dgr.devices()))
+    t0 = time.monotonic()
+    res = {"device": dev, "settings": SETTINGS, "host": platform.node(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "models": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            path = model_path(name, tmp)
+            log(f"{name}: {path}")
+            m = res["models"][name] = {"path": path}
+            m["certify"] = certify(path, dev["name"], os.path.join(tmp, "certs"), args.tokens,
+                                   max(4, max(sessions)))
+            log(f"{name}: certified {m['certify']['passed']} "
+                f"(bit-identical {m['certify']['bit_identical']})")
+            m["whole"] = whole_decode(path, dev["name"], args.tokens)
+            m["relay"] = {}
+            for k in (2, 3):
+                m["relay"][k] = route_runs(path, dev["name"], k, args.tokens, [1])[1]
+                log(f"{name}: relay{k} {m['relay'][k]['aggregate_tps']:.1f} tokens/s")
+            m["sessions"] = route_runs(path, dev["name"], 2, args.tokens, sessions)
+            m["batched_bench"] = batched_bench(path, sessions, args.tokens)
+            m["pp"] = pp(path, dev["name"], args.pp)
+            m["llama_bench_pp"] = llama_bench_pp(path, args.pp)
+    res["seconds"] = round(time.monotonic() - t0, 1)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2, default=str)
+    print(table(res))
+    return 0 if all(m["certify"]["passed"] for m in res["models"].values()) else 1
+
+
+def table(res: dict) -> str:
+    """The run as a markdown table (printed last)."""
+    d = res["device"]
+
+    def f(v) -> str:
+        return "-" if v is None else f"{v:.1f}"
+
+    lines = [f"device {d['name']}: {d['description']} ({d['backend']}"
+             + (", software device" if d.get("software") else "") + f"), {res['seconds']} s",
+             "", "| model | row | dgr | reference | dgr / reference |", "|---|---|---:|---:|---:|"]
+    for name, m in res["models"].items():
+        c = m["certify"]
+        lines.append(f"| {name} | certify 2 stages | {'passed' if c['passed'] else 'FAILED'} | "
+                     f"whole model | bit-identical: {c['bit_identical']} |")
+        w = m["whole"]["decode_tps"]
+        for k, r in m["relay"].items():
+            lines.append(f"| {name} | decode relay{k} (tokens/s) | {f(r['aggregate_tps'])} | "
+                         f"{f(w)} (whole) | {r['aggregate_tps'] / w:.2f} |")
+        bb = m["batched_bench"]
+        for k, r in m["sessions"].items():
+            ref = bb.get(k, {}).get("aggregate_tps") if isinstance(bb.get(k), dict) else None
+            ratio = f"{r['aggregate_tps'] / ref:.2f}" if ref else "-"
+            lines.append(f"| {name} | {k} session(s), 2 stages (tokens/s) | "
+                         f"{f(r['aggregate_tps'])} | {f(ref)} (llama-batched-bench) | {ratio} |")
+        ref = m["llama_bench_pp"].get("pp_tps")
+        ratio = f"{m['pp']['pp_tps'] / ref:.2f}" if ref else "-"
+        lines.append(f"| {name} | pp{m['pp']['tokens']} (tokens/s) | {f(m['pp']['pp_tps'])} | "
+                     f"{f(ref)} (llama-bench) | {ratio} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
