@@ -422,6 +422,246 @@ bool ArchSupportsLayerRange(const std::string & arch) noexcept {
 #endif
 }
 
+// ---- MTP (NextN) drafting on the last stage ---------------------------------------------
+// A second llama context of type MTP on the same model runs the NextN block. After every
+// trunk chunk, the catch-up decode feeds it the pairs (x_q, h_{q-1}): the token at position q
+// with the trunk's hidden row (t_h_nextn, n_embd_boundary wide) at q-1 (zeros at q = 0), as
+// llama.cpp's draft-mtp driver does (common/speculative.cpp). Per slot the trunk rows of the
+// last kRows positions are kept: the last one is the pending h a draft or the next step
+// pairs with, the others are what a truncate restores. The engine calls it at four points:
+// after each trunk decode (CatchUp), when a slot is cleared or truncated, and to draft.
+class MtpDrafter {
+public:
+    static constexpr int32_t kRows = kRollbackWindow + 1;
+
+    MtpDrafter() = default;
+    MtpDrafter(const MtpDrafter &) = delete;
+    MtpDrafter & operator=(const MtpDrafter &) = delete;
+    ~MtpDrafter() {
+        if (batch_.pos) {
+            batch_.token = batch_token_;
+            batch_.embd = nullptr;
+            llama_batch_free(batch_);
+        }
+        if (ctx_) llama_free(ctx_);
+    }
+
+    // The MTP context beside the trunk context `trunk` (created with `cp`), which it reads
+    // as its ctx_other.
+    Status Init(llama_model * model, llama_context * trunk, const llama_context_params & cp,
+                uint32_t n_slots, uint32_t n_ubatch) {
+        // llama.cpp's own MTP context (common_speculative_init_result): the target's settings,
+        // ctx_type MTP, no rollback snapshots (its memory is a plain KV cache of the NextN
+        // block), the target as ctx_other
+        llama_context_params mc = cp;
+        mc.ctx_type = LLAMA_CONTEXT_TYPE_MTP;
+        mc.n_rs_seq = 0;
+        mc.ctx_other = trunk;
+        ctx_ = llama_init_from_model(model, mc);
+        if (!ctx_) {
+            std::string why = log_last_error();
+            return Status(kMtpNotSupported, "llama.cpp could not create the MTP context" +
+                          (why.empty() ? std::string() : " (" + why + ")"));
+        }
+        // the NextN block's own hidden row of each logits row: the h of the next draft step
+        llama_set_embeddings_nextn(ctx_, true, /*masked*/ true);
+        llama_set_embeddings_layer_inp(ctx_, 0, false);  // a new graph plan, as for the trunk
+        n_slots_ = n_slots;
+        n_ubatch_ = n_ubatch;
+        return Status();
+    }
+
+    // The buffers, once the widths are known (after the model's facts are read).
+    void Size(int32_t width, int32_t n_vocab) {
+        W_ = (size_t) width;
+        n_vocab_ = n_vocab;
+        batch_ = llama_batch_init((int32_t) n_ubatch_, 0, 1);
+        batch_token_ = batch_.token;
+        for (uint32_t i = 0; i < n_ubatch_; ++i) batch_.n_seq_id[i] = 1;
+        embd_.assign((size_t) n_ubatch_ * W_, 0.0f);
+        zeros_.assign(W_, 0.0f);
+        seq_.assign(n_ubatch_, 0);
+        tok_.assign(n_ubatch_, 0);
+        slots_.resize(n_slots_);
+        for (auto & sl : slots_) sl.rows.assign((size_t) kRows * W_, 0.0f);
+    }
+
+    llama_context * ctx() const noexcept { return ctx_; }
+
+    void Clear(int32_t slot) {
+        llama_memory_seq_rm(llama_get_memory(ctx_), slot, -1, -1);
+        slots_[slot].pos0 = 0;
+        slots_[slot].n = 0;
+    }
+
+    // Why the slot cannot be truncated to `pos` ("" when it can): the pending h after the
+    // cut (the trunk's row at pos-1) must be one of the rows kept.
+    std::string CannotTruncate(int32_t slot, int32_t pos) const {
+        const Slot & ms = slots_[slot];
+        if (pos - 1 < ms.pos0 || pos - 1 >= ms.pos0 + ms.n) {
+            return "MTP keeps the trunk's hidden rows of the last " + std::to_string(kRows) +
+                   " positions only (" + std::to_string(ms.pos0) + ".." + std::to_string(ms.pos0 + ms.n - 1) +
+                   "), not that of position " + std::to_string(pos - 1);
+        }
+        return "";
+    }
+
+    // Drop positions from `pos` on; false when the MTP cache refuses.
+    bool Truncate(int32_t slot, int32_t pos) {
+        if (!llama_memory_seq_rm(llama_get_memory(ctx_), slot, pos, -1)) return false;
+        Slot & ms = slots_[slot];
+        ms.n = pos - ms.pos0;  // the last row kept is the trunk's h at pos-1: the pending h
+        return true;
+    }
+
+    // Row k of the trunk chunk just decoded: its slot and token (batch order).
+    void SetRow(int32_t k, int32_t slot, int32_t token) {
+        seq_[k] = slot;
+        tok_[k] = token;
+    }
+
+    // The catch-up decode of the n rows of the trunk's last llama_decode (row k: SetRow's
+    // token and slot at position pos[k], its trunk hidden row h + k*W); a slot's rows are
+    // consecutive and in position order. Returns llama_decode's code (0: done).
+    int32_t CatchUp(const llama_pos * pos, const float * h, int32_t n) {
+        llama_batch & b = batch_;
+        // the pairs (x_q, h_{q-1}), gathered before this chunk's rows are kept
+        for (int32_t k = 0; k < n; ++k) {
+            const bool cont = k > 0 && seq_[k - 1] == seq_[k];
+            const float * prev = cont ? h + (size_t) (k - 1) * W_ : PrevH(seq_[k], pos[k]);
+            std::memcpy(embd_.data() + (size_t) k * W_, prev, sizeof(float) * W_);
+            b.token[k] = tok_[k];
+            b.pos[k] = pos[k];
+            b.seq_id[k][0] = seq_[k];
+            b.logits[k] = 0;
+        }
+        for (int32_t k = 0; k < n;) {
+            int32_t e = k + 1;
+            while (e < n && seq_[e] == seq_[k]) ++e;
+            KeepRows(seq_[k], pos[k], h + (size_t) k * W_, e - k);
+            k = e;
+        }
+        b.n_tokens = n;
+        b.embd = embd_.data();
+        int32_t rc;
+        try {
+            rc = llama_decode(ctx_, b);
+        } catch (...) {
+            b.embd = nullptr;
+            throw;
+        }
+        b.embd = nullptr;
+        return rc;
+    }
+
+    // A greedy chain of n drafts from `token` at pos0 (the slot's next position); the MTP
+    // memory is left as before. *stuck: the MTP cache could not drop the draft (the caller
+    // clears the slot).
+    Status Draft(int32_t slot, int32_t pos0, int32_t token, int32_t n, std::vector<int32_t> * out,
+                 bool * stuck) {
+        *stuck = false;
+        llama_memory_t mem = llama_get_memory(ctx_);
+        const int32_t V = n_vocab_;
+        llama_batch & b = batch_;
+        float * h = embd_.data();
+        std::memcpy(h, PrevH(slot, pos0), sizeof(float) * W_);
+        auto failed = [&](const std::string & why) {
+            // the MTP memory past pos0 is the draft's own: drop it; the slot keeps its state
+            llama_memory_seq_rm(mem, slot, pos0, -1);
+            out->clear();
+            return Status(kEngineError, "MTP draft of slot " + std::to_string(slot) + " failed: " + why);
+        };
+        int32_t tok = token;
+        try {
+            for (int32_t i = 0; i < n; ++i) {
+                b.n_tokens = 1;
+                b.token[0] = tok;
+                b.pos[0] = pos0 + i;
+                b.seq_id[0][0] = slot;
+                b.logits[0] = 1;
+                b.embd = h;
+                const int32_t rc = llama_decode(ctx_, b);
+                b.embd = nullptr;
+                if (rc != 0) {
+                    std::string why = log_last_error();
+                    return failed("llama_decode returned " + std::to_string(rc) + (why.empty() ? "" : ": " + why));
+                }
+                const float * lg = llama_get_logits_ith(ctx_, 0);
+                if (!lg) return failed("llama.cpp returned no MTP logits");
+                int32_t best = 0;
+                for (int32_t v = 1; v < V; ++v) {
+                    if (lg[v] > lg[best]) best = v;  // strict: the lowest id wins a tie
+                }
+                out->push_back(best);
+                if (i + 1 < n) {
+                    const float * hn = llama_get_embeddings_nextn_ith(ctx_, 0);
+                    if (!hn) return failed("llama.cpp returned no NextN hidden row");
+                    std::memcpy(h, hn, sizeof(float) * W_);
+                }
+                tok = best;
+            }
+        } catch (...) {
+            b.embd = nullptr;
+            return failed(current_exception_text());
+        }
+        if (!llama_memory_seq_rm(mem, slot, pos0, -1)) {
+            *stuck = true;
+            out->clear();
+            return Status(kEngineError, "the MTP cache could not drop the draft of slot " + std::to_string(slot) +
+                          "; the slot was cleared and must be re-prefilled");
+        }
+        return Status();
+    }
+
+private:
+    struct Slot {
+        int32_t pos0 = 0;              // position of the first row kept
+        int32_t n = 0;                 // rows kept: positions [pos0, pos0 + n)
+        std::vector<float> rows;       // kRows * W
+    };
+
+    // The h a token at `pos` of `slot` pairs with: the trunk row at pos-1 (zeros at 0).
+    const float * PrevH(int32_t slot, int32_t pos) const {
+        const Slot & ms = slots_[slot];
+        if (pos <= 0 || ms.n <= 0 || pos - 1 != ms.pos0 + ms.n - 1) return zeros_.data();
+        return ms.rows.data() + (size_t) (ms.n - 1) * W_;
+    }
+
+    // Keep the trunk rows h[0..n) of positions [pos, pos+n) as the slot's last rows.
+    void KeepRows(int32_t slot, int32_t pos, const float * h, int32_t n) {
+        Slot & ms = slots_[slot];
+        if (ms.n > 0 && ms.pos0 + ms.n != pos) ms.n = 0;  // not a continuation: start over
+        if (ms.n == 0) ms.pos0 = pos;
+        if (n >= kRows) {
+            std::memcpy(ms.rows.data(), h + (size_t) (n - kRows) * W_, sizeof(float) * W_ * kRows);
+            ms.pos0 = pos + n - kRows;
+            ms.n = kRows;
+            return;
+        }
+        const int32_t drop = std::max(0, ms.n + n - kRows);
+        if (drop > 0) {
+            std::memmove(ms.rows.data(), ms.rows.data() + (size_t) drop * W_, sizeof(float) * W_ * (ms.n - drop));
+            ms.pos0 += drop;
+            ms.n -= drop;
+        }
+        std::memcpy(ms.rows.data() + (size_t) ms.n * W_, h, sizeof(float) * W_ * n);
+        ms.n += n;
+    }
+
+    llama_context * ctx_ = nullptr;
+    uint32_t n_slots_ = 0;
+    uint32_t n_ubatch_ = 0;
+    size_t W_ = 0;
+    int32_t n_vocab_ = 0;
+    llama_batch batch_{};
+    llama_token * batch_token_ = nullptr;  // llama_batch_init's own token array
+    std::vector<float> embd_;              // n_ubatch rows: the h column of batch_
+    std::vector<Slot> slots_;
+    std::vector<float> zeros_;             // the h paired with a token at position 0
+    std::vector<llama_seq_id> seq_;        // n_ubatch: a chunk's slot per row, batch order
+    std::vector<int32_t> tok_;             // n_ubatch: a chunk's tokens, batch order
+};
+
 struct Engine::Impl {
     EngineConfig cfg;
     EngineInfo info;
@@ -451,27 +691,8 @@ struct Engine::Impl {
     int32_t rs_window = -1;
     std::vector<int32_t> rs_tail;
 
-    // ---- MTP (NextN) on the last stage: a second context of type MTP on the same model ----
-    // After every trunk chunk, the catch-up decode feeds it the pairs (x_q, h_{q-1}): the
-    // token at position q with the trunk's hidden row (t_h_nextn, n_embd_boundary wide) at
-    // q-1 (zeros at q = 0), as llama.cpp's draft-mtp driver does (common/speculative.cpp).
-    // Per slot the trunk rows of the last kMtpRows positions are kept: the last one is the
-    // pending h a draft or the next step pairs with, the others are what Truncate restores.
-    static constexpr int32_t kMtpRows = kRollbackWindow + 1;
-    bool mtp = false;
-    llama_context * mtp_ctx = nullptr;
-    llama_batch mtp_batch{};
-    llama_token * mtp_batch_token = nullptr;  // llama_batch_init's own token array
-    std::vector<float> mtp_embd;              // n_ubatch rows: the h column of mtp_batch
-    struct MtpSlot {
-        int32_t pos0 = 0;                     // position of the first row kept
-        int32_t n = 0;                        // rows kept: positions [pos0, pos0 + n)
-        std::vector<float> rows;              // kMtpRows * n_embd_boundary
-    };
-    std::vector<MtpSlot> mtp_slots;
-    std::vector<float> mtp_zeros;             // the h paired with a token at position 0
-    std::vector<llama_seq_id> mtp_seq;        // n_ubatch: a chunk's slot per row, batch order
-    std::vector<int32_t> mtp_tok;             // n_ubatch: a chunk's tokens, batch order
+    // MTP (NextN) drafting on the last stage (MtpDrafter); null without mtp
+    std::unique_ptr<MtpDrafter> mtp;
 
     ~Impl() {
         try {
@@ -480,12 +701,7 @@ struct Engine::Impl {
                 batch.embd = nullptr;
                 llama_batch_free(batch);
             }
-            if (mtp_batch.pos) {
-                mtp_batch.token = mtp_batch_token;
-                mtp_batch.embd = nullptr;
-                llama_batch_free(mtp_batch);
-            }
-            if (mtp_ctx) llama_free(mtp_ctx);
+            mtp.reset();  // its context reads the trunk's (ctx_other): freed first
             if (ctx) llama_free(ctx);
             if (model) llama_model_free(model);
         } catch (...) {
@@ -517,15 +733,6 @@ struct Engine::Impl {
     Status MtpDraft(int32_t slot, int32_t token, int32_t n_max, std::vector<int32_t> * out);
     // Clear a slot in every cache (trunk, MTP) and its bookkeeping; never fails.
     void ClearSlot(int32_t slot);
-    // The h a token at `pos` of `slot` pairs with: the trunk row at pos-1 (zeros at 0).
-    const float * MtpPrevH(int32_t slot, int32_t pos) const;
-    // Keep the trunk rows h[0..n) of positions [pos, pos+n) as the slot's last rows.
-    void MtpKeepRows(int32_t slot, int32_t pos, const float * h, int32_t n);
-    // The MTP catch-up decode of the n rows of the trunk's last llama_decode (row k: token
-    // tok[k] of slot seq[k] at position pos[k], its trunk hidden row h + k*W); a slot's rows
-    // are consecutive and in position order. Returns llama_decode's code (0: done).
-    int32_t MtpCatchUp(const int32_t * tok, const llama_pos * pos, const llama_seq_id * seq,
-                       const float * h, int32_t n);
     // boundary rows gathered into slot order when the caller's are not (n_ubatch rows)
     std::vector<float> embd_gather;
     // Forward's slot of every token: a one-slot step runs through ForwardBatch
@@ -820,23 +1027,11 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
         // Re-setting a layer-input tap to its value (off) is the public call that requests
         // the new plan (llama_context::set_embeddings_layer_inp: sched_need_reserve = true).
         llama_set_embeddings_layer_inp(m.ctx, 0, false);
-        // llama.cpp's own MTP context (common_speculative_init_result): the target's settings,
-        // ctx_type MTP, no rollback snapshots (its memory is a plain KV cache of the NextN
-        // block), the target as ctx_other
-        llama_context_params mc = cp;
-        mc.ctx_type = LLAMA_CONTEXT_TYPE_MTP;
-        mc.n_rs_seq = 0;
-        mc.ctx_other = m.ctx;
-        m.mtp_ctx = llama_init_from_model(m.model, mc);
-        if (!m.mtp_ctx) {
-            std::string why = log_last_error();
-            return Status(kMtpNotSupported, "llama.cpp could not create the MTP context for " + cfg.model_path +
-                          (why.empty() ? std::string() : ": " + why));
+        m.mtp.reset(new MtpDrafter());
+        Status ms = m.mtp->Init(m.model, m.ctx, cp, cfg.n_slots, cfg.n_ubatch);
+        if (!ms.ok()) {
+            return Status(ms.code, ms.message + " for " + cfg.model_path);
         }
-        // the NextN block's own hidden row of each logits row: the h of the next draft step
-        llama_set_embeddings_nextn(m.mtp_ctx, true, /*masked*/ true);
-        llama_set_embeddings_layer_inp(m.mtp_ctx, 0, false);  // the new plan, as for the trunk
-        m.mtp = true;
     }
     m.vocab = llama_model_get_vocab(m.model);
 
@@ -870,8 +1065,8 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
     in.type_v = cfg.type_v;
     in.hash_layer_count = (int32_t) facts.hash_layer_count;
     m.trunk_tokens = m.first || start < facts.hash_layer_count;
-    in.needs_token_ids = m.trunk_tokens || m.mtp;  // the NextN block embeds the tokens
-    in.mtp = m.mtp;
+    in.needs_token_ids = m.trunk_tokens || m.mtp != nullptr;  // the NextN block embeds the tokens
+    in.mtp = m.mtp != nullptr;
     in.n_layer_nextn = (int32_t) facts.n_layer_nextn;
     in.rollback_window = m.rs_window;
     in.n_params = llama_model_n_params(m.model);
@@ -914,18 +1109,7 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
         m.pos_sections.assign((size_t) cfg.n_ubatch * m.n_pos_sections, 0);
     }
     for (uint32_t i = 0; i < cfg.n_ubatch; ++i) m.batch.n_seq_id[i] = 1;
-    if (m.mtp) {
-        const size_t W = (size_t) in.n_embd_boundary;
-        m.mtp_batch = llama_batch_init((int32_t) cfg.n_ubatch, 0, 1);
-        m.mtp_batch_token = m.mtp_batch.token;
-        for (uint32_t i = 0; i < cfg.n_ubatch; ++i) m.mtp_batch.n_seq_id[i] = 1;
-        m.mtp_embd.assign((size_t) cfg.n_ubatch * W, 0.0f);
-        m.mtp_zeros.assign(W, 0.0f);
-        m.mtp_seq.assign(cfg.n_ubatch, 0);
-        m.mtp_tok.assign(cfg.n_ubatch, 0);
-        m.mtp_slots.resize(cfg.n_slots);
-        for (auto & sl : m.mtp_slots) sl.rows.assign((size_t) Impl::kMtpRows * W, 0.0f);
-    }
+    if (m.mtp) m.mtp->Size(in.n_embd_boundary, in.n_vocab);
     *out = std::move(e);
     return Status();
 }
@@ -938,9 +1122,9 @@ Status Engine::Impl::RefreshMemory() {
         kv += kvp.second.context;
         comp += kvp.second.compute;
     }
-    if (m.mtp_ctx) {
+    if (m.mtp) {
         // the MTP context shares the model's weights; its KV and compute buffers are its own
-        for (const auto & kvp : llama_get_memory_breakdown(m.mtp_ctx)) {
+        for (const auto & kvp : llama_get_memory_breakdown(m.mtp->ctx())) {
             kv += kvp.second.context;
             comp += kvp.second.compute;
         }
@@ -965,7 +1149,7 @@ Status Engine::Impl::RefreshMemory() {
             }
         };
         add(llama_get_memory_breakdown(m.ctx), true);
-        if (m.mtp_ctx) add(llama_get_memory_breakdown(m.mtp_ctx), false);
+        if (m.mtp) add(llama_get_memory_breakdown(m.mtp->ctx()), false);
         m.info.device_weight_bytes = dw;
         m.info.device_kv_bytes = dkv;
         m.info.device_compute_bytes = dc;
@@ -1042,11 +1226,7 @@ void Engine::Impl::ClearSlot(int32_t slot) {
     Impl & m = *this;
     llama_memory_seq_rm(llama_get_memory(m.ctx), slot, -1, -1);
     m.rs_tail[slot] = 0;
-    if (m.mtp) {
-        llama_memory_seq_rm(llama_get_memory(m.mtp_ctx), slot, -1, -1);
-        m.mtp_slots[slot].pos0 = 0;
-        m.mtp_slots[slot].n = 0;
-    }
+    if (m.mtp) m.mtp->Clear(slot);
 }
 
 Status Engine::Impl::Truncate(int32_t slot, int32_t pos) {
@@ -1080,86 +1260,17 @@ Status Engine::Impl::Truncate(int32_t slot, int32_t pos) {
                       " positions since its last forward or truncate)");
     }
     if (m.mtp) {
-        const MtpSlot & ms = m.mtp_slots[slot];
-        if (pos - 1 < ms.pos0 || pos - 1 >= ms.pos0 + ms.n) {
-            return refuse("MTP keeps the trunk's hidden rows of the last " + std::to_string(kMtpRows) +
-                          " positions only (" + std::to_string(ms.pos0) + ".." + std::to_string(ms.pos0 + ms.n - 1) +
-                          "), not that of position " + std::to_string(pos - 1));
-        }
+        const std::string why = m.mtp->CannotTruncate(slot, pos);
+        if (!why.empty()) return refuse(why);
     }
     if (!llama_memory_seq_rm(mem, slot, pos, -1)) {
         return refuse("the " + m.info.arch + " cache refuses this partial removal");
     }
     m.rs_tail[slot] = 0;
-    if (m.mtp) {
-        if (!llama_memory_seq_rm(llama_get_memory(m.mtp_ctx), slot, pos, -1)) {
-            return refuse("the MTP cache refuses this partial removal");
-        }
-        MtpSlot & ms = m.mtp_slots[slot];
-        ms.n = pos - ms.pos0;  // the last row kept is the trunk's h at pos-1: the pending h
+    if (m.mtp && !m.mtp->Truncate(slot, pos)) {
+        return refuse("the MTP cache refuses this partial removal");
     }
     return Status();
-}
-
-const float * Engine::Impl::MtpPrevH(int32_t slot, int32_t pos) const {
-    const MtpSlot & ms = mtp_slots[slot];
-    if (pos <= 0 || ms.n <= 0 || pos - 1 != ms.pos0 + ms.n - 1) return mtp_zeros.data();
-    return ms.rows.data() + (size_t) (ms.n - 1) * info.n_embd_boundary;
-}
-
-void Engine::Impl::MtpKeepRows(int32_t slot, int32_t pos, const float * h, int32_t n) {
-    MtpSlot & ms = mtp_slots[slot];
-    const size_t W = (size_t) info.n_embd_boundary;
-    if (ms.n > 0 && ms.pos0 + ms.n != pos) ms.n = 0;  // not a continuation: start over
-    if (ms.n == 0) ms.pos0 = pos;
-    if (n >= kMtpRows) {
-        std::memcpy(ms.rows.data(), h + (size_t) (n - kMtpRows) * W, sizeof(float) * W * kMtpRows);
-        ms.pos0 = pos + n - kMtpRows;
-        ms.n = kMtpRows;
-        return;
-    }
-    const int32_t drop = std::max(0, ms.n + n - kMtpRows);
-    if (drop > 0) {
-        std::memmove(ms.rows.data(), ms.rows.data() + (size_t) drop * W, sizeof(float) * W * (ms.n - drop));
-        ms.pos0 += drop;
-        ms.n -= drop;
-    }
-    std::memcpy(ms.rows.data() + (size_t) ms.n * W, h, sizeof(float) * W * n);
-    ms.n += n;
-}
-
-int32_t Engine::Impl::MtpCatchUp(const int32_t * tok, const llama_pos * pos, const llama_seq_id * seq,
-                                 const float * h, int32_t n) {
-    Impl & m = *this;
-    const size_t W = (size_t) m.info.n_embd_boundary;
-    llama_batch & b = m.mtp_batch;
-    // the pairs (x_q, h_{q-1}), gathered before this chunk's rows are kept
-    for (int32_t k = 0; k < n; ++k) {
-        const bool cont = k > 0 && seq[k - 1] == seq[k];
-        const float * prev = cont ? h + (size_t) (k - 1) * W : m.MtpPrevH(seq[k], pos[k]);
-        std::memcpy(m.mtp_embd.data() + (size_t) k * W, prev, sizeof(float) * W);
-        b.token[k] = tok[k];
-        b.pos[k] = pos[k];
-        b.seq_id[k][0] = seq[k];
-        b.logits[k] = 0;
-    }
-    for (int32_t k = 0; k < n;) {
-        int32_t e = k + 1;
-        while (e < n && seq[e] == seq[k]) ++e;
-        m.MtpKeepRows(seq[k], pos[k], h + (size_t) k * W, e - k);
-        k = e;
-    }
-    b.n_tokens = n;
-    b.embd = m.mtp_embd.data();
-    int32_t rc;
-    try {
-        rc = llama_decode(m.mtp_ctx, b);
-    } catch (...) {
-        b.embd = nullptr;
-        throw;
-    }
-    b.embd = nullptr;
-    return rc;
 }
 
 Status Engine::Impl::MtpDraft(int32_t slot, int32_t token, int32_t n_max, std::vector<int32_t> * out) {
@@ -1186,58 +1297,10 @@ Status Engine::Impl::MtpDraft(int32_t slot, int32_t token, int32_t n_max, std::v
     // the verifying step (token + drafts) must fit in the slot's context
     const int32_t n = (int32_t) std::max<int64_t>(0, std::min<int64_t>(n_max, (int64_t) m.info.n_ctx - pos0 - 1));
     if (n == 0) return Status();
-    llama_memory_t mem = llama_get_memory(m.mtp_ctx);
-    const size_t W = (size_t) m.info.n_embd_boundary;
-    const int32_t V = m.info.n_vocab;
-    llama_batch & b = m.mtp_batch;
-    float * h = m.mtp_embd.data();
-    std::memcpy(h, m.MtpPrevH(slot, pos0), sizeof(float) * W);
-    auto failed = [&](const std::string & why) {
-        // the MTP memory past pos0 is the draft's own: drop it; the slot keeps its state
-        llama_memory_seq_rm(mem, slot, pos0, -1);
-        out->clear();
-        return Status(kEngineError, "MTP draft of slot " + std::to_string(slot) + " failed: " + why);
-    };
-    int32_t tok = token;
-    try {
-        for (int32_t i = 0; i < n; ++i) {
-            b.n_tokens = 1;
-            b.token[0] = tok;
-            b.pos[0] = pos0 + i;
-            b.seq_id[0][0] = slot;
-            b.logits[0] = 1;
-            b.embd = h;
-            const int32_t rc = llama_decode(m.mtp_ctx, b);
-            b.embd = nullptr;
-            if (rc != 0) {
-                std::string why = log_last_error();
-                return failed("llama_decode returned " + std::to_string(rc) + (why.empty() ? "" : ": " + why));
-            }
-            const float * lg = llama_get_logits_ith(m.mtp_ctx, 0);
-            if (!lg) return failed("llama.cpp returned no MTP logits");
-            int32_t best = 0;
-            for (int32_t v = 1; v < V; ++v) {
-                if (lg[v] > lg[best]) best = v;  // strict: the lowest id wins a tie
-            }
-            out->push_back(best);
-            if (i + 1 < n) {
-                const float * hn = llama_get_embeddings_nextn_ith(m.mtp_ctx, 0);
-                if (!hn) return failed("llama.cpp returned no NextN hidden row");
-                std::memcpy(h, hn, sizeof(float) * W);
-            }
-            tok = best;
-        }
-    } catch (...) {
-        b.embd = nullptr;
-        return failed(current_exception_text());
-    }
-    if (!llama_memory_seq_rm(mem, slot, pos0, -1)) {
-        m.ClearSlot(slot);
-        out->clear();
-        return Status(kEngineError, "the MTP cache could not drop the draft of slot " + std::to_string(slot) +
-                      "; the slot was cleared and must be re-prefilled");
-    }
-    return Status();
+    bool stuck = false;
+    Status st = m.mtp->Draft(slot, pos0, token, n, out, &stuck);
+    if (stuck) m.ClearSlot(slot);  // the MTP cache kept a draft it could not drop
+    return st;
 }
 
 // What a stage takes, checked before any compute: token ids on the first stage (and on one
@@ -1476,11 +1539,8 @@ Status Engine::Impl::ForwardBatch(const int32_t * slots, const int32_t * pos, co
             if (m.mtp) {
                 const float * h = llama_get_embeddings_nextn(m.ctx);
                 if (!h) return cleared("llama.cpp returned no hidden rows for the MTP catch-up");
-                for (int32_t k = 0; k < n; ++k) {
-                    m.mtp_tok[k] = tokens[idx[k]];
-                    m.mtp_seq[k] = slots[idx[k]];
-                }
-                const int32_t mrc = m.MtpCatchUp(m.mtp_tok.data(), b.pos, m.mtp_seq.data(), h, n);
+                for (int32_t k = 0; k < n; ++k) m.mtp->SetRow(k, slots[idx[k]], tokens[idx[k]]);
+                const int32_t mrc = m.mtp->CatchUp(b.pos, h, n);
                 if (mrc != 0) {
                     std::string why = log_last_error();
                     return cleared("the MTP catch-up decode failed with code " + std::to_string(mrc) +
