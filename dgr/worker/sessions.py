@@ -134,7 +134,10 @@ class SessionTable:
         self._sessions: dict[str, SessionInfo] = {}
         self._free: list[int] = list(range(n_slots - 1, -1, -1))  # pop() gives slot 0 first
         self._tickets = 0
-        self.closed = False  # set while draining: no new sessions or epochs
+        #: no new sessions or epochs (``SessionError``). The worker's drain does not set it:
+        #: it refuses new work at admission, and steps admitted before it began still open
+        #: their sessions when they reach the engine
+        self.closed = False
         #: sessions a non-peer credential may hold when its own ``max_sessions`` is unset
         self.max_sessions_per_owner: int | None = None
         self._owned: collections.Counter[str] = collections.Counter()

@@ -338,7 +338,9 @@ class Worker(StagePipeline):
         if self.draining:
             return
         self.draining = True
-        self.table.closed = True
+        # new work is refused at admission (``accept``) from here on; the session table stays
+        # open: a step admitted before now takes its lease only when it reaches the engine,
+        # and one that opens its session (or a new epoch) is in flight like any other
         log.info("draining: health NOT_SERVING, %d step(s) in flight", self.inflight)
         await server.set_serving(False)
         deadline = time.monotonic() + timeout

@@ -359,6 +359,33 @@ def test_drain_refuses_new_work(tiny_llama):
         tw.stop()
 
 
+def test_drain_runs_a_step_admitted_before_it_that_opens_its_session(tiny_llama):
+    # a step takes its session's lease only when it reaches the engine: one admitted before
+    # the drain began that opens its session gets there during the drain, and is in flight
+    # like any other (not refused as a new session)
+    eng = dgr.Engine(tiny_llama, **SETTINGS)
+    tw = ThreadedWorker(eng)
+    w = tw.worker
+    try:
+        async def go(c):
+            with eng.lock:  # the engine is busy: the step is admitted, then waits for it
+                step = asyncio.ensure_future(
+                    c.stream().step(fwd(w.identity, "n", 1, 0, [1, 2, 3]), 30))
+                await asyncio.to_thread(_wait_until, lambda: w.inflight == 1, "admitted", 10)
+                assert "n" not in w.table  # no lease yet
+                drain = asyncio.ensure_future(asyncio.to_thread(tw.drain, 10))
+                await asyncio.to_thread(_wait_until, lambda: w.draining, "draining", 10)
+            r = reply(await step)
+            await drain
+            return r
+
+        r = run(with_client(tw.address, go))
+        assert type(r) is wire.Result and r.session == "n" and len(r.tokens) == 1, r
+        assert w.steps_total == 1 and w.not_run == 0
+    finally:
+        tw.stop()
+
+
 # -- route checks -------------------------------------------------------------------------
 
 

@@ -221,7 +221,7 @@ def test_sigterm_drains_sessions_in_flight_refuses_new_work_and_exits_zero(mediu
             long = [asyncio.create_task(st.step(forward(info, s, 1, 18, big), STEP_TIMEOUT))
                     for s, st, big in zip(sessions, streams, bigs)]
             await poll("the three long steps admitted",
-                       lambda: _depth_is(c, len(sessions)))
+                       lambda: _admitted(c, long, len(sessions)))
             w.proc.send_signal(signal.SIGTERM)
             seen = {name: await poll(f"health({name!r}) NOT_SERVING",
                                      lambda: _health_is(c, name, "NOT_SERVING"))
@@ -258,8 +258,16 @@ def test_sigterm_drains_sessions_in_flight_refuses_new_work_and_exits_zero(mediu
     assert f"drained; {3 * 3 + 1 + 3} steps served; 0 admitted step(s) not run" in log, log
 
 
-async def _depth_is(c: ShardClient, n: int) -> bool:
-    return (await c.describe()).queue_depth == n
+async def _admitted(c: ShardClient, steps: list[asyncio.Task], n: int, left: int = 1) -> bool:
+    """Whether the worker admitted all ``n`` of ``steps`` (tasks awaiting their replies) and
+    still holds at least ``left`` of them: the ones in its queue (``queue_depth``) plus the
+    ones already answered make ``n``. Not the queue depth alone: under load the first step
+    may finish before the last one is admitted, and the depth never reaches ``n``. The
+    answers are counted before the describe: a step answered left the queue before its reply
+    was sent, so none is counted twice."""
+    answered = sum(t.done() for t in steps)
+    depth = (await c.describe()).queue_depth
+    return depth >= left and depth + answered == n
 
 
 async def _health_is(c: ShardClient, service: str, status: str) -> bool:
@@ -314,7 +322,8 @@ def test_drain_timeout_stops_waiting_for_steps_and_held_sessions(medium, reaper,
                 for q, f in zip(qs, frames):
                     q.send(f)
                 long = [asyncio.create_task(asyncio.to_thread(q.recv)) for q in qs]
-            await poll("the long steps admitted", lambda: _depth_is(c, n - 1))
+            # one computing past the timeout, one queued behind it at least
+            await poll("the long steps admitted", lambda: _admitted(c, long, n - 1, 2))
             w.proc.send_signal(signal.SIGTERM)
             code = await asyncio.to_thread(w.proc.wait, WAIT)
             done = await asyncio.wait_for(asyncio.gather(*long, return_exceptions=True), WAIT)
@@ -335,12 +344,19 @@ def test_drain_timeout_stops_waiting_for_steps_and_held_sessions(medium, reaper,
     steps, not_run = found(r"drained; (\d+) steps served; (\d+) admitted step\(s\) not run", log)
     served = steps - 1  # less the held session's prefill
     if plane == "grpc":
-        answered = [r for r in done if isinstance(r, bytes)]
-        for r in answered:
-            result(r)
+        # a queued step is refused when the stage loop reaches it, once the step computing
+        # at the timeout finished: if that happens within the server's stop grace, the
+        # refusal is written on the step's still open stream, else the stream is cancelled
+        # (WorkerUnavailable); which one depends on timing, both say the step was not run
+        answered = [header(r) for r in done if isinstance(r, bytes)]
+        results = [h for h in answered if type(h) is wire.Result]
+        refused = [h for h in answered if type(h) is not wire.Result]
+        for h in refused:
+            assert type(h) is wire.ErrorReply and h.code == errors.WorkerDraining.code \
+                and "(drain timeout): the step was not run" in h.message, h
         failed = [r for r in done if not isinstance(r, bytes)]
         assert all(isinstance(e, errors.WorkerUnavailable) for e in failed), failed
-        assert len(answered) <= served
+        assert len(results) <= served and len(refused) <= not_run, log
         # each long step was served, not run, or (at most one) computing when its stream
         # was cancelled; queued ones were left: the worker did not run them all
         assert n - 2 <= served + not_run <= n - 1 and not_run >= 1, log
