@@ -53,15 +53,25 @@ def build_info() -> dict[str, str]:
             "backends": ", ".join(backends())}
 
 
-def device_of(engine) -> dict:
+def _facts(engine, worker=None) -> dict | None:
+    """``Engine.compute_facts()``: a worker's copy read at its start (reading the engine's
+    again waits for a running compute), else the engine's; None for an engine without
+    devices (a test double)."""
+    if worker is not None and hasattr(worker, "engine_device"):
+        return worker.engine_device
+    facts = getattr(engine, "compute_facts", None)
+    return facts() if facts is not None else None
+
+
+def device_of(engine, worker=None) -> dict:
     """The compute device of ``engine`` as records name it: ``backend`` (``cpu``, ``vulkan``,
     ...), ``device`` (the model; "" on the CPU), ``device_type``, ``driver``, ``software``
-    and ``compute`` (the kind stages compare), from the engine itself."""
-    facts = getattr(engine, "compute_facts", None)
-    if facts is None:  # an engine without devices (a test double): the CPU
+    and ``compute`` (the kind stages compare), from the engine itself (``worker``'s copy
+    when given)."""
+    f = _facts(engine, worker)
+    if f is None:  # an engine without devices: the CPU
         return {"backend": "cpu", "device": "", "device_type": "cpu", "driver": "",
                 "software": False, "compute": "cpu"}
-    f = facts()
     cpu = f["type"] == "cpu"
     return {"backend": f["backend"], "device": "" if cpu else f["description"],
             "device_type": f["type"], "driver": f["driver"], "software": bool(f["software"]),
@@ -142,11 +152,10 @@ def _percentile(values: list[float], q: float) -> float:
     return s[k]
 
 
-def _device_memory(engine, weight: int, kv: int) -> dict[str, int]:
-    facts = getattr(engine, "compute_facts", None)
-    if facts is None:
+def _device_memory(engine, worker, weight: int, kv: int) -> dict[str, int]:
+    f = _facts(engine, worker)
+    if f is None:
         return {"device_weight_bytes": weight, "device_kv_bytes": kv}
-    f = facts()
     return {"device_memory_free": int(f["memory_free"]), "device_memory_total": int(f["memory_total"]),
             "device_weight_bytes": int(f["weight_bytes"]), "device_kv_bytes": int(f["kv_bytes"]),
             "device_compute_bytes": int(f["compute_bytes"])}
@@ -168,7 +177,7 @@ def record_for(engine, *, worker=None, cert_store: str | os.PathLike | None = No
     info = worker.info if worker is not None else engine.describe()
     settings = dict(engine.settings)
     bi = build_info()
-    dev = device_of(engine)
+    dev = device_of(engine, worker)
     _, _, isa = cpu_features()
     width = int(engine.n_embd_boundary)
     layers = tuple(int(x) for x in engine.layers)
@@ -215,7 +224,7 @@ def record_for(engine, *, worker=None, cert_store: str | os.PathLike | None = No
         is_first=is_first, is_last=is_last, slots_total=n_slots, slots_free=slots_free,
         context_tokens_total=n_slots * n_ctx, context_tokens_free=ctx_free,
         memory_bytes=weight + kv, weight_bytes=weight, kv_bytes=kv, rss_bytes=_rss_bytes(),
-        **_device_memory(engine, weight, kv))
+        **_device_memory(engine, worker, weight, kv))
     load = Load(queue_depth=max(inflight - computing, 0), in_flight_steps=inflight,
                 sessions=sessions, tokens_per_s=float(tps), window_s=float(span))
     per_codec = {c: wire.payload_size(c, 1, width) for c in wire.CODECS}

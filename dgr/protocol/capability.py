@@ -69,8 +69,9 @@ class Capacity(msgspec.Struct, kw_only=True):
     weight_bytes: int
     kv_bytes: int
     rss_bytes: int                 # resident set of the process (0 where unknown)
-    # the compute device's memory (bytes): free and total as it reports them, and what this
-    # stage holds in its own buffers (on the CPU: the figures above)
+    # the compute device's memory (bytes): free and total as it reported them when the worker
+    # loaded its range, and what this stage holds in its own buffers (on the CPU: the figures
+    # above)
     device_memory_free: int = 0
     device_memory_total: int = 0
     device_weight_bytes: int = 0

@@ -146,8 +146,13 @@ class StagePipeline:
         self.settings = dict(engine.settings)
         self.model_identity = info["identity"]
         #: the kind of the engine's device (``compute_kind``): part of the stage identity
-        self.compute = getattr(engine, "compute", CPU)
-        self.identity = stage_identity(self.model_identity, self.settings, self.compute)
+        self.device_kind = getattr(engine, "compute", CPU)
+        self.identity = stage_identity(self.model_identity, self.settings, self.device_kind)
+        #: the engine's device and what it holds there (``Engine.compute_facts``), read once
+        #: here: reading it again would wait for the engine's lock, held by every compute,
+        #: and describe runs on the worker's event loop. None: an engine without devices.
+        facts = getattr(engine, "compute_facts", None)
+        self.engine_device = facts() if facts is not None else None
         self.layers = tuple(engine.layers)
         self.n_layer = info["n_layer"]
         self.is_first, self.is_last = bool(engine.is_first), bool(engine.is_last)

@@ -129,14 +129,14 @@ class Worker(StagePipeline):
         )
 
     def device_facts(self) -> dict[str, Any]:
-        """The ``ComputeDevice`` fields: the engine's device and what it holds there."""
-        facts = getattr(self.engine, "compute_facts", None)
-        if facts is None:  # an engine without devices (a test double): the CPU
+        """The ``ComputeDevice`` fields: the engine's device and what it holds there (read
+        when the worker started: see ``StagePipeline.engine_device``)."""
+        f = self.engine_device
+        if f is None:  # an engine without devices (a test double): the CPU
             return {"backend": "cpu", "name": "cpu", "type": "cpu", "description": "",
                     "driver": "", "software": False, "memory_free": 0, "memory_total": 0,
                     "weight_bytes": int(self.info.get("weight_bytes", 0)),
                     "kv_bytes": int(self.info.get("kv_bytes", 0)), "compute_bytes": 0}
-        f = facts()
         return {"backend": f["backend"], "name": f["device"], "type": f["type"],
                 "description": f["description"], "driver": f["driver"],
                 "software": bool(f["software"]), "memory_free": int(f["memory_free"]),

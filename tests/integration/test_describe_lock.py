@@ -92,3 +92,19 @@ def test_describe_reads_the_table_under_its_lock(worker):
     assert names.count("free_slots") == 2, names
     unlocked = [name for name, held in watched.reads if not held]
     assert unlocked == [], f"read without the table lock: {unlocked}"
+
+
+def test_describe_does_not_wait_for_the_engine(worker):
+    """Describe runs on the worker's event loop: it must not take the engine's lock, which
+    every compute holds (a describe that waited for a forward stalled admission, health
+    checks and the driver's responsiveness probe for the whole compute). The device facts it
+    reports were read when the worker started."""
+    got: dict = {}
+    with worker.engine.lock:  # a compute in progress on another thread
+        t = threading.Thread(target=lambda: got.update(worker.describe()), daemon=True)
+        t.start()
+        t.join(60)
+        finished_while_held = not t.is_alive()
+    assert finished_while_held, "describe waited for the engine's lock"
+    assert got["device"]["backend"] == "cpu" and got["device"]["weight_bytes"] > 0
+    assert got["capability_json"], "the capability record failed (see the log)"
