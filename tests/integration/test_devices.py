@@ -80,3 +80,33 @@ def test_a_lost_device_clears_every_slot_and_refuses_all_compute(tiny_llama):
     assert issubclass(errors.DeviceLost, errors.WorkerUnavailable)
     with pytest.raises(errors.InvalidArgument, match="unknown fault"):
         eng._inject_fault("meteor")
+
+
+@pytest.mark.parametrize("relay", [False, None], ids=["grpc", "relay"])
+def test_a_stage_whose_device_is_lost_fails_over_to_a_spare(tiny_llama, relay):
+    """A lost device (injected) refuses every step with DeviceLost, a WorkerUnavailable: the
+    route replaces the stage with its spare, re-prefills, and the tokens stay the whole
+    model's."""
+    from dgr.core.local import generate_local
+    from dgr.driver.route import Route
+    from dgr.worker.process import ThreadedWorker
+
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    ref, _ = generate_local(dgr.Engine(tiny_llama, **SETTINGS), prompt, max_tokens=12,
+                            stop_on_eog=False)
+    engines = [dgr.Engine(tiny_llama, layers=r, **SETTINGS) for r in ((0, 2), (2, 4), (2, 4))]
+    ws = [ThreadedWorker(e) for e in engines]
+    try:
+        with Route([ws[0].address, ws[1].address], spares=[ws[2].address], relay=relay,
+                   connect_timeout=10) as r:
+            s = r.session()
+            it = s.generate(prompt, max_tokens=12, stop_on_eog=False)
+            got = [next(it) for _ in range(4)]
+            engines[1]._inject_fault("device_lost")
+            got += list(it)
+            assert got == ref
+            assert r.stages[1].endpoint == ws[2].address  # the spare took the stage
+            assert s.recoveries >= 1
+    finally:
+        for w in ws:
+            w.stop()
