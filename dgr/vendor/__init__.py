@@ -50,7 +50,7 @@ BACKENDS: dict[str, tuple[str, ...]] = {
 PREREQUISITES = {
     "vulkan": "the Vulkan headers and loader, glslc and the SPIR-V headers (Debian: libvulkan-dev "
               "glslc spirv-headers; a Vulkan driver to run on, e.g. mesa-vulkan-drivers)",
-    "cuda": "the CUDA toolkit: nvcc, the CUDA runtime and cuBLAS (CUDA 12 or 13)",
+    "cuda": "the CUDA toolkit: nvcc, the CUDA runtime and cuBLAS",
     "rocm": "ROCm with HIP and hipBLAS (hipcc, or clang from ROCm as the HIP compiler)",
     "metal": "macOS with the Metal framework (Xcode command line tools)",
 }

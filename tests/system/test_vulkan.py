@@ -115,6 +115,25 @@ def test_the_demo_runs_every_stage_on_the_device(vk, tiny_llama):
     assert "computes on" not in p.stderr  # the whole model is on the route's kind of device
 
 
+def test_deepseek4_batches_and_rolls_back_speculative_drafts_on_the_device(vk, families,
+                                                                             tmp_path):
+    """The tiny DeepSeek V4 on the device (its compressed and indexer caches there): a
+    2-stage lane certified, with batched rows and speculative trips (drafts rolled back by
+    truncating those caches) measured against single-token rows."""
+    store = tmp_path / "certs"
+    p = _dgr("certify", "--model", families["deepseek4"][0], "--splits", 3, "--store", store,
+             "--device", vk["name"], "--max-tokens", 8, "--prompt", PROMPT, *SMALL,
+             "--flash-attn", "off")  # flash attention off: see the failover lane above
+    assert p.returncode == 0, p.stderr[-4000:]
+    [path] = list(store.glob("*.json"))
+    rec = json.loads(path.read_text())
+    assert rec["arch"] == "deepseek4" and rec["lane"]["backend"] == "vulkan"
+    assert rec["parity"]["passed"] and rec["parity"]["logits_bit_identical"]
+    sp, ba = rec["speculation"], rec["batching"]
+    assert sp["trips"] > 0 and sp["rows"] > 0 and ba["rows"] > 0
+    print(f"deepseek4 on {vk['name']}: speculation {sp}, batching {ba}")
+
+
 _WHOLE_LOGITS = textwrap.dedent("""
     import sys, numpy as np, dgr
     model, device, out = sys.argv[1:4]
