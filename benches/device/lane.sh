@@ -8,8 +8,9 @@
 #
 # Arguments after BACKEND go to benches/device_lane.py. Offline machines (no package
 # registry): put dgr's Python dependencies as wheels in $DGR_WHEELS (pip download -d DIR
-# '.[test]' on a machine with one) and the pinned llama.cpp sdist in $DGR_CACHE/downloads/
-# (python -m dgr.vendor fetch fills it); both are then installed from there.
+# '.[test]' on a machine with one), and the prepared llama.cpp source (python -m dgr.vendor
+# pack FILE: 11 MiB, checked against the manifest's prepared.tree_sha256) in
+# $DGR_VENDOR_ARCHIVE; both are then installed from there.
 set -euo pipefail
 backend="${1:?usage: lane.sh BACKEND [device_lane.py args]}"; shift
 cd "$(dirname "$0")/../.."

@@ -55,6 +55,10 @@ PREREQUISITES = {
     "metal": "macOS with the Metal framework (Xcode command line tools)",
 }
 
+#: Top-level folders of the pinned tree that no build needs (documentation, the vocabulary
+#: files of upstream's tests, media): a prepared source archive leaves them out.
+PREPARED_EXCLUDE = ("docs", "models", "media", ".github", ".devops")
+
 #: Where ``setup.py`` records the backend it built the compiled core with, so the programs of
 #: this checkout (tests building llama-completion, benches) find the same workspace without
 #: ``DGR_BACKEND`` set again. Ignored by git.
@@ -174,7 +178,9 @@ class Vendor:
 
     def key(self) -> str:
         h = hashlib.sha256()
-        h.update(json.dumps(self.manifest, sort_keys=True).encode())
+        # the prepared archive's pin (``prepared``) names the same tree: not part of the key
+        pinned = {k: v for k, v in self.manifest.items() if k != "prepared"}
+        h.update(json.dumps(pinned, sort_keys=True).encode())
         h.update(self.patch_stack_hash().encode())
         if self.backend != "cpu":  # the CPU build keeps the key it had before backends existed
             h.update(f"backend={self.backend}".encode())
@@ -241,9 +247,107 @@ class Vendor:
                 f"pip download of {spec} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}"
             )
 
+    # -- the prepared source archive (machines without a package registry) --------------
+
+    def _prepared_members(self, tar: tarfile.TarFile) -> list[tuple[tarfile.TarInfo, str]]:
+        """(member, path in the tree) of the pinned subtree's regular files a build needs."""
+        prefix = self.source["subpath"].rstrip("/") + "/"
+        out = []
+        for m in tar.getmembers():
+            if not m.isfile() or not m.name.startswith(prefix):
+                continue
+            rel = m.name[len(prefix):]
+            if not rel or rel.startswith("/") or ".." in Path(rel).parts or rel == ".git":
+                continue
+            if rel.split("/", 1)[0] in PREPARED_EXCLUDE:
+                continue
+            out.append((m, rel))
+        return sorted(out, key=lambda x: x[1])
+
+    @staticmethod
+    def tree_sha256(files: list[tuple[str, bytes]]) -> str:
+        """sha256 over the sorted (path, sha256 of the bytes) of a tree's files."""
+        h = hashlib.sha256()
+        for rel, data in sorted(files):
+            h.update(rel.encode() + b"\0" + hashlib.sha256(data).hexdigest().encode() + b"\n")
+        return h.hexdigest()
+
+    def pack(self, dest: Path) -> tuple[Path, str]:
+        """Write the prepared source archive: the pinned tree from the checked sdist, less
+        ``PREPARED_EXCLUDE``, as a reproducible tar.gz (sorted, no times or owners). Returns
+        (its path, the tree's sha256): what ``vendor-manifest.json`` pins as ``prepared``."""
+        import gzip
+        import io
+
+        self._download()
+        digest = sha256_file(self.archive)
+        if digest != self.source["sha256"]:
+            raise VendorError(f"{self.archive} has sha256 {digest}, the manifest pins "
+                              f"{self.source['sha256']}: refusing to pack it")
+        dest = Path(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(dest.name + ".tmp")
+        files = []
+        with tarfile.open(self.archive, "r:gz") as src, open(tmp, "wb") as raw, \
+                gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as gz, \
+                tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as out:
+            for m, rel in self._prepared_members(src):
+                data = src.extractfile(m).read()
+                files.append((rel, data))
+                info = tarfile.TarInfo(rel)
+                info.size, info.mode = len(data), m.mode & 0o755 | 0o644
+                info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+                out.addfile(info, io.BytesIO(data))
+        tmp.replace(dest)
+        return dest, self.tree_sha256(files)
+
+    def _fetch_prepared(self, archive: Path) -> str:
+        """Unpack a prepared source archive into the workspace after checking its tree
+        against the manifest's ``prepared.tree_sha256``; returns that sha256."""
+        pin = (self.manifest.get("prepared") or {}).get("tree_sha256")
+        if not pin:
+            raise VendorError("vendor-manifest.json pins no prepared source archive "
+                              "(prepared.tree_sha256): build from the sdist")
+        tmp = Path(tempfile.mkdtemp(prefix="src-", dir=self.workspace))
+        files = []
+        try:
+            with tarfile.open(archive, "r:gz") as tar:
+                for m in tar.getmembers():
+                    if not m.isfile() or m.name.startswith("/") or ".." in Path(m.name).parts:
+                        raise VendorError(f"{archive}: {m.name!r} is not a file of a prepared tree")
+                    data = tar.extractfile(m).read()
+                    files.append((m.name, data))
+                    path = tmp / m.name
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_bytes(data)
+                    path.chmod(m.mode & 0o755 | 0o644)
+        except (OSError, tarfile.TarError) as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise VendorError(f"cannot read the prepared source archive {archive}: {e}") from e
+        got = self.tree_sha256(files)
+        if got != pin:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise VendorError(f"{archive} holds a tree with sha256 {got}; the manifest pins "
+                              f"{pin} (prepared.tree_sha256): refusing to build from it")
+        if self.src.exists():
+            shutil.rmtree(self.src)
+        tmp.replace(self.src)
+        return got
+
     def fetch(self) -> Path:
-        """Download the pinned sdist, check its sha256, unpack the llama.cpp subtree."""
+        """Download the pinned sdist, check its sha256, unpack the llama.cpp subtree; or,
+        with ``$DGR_VENDOR_ARCHIVE``, unpack a prepared source archive (``pack``) checked
+        against the manifest's ``prepared.tree_sha256`` (no network needed)."""
         if self.src.exists() and self._read_stamp("fetch"):
+            return self.src
+        prepared = os.environ.get("DGR_VENDOR_ARCHIVE")
+        if prepared:
+            self.workspace.mkdir(parents=True, exist_ok=True)
+            _say(f"unpacking the prepared source archive {prepared}")
+            tree = self._fetch_prepared(Path(prepared))
+            for name in ("patch", "build"):
+                self._stamp(name).unlink(missing_ok=True)
+            self._write_stamp("fetch", {"commit": self.commit, "prepared_tree_sha256": tree})
             return self.src
         self._download()
         digest = sha256_file(self.archive)
@@ -609,6 +713,13 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("status", parents=[common], help="print commit, patch-stack hash, cache path and build state")
     sub.add_parser("pin", parents=[common], help="rewrite the manifest's patch list (sha256) from patches/")
     sub.add_parser("path", parents=[common], help="print the workspace path (for scripts)")
+    pk = sub.add_parser("pack", parents=[common],
+                        help="write the prepared source archive (the pinned tree less docs and "
+                             "test vocabularies) for a machine without a package registry: "
+                             "DGR_VENDOR_ARCHIVE=PATH builds from it")
+    pk.add_argument("dest", help="the .tar.gz to write")
+    pk.add_argument("--pin", action="store_true",
+                    help="also pin its tree's sha256 in vendor-manifest.json (prepared)")
     args = parser.parse_args(argv)
     try:
         v = Vendor(backend=args.backend)
@@ -636,6 +747,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{p.sha256}  {p.file}")
         elif args.cmd == "path":
             print(v.workspace)
+        elif args.cmd == "pack":
+            path, tree = v.pack(Path(args.dest))
+            pin = (v.manifest.get("prepared") or {}).get("tree_sha256")
+            if args.pin:
+                v.manifest["prepared"] = {"exclude": list(PREPARED_EXCLUDE), "tree_sha256": tree}
+                (v.root / "vendor-manifest.json").write_text(json.dumps(v.manifest, indent=2) + "\n")
+            elif pin and pin != tree:
+                print(f"error: the tree's sha256 {tree} is not the manifest's {pin}",
+                      file=sys.stderr)
+                return 1
+            print(f"{path} ({path.stat().st_size / 2**20:.1f} MiB), tree sha256 {tree}")
     except VendorError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -262,3 +262,57 @@ def test_the_link_takes_the_libraries_of_the_backends_the_build_made(fake):
     assert v.built_backends() == ["cpu", "vulkan"]
     assert "-lvulkan" in v.link_args()
     assert "-lvulkan" not in Vendor(root, cache, backend="cpu").link_args()
+
+
+# -- the prepared source archive: the pinned tree without a package registry -----------------
+
+def test_a_prepared_archive_is_the_pinned_tree_less_what_no_build_needs(fake, tmp_path,
+                                                                        monkeypatch):
+    root, cache = fake
+    archive = _tarball({"hello.txt": "hello\n", "docs/big.md": "x" * 1000,
+                        "models/ggml-vocab.gguf": "v", "src/a.c": "int a;\n"})
+    (cache / "downloads" / "pkg-1.0.tar.gz").write_bytes(archive)
+    m = json.loads((root / "vendor-manifest.json").read_text())
+    m["llama_cpp"]["source"]["sha256"] = hashlib.sha256(archive).hexdigest()
+    (root / "vendor-manifest.json").write_text(json.dumps(m))
+    key = Vendor(root, cache).key()
+    out, tree = Vendor(root, cache).pack(tmp_path / "prepared.tar.gz")
+    with tarfile.open(out) as tar:
+        assert sorted(tar.getnames()) == ["hello.txt", "src/a.c"]
+    again, tree2 = Vendor(root, cache).pack(tmp_path / "again.tar.gz")
+    assert tree2 == tree and again.read_bytes() == out.read_bytes()  # reproducible
+    # pinned: a build unpacks it with no download, and the pin does not change the key
+    m["prepared"] = {"exclude": ["docs", "models"], "tree_sha256": tree}
+    (root / "vendor-manifest.json").write_text(json.dumps(m))
+    assert Vendor(root, cache).key() == key
+    monkeypatch.setattr(Vendor, "_download", lambda self: pytest.fail("downloaded"))
+    monkeypatch.setenv("DGR_VENDOR_ARCHIVE", str(out))
+    other = tmp_path / "other-cache"
+    src = Vendor(root, other).fetch()
+    assert (src / "src" / "a.c").read_text() == "int a;\n" and not (src / "docs").exists()
+
+
+def test_a_prepared_archive_that_is_not_the_pinned_tree_is_refused(fake, tmp_path,
+                                                                   monkeypatch):
+    root, cache = fake
+    out, tree = Vendor(root, cache).pack(tmp_path / "prepared.tar.gz")
+    m = json.loads((root / "vendor-manifest.json").read_text())
+    m["prepared"] = {"tree_sha256": tree}
+    (root / "vendor-manifest.json").write_text(json.dumps(m))
+    evil = tmp_path / "evil.tar.gz"
+    with tarfile.open(evil, "w:gz") as tar:
+        data = b"hello, tampered\n"
+        info = tarfile.TarInfo("hello.txt")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    monkeypatch.setenv("DGR_VENDOR_ARCHIVE", str(evil))
+    v = Vendor(root, tmp_path / "c2")
+    with pytest.raises(errors.VendorError, match="refusing to build from it"):
+        v.fetch()
+    assert not v.src.exists()
+
+
+def test_the_real_manifest_pins_the_prepared_tree():
+    v = Vendor()
+    pin = v.manifest["prepared"]
+    assert len(pin["tree_sha256"]) == 64 and "docs" in pin["exclude"]
