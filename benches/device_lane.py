@@ -164,22 +164,42 @@ def _tool(name: str) -> str:
     return str(v.tool_path(name))
 
 
+#: runs of llama-batched-bench for one count before its record is given up as lost
+BENCH_ATTEMPTS = 3
+
+
 def batched_bench(model: str, sessions: list[int], tokens: int) -> dict:
+    """``llama-batched-bench -ngl 99`` on the whole model, one run per session count.
+
+    Its records are written through llama.cpp's asynchronous log, whose thread the program
+    does not wait for at exit (``common/log.cpp``: the logger is leaked on purpose, "logs may
+    be lost if not flushed before the program exits", upstream issue 22142): on a loaded
+    machine the last lines, the record itself, can be lost though the run succeeded. A count
+    whose run exits 0 without its record is run again, at most ``BENCH_ATTEMPTS`` times; the
+    runs each took are kept (``attempts``)."""
     ub = str(SETTINGS["n_ubatch"])
-    cmd = [_tool("llama-batched-bench"), "-m", model, "-c", str(SETTINGS["n_ctx"] * max(sessions)),
-           "-no-kvu", "-b", ub, "-ub", ub, "-t", str(SETTINGS["n_threads"]),
-           "-fa", "on" if SETTINGS["flash_attn"] else "off",
-           "-ngl", "99", "-npp", str(N_PROMPT), "-ntg", str(tokens),
-           "-npl", ",".join(map(str, sessions)), "--output-format", "jsonl"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    if p.returncode != 0:
-        return {"command": shlex.join(cmd), "error": p.stderr[-1500:]}
-    out = {"command": shlex.join(cmd)}
-    for line in p.stdout.splitlines():
-        if line.startswith("{"):
-            rec = json.loads(line)
-            out[int(rec["pl"])] = {"aggregate_tps": float(rec["speed_tg"]),
-                                   "n_gpu_layers": rec.get("n_gpu_layers")}
+    out: dict = {}
+    for k in sessions:
+        cmd = [_tool("llama-batched-bench"), "-m", model, "-c", str(SETTINGS["n_ctx"] * k),
+               "-no-kvu", "-b", ub, "-ub", ub, "-t", str(SETTINGS["n_threads"]),
+               "-fa", "on" if SETTINGS["flash_attn"] else "off", "-ngl", "99",
+               "-npp", str(N_PROMPT), "-ntg", str(tokens), "-npl", str(k),
+               "--output-format", "jsonl"]
+        out.setdefault("commands", []).append(shlex.join(cmd))
+        for attempt in range(1, BENCH_ATTEMPTS + 1):
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+            if p.returncode != 0:
+                out[k] = {"error": p.stderr[-1500:], "attempts": attempt}
+                break
+            recs = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+            if recs:
+                out[k] = {"aggregate_tps": float(recs[-1]["speed_tg"]),
+                          "n_gpu_layers": recs[-1].get("n_gpu_layers"), "attempts": attempt}
+                break
+            log(f"llama-batched-bench -npl {k} exited 0 without its record (its log thread "
+                f"was not flushed at exit): run {attempt} of {BENCH_ATTEMPTS}")
+        else:
+            out[k] = {"error": f"no record in {BENCH_ATTEMPTS} runs", "attempts": BENCH_ATTEMPTS}
     return out
 
 

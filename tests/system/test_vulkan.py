@@ -227,7 +227,8 @@ def test_the_device_lane_bench_runs_on_lavapipe_at_a_tiny_size(vk, tmp_path):
     assert m["certify"]["passed"] and m["certify"]["bit_identical"]
     assert m["whole"]["decode_tps"] > 0 and all(r["aggregate_tps"] > 0
                                                   for r in m["relay"].values())
-    assert m["batched_bench"]["4"]["n_gpu_layers"] == 99  # the reference ran on the device
+    bb = m["batched_bench"]
+    assert bb["4"]["n_gpu_layers"] == 99, bb  # the reference ran on the device
     assert m["llama_bench_pp"]["pp_tps"] > 0 and "Vulkan" in m["llama_bench_pp"]["backends"]
     table = p.stdout.strip().splitlines()
     assert table[0].startswith(f"device {vk['name']}: llvmpipe") and table[-1].startswith(
