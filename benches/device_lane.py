@@ -13,8 +13,10 @@ random-weight 7B-shaped qwen2; ``tiny``: a 4-layer random llama):
    rows against the whole model on the device, batching and speculative trips measured), the
    record written to a store in the output folder.
 2. **decode**: whole-model greedy decode tokens/s in one process (``dgr.Engine`` on the
-   device), against relay over 2 and 3 worker processes sharing the device (direct relay and
-   the decode loop): tokens/s and the ratio to the whole model.
+   device), against the model split in 2 in the same process (``LocalChain``: the seam's
+   host copies and second graph launch, no transport; its ms per token), and against relay
+   over 2 and 3 worker processes sharing the device (direct relay and the decode loop):
+   tokens/s and the ratio to the whole model.
 3. **sessions**: k concurrent sessions through 2 stages (``AsyncRoute.complete`` gathered),
    aggregate output tokens/s, against ``llama-batched-bench -ngl 99`` on the whole model with
    the same settings (``-npl k``, one KV stream per sequence).
@@ -90,24 +92,47 @@ def certify(model: str, device: str, store: str, tokens: int, slots: int) -> dic
             "record": recs[-1] if rec else None, "stderr_tail": p.stderr[-1500:]}
 
 
+def _decode(eng, tokens: int) -> dict:
+    """Greedy decode tokens/s of ``eng`` (an engine or an in-process chain of them): the
+    single-token steps after the prompt, timed alone (a first untimed run warms up)."""
+    import numpy as np
+
+    def run(n: int) -> float:
+        eng.release(0)
+        p = prompt(0)
+        tok, pos = int(np.argmax(eng.forward(0, 0, p)[-1])), len(p)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            tok = int(np.argmax(eng.forward(0, pos, [tok])[-1]))
+            pos += 1
+        dt = time.perf_counter() - t0
+        eng.release(0)
+        return dt
+
+    run(2)
+    return {"tokens": tokens, "decode_tps": tokens / run(tokens)}
+
+
 def whole_decode(model: str, device: str, tokens: int) -> dict:
     import dgr
-    from dgr.core.local import generate_local
 
-    eng = dgr.Engine(model, device=device, n_slots=1, **SETTINGS)
-    generate_local(eng, prompt(0), max_tokens=2, stop_on_eog=False)  # warm up
-    eng.release(0)
-    t0 = time.perf_counter()
-    toks, _ = generate_local(eng, prompt(0), max_tokens=tokens, stop_on_eog=False)
-    wall = time.perf_counter() - t0
-    eng.release(0)
-    # the prompt's forward is timed apart (pp), so take decode as wall minus one prompt
-    t1 = time.perf_counter()
-    eng.forward(0, 0, prompt(0))
-    pre = time.perf_counter() - t1
-    eng.release(0)
-    n = max(len(toks) - 1, 1)
-    return {"tokens": len(toks), "decode_tps": n / max(wall - pre, 1e-9)}
+    return _decode(dgr.Engine(model, device=device, n_slots=1, **SETTINGS), tokens)
+
+
+def seam_in_process(model: str, device: str, tokens: int, whole_tps: float) -> dict:
+    """The model split in 2 in this process on the device (``LocalChain``: no transport):
+    what one seam costs per token on the device, the boundary row's copy to host memory and
+    back and the second stage's own graph launch, against the whole model."""
+    import dgr
+    from dgr.core.local import LocalChain
+    from dgr.protocol.ranges import ranges_for
+
+    n_layer = dgr.Engine(model, n_ctx=64).n_layer
+    chain = LocalChain(model, ranges_for(None, 2, n_layer), device=device, n_slots=1,
+                       **SETTINGS)
+    r = _decode(chain, tokens)
+    r["seam_ms_per_token"] = 1e3 / r["decode_tps"] - 1e3 / whole_tps
+    return r
 
 
 def pp(model: str, device: str, n: int) -> dict:
@@ -260,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{name}: certified {m['certify']['passed']} "
                 f"(bit-identical {m['certify']['bit_identical']})")
             m["whole"] = whole_decode(path, dev["name"], args.tokens)
+            m["chain2"] = seam_in_process(path, dev["name"], args.tokens,
+                                          m["whole"]["decode_tps"])
             m["relay"] = {}
             for k in (2, 3):
                 m["relay"][k] = route_runs(path, dev["name"], k, args.tokens, [1])[1]
@@ -291,6 +318,10 @@ def table(res: dict) -> str:
         lines.append(f"| {name} | certify 2 stages | {'passed' if c['passed'] else 'FAILED'} | "
                      f"whole model | bit-identical: {c['bit_identical']} |")
         w = m["whole"]["decode_tps"]
+        c = m["chain2"]
+        lines.append(f"| {name} | decode, 2 stages in one process (tokens/s) | "
+                     f"{f(c['decode_tps'])} | {f(w)} (whole) | {c['decode_tps'] / w:.2f} "
+                     f"(seam {c['seam_ms_per_token']:+.2f} ms/token) |")
         for k, r in m["relay"].items():
             lines.append(f"| {name} | decode relay{k} (tokens/s) | {f(r['aggregate_tps'])} | "
                          f"{f(w)} (whole) | {r['aggregate_tps'] / w:.2f} |")
