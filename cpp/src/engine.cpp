@@ -12,6 +12,7 @@
 #include <exception>
 #include <mutex>
 #include <new>
+#include <stdexcept>
 #include <sys/stat.h>
 
 #include "ggml.h"
@@ -69,6 +70,22 @@ void log_cb(ggml_log_level level, const char * text, void *) {
 void log_clear() {
     std::lock_guard<std::mutex> lk(g_log_mu);
     g_log_tail.clear();
+}
+
+bool says_out_of_memory(const std::string & t);
+
+// The first line logged since log_clear that says an allocation failed ("" if none): a failed
+// weight allocation is logged before llama.cpp's last, generic "failed to load model".
+std::string log_out_of_memory() {
+    std::lock_guard<std::mutex> lk(g_log_mu);
+    for (const auto & s : g_log_tail) {
+        if (says_out_of_memory(s)) {
+            std::string out = s;
+            while (!out.empty() && (out.back() == '\n' || out.back() == ' ')) out.pop_back();
+            return out;
+        }
+    }
+    return "";
 }
 
 std::string log_last_error() {
@@ -161,12 +178,19 @@ struct GgufFacts {
     int64_t hash_layer_count = 0;
     std::vector<uint64_t> layer_bytes;  // tensor bytes of each block (blk.N.*), NextN included
     uint64_t head_bytes = 0;            // output*, the head's tensors (the last stage's)
+    uint64_t embd_bytes = 0;            // token_embd: the head too when output.weight is absent
+    bool tied = false;                  // no output.weight: the head is token_embd
 
-    // The weight bytes a range puts on its device: its blocks and, on the last stage, the
-    // head (the token embeddings stay in host memory).
-    uint64_t DeviceWeightBytes(int64_t start, int64_t end, bool last) const {
-        uint64_t b = last ? head_bytes : 0;
+    // A lower bound of the weight bytes a range puts on its device: its blocks and, on the
+    // last stage, the head (token_embd again when tied) and, with mtp, the NextN blocks; the
+    // input embeddings stay in host memory. Tensors of other splits of a split GGUF and of
+    // blocks not named blk.N are not counted (llama.cpp's own allocation is the last word).
+    uint64_t DeviceWeightBytes(int64_t start, int64_t end, bool last, bool mtp) const {
+        uint64_t b = last ? head_bytes + (tied ? embd_bytes : 0) : 0;
         for (int64_t i = start; i < end && i < (int64_t) layer_bytes.size(); ++i) b += layer_bytes[i];
+        if (last && mtp) {
+            for (size_t i = (size_t) n_layer; i < layer_bytes.size(); ++i) b += layer_bytes[i];
+        }
         return b;
     }
 };
@@ -383,8 +407,11 @@ Status inspect_gguf(const std::string & path, GgufFacts * facts) {
                     if (il >= 0 && (size_t) il < facts->layer_bytes.size()) facts->layer_bytes[il] += sz;
                 } else if (std::strncmp(name, "output", 6) == 0) {
                     facts->head_bytes += sz;
+                } else if (std::strcmp(name, "token_embd.weight") == 0) {
+                    facts->embd_bytes += sz;
                 }
             }
+            facts->tied = gguf_find_tensor(g, "output.weight") < 0;
         }
         // A file cut short: a tensor whose data ends past the end of this file.
         const size_t data_off = gguf_get_data_offset(g);
@@ -668,6 +695,7 @@ struct Engine::Impl {
     ggml_backend_dev_t dev = nullptr;     // the compute device (the CPU device for "cpu")
     bool on_cpu = true;
     bool lost = false;                    // the device failed: every compute call refuses
+    std::string throw_in_decode;          // InjectFault: the next decode throws this
     llama_model * model = nullptr;
     llama_context * ctx = nullptr;
     const llama_vocab * vocab = nullptr;
@@ -741,7 +769,7 @@ struct Engine::Impl {
     // Every compute call's status passes here: a failure that says the device itself failed
     // (a lost Vulkan device, a reset) becomes kDeviceLost, and the engine refuses from then on.
     Status Checked(Status st) {
-        if (st.ok() || on_cpu || st.code == kDeviceLost || !says_device_lost(st.message)) return st;
+        if (st.ok() || st.code == kDeviceLost || !says_device_lost(st.message)) return st;
         MarkLost();
         return Status(kDeviceLost, "the device " + info.device + " (" + info.device_desc + ") failed: " +
                       st.message + "; this engine's slots are gone: replace the stage");
@@ -791,6 +819,7 @@ Status Engine::Forward(int32_t slot, const int32_t * pos, const int32_t * tokens
                        int32_t * n_out_rows) {
     *n_out_rows = 0;
     if (impl_->lost) return impl_->Refuse();
+    log_clear();  // a failure's message quotes this call's log lines, not an earlier one's
     return impl_->Checked(guarded("forward", [&] {
         return impl_->Forward(slot, pos, tokens, boundary, n_tokens, want, out, out_capacity, n_out_rows);
     }));
@@ -801,6 +830,7 @@ Status Engine::ForwardBatch(const int32_t * slots, const int32_t * pos, const in
                             size_t out_capacity, int32_t * n_out_rows) {
     *n_out_rows = 0;
     if (impl_->lost) return impl_->Refuse();
+    log_clear();
     return impl_->Checked(guarded("forward_batch", [&] {
         return impl_->ForwardBatch(slots, pos, tokens, boundary, n_tokens, want, out, out_capacity,
                                    n_out_rows);
@@ -827,7 +857,12 @@ Status Engine::InjectFault(const std::string & what) {
         impl_->MarkLost();
         return Status();
     }
-    return Status(kInvalidArgument, "unknown fault '" + what + "' (known: device_lost)");
+    if (what == "device_lost_in_decode") {
+        impl_->throw_in_decode = "vk::Queue::submit: ErrorDeviceLost (injected)";
+        return Status();
+    }
+    return Status(kInvalidArgument, "unknown fault '" + what + "' (known: device_lost, "
+                  "device_lost_in_decode)");
 }
 
 Status ListDevices(std::vector<DeviceInfo> * out) {
@@ -923,8 +958,9 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
     size_t dev_free = 0, dev_total = 0;
     ggml_backend_dev_memory(dev, &dev_free, &dev_total);
     if (!on_cpu) {
-        // The owned blocks (and the head) alone must fit: refuse before reading any weight.
-        const uint64_t need = facts.DeviceWeightBytes(start, end, end == n_layer);
+        // The owned blocks (and the head) alone must fit: refuse before reading any weight
+        // (a lower bound: llama.cpp's allocation below is the last word).
+        const uint64_t need = facts.DeviceWeightBytes(start, end, end == n_layer, cfg.mtp);
         const uint64_t cap = cfg.device_memory_limit;
         if (need > dev_free || (cap && need > cap)) {
             return Status(kDeviceOutOfMemory, "layers [" + std::to_string(start) + ", " + std::to_string(end) +
@@ -963,8 +999,9 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
 #endif
     m.model = llama_model_load_from_file(cfg.model_path.c_str(), mp);
     if (!m.model) {
-        std::string why = log_last_error();
-        if (!on_cpu && says_out_of_memory(why)) {
+        const std::string oom = on_cpu ? std::string() : log_out_of_memory();
+        std::string why = oom.empty() ? log_last_error() : oom;
+        if (!oom.empty()) {
             return Status(kDeviceOutOfMemory, "layers [" + std::to_string(start) + ", " + std::to_string(end) +
                           ") of " + cfg.model_path + " do not fit on " + dev_name + " (" + mib(dev_free) +
                           " free of " + mib(dev_total) + "): " + why);
@@ -1003,8 +1040,9 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
     cp.op_offload = !on_cpu;
     m.ctx = llama_init_from_model(m.model, cp);
     if (!m.ctx) {
-        std::string why = log_last_error();
-        if (!on_cpu && says_out_of_memory(why)) {
+        const std::string oom = on_cpu ? std::string() : log_out_of_memory();
+        std::string why = oom.empty() ? log_last_error() : oom;
+        if (!oom.empty()) {
             return Status(kDeviceOutOfMemory, "the KV cache and compute buffers of layers [" + std::to_string(start) +
                           ", " + std::to_string(end) + ") do not fit on " + dev_name + " (" + mib(dev_free) +
                           " free of " + mib(dev_total) + " before the weights): lower n_ctx or n_slots; " + why);
@@ -1343,6 +1381,11 @@ Status Engine::Impl::CheckStageInputs(const int32_t * tokens, const float * boun
 }
 
 int32_t Engine::Impl::Decode(int32_t n) {
+    if (!throw_in_decode.empty()) {  // a fault a test injected, as a backend would throw it
+        const std::string what = throw_in_decode;
+        throw_in_decode.clear();
+        throw std::runtime_error(what);
+    }
     llama_batch & b = batch;
     // an embedding batch without token ids on an M-RoPE model: the sectioned positions
     llama_pos * const own_pos = b.pos;

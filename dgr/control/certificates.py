@@ -26,7 +26,7 @@ __all__ = ["Lane", "Parity", "StageCost", "Failover", "Scenario", "Batching", "C
            "lane_id", "load_store", "write", "mismatches", "match"]
 
 
-class Lane(msgspec.Struct, kw_only=True, frozen=True):
+class Lane(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     backend: str                   # the engines' device's backend: cpu, vulkan, cuda, ...
     model_identity: str
     model_name: str
@@ -35,7 +35,8 @@ class Lane(msgspec.Struct, kw_only=True, frozen=True):
     settings: dict[str, Any]
     stages: list[list[int]]
     # the device model ("" on the CPU), its type and driver; a software device (lavapipe) is
-    # recorded as such: its lanes are never hardware lanes
+    # recorded as such: its lanes are never hardware lanes. Left out of the JSON (and so of
+    # lane_id) when they are the CPU's defaults: a CPU lane keeps the id it had before them
     device: str = ""
     device_type: str = "cpu"
     driver: str = ""

@@ -230,6 +230,12 @@ class ShardServer:
             raise errors.InvalidArgument(f"cannot listen on {self.listen}")
         await self._server.start()
         await self.set_serving(True)
+        # a backend that can become unable to serve (a lost compute device) says so through
+        # these hooks, from any thread: health then answers NOT_SERVING
+        hooks = getattr(self.backend, "on_unservable", None)
+        if isinstance(hooks, list):
+            loop = asyncio.get_running_loop()
+            hooks.append(lambda: asyncio.run_coroutine_threadsafe(self.set_serving(False), loop))
         return self.port
 
     async def set_serving(self, serving: bool) -> None:

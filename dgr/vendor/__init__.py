@@ -67,7 +67,9 @@ BACKEND_RECORD = Path("dgr") / "_core" / "backend.txt"
 
 def selected_backend(root: Path | None = None) -> str:
     """The backend a build of this checkout uses: ``$DGR_BACKEND``, else the one ``setup.py``
-    last built the compiled core with, else ``cpu``."""
+    last built the compiled core with, else ``cpu``. ``$DGR_BACKEND`` may list backends in
+    order of preference (``vulkan,cpu``): the first whose toolchain this machine has is
+    taken, and the choice is said."""
     env = os.environ.get("DGR_BACKEND", "").strip().lower()
     if env:
         return env
@@ -139,11 +141,21 @@ class Vendor:
     def __init__(self, root: Path | None = None, cache: Path | None = None,
                  backend: str | None = None):
         self.root = Path(root) if root else repo_root()
-        self.backend = (backend or selected_backend(self.root)).strip().lower()
-        if self.backend not in BACKENDS:
-            raise VendorError(f"unknown backend {self.backend!r} (from "
+        spec = (backend or selected_backend(self.root)).strip().lower()
+        choices = [b.strip() for b in spec.split(",") if b.strip()] or ["cpu"]
+        unknown = [b for b in choices if b not in BACKENDS]
+        if unknown:
+            raise VendorError(f"unknown backend {unknown[0]!r} (from "
                               f"{'--backend' if backend else 'DGR_BACKEND'}); known: "
                               f"{', '.join(BACKENDS)}")
+        self.backend = choices[0]
+        for i, b in enumerate(choices):
+            self.backend = b
+            missing = self.missing_prerequisites()
+            if not missing or i == len(choices) - 1:
+                break
+            _say(f"not building the {b} backend ({spec!r} lets this machine pass it): missing "
+                 f"{'; '.join(missing)}; trying {choices[i + 1]}")
         self.cache = Path(cache) if cache else cache_root()
         manifest_path = self.root / "vendor-manifest.json"
         try:
@@ -182,7 +194,7 @@ class Vendor:
         pinned = {k: v for k, v in self.manifest.items() if k != "prepared"}
         h.update(json.dumps(pinned, sort_keys=True).encode())
         h.update(self.patch_stack_hash().encode())
-        if self.backend != "cpu":  # the CPU build keeps the key it had before backends existed
+        if self.backend != "cpu":  # the CPU build's key has no backend term
             h.update(f"backend={self.backend}".encode())
         h.update(json.dumps(self.extra_cmake_args).encode())
         h.update(_compiler_id().encode())
@@ -453,7 +465,6 @@ class Vendor:
                                   cache.read_text(errors="replace"), re.M) is not None
             if was_ninja != bool(ninja):
                 shutil.rmtree(self.build_dir)  # the generator changed: start the build dir over
-        self.check_prerequisites()
         cmd = [cmake, "-S", str(self.src), "-B", str(self.build_dir), *gen,
                *self.cmake_options, *self.extra_cmake_args]
         _say("configuring: " + " ".join(shlex.quote(c) for c in cmd[1:]))
@@ -464,22 +475,36 @@ class Vendor:
             # would take it for configured and fail on a missing build.ninja. Start over then.
             shutil.rmtree(self.build_dir, ignore_errors=True)
             need = PREREQUISITES.get(self.backend)
-            raise VendorError(f"{e}\n(the {self.backend} build needs {need})" if need else str(e)) from None
+            missing = self.missing_prerequisites()
+            hint = (f"\n(the {self.backend} build needs {need}"
+                    + (f"; not found here: {'; '.join(missing)}" if missing else "") + ")")
+            raise VendorError(f"{e}{hint if need else ''}") from None
 
     def check_prerequisites(self) -> None:
-        """Refuse a backend whose toolchain this machine lacks, naming what to install."""
+        """Refuse a backend whose toolchain this machine seems to lack, naming what to install
+        (``missing_prerequisites``)."""
+        missing = self.missing_prerequisites()
+        if missing:
+            raise VendorError(f"cannot build the {self.backend} backend here: missing "
+                              f"{'; '.join(missing)}. It needs {PREREQUISITES[self.backend]}.")
+
+    def missing_prerequisites(self) -> list[str]:
+        """What this machine seems to lack for the backend, looked up where distributions
+        and SDKs put it (advisory: cmake's own search may find more, so only a failed
+        configure or a fallback list, ``vulkan,cpu``, acts on it)."""
         missing = []
+        incs = ["/usr/include", "/usr/local/include"] + [
+            os.path.join(os.environ[v], "include") for v in ("VULKAN_SDK", "CONDA_PREFIX")
+            if os.environ.get(v)]
         if self.backend == "vulkan":
             if shutil.which("glslc") is None:
                 missing.append("glslc (the GLSL to SPIR-V compiler)")
-            if not any(Path(d, "vulkan", "vulkan.h").exists()
-                       for d in ("/usr/include", "/usr/local/include",
-                                 os.path.join(os.environ.get("VULKAN_SDK", "/nonexistent"), "include"))):
+            if not any(Path(d, "vulkan", "vulkan.h").exists() for d in incs):
                 missing.append("the Vulkan headers (vulkan/vulkan.h)")
-            if not any(Path(d, "spirv", "unified1", "spirv.hpp").exists()
-                       for d in ("/usr/include", "/usr/local/include",
-                                 os.path.join(os.environ.get("VULKAN_SDK", "/nonexistent"), "include"))):
-                missing.append("the SPIR-V headers (spirv/unified1/spirv.hpp)")
+            if not any(Path(d, *f).exists() for d in incs
+                       for f in (("spirv", "unified1", "spirv.hpp"), ("spirv-headers", "spirv.hpp"),
+                                 ("spirv.hpp",))):
+                missing.append("the SPIR-V headers (spirv.hpp)")
         elif self.backend == "cuda":
             if shutil.which("nvcc") is None and not os.environ.get("CUDACXX"):
                 missing.append("nvcc (put it on PATH or set CUDACXX)")
@@ -488,9 +513,7 @@ class Vendor:
                 missing.append("hipcc (or set HIPCXX)")
         elif self.backend == "metal" and sys.platform != "darwin":
             missing.append("macOS (Metal exists only there)")
-        if missing:
-            raise VendorError(f"cannot build the {self.backend} backend here: missing "
-                              f"{'; '.join(missing)}. It needs {PREREQUISITES[self.backend]}.")
+        return missing
 
     def _configured(self) -> bool:
         """A usable cmake cache: it exists and the programs it recorded are still there.
@@ -634,13 +657,16 @@ class Vendor:
             lib = cached("Vulkan_LIBRARY")
             args[:0] = [lib] if lib and Path(lib).exists() else ["-lvulkan"]
         if "cuda" in backends:
-            libdir = cached("CUDAToolkit_LIBRARY_DIR")
-            extra = [f"-L{libdir}", f"-Wl,-rpath,{libdir}"] if libdir else []
-            # the driver API (libcuda) comes with the driver; its stub lets a GPU-less machine link
-            stubs = Path(libdir, "stubs") if libdir else None
-            if stubs and stubs.is_dir():
-                extra.append(f"-L{stubs}")
-            args[:0] = extra + ["-lcudart", "-lcublas", "-lcublasLt", "-lcuda"]
+            # FindCUDAToolkit caches each library's path (CUDAToolkit_LIBRARY_DIR is not
+            # cached): link those, with the runtime's folder as rpath; the driver API (libcuda)
+            # comes with the driver, and its stub lets a machine without one link
+            libs = [cached(v) for v in ("CUDA_cudart_LIBRARY", "CUDA_CUDART", "CUDA_cublas_LIBRARY",
+                                        "CUDA_cublasLt_LIBRARY", "CUDA_cuda_driver_LIBRARY")]
+            found = [lib for lib in dict.fromkeys(libs) if lib and Path(lib).exists()]
+            dirs = list(dict.fromkeys(str(Path(lib).parent) for lib in found))
+            args[:0] = ([f"-L{d}" for d in dirs] + [f"-Wl,-rpath,{d}" for d in dirs
+                                                     if not d.endswith("stubs")]
+                        + (found or ["-lcudart", "-lcublas", "-lcublasLt", "-lcuda"]))
         if "hip" in backends:
             args[:0] = ["-L/opt/rocm/lib", "-Wl,-rpath,/opt/rocm/lib",
                         "-lamdhip64", "-lhipblas", "-lrocblas"]

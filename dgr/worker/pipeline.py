@@ -171,6 +171,11 @@ class StagePipeline:
         #: (``dgr.worker.trust.RelayPolicy``; None: any)
         self.relay_policy = None
         self.draining = False
+        #: the engine's device was lost (``DeviceLost``): the worker drains and reports
+        #: NOT_SERVING through ``on_unservable`` (hooks the server adds), so routes and
+        #: trackers take the stage out
+        self.device_lost = False
+        self.on_unservable: list = []
         #: set when a drain stops waiting: admitted steps that have not started computing
         #: are refused from then on (counted in ``not_run``)
         self.stopped = False
@@ -655,6 +660,11 @@ class StagePipeline:
         with self._counts:
             self.errors_total += 1
         self.last_error, self.last_error_at = f"{type(exc).__name__}: {exc}", time.monotonic()
+        if isinstance(exc, errors.DeviceLost) and not self.device_lost:
+            self.device_lost = self.draining = True
+            log.error("the compute device was lost (%s): draining, health NOT_SERVING", exc)
+            for hook in self.on_unservable:
+                hook()
         if isinstance(exc, (errors.SessionError, errors.ModelMismatch, errors.RouteError)):
             log.info("refused session=%s epoch=%d: %s: %s", session or "-", epoch,
                      type(exc).__name__, exc)

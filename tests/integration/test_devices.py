@@ -82,6 +82,19 @@ def test_a_lost_device_clears_every_slot_and_refuses_all_compute(tiny_llama):
         eng._inject_fault("meteor")
 
 
+def test_a_backend_saying_its_device_is_lost_is_recognised_and_the_engine_refuses(tiny_llama):
+    """What a Vulkan backend throws on a lost device ("...: ErrorDeviceLost"), thrown inside
+    the decode: the forward answers DeviceLost, the slots are gone, later calls refuse."""
+    eng = dgr.Engine(tiny_llama, **SETTINGS)
+    eng.forward(1, 0, np.array([4, 5], dtype=np.int32))
+    eng._inject_fault("device_lost_in_decode")
+    with pytest.raises(errors.DeviceLost, match="ErrorDeviceLost"):
+        eng.forward(0, 0, np.array([1, 2, 3], dtype=np.int32))
+    assert eng.next_pos(1) == 0
+    with pytest.raises(errors.DeviceLost, match="lost"):
+        eng.forward(0, 0, np.array([1], dtype=np.int32))
+
+
 @pytest.mark.parametrize("relay", [False, None], ids=["grpc", "relay"])
 def test_a_stage_whose_device_is_lost_fails_over_to_a_spare(tiny_llama, relay):
     """A lost device (injected) refuses every step with DeviceLost, a WorkerUnavailable: the
@@ -102,11 +115,20 @@ def test_a_stage_whose_device_is_lost_fails_over_to_a_spare(tiny_llama, relay):
             s = r.session()
             it = s.generate(prompt, max_tokens=12, stop_on_eog=False)
             got = [next(it) for _ in range(4)]
-            engines[1]._inject_fault("device_lost")
+            engines[1]._inject_fault("device_lost_in_decode")
             got += list(it)
             assert got == ref
             assert r.stages[1].endpoint == ws[2].address  # the spare took the stage
             assert s.recoveries >= 1
+        # the stage that lost its device takes itself out: draining, health NOT_SERVING
+        assert ws[1].worker.device_lost and ws[1].worker.draining
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with grpc.insecure_channel(ws[1].address) as ch:
+            st = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
+                                                      timeout=10).status
+        assert st == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
         for w in ws:
             w.stop()

@@ -45,7 +45,8 @@ def test_greedy_generation_matches_llama_completion(smollm2, llama_tool):
         [str(exe), "-m", str(smollm2), "-p", PROMPT, "-n", str(len(tokens)), "--temp", "0",
          "-no-cnv", "--no-display-prompt", "-t", "1", "-tb", "1", "-c", str(SETTINGS["n_ctx"]),
          "-b", str(SETTINGS["n_ubatch"]), "-ub", str(SETTINGS["n_ubatch"]), "-fa", "on",
-         "-ctk", "f16", "-ctv", "f16", "--seed", "1", "--simple-io"],
+         "-ctk", "f16", "-ctv", "f16", "--seed", "1", "--simple-io",
+         "-ngl", "0"],  # the CPU, as dgr.Engine's default (a build with a GPU backend offloads)
         capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     reference = proc.stdout

@@ -182,7 +182,7 @@ def test_cli_status_runs(capsys):
 
 # -- backends: one workspace each, prerequisites named, no stale state after a failed configure
 
-def test_each_backend_builds_in_its_own_workspace_and_cpu_keeps_its_key(fake, monkeypatch):
+def test_each_backend_builds_in_its_own_workspace(fake, monkeypatch):
     root, cache = fake
     monkeypatch.delenv("DGR_BACKEND", raising=False)
     keys = {b: Vendor(root, cache, backend=b).key() for b in ("cpu", "vulkan", "cuda")}
@@ -215,7 +215,8 @@ def test_an_unknown_backend_is_refused(fake, monkeypatch):
     assert main(["status", "--backend", "cpu"]) == 0  # an explicit one wins over the env
 
 
-def test_a_missing_toolchain_is_named_before_cmake_runs(fake, monkeypatch):
+def test_a_missing_toolchain_is_named_and_a_preference_list_passes_over_it(fake, monkeypatch,
+                                                                          capsys):
     root, cache = fake
     import dgr.vendor as vendor
 
@@ -225,6 +226,13 @@ def test_a_missing_toolchain_is_named_before_cmake_runs(fake, monkeypatch):
         v.check_prerequisites()
     with pytest.raises(errors.VendorError, match="nvcc"):
         Vendor(root, cache, backend="cuda").check_prerequisites()
+    # vulkan,cpu: the first this machine can build, said on stderr
+    monkeypatch.setenv("DGR_BACKEND", "vulkan,cpu")
+    assert Vendor(root, cache).backend == "cpu"
+    assert "not building the vulkan backend" in capsys.readouterr().err
+    monkeypatch.setattr(vendor.shutil, "which", lambda name: "/usr/bin/" + name)
+    monkeypatch.setattr(Vendor, "missing_prerequisites", lambda self: [])
+    assert Vendor(root, cache).backend == "vulkan"
 
 
 def test_a_failed_configure_leaves_nothing_the_next_build_trips_over(fake, monkeypatch):
@@ -316,3 +324,24 @@ def test_the_real_manifest_pins_the_prepared_tree():
     v = Vendor()
     pin = v.manifest["prepared"]
     assert len(pin["tree_sha256"]) == 64 and "docs" in pin["exclude"]
+
+
+def test_a_cuda_build_links_the_libraries_its_cmake_cache_found(fake, tmp_path):
+    root, cache = fake
+    v = Vendor(root, cache, backend="cuda")
+    src = v.build_dir / "ggml" / "src"
+    for name in ("libggml-base.a", "ggml-cpu/libggml-cpu.a", "ggml-cuda/libggml-cuda.a"):
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_bytes(b"")
+    lib = tmp_path / "cuda" / "lib64"
+    (lib / "stubs").mkdir(parents=True)
+    for f in ("libcudart.so", "libcublas.so", "libcublasLt.so", "stubs/libcuda.so"):
+        (lib / f).write_bytes(b"")
+    (v.build_dir / "CMakeCache.txt").write_text(
+        f"CUDA_cudart_LIBRARY:FILEPATH={lib}/libcudart.so\n"
+        f"CUDA_cublas_LIBRARY:FILEPATH={lib}/libcublas.so\n"
+        f"CUDA_cublasLt_LIBRARY:FILEPATH={lib}/libcublasLt.so\n"
+        f"CUDA_cuda_driver_LIBRARY:FILEPATH={lib}/stubs/libcuda.so\n")
+    args = v.link_args()
+    assert f"{lib}/libcublas.so" in args and f"{lib}/stubs/libcuda.so" in args
+    assert f"-Wl,-rpath,{lib}" in args and f"-Wl,-rpath,{lib}/stubs" not in args

@@ -176,8 +176,10 @@ public:
     // Refresh memory figures (KV/compute bytes, the device's free memory) in info().
     Status RefreshMemory();
 
-    // Fault injection for tests of the layers above: "device_lost" makes the engine behave as
-    // after a lost device (every slot gone, every later compute call kDeviceLost).
+    // Fault injection for tests: "device_lost" makes the engine behave as after a lost device
+    // (every slot gone, every later compute call kDeviceLost); "device_lost_in_decode" makes
+    // the next decode throw what a Vulkan backend throws on a lost device, which the engine
+    // must recognise as one.
     Status InjectFault(const std::string & what);
 
 private:
