@@ -259,13 +259,19 @@ def test_a_failed_configure_leaves_nothing_the_next_build_trips_over(fake, monke
     assert v._configured()
 
 
+def _built_archives(v: Vendor, backend: str) -> None:
+    """The static archives a build with ``backend`` leaves (empty files)."""
+    src = v.build_dir / "ggml" / "src"
+    for name in ("libggml-base.a", "ggml-cpu/libggml-cpu.a",
+                 f"ggml-{backend}/libggml-{backend}.a"):
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_bytes(b"")
+
+
 def test_the_link_takes_the_libraries_of_the_backends_the_build_made(fake):
     root, cache = fake
     v = Vendor(root, cache, backend="vulkan")
-    src = v.build_dir / "ggml" / "src"
-    for name in ("libggml-base.a", "ggml-cpu/libggml-cpu.a", "ggml-vulkan/libggml-vulkan.a"):
-        (src / name).parent.mkdir(parents=True, exist_ok=True)
-        (src / name).write_bytes(b"")
+    _built_archives(v, "vulkan")
     (v.build_dir / "CMakeCache.txt").write_text("GGML_OPENMP:BOOL=OFF\n")
     assert v.built_backends() == ["cpu", "vulkan"]
     assert "-lvulkan" in v.link_args()
@@ -329,10 +335,7 @@ def test_the_real_manifest_pins_the_prepared_tree():
 def test_a_cuda_build_links_the_libraries_its_cmake_cache_found(fake, tmp_path):
     root, cache = fake
     v = Vendor(root, cache, backend="cuda")
-    src = v.build_dir / "ggml" / "src"
-    for name in ("libggml-base.a", "ggml-cpu/libggml-cpu.a", "ggml-cuda/libggml-cuda.a"):
-        (src / name).parent.mkdir(parents=True, exist_ok=True)
-        (src / name).write_bytes(b"")
+    _built_archives(v, "cuda")
     lib = tmp_path / "cuda" / "lib64"
     (lib / "stubs").mkdir(parents=True)
     for f in ("libcudart.so", "libcublas.so", "libcublasLt.so", "stubs/libcuda.so"):
