@@ -1244,6 +1244,10 @@ bool Engine::IsEog(int32_t token) const {
     return token >= 0 && token < impl_->info.n_vocab && llama_vocab_is_eog(impl_->vocab, token);
 }
 
+int64_t Engine::GraphsReused() const {
+    return impl_->ctx ? llama_perf_context(impl_->ctx).n_reused : 0;
+}
+
 int32_t Engine::NextPos(int32_t slot) const {
     const Impl & m = *impl_;
     if (slot < 0 || (uint32_t) slot >= m.cfg.n_slots) return -1;

@@ -260,6 +260,13 @@ cdef class Engine:
                 f"slot {slot} does not exist; this engine has slots 0..{self.n_slots - 1}")
         return p
 
+    @property
+    def graphs_reused(self):
+        """Forwards that reused llama.cpp's previous graph (no graph build or scheduling: the
+        same ubatch shape, sequences and inputs) since load."""
+        with self.lock:
+            return self._e.get().GraphsReused()
+
     def release(self, int slot):
         """Drop the slot's state; its next forward starts at position 0."""
         cdef CStatus st

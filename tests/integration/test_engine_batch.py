@@ -365,3 +365,35 @@ def test_mrope_middle_stage_batch(tmp_path):
                             np.stack([bnds[j][r] for j, r in order]))
     for i, (j, r) in enumerate(order):
         assert np.max(np.abs(got[i] - solo[j][r])) <= 1e-5
+
+
+@needs_ranges
+def test_a_ranged_stage_reuses_its_decode_graph_while_the_shape_repeats(tiny_llama):
+    """llama.cpp reuses the previous graph (no graph build, no scheduling) when a forward has
+    the same ubatch shape, sequences and inputs: each stage of a split gets it for a
+    session's decode steps, alone and as a batch of the same slots, as the whole model does.
+    ``graphs_reused`` counts it (the throughput profile reads it)."""
+    stages = [dgr.Engine(tiny_llama, r, n_ctx=64, n_slots=3, n_threads=1, n_ubatch=8)
+              for r in ((0, 2), (2, 4))]
+    assert [e.graphs_reused for e in stages] == [0, 0]
+    steps = 6
+
+    def forward(slots, pos, tokens):
+        x = None
+        for e in stages:
+            x = (e.forward_batch(slots, pos, tokens) if x is None
+                 else e.forward_batch(slots, pos, boundary=x)).copy()
+        return x
+
+    forward([0] * 4, [0, 1, 2, 3], [1, 5, 9, 12])  # the prompt: another shape
+    before = [e.graphs_reused for e in stages]
+    for i in range(steps):
+        forward([0], [4 + i], [7])
+    assert [e.graphs_reused - b for e, b in zip(stages, before)] == [steps - 1] * 2
+
+    for s in (1, 2):
+        forward([s] * 4, [0, 1, 2, 3], [1, 5, 9, 12])
+    before = [e.graphs_reused for e in stages]
+    for i in range(steps):
+        forward([1, 2], [4 + i, 4 + i], [7, 7])
+    assert [e.graphs_reused - b for e, b in zip(stages, before)] == [steps - 1] * 2

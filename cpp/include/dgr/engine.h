@@ -173,6 +173,10 @@ public:
     // Next position the slot expects (0 when empty), or -1 for an unknown slot.
     int32_t NextPos(int32_t slot) const;
 
+    // Trunk forwards that reused llama.cpp's previous graph (the same ubatch shape, sequences
+    // and inputs: no graph build, no scheduling) since load. The MTP drafter's are not counted.
+    int64_t GraphsReused() const;
+
     // Refresh memory figures (KV/compute bytes, the device's free memory) in info().
     Status RefreshMemory();
 

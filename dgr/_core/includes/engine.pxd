@@ -4,7 +4,7 @@
 # methods that can meet one (llama.cpp calls, allocations) are still declared `except +`, so
 # that one which escaped anyway becomes a Python exception (MemoryError, RuntimeError, ...)
 # instead of std::terminate. The rest are noexcept in C++.
-from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libcpp cimport bool
 from libcpp.memory cimport unique_ptr
 from libcpp.string cimport string
@@ -98,6 +98,7 @@ cdef extern from "dgr/engine.h" namespace "dgr" nogil:
         CStatus Truncate(int32_t slot, int32_t pos) except +
         CStatus MtpDraft(int32_t slot, int32_t token, int32_t n_max, vector[int32_t] * out) except +
         int32_t NextPos(int32_t slot) except +
+        int64_t GraphsReused() except +
         CStatus RefreshMemory() except +
         CStatus InjectFault(const string & what) except +
 
