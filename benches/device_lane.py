@@ -123,11 +123,12 @@ def seam_in_process(model: str, device: str, tokens: int, whole_tps: float) -> d
     """The model split in 2 in this process on the device (``LocalChain``: no transport):
     what one seam costs per token on the device, the boundary row's copy to host memory and
     back and the second stage's own graph launch, against the whole model."""
-    import dgr
+    from dgr.artifacts.gguf import read_header
+    from dgr.artifacts.manifest import model_facts
     from dgr.core.local import LocalChain
     from dgr.protocol.ranges import ranges_for
 
-    n_layer = dgr.Engine(model, n_ctx=64).n_layer
+    n_layer = model_facts([read_header(model, decode_arrays=False)])["n_layer"]
     chain = LocalChain(model, ranges_for(None, 2, n_layer), device=device, n_slots=1,
                        **SETTINGS)
     r = _decode(chain, tokens)

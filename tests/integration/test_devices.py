@@ -13,6 +13,7 @@ import pytest
 import dgr
 from dgr import errors
 from dgr.core import backends
+from dgr.testing.waits import wait_until
 
 SETTINGS = dict(n_ctx=64, n_slots=2, n_threads=1, n_ubatch=16)
 
@@ -125,10 +126,14 @@ def test_a_stage_whose_device_is_lost_fails_over_to_a_spare(tiny_llama, relay):
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        with grpc.insecure_channel(ws[1].address) as ch:
-            st = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
-                                                      timeout=10).status
-        assert st == health_pb2.HealthCheckResponse.NOT_SERVING
+        def health():
+            with grpc.insecure_channel(ws[1].address) as ch:
+                return health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=10).status
+
+        # the compute thread hands the change to the server's event loop: wait for it there
+        wait_until(lambda: health() == health_pb2.HealthCheckResponse.NOT_SERVING,
+                   "the stage whose device was lost answers health NOT_SERVING")
     finally:
         for w in ws:
             w.stop()
