@@ -1,9 +1,9 @@
 """Many sessions through one route: dgr's batching stage loop against llama.cpp's
 ``llama-batched-bench`` on the whole model, side by side in one run.
 
-    python benches/batching.py [--sessions 1,4,16,32] [--tokens 64] [--stages 3]
-                               [--threads 1,2] [--rounds 1] [--ungrouped] [--name batching]
-                               [--json out.json]
+    python benches/batching.py [--sessions 1,16,32] [--tokens 64] [--stages 3]
+                               [--split cost|even|A,B] [--threads 1,2] [--rounds 1]
+                               [--ungrouped] [--name batching] [--json out.json]
 
 - **dgr**: ``--stages`` worker processes on loopback (one thread each, ``max(sessions)``
   slots, the settings below), direct relay with the decode loop. For each k, k sessions at
@@ -25,8 +25,25 @@
   ``--threads`` count. Its ``S_TG`` (generated tokens/s over the generation phase) is the
   reference figure.
 
-The workers use one thread each, so ``--stages`` 3 runs 3 threads on this machine's cores;
-the reference is given at each thread count asked for. Results go to ``benches/results/``.
+- **Where each stage's time goes** (docs/performance.md): every worker serves Prometheus
+  metrics, scraped before and after each measurement. Per stage and per output token: its
+  process's CPU, and its wall time by part (``dgr.worker.profile``: frame in, lease, engine,
+  sample, commit, turn wait, hand on, held, idle), the engine's forwards, llama.cpp ubatches
+  and graphs reused per forward, and steps per forward. Also the driver's CPU per token (this
+  process, which runs only the route's client during a measurement).
+- **Each stage's upper bound**: each stage's engine alone, in this process, one at a time
+  (the workers' settings): ``forward_batch`` of a decode step of ``b`` consecutive slots
+  after a ``N_PROMPT``-token prompt each, for ``b`` = 1 and ``ceil(k / stages)`` (the ring
+  groups' batch), the median of 16. Its tokens/s is what that stage could serve with nothing
+  else on the machine; the slowest stage's is the route's bound (with more stages than
+  cores, the cores over the stages' summed time per token is lower, and is the bound).
+
+The stages' layer ranges: ``--split cost`` (default) balances the layers' and the output
+head's weights multiplied per token (``dgr.protocol.ranges.balance_layers`` of
+``dgr.artifacts.manifest.layer_costs``), ``even`` splits by layer count, ``A,B`` names the
+interior split points. The workers use one thread each, so ``--stages`` 3 runs 3 threads on
+this machine's cores; the reference is given at each thread count asked for. Results go to
+``benches/results/``.
 """
 
 from __future__ import annotations
@@ -41,12 +58,12 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import compare  # noqa: E402
-from benchmarks.bench_route import route_ranges  # noqa: E402
 from benchmarks.common import smollm2_path  # noqa: E402
 from compare import N_PROMPT_DECODE as N_PROMPT  # noqa: E402
 from compare import session_prompt  # noqa: E402  (benches/compare.py's --sessions prompts)
@@ -59,22 +76,117 @@ def log(msg: str) -> None:
     print(f"[batching] {msg}", file=sys.stderr, flush=True)
 
 
-async def _sessions(endpoints, k: int, n: int, batching: bool) -> dict:
+def scrape(port: int) -> dict[str, float]:
+    """A worker's metrics (``--metrics-port``): ``name`` or ``name{label=value}`` -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            lab = ",".join(f"{k}={v}" for k, v in sorted(smp.labels.items()))
+            out[smp.name + (f"{{{lab}}}" if lab else "")] = smp.value
+    return out
+
+
+def stage_profile(before: dict, after: dict, tokens: int) -> dict:
+    """One stage's share of a measurement, from two scrapes: per output token, its CPU and
+    its wall time by part (ms); per forward, steps, llama.cpp ubatches, graphs reused."""
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    fw = max(d.get("dgr_engine_forwards_total", 0.0), 1.0)
+    parts = {k.split("part=")[1].rstrip("}"): v for k, v in d.items()
+             if k.startswith("dgr_worker_stage_seconds_total{")}
+    return {"cpu_ms_per_token": 1e3 * d["process_cpu_seconds_total"] / tokens,
+            "ms_per_token": {p: 1e3 * v / tokens for p, v in parts.items()},
+            "engine_decode_ms_per_token": 1e3 * d["dgr_engine_decode_seconds_total"] / tokens,
+            "forwards": d.get("dgr_engine_forwards_total", 0.0),
+            "steps_per_forward": d["dgr_worker_batched_steps_total"]
+            / max(d["dgr_worker_batches_total"], 1.0),
+            "ubatches_per_forward": d["dgr_engine_ubatches_total"] / fw,
+            "graphs_reused_per_forward": d["dgr_engine_graphs_reused_total"] / fw}
+
+
+async def _sessions(endpoints, k: int, n: int, batching: bool, ports=()) -> dict:
     from dgr.driver.route import AsyncRoute
 
     async with AsyncRoute(endpoints, batching=batching) as r:
         await r.complete(session_prompt(0), max_tokens=2, stop_on_eog=False)  # warm up
-        t0 = time.perf_counter()
+        before = [scrape(p) for p in ports]
+        c0, t0 = time.process_time(), time.perf_counter()
         gens = await asyncio.gather(*(r.complete(session_prompt(i), max_tokens=n,
                                                  stop_on_eog=False) for i in range(k)))
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        after = [scrape(p) for p in ports]
+    tokens = sum(len(g.tokens) for g in gens)
     tpot = [1e3 * g.decode_s / max(len(g.tokens) - 1, 1) for g in gens]
     return {"sessions": k, "batching": batching, "wall_s": wall,
-            "tokens": sum(len(g.tokens) for g in gens),
-            "aggregate_tps": sum(len(g.tokens) for g in gens) / wall,
+            "tokens": tokens, "aggregate_tps": tokens / wall,
             "tpot_ms_p50": statistics.median(tpot), "tpot_ms_max": max(tpot),
             "ttft_ms_p50": 1e3 * statistics.median(g.time_to_first_token_s for g in gens),
+            "driver_cpu_ms_per_token": 1e3 * cpu / tokens,
+            "stages": [stage_profile(b, a, tokens) for b, a in zip(before, after)],
             "session_tokens": [list(g.tokens) for g in gens]}
+
+
+def stage_bounds(path: str, ranges, k_max: int, sizes: list[int], reps: int = 16) -> list:
+    """Each stage's engine alone (the workers' settings, ``k_max`` slots): ms per token of a
+    decode ``forward_batch`` of ``b`` consecutive slots at position ``N_PROMPT`` onwards,
+    for each ``b`` of ``sizes`` (the median of ``reps``). [{b: ms per token}] per stage."""
+    import numpy as np
+
+    import dgr
+
+    out = []
+    for rng in ranges:
+        kw = {} if rng is None else {"layers": tuple(rng)}
+        e = dgr.Engine(path, **{**SETTINGS, "n_slots": k_max}, **kw)
+        w = e.n_embd_boundary
+        gen = np.random.default_rng(0)
+        res = {}
+        for b in sizes:
+            for s in range(k_max):
+                e.release(s)
+            slots = np.arange(b, dtype=np.int32)
+            for s in range(b):  # each slot's prompt
+                e.forward_batch(np.full(N_PROMPT, s, np.int32),
+                                np.arange(N_PROMPT, dtype=np.int32),
+                                np.ones(N_PROMPT, np.int32) if e.is_first else None,
+                                None if e.is_first else
+                                gen.standard_normal((N_PROMPT, w)).astype(np.float32))
+            ts = []
+            for r in range(reps):
+                bnd = None if e.is_first else gen.standard_normal((b, w)).astype(np.float32)
+                t0 = time.perf_counter()
+                e.forward_batch(slots, np.full(b, N_PROMPT + r, np.int32),
+                                np.ones(b, np.int32) if e.is_first else None, bnd)
+                ts.append(time.perf_counter() - t0)
+            res[b] = 1e3 * statistics.median(ts) / b
+        out.append(res)
+        del e
+    return out
+
+
+def bound_tps(stage_ms: list[float], cores: int) -> float:
+    """The route's tokens/s bound from each stage's ms per token alone: the slowest stage's,
+    or with more stages than cores, the cores over their summed time per token."""
+    slowest = 1e3 / max(stage_ms)
+    return min(slowest, cores * 1e3 / sum(stage_ms)) if len(stage_ms) > cores else slowest
+
+
+def plan_ranges(path: str, n_layer: int, n_stages: int, split: str):
+    """The stages' ranges for ``--split`` (see the module docstring)."""
+    from dgr.artifacts.manifest import layer_costs
+    from dgr.protocol.ranges import balance_layers, ranges_for
+
+    if n_stages == 1:
+        return [None]
+    if split == "cost":
+        costs, head = layer_costs(path)
+        return balance_layers(costs, n_stages, head)
+    if split == "even":
+        return ranges_for(None, n_stages, n_layer)
+    return ranges_for(split, n_stages, n_layer)
 
 
 def whole_refs(path: str, k: int, n: int) -> list[list[int]]:
@@ -112,15 +224,18 @@ def batched_bench(path: str, sessions: list[int], n: int, threads: int) -> dict[
 
 
 def run(path: str, sessions: list[int], n: int, n_stages: int, threads: list[int],
-        rounds: int, ungrouped: bool = False) -> dict:
+        rounds: int, ungrouped: bool = False, split: str = "cost") -> dict:
     import dgr
     from dgr.worker.process import LocalCluster
 
     k_max = max(sessions)
     info = dgr.Engine(path, n_ctx=64, n_slots=1).describe()
     n_layer = int(info["n_layer"])
+    ranges = plan_ranges(path, n_layer, n_stages, split)
     res: dict = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                           "model": os.path.basename(path), "stages": n_stages,
+                          "ranges": [None if r is None else list(r) for r in ranges],
+                          "split": split,
                           "settings": {**SETTINGS, "n_slots": k_max}, "tokens": n,
                           "prompt_tokens": N_PROMPT, "rounds": rounds,
                           "machine": platform.machine(), "cpu_count": os.cpu_count(),
@@ -128,14 +243,22 @@ def run(path: str, sessions: list[int], n: int, n_stages: int, threads: list[int
                  "dgr": [], "llama_batched_bench": {}}
     log(f"whole-model references of {k_max} sessions ...")
     refs = whole_refs(path, k_max, n)
-    log(f"starting {n_stages} workers with {k_max} slots ...")
-    cluster = LocalCluster(path, route_ranges(n_layer, n_stages),
-                           settings={**SETTINGS, "n_slots": k_max})
+    sizes = sorted({1, *(-(-k // n_stages) for k in sessions)})
+    log(f"each stage's engine alone at batches of {sizes} ...")
+    res["stage_bounds"] = [{str(b): ms for b, ms in st.items()}
+                           for st in stage_bounds(path, ranges, k_max, sizes)]
+    log(f"starting {n_stages} workers with {k_max} slots, ranges {ranges} ...")
+    cluster = LocalCluster(path, ranges, settings={**SETTINGS, "n_slots": k_max})
+    ports = {id(cluster): [compare._free_port() for _ in ranges]}
+    for w, port in zip(cluster.workers, ports[id(cluster)]):
+        w.args += ["--metrics-port", str(port)]
     plain = None
     if ungrouped:  # the same, workers started --no-ring-groups
-        plain = LocalCluster(path, route_ranges(n_layer, n_stages),
-                             settings={**SETTINGS, "n_slots": k_max},
+        plain = LocalCluster(path, ranges, settings={**SETTINGS, "n_slots": k_max},
                              args=["--no-ring-groups"])
+        ports[id(plain)] = [compare._free_port() for _ in ranges]
+        for w, port in zip(plain.workers, ports[id(plain)]):
+            w.args += ["--metrics-port", str(port)]
     cluster.start(timeout=180)
     try:
         if plain is not None:
@@ -146,7 +269,7 @@ def run(path: str, sessions: list[int], n: int, n_stages: int, threads: list[int
         for r in range(rounds):
             for k in sessions:
                 for mode, c, batching in modes:
-                    m = asyncio.run(_sessions(c.endpoints, k, n, batching))
+                    m = asyncio.run(_sessions(c.endpoints, k, n, batching, ports[id(c)]))
                     toks = m.pop("session_tokens")
                     m["parity"] = all(t == refs[i] for i, t in enumerate(toks))
                     m["round"] = r
@@ -154,7 +277,10 @@ def run(path: str, sessions: list[int], n: int, n_stages: int, threads: list[int
                     res["dgr"].append(m)
                     log(f"dgr {mode:9s} k={k:2d}: "
                         f"{m['aggregate_tps']:6.1f} tok/s, TPOT p50 {m['tpot_ms_p50']:.1f} ms, "
-                        f"parity {m['parity']}")
+                        f"parity {m['parity']}; CPU ms/token: " + ", ".join(
+                            f"stage {i} {st['cpu_ms_per_token']:.2f}"
+                            for i, st in enumerate(m["stages"]))
+                        + f", driver {m['driver_cpu_ms_per_token']:.2f}")
             for t in threads:
                 bb = batched_bench(path, sessions, n, t)
                 res["llama_batched_bench"].setdefault(str(t), []).append(bb)
@@ -188,6 +314,12 @@ def summarize(res: dict, sessions: list[int], threads: list[int]) -> list[dict]:
             runs = res["llama_batched_bench"].get(str(t), [])
             vals = [r[k]["speed_tg"] for r in runs if k in r]
             row[f"bb_t{t}"] = statistics.median(vals) if vals else None
+        bounds = res.get("stage_bounds")
+        if bounds:
+            b = -(-k // res["meta"]["stages"])
+            row["bound_tps"] = bound_tps([st[str(b)] for st in bounds],
+                                         res["meta"]["cpu_count"])
+            row["batched_over_bound"] = row["batched"]["aggregate_tps"] / row["bound_tps"]
         row["batched_over_solo"] = row["batched"]["aggregate_tps"] / row["solo"]["aggregate_tps"]
         if "ungrouped" in row:
             row["batched_over_ungrouped"] = (row["batched"]["aggregate_tps"]
@@ -199,11 +331,42 @@ def summarize(res: dict, sessions: list[int], threads: list[int]) -> list[dict]:
     return rows
 
 
+def breakdown(res: dict) -> str:
+    """Where each stage's time went, per output token (ms), by session count and mode (the
+    first round's measurement), with each stage's engine alone beside it."""
+    parts = ("engine", "frame_in", "lease", "sample", "commit", "turn_wait", "hand_on",
+             "held", "idle")
+    head = ["sessions", "mode", "stage", "CPU", *parts, "steps/forward", "ubatches/forward",
+            "graphs reused/forward", "alone at that batch"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    n_stages = res["meta"]["stages"]
+    for m in res["dgr"]:
+        if m.get("round", 0) or "stages" not in m:
+            continue
+        k = m["sessions"]
+        for i, st in enumerate(m["stages"]):
+            bounds = res.get("stage_bounds") or []
+            b = 1 if _mode(m) == "solo" else -(-k // n_stages)
+            alone = bounds[i].get(str(b)) if i < len(bounds) else None
+            out.append("| " + " | ".join([
+                str(k), _mode(m), str(i), f"{st['cpu_ms_per_token']:.2f}",
+                *[f"{st['ms_per_token'].get(p, 0.0):.2f}" for p in parts],
+                f"{st['steps_per_forward']:.1f}", f"{st['ubatches_per_forward']:.2f}",
+                f"{st['graphs_reused_per_forward']:.2f}",
+                f"{alone:.2f} (b={b})" if alone is not None else "-"]) + " |")
+        out.append("| " + " | ".join([str(k), _mode(m), "driver",
+                                      f"{m['driver_cpu_ms_per_token']:.2f}",
+                                      *[""] * (len(head) - 4)]) + " |")
+    return "\n".join(out)
+
+
 def table(rows: list[dict], threads: list[int], n_stages: int) -> str:
     ung = all("ungrouped" in r for r in rows)
+    bnd = all("bound_tps" in r for r in rows)
     head = ["sessions", f"dgr{n_stages} batched tok/s", f"dgr{n_stages} solo tok/s",
             *([f"dgr{n_stages} ungrouped tok/s"] if ung else []),
             "batched/solo", *(["batched/ungrouped"] if ung else []),
+            *(["stages alone bound tok/s", "batched/bound"] if bnd else []),
             *[f"batched-bench -t{t} tok/s" for t in threads],
             *[f"batched/bb-t{t}" for t in threads], "TPOT p50 batched ms", "TPOT p50 solo ms",
             "parity batched", "parity solo", *(["parity ungrouped"] if ung else [])]
@@ -214,6 +377,7 @@ def table(rows: list[dict], threads: list[int], n_stages: int) -> str:
                  *([f"{r['ungrouped']['aggregate_tps']:.1f}"] if ung else []),
                  f"{r['batched_over_solo']:.2f}",
                  *([f"{r['batched_over_ungrouped']:.2f}"] if ung else []),
+                 *([f"{r['bound_tps']:.1f}", f"{r['batched_over_bound']:.2f}"] if bnd else []),
                  *[f"{r[f'bb_t{t}']:.1f}" if r[f"bb_t{t}"] else "-" for t in threads],
                  *[f"{r.get(f'batched_over_bb_t{t}', 0):.2f}" for t in threads],
                  f"{r['batched']['tpot_ms_p50']:.1f}", f"{r['solo']['tpot_ms_p50']:.1f}",
@@ -226,9 +390,13 @@ def table(rows: list[dict], threads: list[int], n_stages: int) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sessions", default="1,4,16,32")
+    ap.add_argument("--sessions", default="1,16,32")
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens per session")
     ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--split", default="cost",
+                    help="the stages' ranges: cost (balance the weights multiplied per token, "
+                         "the output head's included), even (by layer count), or interior "
+                         "split points A,B")
     ap.add_argument("--threads", default="1,2", help="llama-batched-bench thread counts")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--model", help="GGUF (default: SmolLM2-135M from the registry)")
@@ -241,9 +409,12 @@ def main(argv=None) -> int:
     sessions = sorted({int(x) for x in a.sessions.split(",")})
     threads = [int(x) for x in a.threads.split(",")]
     path = a.model or smollm2_path()
-    res = run(path, sessions, a.tokens, a.stages, threads, a.rounds, ungrouped=a.ungrouped)
+    res = run(path, sessions, a.tokens, a.stages, threads, a.rounds, ungrouped=a.ungrouped,
+              split=a.split)
     res["summary"] = summarize(res, sessions, threads)
-    text = table(res["summary"], threads, a.stages)
+    text = (f"ranges {res['meta']['ranges']} (--split {a.split})\n\n"
+            + table(res["summary"], threads, a.stages)
+            + "\n\nWhere each stage's time went, ms per output token:\n\n" + breakdown(res))
     print(text)
     day = datetime.date.today().isoformat()
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)

@@ -3,11 +3,13 @@
 #include "dgr/engine.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <chrono>
 #include <deque>
 #include <exception>
 #include <mutex>
@@ -722,6 +724,13 @@ struct Engine::Impl {
     // MTP (NextN) drafting on the last stage (MtpDrafter); null without mtp
     std::unique_ptr<MtpDrafter> mtp;
 
+    // the trunk's forward counters (Engine::GetCounters): written by the forward (under the
+    // caller's lock), read by any thread at any time (a metrics scrape must not wait for
+    // the lock a long forward holds)
+    struct {
+        std::atomic<int64_t> forwards{0}, decodes{0}, ubatches{0}, forward_ns{0}, decode_ns{0}, graphs_reused{0};
+    } counters;
+
     ~Impl() {
         try {
             if (batch.pos) {
@@ -1248,6 +1257,18 @@ int64_t Engine::GraphsReused() const {
     return impl_->ctx ? llama_perf_context(impl_->ctx).n_reused : 0;
 }
 
+Engine::Counters Engine::GetCounters() const {
+    const auto & c = impl_->counters;
+    Counters out;
+    out.forwards = c.forwards.load(std::memory_order_relaxed);
+    out.decodes = c.decodes.load(std::memory_order_relaxed);
+    out.ubatches = c.ubatches.load(std::memory_order_relaxed);
+    out.forward_ns = c.forward_ns.load(std::memory_order_relaxed);
+    out.decode_ns = c.decode_ns.load(std::memory_order_relaxed);
+    out.graphs_reused = c.graphs_reused.load(std::memory_order_relaxed);
+    return out;
+}
+
 int32_t Engine::NextPos(int32_t slot) const {
     const Impl & m = *impl_;
     if (slot < 0 || (uint32_t) slot >= m.cfg.n_slots) return -1;
@@ -1530,6 +1551,7 @@ Status Engine::Impl::ForwardBatch(const int32_t * slots, const int32_t * pos, co
         return Status(kEngineError, why + "; slots " + slot_list() + " were cleared and must be re-prefilled");
     };
     int32_t rows_out = 0;
+    const auto t_forward = std::chrono::steady_clock::now();
     try {
         for (int32_t c0 = 0; c0 < n_tokens; c0 += U) {
             const int32_t n = std::min(U, n_tokens - c0);
@@ -1566,7 +1588,25 @@ Status Engine::Impl::ForwardBatch(const int32_t * slots, const int32_t * pos, co
                 b.seq_id[k][0] = slots[idx[k]];
                 b.logits[k] = (m.last && dst[idx[k]] >= 0) ? 1 : 0;
             }
+            // the ubatches llama.cpp's equal split will make of this decode: one per run of
+            // consecutive slot ids holding as many tokens each (b is in slot order)
+            int64_t runs = 0;
+            for (int32_t k = 0, prev_s = -2, prev_n = -1; k < n;) {
+                int32_t e = k + 1;
+                while (e < n && b.seq_id[e][0] == b.seq_id[k][0]) ++e;
+                const int32_t s = b.seq_id[k][0];
+                if (s != prev_s + 1 || e - k != prev_n) ++runs;
+                prev_s = s;
+                prev_n = e - k;
+                k = e;
+            }
+            const auto t_decode = std::chrono::steady_clock::now();
             const int32_t rc = m.Decode(n);
+            m.counters.decode_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                std::chrono::steady_clock::now() - t_decode).count(), std::memory_order_relaxed);
+            m.counters.decodes.fetch_add(1, std::memory_order_relaxed);
+            m.counters.ubatches.fetch_add(runs, std::memory_order_relaxed);
+            m.counters.graphs_reused.store(llama_perf_context(m.ctx).n_reused, std::memory_order_relaxed);
             if (rc != 0) {
                 clear_all();
                 std::string why = log_last_error();
@@ -1629,6 +1669,9 @@ Status Engine::Impl::ForwardBatch(const int32_t * slots, const int32_t * pos, co
                       " (" + why + "); they were cleared and must be re-prefilled");
     }
     *n_out_rows = rows_out;
+    m.counters.forwards.fetch_add(1, std::memory_order_relaxed);
+    m.counters.forward_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
+        std::chrono::steady_clock::now() - t_forward).count(), std::memory_order_relaxed);
     return Status();
 }
 

@@ -72,14 +72,21 @@ int recv_exact(int fd, uint8_t* buf, size_t n, int64_t timeout_ms) noexcept {
 }
 
 int recv_frame(int fd, uint8_t* buf, size_t cap, size_t max_frame, int64_t timeout_ms,
-               size_t* size) noexcept {
+               size_t* size, int64_t spin_us) noexcept {
     uint8_t len[kLengthPrefix];
     size_t got = 0;
     int rc;
+    // busy-poll first: read without blocking until a byte comes or spin_us passes
+    const auto spin_end = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
+    bool spinning = spin_us > 0;
     // the first byte may take as long as it takes (a connection idles between frames);
     // from there the frame is under way and, with a timeout, must be whole in time
     for (;;) {
-        ssize_t k = ::recv(fd, len, kLengthPrefix, 0);
+        ssize_t k = ::recv(fd, len, kLengthPrefix, spinning ? MSG_DONTWAIT : 0);
+        if (k < 0 && spinning && again(errno)) {
+            spinning = std::chrono::steady_clock::now() < spin_end;
+            continue;
+        }
         if (k > 0) { got = static_cast<size_t>(k); break; }
         if (k == 0) return kIoEof;
         if (again(errno)) {

@@ -1,7 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, embedsignature=True
 """Private compiled core of dgr: binds dgr::Engine (cpp/). Users import ``dgr``."""
 
-from libc.stdint cimport INT32_MAX, int32_t, uint8_t
+from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint8_t
 from libc.string cimport memcpy
 from libcpp.memory cimport unique_ptr
 from libcpp.string cimport string
@@ -15,6 +15,7 @@ import numpy as np
 
 from dgr._core.includes.engine cimport (
     DGR_LLAMA_COMMIT, DGR_PATCH_STACK_HASH, DGR_VENDOR_KEY, CDeviceInfo, CEngine, CEngineConfig,
+    CEngineCounters,
     CEngineInfo, CStatus, ArchSupportsLayerRange, BuiltBackends, HasLayerRanges, ListDevices,
 )
 from dgr import errors as _errors
@@ -266,6 +267,20 @@ cdef class Engine:
         same ubatch shape, sequences and inputs) since load."""
         with self.lock:
             return self._e.get().GraphsReused()
+
+    @property
+    def counters(self):
+        """What the trunk's forwards cost since load, as a dict: ``forwards`` (calls that
+        ran llama.cpp), ``decodes`` (``llama_decode`` calls: more than ``n_ubatch`` tokens
+        take several), ``ubatches`` (the ubatches llama.cpp's equal split makes of them: one
+        per run of consecutive slots with as many tokens each), ``forward_s`` (wall seconds
+        in the engine's forward: checks, gathers, output copies) and ``decode_s`` (of which
+        in ``llama_decode``: graph build or reuse, and the compute), ``graphs_reused``. Read
+        without the engine's lock (a forward running now may be counted or not yet)."""
+        cdef CEngineCounters c = self._e.get().GetCounters()
+        return {"forwards": c.forwards, "decodes": c.decodes, "ubatches": c.ubatches,
+                "forward_s": c.forward_ns * 1e-9, "decode_s": c.decode_ns * 1e-9,
+                "graphs_reused": c.graphs_reused}
 
     def release(self, int slot):
         """Drop the slot's state; its next forward starts at position 0."""

@@ -386,10 +386,12 @@ cdef int64_t _ms(double timeout):
     return -1 if timeout < 0 else <int64_t> (timeout * 1000.0 + 0.5)
 
 
-def recv_frame(int fd, object buf, size_t max_frame, double timeout=-1.0):
+def recv_frame(int fd, object buf, size_t max_frame, double timeout=-1.0, double spin=0.0):
     """Read the next length-prefixed frame from socket ``fd`` into ``buf`` (a writable
     buffer), without the GIL. The wait for the frame's first byte is unbounded; with
-    ``timeout`` >= 0 (seconds) the rest must arrive within that time of it.
+    ``timeout`` >= 0 (seconds) the rest must arrive within that time of it. With ``spin``
+    > 0 (seconds), the wait polls the socket without sleeping for that long before it
+    blocks (busy-polling).
 
     Returns
     -------
@@ -411,13 +413,14 @@ def recv_frame(int fd, object buf, size_t max_frame, double timeout=-1.0):
     cdef size_t size = 0
     cdef int rc
     cdef int64_t ms = _ms(timeout)
+    cdef int64_t spin_us = <int64_t> (spin * 1e6) if spin > 0 else 0
     if fd < 0:
         raise OSError(9, "the socket is closed")
     PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE)
     try:
         with nogil:
             rc = c_recv_frame(fd, <uint8_t *> view.buf, <size_t> view.len, max_frame, ms,
-                              &size)
+                              &size, spin_us)
     finally:
         PyBuffer_Release(&view)
     if rc == kIoNeedBuffer:

@@ -33,6 +33,7 @@ from dgr.errors import (
 )
 
 __all__ = [
+    "layer_costs",
     "SCHEMA", "DEFAULT_CHUNK_SIZE", "TENSOR_HASHES", "NOT_METADATA", "Manifest", "tensor_role",
     "needed_tensor_names", "check_range", "n_layer_of", "metadata_sha256", "model_headers",
     "model_facts", "build_manifest", "write_manifest",
@@ -315,6 +316,39 @@ def model_facts(heads: Sequence[gguf_io.GGUFHeader]) -> dict:
         "gguf_version": first.version,
         "metadata_sha256": metadata_sha256(first),
     }
+
+
+def layer_costs(path: str | os.PathLike) -> tuple[list[float], float]:
+    """Each trunk layer's cost per token and the output head's, in weights multiplied
+    (``dgr.protocol.ranges.balance_layers``' inputs), read from the GGUF's headers: the
+    elements of a layer's matrices (a mixture of experts' expert tensors scaled by the
+    experts used per token over the experts), and of ``output.weight`` (``token_embd.weight``
+    where the head is tied). Norms, biases and the embedding lookup count for nothing."""
+    heads = [gguf_io.read_header(f, decode_arrays=False) for f in gguf_io.model_files(path)]
+    facts = model_facts(heads)
+    n_layer = facts["n_layer"]
+    first = heads[0]
+    used, experts = first.arch_int("expert_used_count", 0), first.arch_int("expert_count", 0)
+    costs = [0.0] * n_layer
+    head = 0.0
+    tensors = {t.name: t for h in heads for t in h.tensors}
+    for name, t in tensors.items():
+        if len(t.shape) < 2:
+            continue
+        elems = 1.0
+        for d in t.shape:
+            elems *= d
+        m = _BLK.match(name)
+        if m:
+            i = int(m.group(1))
+            if i < n_layer:
+                costs[i] += elems * (used / experts if "_exps" in name and experts else 1.0)
+        elif name == "output.weight":
+            head = elems
+    if not head and "token_embd.weight" in tensors:
+        t = tensors["token_embd.weight"]
+        head = float(t.shape[0]) * float(t.shape[1])
+    return costs, head
 
 
 def build_manifest(paths: Sequence[str | os.PathLike] | str | os.PathLike, *,

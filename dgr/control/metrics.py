@@ -37,9 +37,10 @@ def _counter(name: str, help_: str, value) -> CounterMetricFamily:
     return CounterMetricFamily(name.removesuffix("_total"), help_, value=float(value))
 
 
-def families(rec, counters: dict | None = None) -> list[Metric]:
+def families(rec, counters: dict | None = None, profile: dict | None = None) -> list[Metric]:
     """The metric families of a capability record (``dgr.protocol.capability.Capability``),
-    and of the worker's compute totals when given (``Worker.compute_counters()``)."""
+    of the worker's compute totals when given (``Worker.compute_counters()``), and of where
+    its time went (``Worker.profile_snapshot()``)."""
     c, cap, ld, s, h = rec.compatibility, rec.capacity, rec.load, rec.seam, rec.health
     info = InfoMetricFamily("dgr_worker", "Model and build this worker serves.")
     info.add_metric([], dict(
@@ -103,6 +104,34 @@ def families(rec, counters: dict | None = None) -> list[Metric]:
                      "Engine compute time of every step (sampling and transport excluded).",
                      counters["compute_s_total"]),
         ]
+    if profile is not None:
+        parts = CounterMetricFamily(
+            "dgr_worker_stage_seconds", "Wall seconds by part of the stage's work, summed over "
+            "its threads (docs/performance.md).", labels=["part"])
+        for part, v in profile["parts"].items():
+            parts.add_metric([part], float(v))
+        out += [parts,
+                _counter("process_cpu_seconds_total", "Total user and system CPU time spent "
+                         "in seconds.", profile["cpu_s"]),
+                _counter("dgr_worker_batches_total", "Forwards the stage loop ran.",
+                         profile["batches"]),
+                _counter("dgr_worker_batched_steps_total", "Steps in those forwards.",
+                         profile["steps_batched"])]
+        eng = profile["engine"]
+        if eng:
+            out += [
+                _counter("dgr_engine_forwards_total", "Engine forwards that ran llama.cpp.",
+                         eng["forwards"]),
+                _counter("dgr_engine_decodes_total", "llama_decode calls.", eng["decodes"]),
+                _counter("dgr_engine_ubatches_total", "llama.cpp ubatches of those decodes "
+                         "(one per run of consecutive slots).", eng["ubatches"]),
+                _counter("dgr_engine_graphs_reused_total", "ubatches that reused llama.cpp's "
+                         "previous graph.", eng["graphs_reused"]),
+                _counter("dgr_engine_forward_seconds_total", "Wall seconds in the engine's "
+                         "forward.", eng["forward_s"]),
+                _counter("dgr_engine_decode_seconds_total", "Of which in llama_decode.",
+                         eng["decode_s"]),
+            ]
     out += [
         _gauge("dgr_worker_certified_lane", "A certified lane this worker advertises.",
                samples=[({"lane_id": ln.lane_id, "codec": ln.codec,
@@ -149,7 +178,8 @@ class MetricsServer:
 
     def _snapshot(self):
         async def build():
-            return self.worker.capability(), self.worker.compute_counters()
+            return (self.worker.capability(), self.worker.compute_counters(),
+                    self.worker.profile_snapshot())
 
         return asyncio.run_coroutine_threadsafe(build(), self.loop).result(10)
 

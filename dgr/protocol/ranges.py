@@ -6,7 +6,7 @@ from typing import Sequence
 
 from dgr.errors import InvalidLayerRange
 
-__all__ = ["split_layers", "parse_splits", "ranges_for"]
+__all__ = ["split_layers", "balance_layers", "parse_splits", "ranges_for"]
 
 
 def split_layers(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
@@ -20,6 +20,47 @@ def split_layers(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
         out.append((a, b))
         a = b
     return out
+
+
+def balance_layers(costs: Sequence[float], n_stages: int, last: float = 0.0
+                   ) -> list[tuple[int, int]]:
+    """Contiguous ranges covering every layer whose costliest stage costs least: ``costs[i]``
+    is layer ``i``'s cost per token, ``last`` what the last stage adds (the output head).
+
+    A route's throughput is its slowest stage's, so an even split by layer count loses where
+    the head weighs as several layers (SmolLM2's tied 49k-vocabulary head is as large as 8
+    of its 30 layers). Of the splits as costly, the one nearest to even is taken.
+    """
+    n = len(costs)
+    if not 1 <= n_stages <= n:
+        raise InvalidLayerRange(f"cannot split {n} layers into {n_stages} stages")
+    pre = [0.0]
+    for c in costs:
+        pre.append(pre[-1] + float(c))
+
+    def cost(a: int, b: int) -> float:
+        return pre[b] - pre[a] + (last if b == n else 0.0)
+
+    # best[s][b]: (costliest stage, sum of squared stage sizes) of layers [0, b) in s stages
+    inf = (float("inf"), 0)
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = (0.0, 0)
+    for s in range(1, n_stages + 1):
+        for b in range(s, n + 1):
+            for a in range(s - 1, b):
+                prev = best[s - 1][a]
+                if prev[0] == float("inf"):
+                    continue
+                cand = (max(prev[0], round(cost(a, b), 9)), prev[1] + (b - a) ** 2)
+                if cand <= best[s][b]:  # ties: the earlier stages larger, as split_layers
+                    best[s][b], cut[s][b] = cand, a
+    out, b = [], n
+    for s in range(n_stages, 0, -1):
+        a = cut[s][b]
+        out.append((a, b))
+        b = a
+    return out[::-1]
 
 
 def parse_splits(points: Sequence[int], n_layer: int) -> list[tuple[int, int]]:

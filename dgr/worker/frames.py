@@ -51,10 +51,13 @@ class NativeFrameSocket(FrameSocket):
     """A ``FrameSocket`` whose frame I/O runs in C++ without the GIL (one call per frame
     received or sent; the same framing, buffers and errors as ``FrameSocket``)."""
 
+    #: seconds to poll for a frame's first byte before blocking (``Worker.busy_poll_s``)
+    spin = 0.0
+
     def recv(self) -> memoryview | None:
         fd = self.sock.fileno()
         t = -1.0 if self.frame_timeout is None else self.frame_timeout
-        n = _frame.recv_frame(fd, self._buf, MAX_FRAME, t)
+        n = _frame.recv_frame(fd, self._buf, MAX_FRAME, t, self.spin)
         if n < 0:
             return None
         if n > len(self._buf):  # larger than any frame before: grow, then read it

@@ -91,6 +91,11 @@ async def _serve(args) -> int:
 
     relay_allow = _relay_allow(args.relay_allow)
     RelayPolicy(relay_allow)  # a bad entry fails here, before the model loads
+    if args.busy_poll_us < 0:
+        raise errors.InvalidArgument(f"--busy-poll-us must be >= 0, got {args.busy_poll_us}")
+    if args.busy_poll_us and args.frames != "native":
+        raise errors.InvalidArgument("--busy-poll-us needs the native frame I/O (--frames "
+                                     "native): the Python path cannot poll without the GIL")
     security = security_of(args)  # and so does a bad credential or certificate
     model = args.model
     if model is None:
@@ -108,7 +113,8 @@ async def _serve(args) -> int:
                     native_frames=args.frames == "native", ring_groups=args.ring_groups,
                     relay_allow=relay_allow, security=security,
                     max_sessions_per_credential=args.max_sessions_per_credential or None,
-                    max_queued_per_credential=args.max_queued_per_credential or None)
+                    max_queued_per_credential=args.max_queued_per_credential or None,
+                    busy_poll_s=args.busy_poll_us * 1e-6)
     if args.trace:
         worker.trace = open(args.trace, "a", buffering=1 << 16)
     worker.advertise_data_port = args.advertise_data_port
@@ -229,6 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute single-token steps on the event loop thread while they take "
                         "less than this many ms and the compute thread is idle (default 0: "
                         "never; every step runs off the event loop)")
+    p.add_argument("--busy-poll-us", type=int, default=0, metavar="US",
+                   help="wait for a data-plane frame by polling its connection for up to US "
+                        "microseconds before sleeping (default 0: sleep at once). Keeps the "
+                        "core awake and its caches warm between a route's steps, which makes "
+                        "a stage's next forward faster; for a stage that owns its cores: "
+                        "with more stages than cores, polling takes CPU from their compute "
+                        "(docs/performance.md)")
     p.add_argument("--mtp", action="store_true",
                    help="load the model's multi-token-prediction (NextN) block and draft with "
                         "it for routes that speculate with mtp (docs/speculative.md); only on "

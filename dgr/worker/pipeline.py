@@ -38,6 +38,7 @@ from dgr.protocol.describe import COUNTERS
 from dgr.protocol.sampling import sample_rows
 from dgr.protocol.settings import CPU, stage_identity
 from dgr.transport.common import MAX_MESSAGE
+from dgr.worker.profile import Profile
 from dgr.worker.sessions import Lease, SessionTable
 from dgr.worker.speculation import Speculator, accept
 
@@ -189,6 +190,8 @@ class StagePipeline:
         self.steps_total = 0
         self.errors_total = 0
         self.window = ComputeWindow()
+        #: wall seconds by part of the stage's work (``dgr.worker.profile``)
+        self.profile = Profile()
         self.started = time.monotonic()
         #: hop latency of 1-token steps (ms, arrival to reply ready), for the capability record
         self.hop_ms: collections.deque = collections.deque(maxlen=1024)
@@ -429,6 +432,7 @@ class StagePipeline:
         results are views of this thread's output buffer, valid until its next compute.
         """
         fails: list[BaseException | None] = [None] * len(steps)
+        t_enter = time.perf_counter()
         with self.engine.lock:
             if self.stopped:
                 with self._counts:
@@ -466,6 +470,7 @@ class StagePipeline:
                         run.remove(i)
             for i in run:
                 steps[i].batch = (batch_id, len(run))
+            self.profile.add("lease", time.perf_counter() - t_enter)
             self.computing += 1
             try:
                 batched = len(run) > 1 and hasattr(self.engine, "forward_batch")
@@ -528,6 +533,7 @@ class StagePipeline:
             res = eng.forward_batch(slots, positions, tokens, boundary,
                                     out=self._thread_out(rows=n))
             seconds = time.perf_counter() - t0
+            self.profile.add("engine", seconds)
             a = 0
             for s, h in zip(steps, hs):
                 s.kind, s.result = "boundary", res[a:a + h.n_tokens]
@@ -544,7 +550,9 @@ class StagePipeline:
             a += h.n_tokens
         res = eng.forward_batch(slots, positions, tokens, boundary, logits=mask,
                                 out=self._thread_out(rows=int(mask.sum())))
-        seconds = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        seconds = t1 - t0
+        self.profile.add("engine", seconds)
         r0 = 0
         for s, h, rows in zip(steps, hs, picks):
             logits = res[r0:r0 + len(rows)]
@@ -554,6 +562,7 @@ class StagePipeline:
                 self._sample(s, logits, rows)
             if h.want in ("logits", "token+logits"):
                 s.kind, s.result = "logits", logits
+        self.profile.add("sample", time.perf_counter() - t1)
 
     def _forward(self, step: Step, out: np.ndarray | None) -> None:
         """The engine's forward (and sampling on a last stage), the engine's lock held."""
@@ -568,6 +577,7 @@ class StagePipeline:
         if not self.is_last:
             step.result = eng.forward(lease.slot, positions, tokens, boundary=step.array, **kw)
             step.seconds = time.perf_counter() - t0
+            self.profile.add("engine", step.seconds)
             step.kind = "boundary"
             return
         want = h.want
@@ -580,11 +590,14 @@ class StagePipeline:
             mask[rows] = True
         logits = eng.forward(lease.slot, positions, tokens, boundary=step.array, logits=mask,
                              **kw)
-        step.seconds = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        step.seconds = t1 - t0
+        self.profile.add("engine", step.seconds)
         if want.startswith("token"):
             self._sample(step, logits, rows)
         if want in ("logits", "token+logits"):
             step.kind, step.result = "logits", logits
+        self.profile.add("sample", time.perf_counter() - t1)
 
     @staticmethod
     def _sample(step: Step, logits: np.ndarray, rows: list[int]) -> None:

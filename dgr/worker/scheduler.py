@@ -44,6 +44,7 @@ from typing import Callable
 import numpy as np
 
 from dgr.worker.pipeline import Step
+from dgr.worker.profile import Profile
 
 __all__ = ["StageLoop", "RingLoad", "take", "SOLO_ROWS", "HOLD_S"]
 
@@ -66,9 +67,11 @@ HOLD_S = 0.05
 
 
 def take(queue: collections.deque, max_tokens: int, solo_rows: int = SOLO_ROWS,
-         max_steps: int | None = None) -> list:
+         max_steps: int | None = None, group_of: dict[str, int] | None = None) -> list:
     """Remove and return the next batch from ``queue`` (items with ``.step``; the rules in
-    the module docstring), of at most ``max_steps`` steps (None: no limit)."""
+    the module docstring), of at most ``max_steps`` steps (None: no limit). With
+    ``group_of`` (session -> ring group, ``RingLoad.plan``), the decode steps of a batch whose
+    oldest step is in a group are all of that group."""
     if not queue:
         return []
     items = list(queue)
@@ -84,6 +87,7 @@ def take(queue: collections.deque, max_tokens: int, solo_rows: int = SOLO_ROWS,
     seen = {head.step.header.session}
     tokens = head.step.header.n_tokens
     picked = {0}
+    group = group_of.get(head.step.header.session) if group_of else None
     for want_decode in (True, False):
         blocked: set[str] = set()  # sessions with an earlier step left in the queue
         for i, it in enumerate(items):
@@ -95,6 +99,10 @@ def take(queue: collections.deque, max_tokens: int, solo_rows: int = SOLO_ROWS,
             if h.session in seen or h.session in blocked:
                 continue
             fits = tokens + h.n_tokens <= max_tokens
+            if group is not None and want_decode and h.n_tokens == 1 \
+                    and group_of.get(h.session, group) != group:
+                blocked.add(h.session)  # another group's: it leaves with its own
+                continue
             if alone(h) or (h.n_tokens == 1) != want_decode or not fits:
                 blocked.add(h.session)  # its later steps must not overtake this one
                 if want_decode and not fits and h.n_tokens == 1:
@@ -114,7 +122,8 @@ def take(queue: collections.deque, max_tokens: int, solo_rows: int = SOLO_ROWS,
 
 
 class RingLoad:
-    """The decode-loop sessions a stage sees, and how many of their steps one batch takes.
+    """The decode-loop sessions a stage sees, how many of their steps one batch takes, and
+    which of them go together.
 
     A ring of ``n`` stages (``Forward.loop``) decoding ``k`` sessions keeps its stages
     computing at the same time only when the sessions travel in about ``n`` groups. A batch
@@ -124,6 +133,14 @@ class RingLoad:
     a convoy splits into ``n`` groups at the first stage it reaches, and the groups stay
     apart. One session gets batches of one, as before.
 
+    The groups are runs of slots: the sessions in slot order, ``ceil(k / n)`` to a group
+    (``plan``). llama.cpp computes a batch's sequences as one ubatch only where their slots
+    are consecutive (its equal split, one KV stream per slot); a batch of slots 0, 2, 4, 6
+    costs four forwards of one. Grouped by slot, a group's batch is one ubatch wherever the
+    sessions' slots are dense, and every stage forms the same groups where the stages number
+    the sessions alike (each gives a new session its lowest free slot, in the order the
+    sessions' first steps reach it).
+
     ``k`` counts the sessions whose decode step reached this stage within two ring rounds
     (a round: the time between two steps of one session here, averaged), or within
     ``horizon`` seconds before a round is known.
@@ -132,29 +149,41 @@ class RingLoad:
     def __init__(self, horizon: float = 1.0):
         self.horizon = float(horizon)
         self.round_s = 0.0  # EWMA of the interval between a session's steps
-        self._seen: dict[str, tuple[float, int]] = {}  # session -> (last step, ring stages)
+        #: session -> (last step, ring stages, its slot here or None)
+        self._seen: dict[str, tuple[float, int, int | None]] = {}
 
-    def see(self, session: str, ring: int, now: float) -> None:
-        """A decode step of ``session`` on a ring of ``ring`` stages arrived at ``now``."""
+    def see(self, session: str, ring: int, now: float, slot: int | None = None) -> None:
+        """A decode step of ``session`` (on ``slot`` here, when known) on a ring of ``ring``
+        stages arrived at ``now``."""
         prev = self._seen.get(session)
         if prev is not None:
             dt = now - prev[0]
             self.round_s = dt if not self.round_s else 0.9 * self.round_s + 0.1 * dt
-        self._seen[session] = (now, ring)
+        self._seen[session] = (now, ring, slot)
 
-    def max_steps(self, now: float) -> int | None:
-        """The most steps one batch takes now (None: no ring session is active)."""
+    def plan(self, now: float) -> tuple[int | None, dict[str, int] | None]:
+        """``(max_steps, group_of)``: the most steps one batch takes now (None: no ring
+        session is active) and each active session's group (its rank in slot order, or in
+        the order first seen where no slot is known, divided by ``max_steps``; None without a
+        cap)."""
         horizon = 2.0 * self.round_s if self.round_s else self.horizon
-        k, n = 0, 0
-        for session, (t, ring) in list(self._seen.items()):
+        active: list[tuple[int, str]] = []
+        n = 0
+        for session, (t, ring, slot) in list(self._seen.items()):
             if now - t > horizon:
                 del self._seen[session]
                 continue
-            k += 1
+            active.append((-1 if slot is None else slot, session))
             n = max(n, ring)
         if n < 2:
-            return None
-        return -(-k // n)
+            return None, None
+        m = -(-len(active) // n)
+        active.sort(key=lambda a: a[0])  # stable: sessions without a slot as first seen
+        return m, {session: i // m for i, (_, session) in enumerate(active)}
+
+    def max_steps(self, now: float) -> int | None:
+        """The most steps one batch takes now (None: no ring session is active)."""
+        return self.plan(now)[0]
 
 
 class StageLoop:
@@ -172,12 +201,22 @@ class StageLoop:
     ring_groups : bool
         Cap a batch so that decode-loop sessions travel their ring in as many groups as it
         has stages (``RingLoad``).
+    profile : dgr.worker.profile.Profile, optional
+        Where the loop adds its waits, commits and hand-ons (the stage's; default: its own).
+    slot_of : callable, optional
+        ``slot_of(session)``: the session's engine slot (None: unknown); ring groups are runs
+        of slots when given (``RingLoad``), else the sessions in arrival order.
     """
 
     def __init__(self, pipeline, *, max_tokens: int, batching: bool = True,
                  burst: Callable[[], contextlib.AbstractContextManager] | None = None,
-                 ring_groups: bool = True):
+                 ring_groups: bool = True, profile: Profile | None = None,
+                 slot_of: Callable[[str], int | None] | None = None):
         self.p = pipeline
+        #: a session's slot on this stage (None: unknown), which ring groups follow
+        self.slot_of = slot_of
+        #: where the loop's waits, commits and hand-ons are counted (``dgr.worker.profile``)
+        self.profile = profile if profile is not None else Profile()
         #: split decode-loop sessions into as many groups as their ring has stages
         #: (``RingLoad``); False: a batch takes every ready step (up to ``max_tokens``)
         self.ring_groups = bool(ring_groups)
@@ -226,9 +265,10 @@ class StageLoop:
         ``hold`` wakes it; so does ``HOLD_S`` passing (a burst cut short).
         """
         h = step.header
+        slot = self.slot_of(h.session) if self.slot_of is not None and h.loop else None
         with self._cv:
             if h.loop and h.n_tokens == 1:
-                self.ring.see(h.session, len(h.loop), time.monotonic())
+                self.ring.see(h.session, len(h.loop), time.monotonic(), slot)
             run_here = inline and not self._busy and not self._queue and not self._stop
             if run_here:
                 self._busy = True
@@ -251,9 +291,13 @@ class StageLoop:
                     if self._stop and not self._queue:
                         return
                     # the timeout bounds how long a held step (submit(hold=True)) waits
+                    t0 = time.perf_counter()
+                    held = bool(self._queue)
                     self._cv.wait(HOLD_S)
-                cap = self.ring.max_steps(time.monotonic()) if self.ring_groups else None
-                batch = (take(self._queue, self.max_tokens, max_steps=cap)
+                    self.profile.add("held" if held else "idle", time.perf_counter() - t0)
+                cap, groups = (self.ring.plan(time.monotonic()) if self.ring_groups
+                               else (None, None))
+                batch = (take(self._queue, self.max_tokens, max_steps=cap, group_of=groups)
                          if self.batching else [self._queue.popleft()])
                 self._busy = True
                 turn = next(self._order)
@@ -271,8 +315,12 @@ class StageLoop:
         except BaseException as e:  # noqa: BLE001 - every step gets its failure
             fails = [e] * len(steps)
         finally:
+            t0 = time.perf_counter()
             for s, f in zip(steps, fails):
                 self.p.finish(s, f)
+            profile = self.profile
+            t1 = time.perf_counter()
+            profile.add("commit", t1 - t0)
             with self._cv:  # the engine is free: the next batch may start
                 self._busy = False
                 if run:
@@ -282,6 +330,8 @@ class StageLoop:
                     self._cv.notify()
         with self._turn_cv:
             self._turn_cv.wait_for(lambda: self._turn == turn)
+        t2 = time.perf_counter()
+        profile.add("turn_wait", t2 - t1)
         try:
             with (self.burst() if self.burst is not None and len(batch) > 1
                   else contextlib.nullcontext()):
@@ -293,6 +343,7 @@ class StageLoop:
         except Exception:  # noqa: BLE001 - a burst's flush reports to each step itself
             log.exception("handing on a batch failed")
         finally:
+            profile.add("hand_on", time.perf_counter() - t2)
             with self._turn_cv:
                 self._turn += 1
                 self._turn_cv.notify_all()

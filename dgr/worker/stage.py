@@ -62,7 +62,7 @@ class Worker(StagePipeline):
                  batching: bool = True, native_frames: bool = True,
                  ring_groups: bool = True, relay_allow=None, security: Security | None = None,
                  max_sessions_per_credential: int | None = None,
-                 max_queued_per_credential: int | None = None):
+                 max_queued_per_credential: int | None = None, busy_poll_s: float = 0.0):
         super().__init__(engine, ttl=ttl, evict_after=evict_after, max_message=max_message)
         #: the credentials accepted and presented, and TLS (dgr.transport.security; both
         #: planes use it): none by default
@@ -76,6 +76,11 @@ class Worker(StagePipeline):
         self.frames = Frames(native_frames, self.max_payload)
         self.inline = inline
         self.inline_below_ms = float(inline_below_ms)
+        #: how long a data connection polls for its next frame before sleeping (native
+        #: frame I/O only; 0: sleep at once)
+        self.busy_poll_s = float(busy_poll_s)
+        if self.busy_poll_s and not self.frames.native:
+            raise errors.InvalidArgument("busy polling needs the native frame I/O")
         self.inline_steps = 0
         self.name = name
         self.cert_store = cert_store  # certified lanes advertised in the capability record
@@ -83,7 +88,8 @@ class Worker(StagePipeline):
         #: the stage's scheduler: every step of both planes computes through it
         self.loop = StageLoop(self, max_tokens=int(self.settings["n_ubatch"]),
                               batching=batching, burst=self._burst,
-                              ring_groups=ring_groups)
+                              ring_groups=ring_groups, profile=self.profile,
+                              slot_of=self._slot_of)
         # fast data plane (dgr.transport.dataplane): set by serve_data()
         self.data_server = None
         self.forwarder = None
@@ -127,6 +133,29 @@ class Worker(StagePipeline):
             drafters=self.drafters,
             device=self.device_facts(),
         )
+
+    def _slot_of(self, session: str) -> int | None:
+        """The session's slot here (None: it holds none). Read without the table's lock (a
+        dict lookup): the stage loop groups ring steps by it, and a stale answer only makes
+        a batch less dense."""
+        info = self.table.get(session)
+        return None if info is None else info.slot
+
+    def profile_snapshot(self) -> dict[str, Any]:
+        """Where the stage's time went since it started (docs/performance.md): ``parts``,
+        wall seconds by part (``dgr.worker.profile.PARTS``) summed over its threads;
+        ``engine``, the engine's forward counters (``Engine.counters``; empty for an engine
+        without them); ``cpu_s``, the process's CPU seconds (user and system, every thread);
+        ``batches`` and ``steps_batched``, the stage loop's forwards and the steps in them;
+        ``tokens``, tokens computed."""
+        counters = getattr(self.engine, "counters", None)
+        sizes = self.loop.batch_sizes.copy()
+        return {"parts": self.profile.totals(),
+                "engine": dict(counters) if counters is not None else {},
+                "cpu_s": time.process_time(),
+                "batches": self.loop.batches,
+                "steps_batched": sum(k * v for k, v in sizes.items()),
+                "tokens": self.window.tokens_computed_total}
 
     def device_facts(self) -> dict[str, Any]:
         """The ``ComputeDevice`` fields: the engine's device and what it holds there (read
@@ -242,6 +271,7 @@ class Worker(StagePipeline):
 
     def _data_connection(self, conn) -> None:
         """One data-plane connection (its own thread): frames in order until EOF."""
+        conn.spin = self.busy_poll_s
         try:
             while True:
                 try:
@@ -275,6 +305,7 @@ class Worker(StagePipeline):
             fw.send_back(conn, getattr(h, "reply_to", ""), self.error(e, *_who(h)))
             return
         more = conn.pending()  # a burst: queue it with the rest, as one batch
+        self.profile.add("frame_in", time.perf_counter() - t_arrive)
         self.loop.submit(step, functools.partial(self._data_done, conn), inline=not more,
                          hold=more)
 

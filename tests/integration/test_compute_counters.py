@@ -107,3 +107,49 @@ def test_metrics_expose_the_describe_totals(stages):
     assert got["dgr_worker_decode_compute_seconds_total"] == info.decode_compute_s_total > 0
     assert got["dgr_worker_tokens_computed_total"] == info.tokens_computed_total
     assert got["dgr_worker_compute_seconds_total"] == info.compute_s_total
+
+
+def test_metrics_say_where_each_stages_time_went(stages):
+    """Each stage's profile (docs/performance.md): wall seconds by part, the process's CPU,
+    the engine's forwards, decodes and ubatches, and the stage loop's batches."""
+    from dgr.worker.profile import PARTS
+
+    tw = stages[1]
+    before = tw.worker.profile_snapshot()
+    generate(stages, True, N)
+    after = tw.worker.profile_snapshot()
+    d = {p: after["parts"][p] - before["parts"][p] for p in PARTS}
+    assert d["engine"] > 0 and d["sample"] > 0 and d["hand_on"] > 0 and d["frame_in"] > 0
+    eng = {k: after["engine"][k] - before["engine"][k] for k in after["engine"]}
+    assert eng["forwards"] == N + 1 == eng["decodes"] == eng["ubatches"]  # one session
+    assert 0 < eng["decode_s"] <= eng["forward_s"] <= d["engine"]
+    assert after["cpu_s"] > before["cpu_s"] and after["batches"] - before["batches"] == N + 1
+    got = _samples(MetricsServer(tw.worker, port=0, loop=tw.loop).render())
+    for p in PARTS:
+        assert got[f'dgr_worker_stage_seconds_total{{part="{p}"}}'] >= after["parts"][p]
+    assert got["dgr_engine_forwards_total"] >= after["engine"]["forwards"]
+    assert got["dgr_engine_ubatches_total"] >= after["engine"]["ubatches"]
+    assert got["process_cpu_seconds_total"] >= after["cpu_s"]
+
+
+def test_engine_counts_one_ubatch_per_run_of_consecutive_slots(tiny_llama):
+    """llama.cpp's equal split computes a batch's sequences as one ubatch only where their
+    slots are consecutive: slots 0, 1, 2, 3 are one ubatch, slots 0, 2 and 1, 3 two each
+    (why the stage loop groups ring sessions by slot)."""
+    e = dgr.Engine(tiny_llama, layers=(0, 2), n_ctx=64, n_slots=4, n_threads=1, n_ubatch=8)
+    c0 = e.counters
+    e.forward_batch(np.arange(4, dtype=np.int32), np.zeros(4, np.int32),
+                    np.full(4, 5, np.int32))
+    c1 = e.counters
+    assert (c1["forwards"] - c0["forwards"], c1["decodes"] - c0["decodes"],
+            c1["ubatches"] - c0["ubatches"]) == (1, 1, 1)
+    e.forward_batch(np.array([0, 2], np.int32), np.ones(2, np.int32), np.full(2, 5, np.int32))
+    e.forward_batch(np.array([1, 3], np.int32), np.ones(2, np.int32), np.full(2, 5, np.int32))
+    c2 = e.counters
+    assert (c2["forwards"] - c1["forwards"], c2["ubatches"] - c1["ubatches"]) == (2, 4)
+    # 10 tokens of one slot with n_ubatch 8: two decodes
+    e.forward_batch(np.zeros(10, np.int32), np.arange(2, 12, dtype=np.int32),
+                    np.full(10, 5, np.int32))
+    c3 = e.counters
+    assert (c3["forwards"] - c2["forwards"], c3["decodes"] - c2["decodes"]) == (1, 2)
+    assert c3["decode_s"] > c0["decode_s"] and c3["forward_s"] >= c3["decode_s"]

@@ -288,3 +288,13 @@ def test_single_stage_chain_is_the_whole_model(tiny_llama):
     got = chain.forward(0, 0, [1, 2, 3], logits="all")
     assert got.shape == (3, 128)
     assert got.tobytes() == whole.forward(0, 0, [1, 2, 3], logits="all").tobytes()
+
+
+def test_layer_costs_count_each_layers_matrices_and_the_tied_head(tiny_llama):
+    """``layer_costs`` reads what a token multiplies from the GGUF: each layer's matrices
+    (norms left out) and the head (the token embedding, tied here)."""
+    from dgr.artifacts.manifest import layer_costs
+
+    costs, head = layer_costs(tiny_llama)
+    per_layer = 64 * 64 * 2 + 32 * 64 * 2 + 128 * 64 * 3  # q, o; k, v; gate, up, down
+    assert costs == [per_layer] * 4 and head == 128 * 64

@@ -45,6 +45,44 @@ def test_results_without_modes_still_summarize():
     assert "ungrouped" not in row and "batched/ungrouped" not in batching.table([row], [], 3)
 
 
+def test_a_stages_profile_and_the_bound_of_its_engines_alone():
+    """Two scrapes of a worker's metrics give its share per output token; the stages' engines
+    alone bound the route (the slowest stage, or the cores over their sum when the stages
+    outnumber the cores); the summary and the breakdown table show both."""
+    before = {"process_cpu_seconds_total": 1.0, "dgr_engine_decode_seconds_total": 0.5,
+              "dgr_engine_forwards_total": 10.0, "dgr_engine_ubatches_total": 10.0,
+              "dgr_engine_graphs_reused_total": 5.0, "dgr_worker_batches_total": 10.0,
+              "dgr_worker_batched_steps_total": 10.0,
+              'dgr_worker_stage_seconds_total{part=engine}': 0.5,
+              'dgr_worker_stage_seconds_total{part=idle}': 2.0}
+    after = {**before, "process_cpu_seconds_total": 2.0, "dgr_engine_decode_seconds_total": 1.3,
+             "dgr_engine_forwards_total": 30.0, "dgr_engine_ubatches_total": 40.0,
+             "dgr_worker_batches_total": 30.0, "dgr_worker_batched_steps_total": 90.0,
+             'dgr_worker_stage_seconds_total{part=engine}': 1.4,
+             'dgr_worker_stage_seconds_total{part=idle}': 2.5}
+    st = batching.stage_profile(before, after, tokens=100)
+    assert st["cpu_ms_per_token"] == pytest.approx(10.0)
+    assert st["ms_per_token"] == {"engine": pytest.approx(9.0), "idle": pytest.approx(5.0)}
+    assert st["steps_per_forward"] == pytest.approx(4.0)
+    assert st["ubatches_per_forward"] == pytest.approx(1.5)
+    assert st["graphs_reused_per_forward"] == 0.0
+    assert batching.bound_tps([5.0, 4.0], cores=2) == pytest.approx(200.0)
+    assert batching.bound_tps([5.0, 4.0, 1.0], cores=2) == pytest.approx(200.0)  # 2/10 ms
+    assert batching.bound_tps([5.0, 4.0, 3.0], cores=2) == pytest.approx(2000 / 12)
+    mb = {**m(16, "batched", True, 150.0), "driver_cpu_ms_per_token": 0.2, "stages": [st, st]}
+    ms = {**m(16, "solo", False, 100.0), "driver_cpu_ms_per_token": 0.3, "stages": [st, st]}
+    res = {"meta": {"stages": 2, "cpu_count": 2}, "dgr": [mb, ms],
+           "stage_bounds": [{"1": 6.0, "8": 5.0}, {"1": 7.0, "8": 4.0}],
+           "llama_batched_bench": {}}
+    (row,) = batching.summarize(res, [16], [])
+    assert row["bound_tps"] == pytest.approx(200.0)
+    assert row["batched_over_bound"] == pytest.approx(0.75)
+    text = batching.breakdown(res)
+    assert "| 16 | batched | 0 | 10.00 | 9.00 |" in text and "5.00 (b=8)" in text
+    assert "| 16 | solo | 1 | 10.00 |" in text and "7.00 (b=1)" in text
+    assert "| 16 | batched | driver | 0.20 |" in text
+
+
 ring_trace = pytest.importorskip("ring_trace")
 
 

@@ -190,3 +190,16 @@ def test_a_bad_relay_allowlist_stops_the_worker_before_it_loads_a_model(tmp_path
     assert p.returncode == 2
     assert "relay allowlist entry '10.0.0.0/33'" in p.stderr
     assert "none.gguf" not in p.stderr  # it never got as far as the model
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--busy-poll-us", "500", "--frames", "python"], "--busy-poll-us needs the native frame"),
+    (["--busy-poll-us", "-1"], "--busy-poll-us must be >= 0"),
+])
+def test_busy_polling_the_worker_cannot_honour_is_refused_before_it_loads(tmp_path, capsys,
+                                                                          args, words):
+    from dgr.worker.main import main
+
+    assert main(["--model", str(tmp_path / "none.gguf"), *args]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "none.gguf" not in err  # it never got as far as the model

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dgr import errors
-from dgr.protocol.ranges import parse_splits, ranges_for, split_layers
+from dgr.protocol.ranges import balance_layers, parse_splits, ranges_for, split_layers
 from dgr.protocol.sampling import Sampler, SamplingParams
 
 
@@ -66,3 +66,19 @@ def test_ranges_for_a_command_line():
     assert ranges_for("", 2, 30) == split_layers(30, 2)
     with pytest.raises(errors.InvalidLayerRange, match="integers"):
         ranges_for("10,x", 3, 30)
+
+
+def test_balanced_ranges_give_the_last_stage_fewer_layers_for_the_head():
+    """A route serves at its slowest stage's speed: the output head weighs on the last stage
+    (SmolLM2's tied head multiplies as many weights as 8 of its 30 layers)."""
+    assert balance_layers([1.0] * 30, 2, last=8.0) == [(0, 19), (19, 30)]
+    assert balance_layers([1.0] * 30, 3, last=8.0) == [(0, 13), (13, 25), (25, 30)]
+    # no head: the even split (of equally costly splits, the one nearest to even)
+    assert balance_layers([1.0] * 30, 3) == split_layers(30, 3)
+    assert balance_layers([1.0] * 7, 2) == [(0, 4), (4, 7)]
+    # an uneven layer (a dense layer among lighter ones) shifts the cut
+    assert balance_layers([4.0, 1.0, 1.0, 1.0, 1.0], 2) == [(0, 1), (1, 5)]
+    assert balance_layers([1.0, 1.0], 2, last=5.0) == [(0, 1), (1, 2)]  # one layer each at least
+    for bad in (0, 3):
+        with pytest.raises(errors.InvalidLayerRange):
+            balance_layers([1.0, 1.0], bad)

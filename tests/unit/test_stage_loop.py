@@ -114,6 +114,80 @@ def test_ring_load_splits_a_ring_into_as_many_groups_as_stages():
     assert r3.max_steps(0.0) is None
 
 
+def test_ring_groups_are_runs_of_slots_not_of_arrival():
+    """llama.cpp computes a batch's sequences as one ubatch only where their slots are
+    consecutive (its equal split), so the ring groups are runs of slots: ranks in slot order
+    divided by the cap. Sessions without a known slot keep the order they were first seen."""
+    r = RingLoad(horizon=1.0)
+    assert r.plan(0.0) == (None, None)
+    slots = [0, 6, 1, 7, 2, 8, 3, 9, 4, 10, 5, 11]  # arrival order interleaves two runs
+    for i, sl in enumerate(slots):
+        r.see(f"s{sl}", 2, 0.0, sl)
+    cap, groups = r.plan(0.1)
+    assert cap == 6
+    assert {s for s, g in groups.items() if g == 0} == {f"s{i}" for i in range(6)}
+    assert {s for s, g in groups.items() if g == 1} == {f"s{i}" for i in range(6, 12)}
+    r2 = RingLoad()
+    for name in ("c", "a", "b", "d"):
+        r2.see(name, 2, 0.0)  # no slots known
+    assert r2.plan(0.0) == (2, {"c": 0, "a": 0, "b": 1, "d": 1})
+
+
+def test_a_batch_led_by_a_ring_step_takes_only_its_groups_decode_steps():
+    q = collections.deque([job("a"), job("x"), job("b"), job("p", 8), job("y"), job("c")])
+    groups = {"a": 0, "b": 0, "c": 0, "x": 1, "y": 1}
+    assert names(take(q, 64, max_steps=3, group_of=groups)) == [("a", 1), ("b", 1), ("c", 1)]
+    assert names(q) == [("x", 1), ("p", 8), ("y", 1)]
+    # led by another group's step: that group's, then a prefill chunk where room is left
+    assert names(take(q, 64, max_steps=3, group_of=groups)) == [("x", 1), ("p", 8), ("y", 1)]
+    # a step of no group (not a ring session) leads a batch of any decode steps
+    q = collections.deque([job("z"), job("a"), job("x")])
+    assert names(take(q, 64, group_of=groups)) == [("z", 1), ("a", 1), ("x", 1)]
+
+
+def test_a_convoy_of_ring_steps_leaves_in_groups_of_consecutive_slots():
+    """Twelve decode-loop steps of a 2-stage ring that arrive together, in an order that
+    interleaves their slots, compute as two batches of six consecutive slots each."""
+    p = Pipeline()
+    slots = [0, 6, 1, 7, 2, 8, 3, 9, 4, 10, 5, 11]
+    lp = StageLoop(p, max_tokens=64, slot_of=lambda s: int(s[1:]))
+    try:
+        p.gate = threading.Event()
+        cb = Collect(13)
+        assert not lp.submit(step("first"), cb)
+        assert p.entered.wait(WAIT)
+        for sl in slots:
+            assert not lp.submit(step(f"s{sl}", ring=2), cb, inline=True)
+        p.gate.set()
+        assert cb.all.wait(WAIT)
+        assert p.batches == [["first"], [f"s{i}" for i in (0, 1, 2, 3, 4, 5)],
+                             [f"s{i}" for i in (6, 7, 8, 9, 10, 11)]]
+    finally:
+        lp.stop(WAIT)
+
+
+def test_the_loop_counts_where_its_time_goes():
+    """The stage's profile (dgr.worker.profile) gets the loop's commits, turn waits,
+    hand-ons and waits."""
+    from dgr.worker.profile import PARTS, Profile
+
+    prof = Profile()
+    p = Pipeline()
+    lp = StageLoop(p, max_tokens=64, profile=prof)
+    try:
+        done = threading.Event()
+        lp.submit(step("a"), lambda s, f: done.set())
+        assert done.wait(WAIT)
+        from dgr.testing.waits import wait_until
+
+        wait_until(lambda: prof.totals()["idle"] > 0, "the loop idled")
+        t = prof.totals()
+        assert set(t) == set(PARTS)
+        assert t["hand_on"] > 0 and t["commit"] > 0
+    finally:
+        lp.stop(WAIT)
+
+
 def test_a_convoy_of_ring_steps_leaves_in_groups(loop):
     """Twelve decode-loop steps of a 3-stage ring that arrive together (one batch of the
     stage before) compute as 3 batches of 4: the next stage can start on the first group

@@ -266,3 +266,21 @@ def test_send_many_to_a_gone_peer_says_what_went_out(conn_class):
         for _ in range(1000):
             tx.send_many([(b"h" * 1024, np.zeros(4096, np.float32)), (b"x", None)])
     assert e.value.sent == 0 and tx.closed
+
+
+def test_a_busy_polling_receiver_gets_a_frame_sent_while_it_polls_and_after():
+    """``spin``: the receiver polls for the first byte without sleeping, then blocks; a frame
+    that comes while it polls, or only after it gave up polling, is read the same."""
+    tx, rx = pair(NativeFrameSocket, NativeFrameSocket)
+    rx.spin = 0.2
+    frame = wire.encode(forward(1), boundary(1))
+    try:
+        for delay in (0.01, 0.4):  # within the 0.2 s of polling; after it
+            t = threading.Timer(delay, lambda: tx.send(frame))
+            t.start()
+            assert bytes(rx.recv()) == frame
+            t.join(10)
+        tx.close()
+        assert rx.recv() is None
+    finally:
+        rx.close()

@@ -177,6 +177,18 @@ public:
     // and inputs: no graph build, no scheduling) since load. The MTP drafter's are not counted.
     int64_t GraphsReused() const;
 
+    // What the trunk's forwards cost since load (a stage's profile: docs/performance.md).
+    struct Counters {
+        int64_t forwards = 0;      // ForwardBatch calls that ran llama_decode (one-slot ones too)
+        int64_t decodes = 0;       // llama_decode calls (a forward of more than n_ubatch tokens: several)
+        int64_t ubatches = 0;      // llama.cpp ubatches those decodes made: its equal split takes one
+                                   // run of consecutive slot ids with as many tokens each per ubatch
+        int64_t forward_ns = 0;    // wall time in ForwardBatch (checks, gathers, output copies)
+        int64_t decode_ns = 0;     // of which in llama_decode (graph build or reuse, compute)
+        int64_t graphs_reused = 0; // as GraphsReused(), as of the last decode
+    };
+    Counters GetCounters() const;
+
     // Refresh memory figures (KV/compute bytes, the device's free memory) in info().
     Status RefreshMemory();
 

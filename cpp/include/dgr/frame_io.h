@@ -28,9 +28,12 @@ constexpr int kIoTimeout = -5;     // the frame was not whole within timeout_ms 
 // Read one length prefix and, when it fits in cap bytes, the frame into buf. The wait for
 // the first byte is unbounded (a connection idles between frames); with timeout_ms >= 0 the
 // rest of the prefix and the frame must arrive within timeout_ms of it (kIoTimeout).
-// On 0 and on kIoNeedBuffer/kIoTooLarge, *size is the frame's length.
+// On 0 and on kIoNeedBuffer/kIoTooLarge, *size is the frame's length. With spin_us > 0 the
+// wait for the first byte polls the socket without sleeping for up to spin_us microseconds
+// before it blocks (busy-polling: the thread, and its core, stay awake for a frame that
+// comes soon).
 int recv_frame(int fd, uint8_t* buf, size_t cap, size_t max_frame, int64_t timeout_ms,
-               size_t* size) noexcept;
+               size_t* size, int64_t spin_us = 0) noexcept;
 
 // Read exactly n bytes into buf within timeout_ms (< 0: unbounded): 0, kIoTruncated,
 // kIoTimeout or an errno.

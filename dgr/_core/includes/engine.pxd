@@ -35,6 +35,14 @@ cdef extern from "dgr/engine.h" namespace "dgr" nogil:
         uint64_t device_memory_limit
         bool mtp
 
+    cdef cppclass CEngineCounters "dgr::Engine::Counters":
+        int64_t forwards
+        int64_t decodes
+        int64_t ubatches
+        int64_t forward_ns
+        int64_t decode_ns
+        int64_t graphs_reused
+
     cdef cppclass CEngineInfo "dgr::EngineInfo":
         string arch
         string desc
@@ -99,6 +107,7 @@ cdef extern from "dgr/engine.h" namespace "dgr" nogil:
         CStatus MtpDraft(int32_t slot, int32_t token, int32_t n_max, vector[int32_t] * out) except +
         int32_t NextPos(int32_t slot) except +
         int64_t GraphsReused() except +
+        CEngineCounters GetCounters() except +
         CStatus RefreshMemory() except +
         CStatus InjectFault(const string & what) except +
 

@@ -121,7 +121,7 @@ cdef extern from "dgr/frame_io.h" namespace "dgr::wire" nogil:
     cdef int kIoTimeout
 
     int recv_frame(int fd, uint8_t * buf, size_t cap, size_t max_frame, int64_t timeout_ms,
-                   size_t * size)
+                   size_t * size, int64_t spin_us)
     int recv_exact(int fd, uint8_t * buf, size_t n, int64_t timeout_ms)
     int send_frame(int fd, const uint8_t * head, size_t head_len, const uint8_t * payload,
                    size_t payload_len)
