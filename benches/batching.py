@@ -3,7 +3,8 @@
 
     python benches/batching.py [--sessions 1,16,32] [--tokens 64] [--stages 3]
                                [--split cost|even|A,B] [--threads 1,2] [--rounds 1]
-                               [--ungrouped] [--name batching] [--json out.json]
+                               [--ungrouped] [--busy-poll-us US] [--name batching]
+                               [--json out.json]
 
 - **dgr**: ``--stages`` worker processes on loopback (one thread each, ``max(sessions)``
   slots, the settings below), direct relay with the decode loop. For each k, k sessions at
@@ -16,7 +17,8 @@
   the whole model's greedy tokens for its prompt computed alone. With ``--ungrouped``, also
   ``ungrouped``: a second set of workers started ``--no-ring-groups`` (batched, but a batch
   takes every ready step instead of splitting the sessions into as many groups as the ring
-  has stages; docs/batching.md), in the same rounds.
+  has stages; docs/batching.md), in the same rounds. With ``--busy-poll-us US``, also
+  ``busypoll``: workers started ``--busy-poll-us US`` (batched), in the same rounds.
 - **llama-batched-bench** (the pinned tree's, built on demand): ``-npp 16 -ntg <tokens> -npl
   <sessions>`` on the whole model with the same settings (``-c`` n_ctx per sequence times
   the most sequences, ``-no-kvu``: one KV stream per sequence as dgr's slots, ``-b``/``-ub``
@@ -224,7 +226,8 @@ def batched_bench(path: str, sessions: list[int], n: int, threads: int) -> dict[
 
 
 def run(path: str, sessions: list[int], n: int, n_stages: int, threads: list[int],
-        rounds: int, ungrouped: bool = False, split: str = "cost") -> dict:
+        rounds: int, ungrouped: bool = False, split: str = "cost",
+        busy_poll_us: int = 0) -> dict:
     import dgr
     from dgr.worker.process import LocalCluster
 
@@ -248,24 +251,25 @@ def run(path: str, sessions: list[int], n: int, n_stages: int, threads: list[int
     res["stage_bounds"] = [{str(b): ms for b, ms in st.items()}
                            for st in stage_bounds(path, ranges, k_max, sizes)]
     log(f"starting {n_stages} workers with {k_max} slots, ranges {ranges} ...")
-    cluster = LocalCluster(path, ranges, settings={**SETTINGS, "n_slots": k_max})
-    ports = {id(cluster): [compare._free_port() for _ in ranges]}
-    for w, port in zip(cluster.workers, ports[id(cluster)]):
-        w.args += ["--metrics-port", str(port)]
-    plain = None
-    if ungrouped:  # the same, workers started --no-ring-groups
-        plain = LocalCluster(path, ranges, settings={**SETTINGS, "n_slots": k_max},
-                             args=["--no-ring-groups"])
-        ports[id(plain)] = [compare._free_port() for _ in ranges]
-        for w, port in zip(plain.workers, ports[id(plain)]):
+    def cluster_of(args):
+        c = LocalCluster(path, ranges, settings={**SETTINGS, "n_slots": k_max}, args=args)
+        ports[id(c)] = [compare._free_port() for _ in ranges]
+        for w, port in zip(c.workers, ports[id(c)]):
             w.args += ["--metrics-port", str(port)]
+        return c
+
+    ports: dict[int, list[int]] = {}
+    cluster = cluster_of([])
+    # more sets of workers, run batched in the same rounds: (mode, their arguments)
+    extras = ([("ungrouped", ["--no-ring-groups"])] if ungrouped else []) + (
+        [("busypoll", ["--busy-poll-us", str(busy_poll_us)])] if busy_poll_us else [])
+    others = [(mode, cluster_of(args)) for mode, args in extras]
     cluster.start(timeout=180)
     try:
-        if plain is not None:
-            plain.start(timeout=180)
+        for _, c in others:
+            c.start(timeout=180)
         modes = [("batched", cluster, True), ("solo", cluster, False)]
-        if plain is not None:
-            modes.append(("ungrouped", plain, True))
+        modes += [(mode, c, True) for mode, c in others]
         for r in range(rounds):
             for k in sessions:
                 for mode, c, batching in modes:
@@ -288,9 +292,13 @@ def run(path: str, sessions: list[int], n: int, n_stages: int, threads: list[int
                     f"npl {k}: {bb[k]['speed_tg']:.1f}" for k in sessions if k in bb))
     finally:
         cluster.stop()
-        if plain is not None:
-            plain.stop()
+        for _, c in others:
+            c.stop()
     return res
+
+
+#: the modes of the extra sets of workers (``--ungrouped``, ``--busy-poll-us``)
+EXTRA_MODES = ("ungrouped", "busypoll")
 
 
 def _mode(m: dict) -> str:
@@ -302,7 +310,7 @@ def summarize(res: dict, sessions: list[int], threads: list[int]) -> list[dict]:
     rows = []
     for k in sessions:
         row: dict = {"sessions": k}
-        for name in ("batched", "solo", "ungrouped"):
+        for name in ("batched", "solo", *EXTRA_MODES):
             ms = [m for m in res["dgr"] if m["sessions"] == k and _mode(m) == name]
             if not ms:
                 continue
@@ -324,6 +332,9 @@ def summarize(res: dict, sessions: list[int], threads: list[int]) -> list[dict]:
         if "ungrouped" in row:
             row["batched_over_ungrouped"] = (row["batched"]["aggregate_tps"]
                                              / row["ungrouped"]["aggregate_tps"])
+        if "busypoll" in row:
+            row["busypoll_over_batched"] = (row["busypoll"]["aggregate_tps"]
+                                            / row["batched"]["aggregate_tps"])
         for t in threads:
             if row[f"bb_t{t}"]:
                 row[f"batched_over_bb_t{t}"] = row["batched"]["aggregate_tps"] / row[f"bb_t{t}"]
@@ -362,27 +373,34 @@ def breakdown(res: dict) -> str:
 
 def table(rows: list[dict], threads: list[int], n_stages: int) -> str:
     ung = all("ungrouped" in r for r in rows)
+    bp = all("busypoll" in r for r in rows)
     bnd = all("bound_tps" in r for r in rows)
     head = ["sessions", f"dgr{n_stages} batched tok/s", f"dgr{n_stages} solo tok/s",
             *([f"dgr{n_stages} ungrouped tok/s"] if ung else []),
+            *([f"dgr{n_stages} busy-poll tok/s"] if bp else []),
             "batched/solo", *(["batched/ungrouped"] if ung else []),
+            *(["busy-poll/batched"] if bp else []),
             *(["stages alone bound tok/s", "batched/bound"] if bnd else []),
             *[f"batched-bench -t{t} tok/s" for t in threads],
             *[f"batched/bb-t{t}" for t in threads], "TPOT p50 batched ms", "TPOT p50 solo ms",
-            "parity batched", "parity solo", *(["parity ungrouped"] if ung else [])]
+            "parity batched", "parity solo", *(["parity ungrouped"] if ung else []),
+            *(["parity busy-poll"] if bp else [])]
     out = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for r in rows:
         cells = [str(r["sessions"]), f"{r['batched']['aggregate_tps']:.1f}",
                  f"{r['solo']['aggregate_tps']:.1f}",
                  *([f"{r['ungrouped']['aggregate_tps']:.1f}"] if ung else []),
+                 *([f"{r['busypoll']['aggregate_tps']:.1f}"] if bp else []),
                  f"{r['batched_over_solo']:.2f}",
                  *([f"{r['batched_over_ungrouped']:.2f}"] if ung else []),
+                 *([f"{r['busypoll_over_batched']:.2f}"] if bp else []),
                  *([f"{r['bound_tps']:.1f}", f"{r['batched_over_bound']:.2f}"] if bnd else []),
                  *[f"{r[f'bb_t{t}']:.1f}" if r[f"bb_t{t}"] else "-" for t in threads],
                  *[f"{r.get(f'batched_over_bb_t{t}', 0):.2f}" for t in threads],
                  f"{r['batched']['tpot_ms_p50']:.1f}", f"{r['solo']['tpot_ms_p50']:.1f}",
                  str(r["batched"]["parity"]), str(r["solo"]["parity"]),
-                 *([str(r["ungrouped"]["parity"])] if ung else [])]
+                 *([str(r["ungrouped"]["parity"])] if ung else []),
+                 *([str(r["busypoll"]["parity"])] if bp else [])]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -402,6 +420,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", help="GGUF (default: SmolLM2-135M from the registry)")
     ap.add_argument("--ungrouped", action="store_true",
                     help="also run workers started --no-ring-groups (batched, no ring groups)")
+    ap.add_argument("--busy-poll-us", type=int, default=0, metavar="US",
+                    help="also run workers started --busy-poll-us US (batched)")
     ap.add_argument("--name", default="batching",
                     help="results go to benches/results/<name>-<date>.{json,txt}")
     ap.add_argument("--json", help="also write the results here")
@@ -410,7 +430,7 @@ def main(argv=None) -> int:
     threads = [int(x) for x in a.threads.split(",")]
     path = a.model or smollm2_path()
     res = run(path, sessions, a.tokens, a.stages, threads, a.rounds, ungrouped=a.ungrouped,
-              split=a.split)
+              split=a.split, busy_poll_us=a.busy_poll_us)
     res["summary"] = summarize(res, sessions, threads)
     text = (f"ranges {res['meta']['ranges']} (--split {a.split})\n\n"
             + table(res["summary"], threads, a.stages)

@@ -38,7 +38,8 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Container
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -46,7 +47,7 @@ import numpy as np
 from dgr.worker.pipeline import Step
 from dgr.worker.profile import Profile
 
-__all__ = ["StageLoop", "RingLoad", "take", "SOLO_ROWS", "HOLD_S"]
+__all__ = ["StageLoop", "RingLoad", "take", "SOLO_ROWS", "HOLD_S", "GROUP_WAIT_S"]
 
 log = logging.getLogger("dgr.worker")
 
@@ -58,12 +59,16 @@ Done = Callable[[Step, "BaseException | None"], None]
 class _Job:
     step: Step
     done: Done
+    t: float = field(default_factory=time.monotonic)  # when it was queued
 
 
 #: a chunk of this many tokens or more runs alone (the flash-attention tile, GGML_FA_TILE_Q)
 SOLO_ROWS = 64
 #: the longest a held step (``StageLoop.submit(hold=True)``) waits for the rest of its burst
 HOLD_S = 0.05
+#: the longest a ring step waits for a lagging piece of its group (``RingLoad.group_wait``;
+#: a third of the ring's round bounds it too)
+GROUP_WAIT_S = 0.25
 
 
 def take(queue: collections.deque, max_tokens: int, solo_rows: int = SOLO_ROWS,
@@ -71,7 +76,7 @@ def take(queue: collections.deque, max_tokens: int, solo_rows: int = SOLO_ROWS,
     """Remove and return the next batch from ``queue`` (items with ``.step``; the rules in
     the module docstring), of at most ``max_steps`` steps (None: no limit). With
     ``group_of`` (session -> ring group, ``RingLoad.plan``), the decode steps of a batch whose
-    oldest step is in a group are all of that group."""
+    oldest step is in a group are all of that group: a group computes as one run of slots."""
     if not queue:
         return []
     items = list(queue)
@@ -141,37 +146,50 @@ class RingLoad:
     the sessions alike (each gives a new session its lowest free slot, in the order the
     sessions' first steps reach it).
 
-    ``k`` counts the sessions whose decode step reached this stage within two ring rounds
-    (a round: the time between two steps of one session here, averaged), or within
-    ``horizon`` seconds before a round is known.
+    ``k`` counts the sessions whose decode step reached this stage within two of their
+    rounds (a round: the time between two steps of one session here), within two rounds of
+    the ring (the rounds of all sessions, averaged) before a session's own is known, or
+    within ``horizon`` seconds before any round is known. A session's entry outlives that
+    (``retain`` seconds), so its next step gives its round even after a pause longer than
+    the ring's last round.
     """
 
-    def __init__(self, horizon: float = 1.0):
+    def __init__(self, horizon: float = 1.0, retain: float = 30.0):
         self.horizon = float(horizon)
+        self.retain = float(retain)
         self.round_s = 0.0  # EWMA of the interval between a session's steps
-        #: session -> (last step, ring stages, its slot here or None)
-        self._seen: dict[str, tuple[float, int, int | None]] = {}
+        #: session -> (last step, ring stages, its slot here or None, its round or 0)
+        self._seen: dict[str, tuple[float, int, int | None, float]] = {}
+        #: session -> its step before the last one (the last round's arrival here)
+        self._prev: dict[str, float] = {}
 
     def see(self, session: str, ring: int, now: float, slot: int | None = None) -> None:
         """A decode step of ``session`` (on ``slot`` here, when known) on a ring of ``ring``
         stages arrived at ``now``."""
         prev = self._seen.get(session)
+        own = 0.0
         if prev is not None:
-            dt = now - prev[0]
-            self.round_s = dt if not self.round_s else 0.9 * self.round_s + 0.1 * dt
-        self._seen[session] = (now, ring, slot)
+            own = now - prev[0]
+            self.round_s = own if not self.round_s else 0.9 * self.round_s + 0.1 * own
+            self._prev[session] = prev[0]
+        self._seen[session] = (now, ring, slot, own)
+
+    def _window(self, own: float) -> float:
+        return 2.0 * (own or self.round_s) if (own or self.round_s) else self.horizon
 
     def plan(self, now: float) -> tuple[int | None, dict[str, int] | None]:
         """``(max_steps, group_of)``: the most steps one batch takes now (None: no ring
         session is active) and each active session's group (its rank in slot order, or in
         the order first seen where no slot is known, divided by ``max_steps``; None without a
         cap)."""
-        horizon = 2.0 * self.round_s if self.round_s else self.horizon
         active: list[tuple[int, str]] = []
         n = 0
-        for session, (t, ring, slot) in list(self._seen.items()):
-            if now - t > horizon:
+        for session, (t, ring, slot, own) in list(self._seen.items()):
+            if now - t > self.retain:
                 del self._seen[session]
+                self._prev.pop(session, None)
+                continue
+            if now - t > self._window(own):
                 continue
             active.append((-1 if slot is None else slot, session))
             n = max(n, ring)
@@ -184,6 +202,38 @@ class RingLoad:
     def max_steps(self, now: float) -> int | None:
         """The most steps one batch takes now (None: no ring session is active)."""
         return self.plan(now)[0]
+
+    def group_wait(self, session: str, queued: Container[str], group_of: dict[str, int],
+                   bound: float = GROUP_WAIT_S) -> float:
+        """How long after its arrival a ring step of ``session`` waits for the rest of its
+        group (0: it does not wait), when the sessions of ``queued`` wait here with it.
+
+        A group split at some stage travels as two pieces, the second one forward behind.
+        A member missing from the queue that arrived here last round ``lag`` seconds after
+        ``session`` did (0 < lag <= ``bound``, and at most a third of a round) is expected
+        ``lag`` after it this round: the step waits that long, so the pieces compute together
+        again. Members that were ahead (they came and went already), or further behind, are
+        not waited for.
+        """
+        g = group_of.get(session)
+        prev = self._prev.get(session)
+        # a member "behind" by more than a third of a round is as well one ahead of it (a
+        # ring): the pieces are not waited for then
+        own = self._seen[session][3] if session in self._seen else 0.0
+        bound = min(bound, (own or self.round_s) / 3.0)
+        if g is None or prev is None or bound <= 0.0:
+            return 0.0
+        lag = 0.0
+        for other, og in group_of.items():
+            if og != g or other == session or other in queued:
+                continue
+            seen = self._seen.get(other)
+            if seen is None:
+                continue
+            d = seen[0] - prev
+            if 0.0 < d <= bound:
+                lag = max(lag, d)
+        return lag
 
 
 class StageLoop:
@@ -267,9 +317,14 @@ class StageLoop:
         h = step.header
         slot = self.slot_of(h.session) if self.slot_of is not None and h.loop else None
         with self._cv:
-            if h.loop and h.n_tokens == 1:
+            ring = bool(h.loop) and h.n_tokens == 1
+            if ring:
                 self.ring.see(h.session, len(h.loop), time.monotonic(), slot)
             run_here = inline and not self._busy and not self._queue and not self._stop
+            if run_here and ring and self.ring_groups and self.batching:
+                # its group's other members are expected soon: the loop waits for them
+                _, groups = self.ring.plan(time.monotonic())
+                run_here = not (groups and self.ring.group_wait(h.session, (), groups))
             if run_here:
                 self._busy = True
                 self.inline_runs += 1
@@ -295,8 +350,20 @@ class StageLoop:
                     held = bool(self._queue)
                     self._cv.wait(HOLD_S)
                     self.profile.add("held" if held else "idle", time.perf_counter() - t0)
-                cap, groups = (self.ring.plan(time.monotonic()) if self.ring_groups
-                               else (None, None))
+                now = time.monotonic()
+                cap, groups = self.ring.plan(now) if self.ring_groups else (None, None)
+                if groups and self.batching:  # the head waits for the rest of its group
+                    head = self._queue[0]
+                    hh = head.step.header
+                    if hh.loop and hh.n_tokens == 1:
+                        wait = self.ring.group_wait(
+                            hh.session, {j.step.header.session for j in self._queue}, groups)
+                        left = head.t + wait - now
+                        if left > 0:
+                            t0 = time.perf_counter()
+                            self._cv.wait(left)
+                            self.profile.add("held", time.perf_counter() - t0)
+                            continue
                 batch = (take(self._queue, self.max_tokens, max_steps=cap, group_of=groups)
                          if self.batching else [self._queue.popleft()])
                 self._busy = True

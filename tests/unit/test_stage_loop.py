@@ -114,6 +114,25 @@ def test_ring_load_splits_a_ring_into_as_many_groups_as_stages():
     assert r3.max_steps(0.0) is None
 
 
+def test_a_short_round_of_earlier_sessions_does_not_hide_the_sessions_of_a_slower_ring():
+    """One session circled a 2-stage ring at 20 ms a round; then 16 sessions circle it at
+    170 ms. Each session's own round decides whether it still counts: after their second
+    steps all 16 count (batches of 8), though the ring's average round was 20 ms when they
+    came (before: they expired between their steps and never counted, batches stayed small)."""
+    r = RingLoad(horizon=1.0)
+    for i in range(20):
+        r.see("solo", 2, 0.02 * i)
+    assert r.round_s == pytest.approx(0.02)
+    t0 = 10.0
+    for rnd in range(3):
+        for i in range(16):
+            now = t0 + 0.17 * rnd + 0.001 * i
+            r.see(f"s{i}", 2, now)
+            r.plan(now + 0.05)  # the stage loop plans every batch between the steps
+    assert r.plan(t0 + 0.35)[0] == 8
+    assert r.plan(t0 + 0.35 + 0.4)[0] is None  # two of their rounds passed: gone
+
+
 def test_ring_groups_are_runs_of_slots_not_of_arrival():
     """llama.cpp computes a batch's sequences as one ubatch only where their slots are
     consecutive (its equal split), so the ring groups are runs of slots: ranks in slot order
@@ -143,6 +162,28 @@ def test_a_batch_led_by_a_ring_step_takes_only_its_groups_decode_steps():
     # a step of no group (not a ring session) leads a batch of any decode steps
     q = collections.deque([job("z"), job("a"), job("x")])
     assert names(take(q, 64, group_of=groups)) == [("z", 1), ("a", 1), ("x", 1)]
+    # a session's later step never overtakes its earlier one left out
+    q = collections.deque([job("a"), job("x", 70, pos=0), job("x", pos=70), job("b")])
+    assert names(take(q, 128, group_of=groups)) == [("a", 1), ("b", 1)]
+
+
+def test_a_ring_step_waits_for_the_piece_of_its_group_that_lagged_last_round():
+    """A group split in two pieces travels on as two; a step whose group-mate came here
+    last round ``lag`` after it waits that long for it this round (at most a third of a
+    round), so the pieces merge. Members ahead of it, or far behind, are not waited for."""
+    r = RingLoad(horizon=10.0)
+    groups = {"a": 0, "b": 0, "c": 0, "x": 1}
+    r.see("a", 2, 0.000)  # round 1: a, then b 4 ms after it, c 90 ms after it
+    r.see("b", 2, 0.004)
+    r.see("c", 2, 0.110)  # 110 ms behind: more than a third of the round
+    r.see("x", 2, 0.001)
+    r.see("a", 2, 0.300)  # round 2: a arrives; the round is about 0.3 s
+    assert r.group_wait("a", (), groups) == pytest.approx(0.004)  # b lagged 4 ms: wait
+    assert r.group_wait("a", {"a", "b"}, groups) == 0.0  # b is here: no wait
+    r.see("b", 2, 0.299)  # b came first this round: ahead, gone on
+    assert r.group_wait("a", (), groups) == 0.0
+    assert r.group_wait("x", (), groups) == 0.0  # x's first step here: no round known
+    assert RingLoad().group_wait("a", (), groups) == 0.0
 
 
 def test_a_convoy_of_ring_steps_leaves_in_groups_of_consecutive_slots():
