@@ -318,6 +318,10 @@ def summarize(res: dict, sessions: list[int], threads: list[int]) -> list[dict]:
                          for key in ("aggregate_tps", "tpot_ms_p50", "tpot_ms_max",
                                      "ttft_ms_p50")}
             row[name]["parity"] = all(m["parity"] for m in ms)
+            if all("stages" in m for m in ms):  # each stage's CPU per output token
+                row[name]["stage_cpu_ms_per_token"] = {
+                    str(i): statistics.median(m["stages"][i]["cpu_ms_per_token"] for m in ms)
+                    for i in range(len(ms[0]["stages"]))}
         for t in threads:
             runs = res["llama_batched_bench"].get(str(t), [])
             vals = [r[k]["speed_tg"] for r in runs if k in r]

@@ -109,4 +109,9 @@ for _k in SESSIONS:
     for _t in THREADS:
         setattr(BatchingSmolLM2, f"track_batched{_k}_over_bb_t{_t}_ratio",
                 _track(_k, (f"batched_over_bb_t{_t}",), "ratio"))
-del _k, _name, _key, _t
+    setattr(BatchingSmolLM2, f"track_batched{_k}_over_bound_ratio",
+            _track(_k, ("batched_over_bound",), "ratio"))
+    for _i in range(STAGES):  # each stage's CPU per output token, batched
+        setattr(BatchingSmolLM2, f"track_batched{_k}_stage{_i}_cpu_ms_per_token",
+                _track(_k, ("batched", "stage_cpu_ms_per_token", str(_i)), "ms"))
+del _k, _name, _key, _t, _i

@@ -270,8 +270,8 @@ cdef class Engine:
 
     @property
     def counters(self):
-        """What the trunk's forwards cost since load, as a dict: ``forwards`` (calls that
-        ran llama.cpp), ``decodes`` (``llama_decode`` calls: more than ``n_ubatch`` tokens
+        """What the trunk's forwards cost since load, as a dict: ``forwards`` (forwards
+        completed), ``decodes`` (``llama_decode`` calls: more than ``n_ubatch`` tokens
         take several), ``ubatches`` (the ubatches llama.cpp's equal split makes of them: one
         per run of consecutive slots with as many tokens each), ``forward_s`` (wall seconds
         in the engine's forward: checks, gathers, output copies) and ``decode_s`` (of which

@@ -120,7 +120,7 @@ def families(rec, counters: dict | None = None, profile: dict | None = None) -> 
         eng = profile["engine"]
         if eng:
             out += [
-                _counter("dgr_engine_forwards_total", "Engine forwards that ran llama.cpp.",
+                _counter("dgr_engine_forwards_total", "Engine forwards completed.",
                          eng["forwards"]),
                 _counter("dgr_engine_decodes_total", "llama_decode calls.", eng["decodes"]),
                 _counter("dgr_engine_ubatches_total", "llama.cpp ubatches of those decodes "

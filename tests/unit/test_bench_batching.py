@@ -76,6 +76,8 @@ def test_a_stages_profile_and_the_bound_of_its_engines_alone():
            "llama_batched_bench": {}}
     (row,) = batching.summarize(res, [16], [])
     assert row["bound_tps"] == pytest.approx(200.0)
+    assert row["batched"]["stage_cpu_ms_per_token"] == {"0": pytest.approx(10.0),
+                                                        "1": pytest.approx(10.0)}
     assert row["batched_over_bound"] == pytest.approx(0.75)
     text = batching.breakdown(res)
     assert "| 16 | batched | 0 | 10.00 | 9.00 |" in text and "5.00 (b=8)" in text

@@ -179,7 +179,7 @@ public:
 
     // What the trunk's forwards cost since load (a stage's profile: docs/performance.md).
     struct Counters {
-        int64_t forwards = 0;      // ForwardBatch calls that ran llama_decode (one-slot ones too)
+        int64_t forwards = 0;      // ForwardBatch calls that completed (one-slot ones too)
         int64_t decodes = 0;       // llama_decode calls (a forward of more than n_ubatch tokens: several)
         int64_t ubatches = 0;      // llama.cpp ubatches those decodes made: its equal split takes one
                                    // run of consecutive slot ids with as many tokens each per ubatch
