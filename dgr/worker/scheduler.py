@@ -75,8 +75,9 @@ def take(queue: collections.deque, max_tokens: int, solo_rows: int = SOLO_ROWS,
          max_steps: int | None = None, group_of: dict[str, int] | None = None) -> list:
     """Remove and return the next batch from ``queue`` (items with ``.step``; the rules in
     the module docstring), of at most ``max_steps`` steps (None: no limit). With
-    ``group_of`` (session -> ring group, ``RingLoad.plan``), the decode steps of a batch whose
-    oldest step is in a group are all of that group: a group computes as one run of slots."""
+    ``group_of`` (session -> ring group, ``RingLoad.plan``), ``max_steps`` counts the steps
+    of those sessions only, and the decode steps of a batch whose oldest step is in a group
+    are all of that group: a group computes as one run of slots."""
     if not queue:
         return []
     items = list(queue)
@@ -93,15 +94,22 @@ def take(queue: collections.deque, max_tokens: int, solo_rows: int = SOLO_ROWS,
     tokens = head.step.header.n_tokens
     picked = {0}
     group = group_of.get(head.step.header.session) if group_of else None
+    # with ring groups, the cap counts the ring sessions' steps only: the other sessions'
+    # steps (a route without the decode loop, prefill chunks) fill the batch as before
+    def capped(h) -> bool:
+        return group_of is None or h.session in group_of
+
+    ring_steps = 1 if capped(head.step.header) else 0
     for want_decode in (True, False):
         blocked: set[str] = set()  # sessions with an earlier step left in the queue
         for i, it in enumerate(items):
-            if max_steps is not None and len(batch) >= max_steps:
-                break
             if i in picked:
                 continue
             h = it.step.header
             if h.session in seen or h.session in blocked:
+                continue
+            if max_steps is not None and ring_steps >= max_steps and capped(h):
+                blocked.add(h.session)  # over the cap: its later steps wait behind it
                 continue
             fits = tokens + h.n_tokens <= max_tokens
             if group is not None and want_decode and h.n_tokens == 1 \
@@ -116,6 +124,7 @@ def take(queue: collections.deque, max_tokens: int, solo_rows: int = SOLO_ROWS,
             picked.add(i)
             seen.add(h.session)
             tokens += h.n_tokens
+            ring_steps += capped(h)
             batch.append(it)
     # the later steps of a session in the batch stay queued, in order, behind it
     queue.clear()
@@ -352,10 +361,16 @@ class StageLoop:
                     self.profile.add("held" if held else "idle", time.perf_counter() - t0)
                 now = time.monotonic()
                 cap, groups = self.ring.plan(now) if self.ring_groups else (None, None)
-                if groups and self.batching:  # the head waits for the rest of its group
-                    head = self._queue[0]
+                # the head waits for the rest of its group, unless steps outside its group
+                # are queued too (they would wait behind it: the stage has work now)
+                head = (self._queue[0] if groups and self.batching and not self._stop
+                        else None)
+                if head is not None and head.step.header.loop \
+                        and head.step.header.n_tokens == 1:
                     hh = head.step.header
-                    if hh.loop and hh.n_tokens == 1:
+                    g = groups.get(hh.session)
+                    if g is not None and all(groups.get(j.step.header.session) == g
+                                             for j in self._queue):
                         wait = self.ring.group_wait(
                             hh.session, {j.step.header.session for j in self._queue}, groups)
                         left = head.t + wait - now

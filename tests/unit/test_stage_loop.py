@@ -153,12 +153,18 @@ def test_ring_groups_are_runs_of_slots_not_of_arrival():
 
 
 def test_a_batch_led_by_a_ring_step_takes_only_its_groups_decode_steps():
-    q = collections.deque([job("a"), job("x"), job("b"), job("p", 8), job("y"), job("c")])
-    groups = {"a": 0, "b": 0, "c": 0, "x": 1, "y": 1}
-    assert names(take(q, 64, max_steps=3, group_of=groups)) == [("a", 1), ("b", 1), ("c", 1)]
-    assert names(q) == [("x", 1), ("p", 8), ("y", 1)]
-    # led by another group's step: that group's, then a prefill chunk where room is left
-    assert names(take(q, 64, max_steps=3, group_of=groups)) == [("x", 1), ("p", 8), ("y", 1)]
+    q = collections.deque([job("a"), job("x"), job("b"), job("p", 8), job("y"), job("c"),
+                           job("d")])
+    groups = {"a": 0, "b": 0, "c": 0, "d": 0, "x": 1, "y": 1}
+    # the cap counts the ring sessions' steps: a prefill chunk of another session still goes
+    assert names(take(q, 64, max_steps=3, group_of=groups)) == [("a", 1), ("b", 1), ("p", 8),
+                                                                ("c", 1)]
+    assert names(q) == [("x", 1), ("y", 1), ("d", 1)]
+    # led by another group's step: that group's
+    assert names(take(q, 64, max_steps=3, group_of=groups)) == [("x", 1), ("y", 1)]
+    # a decode step of a session outside the ring (no decode loop) is not capped either
+    q = collections.deque([job("a"), job("b"), job("z"), job("c")])
+    assert names(take(q, 64, max_steps=2, group_of=groups)) == [("a", 1), ("b", 1), ("z", 1)]
     # a step of no group (not a ring session) leads a batch of any decode steps
     q = collections.deque([job("z"), job("a"), job("x")])
     assert names(take(q, 64, group_of=groups)) == [("z", 1), ("a", 1), ("x", 1)]
@@ -184,6 +190,29 @@ def test_a_ring_step_waits_for_the_piece_of_its_group_that_lagged_last_round():
     assert r.group_wait("a", (), groups) == 0.0
     assert r.group_wait("x", (), groups) == 0.0  # x's first step here: no round known
     assert RingLoad().group_wait("a", (), groups) == 0.0
+
+
+def test_the_loop_waits_for_the_lagging_piece_and_computes_the_group_as_one():
+    """A ring step whose group-mate came here 0.2 s after it last round does not compute
+    alone at an idle stage: it waits, and the group-mate that comes meanwhile joins it."""
+    import time
+
+    p = Pipeline()
+    lp = StageLoop(p, max_tokens=64, slot_of=lambda s: {"a": 0, "b": 1, "c": 2}[s])
+    try:
+        now = time.monotonic()
+        # 3 sessions on a 2-stage ring: groups of 2 by slot, a and b, then c; last round b
+        # came 0.2 s after a; a round of 1 s
+        lp.ring.see("a", 2, now - 1.0, 0)
+        lp.ring.see("b", 2, now - 0.8, 1)
+        lp.ring.see("c", 2, now - 0.5, 2)
+        cb = Collect(2)
+        assert not lp.submit(step("a", ring=2), cb, inline=True)  # not computed alone here
+        lp.submit(step("b", ring=2), cb, inline=True)
+        assert cb.all.wait(WAIT)
+        assert p.batches == [["a", "b"]]
+    finally:
+        lp.stop(WAIT)
 
 
 def test_a_convoy_of_ring_steps_leaves_in_groups_of_consecutive_slots():
