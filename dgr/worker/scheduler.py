@@ -163,9 +163,12 @@ class RingLoad:
     the ring's last round.
     """
 
-    def __init__(self, horizon: float = 1.0, retain: float = 30.0):
+    def __init__(self, horizon: float = 1.0, retain: float = 30.0,
+                 wait_bound: float = GROUP_WAIT_S):
         self.horizon = float(horizon)
         self.retain = float(retain)
+        #: the longest a ring step waits for the rest of its group (``group_wait``)
+        self.wait_bound = float(wait_bound)
         self.round_s = 0.0  # EWMA of the interval between a session's steps
         #: session -> (last step, ring stages, its slot here or None, its round or 0)
         self._seen: dict[str, tuple[float, int, int | None, float]] = {}
@@ -213,15 +216,15 @@ class RingLoad:
         return self.plan(now)[0]
 
     def group_wait(self, session: str, queued: Container[str], group_of: dict[str, int],
-                   bound: float = GROUP_WAIT_S) -> float:
+                   bound: float | None = None) -> float:
         """How long after its arrival a ring step of ``session`` waits for the rest of its
         group (0: it does not wait), when the sessions of ``queued`` wait here with it.
 
         A group split at some stage travels as two pieces, the second one forward behind.
         A member missing from the queue that arrived here last round ``lag`` seconds after
-        ``session`` did (0 < lag <= ``bound``, and at most a third of a round) is expected
-        ``lag`` after it this round: the step waits that long, so the pieces compute together
-        again. Members that were ahead (they came and went already), or further behind, are
+        ``session`` did (0 < lag <= ``bound``, default ``wait_bound``, and at most a third of
+        a round) is expected ``lag`` after it this round: the step waits that long, so the
+        pieces compute together again. Members that were ahead (they came and went already), or further behind, are
         not waited for.
         """
         g = group_of.get(session)
@@ -229,7 +232,7 @@ class RingLoad:
         # a member "behind" by more than a third of a round is as well one ahead of it (a
         # ring): the pieces are not waited for then
         own = self._seen[session][3] if session in self._seen else 0.0
-        bound = min(bound, (own or self.round_s) / 3.0)
+        bound = min(self.wait_bound if bound is None else bound, (own or self.round_s) / 3.0)
         if g is None or prev is None or bound <= 0.0:
             return 0.0
         lag = 0.0

@@ -193,19 +193,22 @@ def test_a_ring_step_waits_for_the_piece_of_its_group_that_lagged_last_round():
 
 
 def test_the_loop_waits_for_the_lagging_piece_and_computes_the_group_as_one():
-    """A ring step whose group-mate came here 0.2 s after it last round does not compute
-    alone at an idle stage: it waits, and the group-mate that comes meanwhile joins it."""
+    """A ring step whose group-mate came here a while after it last round does not compute
+    alone at an idle stage: it waits, and the group-mate that comes meanwhile joins it.
+    (Rounds of 10 s and a lag of 2 s, the bound raised to match: the group-mate's submit
+    comes well within the wait even on a loaded machine.)"""
     import time
 
     p = Pipeline()
     lp = StageLoop(p, max_tokens=64, slot_of=lambda s: {"a": 0, "b": 1, "c": 2}[s])
+    lp.ring.wait_bound = 3.0
     try:
         now = time.monotonic()
         # 3 sessions on a 2-stage ring: groups of 2 by slot, a and b, then c; last round b
-        # came 0.2 s after a; a round of 1 s
-        lp.ring.see("a", 2, now - 1.0, 0)
-        lp.ring.see("b", 2, now - 0.8, 1)
-        lp.ring.see("c", 2, now - 0.5, 2)
+        # came 2 s after a; a round of 10 s
+        lp.ring.see("a", 2, now - 10.0, 0)
+        lp.ring.see("b", 2, now - 8.0, 1)
+        lp.ring.see("c", 2, now - 5.0, 2)
         cb = Collect(2)
         assert not lp.submit(step("a", ring=2), cb, inline=True)  # not computed alone here
         lp.submit(step("b", ring=2), cb, inline=True)
