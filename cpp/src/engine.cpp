@@ -1249,6 +1249,35 @@ Status Engine::Impl::Detokenize(const int32_t * tokens, size_t n, bool remove_sp
     return Status();
 }
 
+Status Engine::TokenPieces(int32_t first, int32_t count, bool special, std::string * bytes,
+                           std::vector<int32_t> * ends) const {
+    return guarded("token_pieces", [&]() -> Status {
+        const int32_t n_vocab = impl_->info.n_vocab;
+        if (first < 0 || count < 0) {
+            return Status(kInvalidArgument, "token_pieces needs first >= 0 and count >= 0, got " +
+                          std::to_string(first) + " and " + std::to_string(count));
+        }
+        const int32_t last = (int32_t) std::min<int64_t>((int64_t) first + count, n_vocab);
+        bytes->clear();
+        ends->clear();
+        char buf[256];
+        for (int32_t t = first; t < last; ++t) {
+            int32_t k = llama_token_to_piece(impl_->vocab, t, buf, (int32_t) sizeof buf, 0, special);
+            if (k < 0) {
+                std::string big((size_t) -k, '\0');
+                k = llama_token_to_piece(impl_->vocab, t, big.data(), (int32_t) big.size(), 0, special);
+                if (k < 0) return Status(kEngineError, "token_to_piece failed for " + std::to_string(t));
+                bytes->append(big.data(), (size_t) k);
+            } else {
+                bytes->append(buf, (size_t) k);
+            }
+            if (bytes->size() > (size_t) INT32_MAX) return Status(kInvalidArgument, "pieces too long");
+            ends->push_back((int32_t) bytes->size());
+        }
+        return Status();
+    });
+}
+
 bool Engine::IsEog(int32_t token) const {
     return token >= 0 && token < impl_->info.n_vocab && llama_vocab_is_eog(impl_->vocab, token);
 }

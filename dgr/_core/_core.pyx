@@ -220,13 +220,14 @@ cdef class Engine:
             check_status(self._e.get().InjectFault(what.encode()))
 
     def tokenize(self, text, bint add_special=True, bint parse_special=False):
-        """Token ids of ``text`` (str or bytes) as an int32 array."""
+        """Token ids of ``text`` (str or bytes) as an int32 array. Reads the vocabulary
+        only: it never waits for a forward (no engine lock), as llama-server tokenizes on
+        its HTTP threads."""
         cdef string s = text.encode("utf-8") if isinstance(text, str) else bytes(text)
         cdef vector[int32_t] out
         cdef CStatus st
-        with self.lock:
-            with nogil:
-                st = self._e.get().Tokenize(s, add_special, parse_special, &out)
+        with nogil:
+            st = self._e.get().Tokenize(s, add_special, parse_special, &out)
         check_status(st)
         arr = np.empty(out.size(), dtype=np.int32)
         cdef int32_t[::1] view = arr
@@ -235,17 +236,37 @@ cdef class Engine:
         return arr
 
     def detokenize(self, tokens, bint remove_special=False, bint unparse_special=False):
-        """Text of ``tokens`` (any int sequence)."""
+        """Text of ``tokens`` (any int sequence). No engine lock, as ``tokenize``."""
         cdef cnp.ndarray arr = np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1)
         cdef string out
         cdef CStatus st
         cdef const int32_t * p = <const int32_t *> cnp.PyArray_DATA(arr)
         cdef size_t n = arr.shape[0]
-        with self.lock:
-            with nogil:
-                st = self._e.get().Detokenize(p, n, remove_special, unparse_special, &out)
+        with nogil:
+            st = self._e.get().Detokenize(p, n, remove_special, unparse_special, &out)
         check_status(st)
         return out.decode("utf-8", "replace")
+
+    def token_pieces(self, int first=0, count=None, bint special=False):
+        """The bytes of each token id from ``first`` (``count`` of them, None: to the end of
+        the vocabulary) as llama.cpp renders it alone (``llama_token_to_piece``, no leading
+        space removed, control tokens empty unless ``special``): what llama-server appends
+        to a generation's text per token. A list of bytes; no engine lock."""
+        cdef int32_t c = self.n_vocab - first if count is None else count
+        cdef string out
+        cdef vector[int32_t] ends
+        cdef CStatus st
+        with nogil:
+            st = self._e.get().TokenPieces(first, c, special, &out, &ends)
+        check_status(st)
+        data = <bytes> out
+        res = []
+        cdef size_t i
+        cdef int32_t start = 0
+        for i in range(ends.size()):
+            res.append(data[start:ends[i]])
+            start = ends[i]
+        return res
 
     def is_eog(self, int token):
         """Whether ``token`` ends a generation (EOS, EOT, ...)."""

@@ -177,3 +177,19 @@ class DetokenizeReply(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     text: str
     def __init__(self, text: _Optional[str] = ...) -> None: ...
+
+class TokenPiecesRequest(_message.Message):
+    __slots__ = ("first", "count", "special")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    SPECIAL_FIELD_NUMBER: _ClassVar[int]
+    first: int
+    count: int
+    special: bool
+    def __init__(self, first: _Optional[int] = ..., count: _Optional[int] = ..., special: _Optional[bool] = ...) -> None: ...
+
+class TokenPiecesReply(_message.Message):
+    __slots__ = ("pieces",)
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    pieces: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, pieces: _Optional[_Iterable[bytes]] = ...) -> None: ...

@@ -68,6 +68,11 @@ class ShardStub:
                 request_serializer=dgr__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=dgr__pb2.DetokenizeReply.FromString,
                 _registered_method=True)
+        self.TokenPieces = channel.unary_unary(
+                '/dgr.v1.Shard/TokenPieces',
+                request_serializer=dgr__pb2.TokenPiecesRequest.SerializeToString,
+                response_deserializer=dgr__pb2.TokenPiecesReply.FromString,
+                _registered_method=True)
 
 
 class ShardServicer:
@@ -115,6 +120,15 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TokenPieces(self, request, context):
+        """Each token id's bytes as llama.cpp renders it alone (llama_token_to_piece), a page of
+        the vocabulary at a time: a front appends them per token, as llama-server does, and
+        never detokenizes a growing list again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +151,11 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=dgr__pb2.DetokenizeRequest.FromString,
                     response_serializer=dgr__pb2.DetokenizeReply.SerializeToString,
+            ),
+            'TokenPieces': grpc.unary_unary_rpc_method_handler(
+                    servicer.TokenPieces,
+                    request_deserializer=dgr__pb2.TokenPiecesRequest.FromString,
+                    response_serializer=dgr__pb2.TokenPiecesReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -261,6 +280,33 @@ class Shard:
             '/dgr.v1.Shard/Detokenize',
             dgr__pb2.DetokenizeRequest.SerializeToString,
             dgr__pb2.DetokenizeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TokenPieces(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dgr.v1.Shard/TokenPieces',
+            dgr__pb2.TokenPiecesRequest.SerializeToString,
+            dgr__pb2.TokenPiecesReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -43,6 +43,9 @@ class LocalChain:
     def detokenize(self, tokens, remove_special=False, unparse_special=False):
         return self.first.detokenize(tokens, remove_special, unparse_special)
 
+    def token_pieces(self, first=0, count=None, special=False):
+        return self.first.token_pieces(first, count, special)
+
     def is_eog(self, token: int) -> bool:
         return self.first.is_eog(token)
 

@@ -32,6 +32,7 @@ from dgr.driver.tokenizers import LocalTokenizer, RemoteTokenizer
 from dgr.protocol import wire
 from dgr.protocol.describe import StageInfo
 from dgr.transport.client import DEFAULT_STEP_TIMEOUT, DEFAULT_TIMEOUT, ShardClient
+from dgr.transport.common import MAX_PIECES
 from dgr.transport.dataplane import AsyncLink
 from dgr.transport.security import Security, default_security
 
@@ -153,6 +154,7 @@ class AsyncRoute:
         self.probe_timeout = probe_timeout
         self.backoff = backoff
         self._tokenizer_arg = tokenizer
+        self._pieces: list[bytes] | None = None  # the vocabulary's pieces (pieces())
         self.clients: list[ShardClient] = []
         self.stages: list[StageInfo] = []
         self.tokenizer: Any = None
@@ -356,6 +358,28 @@ class AsyncRoute:
 
     async def detokenize(self, tokens: Sequence[int]) -> str:
         return await self.tokenizer.detokenize(tokens)
+
+    async def pieces(self) -> list[bytes]:
+        """Every token id's bytes (``token_pieces``), fetched once and kept: what
+        ``dgr.driver.text.TextStream`` builds a generation's text from."""
+        if self._pieces is None:
+            self._pieces = await self.token_pieces()
+        return self._pieces
+
+    async def token_pieces(self, first: int = 0, count: int | None = None) -> list[bytes]:
+        """Each token id's bytes from ``first`` (``count`` ids, None: to the vocabulary's
+        end) as llama.cpp renders it alone: a generation's text is their concatenation, as
+        llama-server builds it (docs/serve.md). Fetched in pages of ``MAX_PIECES``."""
+        n_vocab = int(self.stages[0].n_vocab)
+        last = n_vocab if count is None else min(n_vocab, first + count)
+        out: list[bytes] = []
+        while first + len(out) < last:
+            at = first + len(out)
+            page = await self.tokenizer.token_pieces(at, min(MAX_PIECES, last - at))
+            if not page:
+                break
+            out.extend(page)
+        return out
 
     async def complete(self, prompt: str | Sequence[int], **kw) -> Generation:
         """Generate in a fresh session and release it; see ``AsyncRouteSession.complete``."""

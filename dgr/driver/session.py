@@ -14,6 +14,7 @@ from dgr.driver.headers import wire_sampling
 from dgr.driver.paths import HopByHop, StepPath, path_for
 from dgr.driver.recovery import retryable
 from dgr.driver.results import Generation, StageStats
+from dgr.driver.text import TextStream
 from dgr.protocol import wire
 from dgr.protocol.sampling import SamplingParams
 
@@ -196,6 +197,7 @@ class AsyncRouteSession:
         ws = wire_sampling(sampling)
         eog = r.eog_tokens if stop_on_eog else frozenset()
         stops = [s for s in stop if s]
+        text = TextStream(await r.pieces(), stops) if stops else None
         out: list[int] = []
         tok = await self.prefill(prompt, sampling=sampling, logits=logits)
         tokens = None  # the tokens after the prefill's, made on demand
@@ -206,9 +208,9 @@ class AsyncRouteSession:
                     return
                 out.append(tok)
                 yield tok
-                if stops:
-                    text = await r.detokenize(out)
-                    if any(s in text for s in stops):
+                if text is not None:
+                    text.push(tok)
+                    if text.stopped:
                         self.stop_reason = "stop"
                         return
                 if len(out) == max_tokens:
@@ -240,11 +242,13 @@ class AsyncRouteSession:
                 t_first = time.perf_counter()
             toks.append(t)
         t1 = time.perf_counter()
-        text = await r.detokenize(toks) if toks else ""
-        if self.stop_reason == "stop":
-            cut = min((text.find(s) for s in stop if s and s in text), default=-1)
-            if cut >= 0:
-                text = text[:cut]
+        text = ""
+        if toks:  # llama-server's text: the tokens' pieces, cut at the first stop string
+            ts = TextStream(await r.pieces(), stop)
+            for t in toks:
+                ts.push(t)
+            ts.finish()
+            text = ts.text
         return Generation(tokens=toks, text=text, stop_reason=self.stop_reason,
                           prompt_tokens=n_prompt, time_to_first_token_s=(t_first or t1) - t0,
                           decode_s=t1 - (t_first or t1), recoveries=self.recoveries - rec0,

@@ -137,6 +137,10 @@ class Route:
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self._loop.run(self._r.detokenize(tokens))
 
+    def pieces(self) -> list[bytes]:
+        """Every token id's bytes, as llama.cpp renders each alone (``AsyncRoute.pieces``)."""
+        return self._loop.run(self._r.pieces())
+
     def complete(self, prompt: str | Sequence[int], **kw) -> Generation:
         return self._loop.run(self._r.complete(prompt, **kw))
 

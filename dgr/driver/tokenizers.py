@@ -39,6 +39,9 @@ class RemoteTokenizer:
     async def detokenize(self, tokens):
         return await self._call(lambda c: c.detokenize(tokens))
 
+    async def token_pieces(self, first, count):
+        return await self._call(lambda c: c.token_pieces(first, count))
+
 
 class LocalTokenizer:
     """A local tokenizer (anything with ``tokenize``/``detokenize``, e.g. a ``dgr.Engine``)."""
@@ -51,3 +54,6 @@ class LocalTokenizer:
 
     async def detokenize(self, tokens):
         return self.tok.detokenize(tokens)
+
+    async def token_pieces(self, first, count):
+        return list(self.tok.token_pieces(first, count))

@@ -45,7 +45,9 @@ from starlette.routing import Route as HttpRoute
 from starlette.staticfiles import StaticFiles
 
 from dgr import errors
+from dgr.driver.text import TextStream
 from dgr.protocol.sampling import SamplingParams
+from dgr.serve import fields
 from dgr.serve.auth import KEY_SCOPE, ApiKeys
 from dgr.serve.logprobs import (
     MAX_TOP_CHAT,
@@ -131,7 +133,17 @@ class Params:
     """What a completion request asks for, checked (every bad field a 400 naming it)."""
 
     def __init__(self, body: dict, *, chat: bool):
+        # every field is in the endpoint's API reference, and honoured at its value
+        refused = fields.refusal(body, fields.CHAT if chat else fields.COMPLETIONS)
+        if refused is not None:
+            name, message, code = refused
+            raise ApiError(400, message, param=name, code=code)
         self.stream = bool(_field(body, "stream", (bool,), False))
+        #: the end user's identifiers (logged with the request's id)
+        self.user = {k: body[k] for k in ("user", "safety_identifier")
+                     if isinstance(body.get(k), str)}
+        #: completions: the prompt's text comes before the completion's
+        self.echo = bool(_field(body, "echo", (bool,), False)) if not chat else False
         opts = _field(body, "stream_options", (dict,), {})
         self.include_usage = bool(opts.get("include_usage", False)) if self.stream else False
         n = _field(body, "n", (int,), 1)
@@ -195,6 +207,10 @@ class Params:
                                     f"{top}", param="logprobs")
             self.logprobs = top is not None
             self.top_logprobs = top or 0
+            if self.echo and self.logprobs:
+                raise ApiError(400, "Unsupported parameter: 'echo' with 'logprobs' (the "
+                                    "prompt's log probabilities) is not supported",
+                               param="echo", code="unsupported_parameter")
 
 
 # -- the app -----------------------------------------------------------------------------------
@@ -221,12 +237,13 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
 
     if max_per_key is not None and max_per_key < 0:
         raise ValueError(f"max_per_key must be >= 0, got {max_per_key}")
-    # "pieces": each token id's text, as detokenized alone (for log probabilities)
+    # "vocab": each token id's bytes (the route's pieces: the text of a generation and of
+    # its log probabilities)
     # "active": the requests generating now (id -> _Generation); "waiting": those queued for
     # a slot
     # "per_key": generation requests in flight by API key name; "per_key_cap": their cap (0:
     # none)
-    state: dict[str, Any] = {"slots": None, "capacity": 0, "in_flight": 0, "pieces": {},
+    state: dict[str, Any] = {"slots": None, "capacity": 0, "in_flight": 0, "vocab": None,
                              "active": {}, "waiting": 0, "per_key": {}, "per_key_cap": 0}
     created = int(time.time())
     m = serve_metrics.ServeMetrics(metrics_registry)
@@ -241,6 +258,7 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
         state["capacity"] = cap
         state["slots"] = asyncio.Semaphore(cap)
         state["per_key_cap"] = per_key_default(cap) if max_per_key is None else max_per_key
+        state["vocab"] = await route.pieces()
         try:
             yield
         finally:
@@ -380,7 +398,9 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
             try:
                 body = await body_of(request)
                 params = Params(body, chat=chat)
-                ids, _ = await prompt_tokens(body, chat)
+                ids, text = await prompt_tokens(body, chat)
+                if params.user:
+                    log.info("request %s from %s", rid, params.user)
                 max_tokens = budget(ids, params)
                 await acquire_slot()
             except ApiError as e:
@@ -391,6 +411,9 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
             gen = _Generation(route, ids, max_tokens, params, metrics=m, t0=t0, state=state,
                               rid=rid, endpoint=endpoint, traffic=traffic,
                               on_close=lambda: give_key(key))
+            if params.echo:  # the prompt as sent, or its tokens' text
+                gen.echo = text or b"".join(state["vocab"][t] for t in ids).decode(
+                    "utf-8", "replace")
         finally:
             if gen is None:  # refused, failed or cancelled before the generation: the count
                 give_key(key)
@@ -428,9 +451,17 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
     async def completions(request: Request) -> Response:
         return await complete(request, chat=False)
 
+    card = {"id": model, "object": "model", "created": created, "owned_by": "dgr"}
+
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": model, "object": "model", "created": created, "owned_by": "dgr"}]})
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def model_card(request: Request) -> Response:
+        name = request.path_params["name"]
+        if name != model:
+            return ApiError(404, f"The model '{name}' does not exist; this route serves "
+                                 f"'{model}'", param="model", code="model_not_found").response()
+        return JSONResponse(card)
 
     async def health(request: Request) -> Response:
         # with API keys, a probe without a valid key learns the status only: no endpoints
@@ -495,6 +526,7 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
                 HttpRoute("/status", status, methods=["GET"]),
                 Mount("/static", app=StaticFiles(directory=STATIC), name="static"),
                 HttpRoute("/v1/models", models, methods=["GET"]),
+                HttpRoute("/v1/models/{name:path}", model_card, methods=["GET"]),
                 HttpRoute("/v1/chat/completions", chat_completions, methods=["POST"]),
                 HttpRoute("/v1/completions", completions, methods=["POST"]),
                 HttpRoute("/health", health, methods=["GET"]),
@@ -502,21 +534,6 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
         exception_handlers={404: not_found, 405: method_not_allowed, 500: server_error},
         middleware=[Middleware(ApiKeys, keys=list(api_keys))] if api_keys else None,
         lifespan=lifespan)
-
-
-def _visible(text: str, stops: list[str], *, final: bool) -> str:
-    """What of ``text`` may be sent: cut at the first stop string; before the end
-    (``final`` False), also without a tail that may still become a stop string or that ends
-    inside a UTF-8 sequence."""
-    cut = min((text.find(s) for s in stops if s in text), default=-1)
-    if cut >= 0:
-        return text[:cut]
-    if final:
-        return text
-    hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-    if text.endswith("\ufffd"):
-        hold = max(hold, 1)
-    return text[:len(text) - hold]
 
 
 class _Generation:
@@ -544,44 +561,56 @@ class _Generation:
         self.logprobs: list = []
         self._lp_sent = 0
         self._lp_offset = 0
+        #: completions' ``echo``: the prompt's text, sent before the completion's
+        self.echo = ""
+
+    def _took(self, tok: int) -> None:
+        """Count a token the session yielded: TTFT or the time since the last one, and its
+        log probability (with ``params.logprobs``)."""
+        now = time.perf_counter()
+        if not self.tokens:
+            self.ttft_s = now - self.t0
+            self.metrics.first_token(self.ttft_s)
+            self.traffic.first_token(self.ttft_s)
+            self.traffic.token(None)
+        else:
+            self.traffic.token(now - self._t_last)
+        self._t_last = now
+        self.tokens.append(int(tok))
+        if self.params.logprobs:
+            # the row that sampled this token (the session keeps one per sampled token, in
+            # order); dropped once read: a row is n_vocab floats
+            rows = self.session.logits
+            i = len(self.tokens) - 1
+            self.logprobs.append(token_logprob(rows[i], tok, self.params.top_logprobs))
+            rows[i] = None
 
     async def pieces(self) -> AsyncIterator[str]:
         """The completion's text, piece by piece (stop strings cut, never sent)."""
-        sent = full = ""
-        stops = self.params.stop
-        want_lp = self.params.logprobs
+        # the text as llama-server builds it: each token's piece appended (no list is
+        # detokenized again); the stop strings are found here, not by the session
+        text = TextStream(self.state["vocab"], self.params.stop)
+        if self.echo:
+            yield self.echo
         s = self.session
         spec0 = (s.trips, s.drafted, s.accepted)  # the session's, before this request
-        async for tok in self.session.generate(self.ids, max_tokens=self.max_tokens,
-                                               sampling=self.params.sampling, stop=stops,
-                                               logits=want_lp):
-            now = time.perf_counter()
-            if not self.tokens:
-                self.ttft_s = now - self.t0
-                self.metrics.first_token(self.ttft_s)
-                self.traffic.first_token(self.ttft_s)
-                self.traffic.token(None)
-            else:
-                self.traffic.token(now - self._t_last)
-            self._t_last = now
-            self.tokens.append(int(tok))
-            if want_lp:
-                # the row that sampled this token (the session keeps one per sampled token,
-                # in order); dropped once read: a row is n_vocab floats
-                rows = self.session.logits
-                i = len(self.tokens) - 1
-                self.logprobs.append(token_logprob(rows[i], tok, self.params.top_logprobs))
-                rows[i] = None
-            full = await self.route.detokenize(self.tokens)
-            text = _visible(full, stops, final=False)
-            if len(text) > len(sent) and text.startswith(sent):
-                piece, sent = text[len(sent):], text
-                yield piece
-        reason = getattr(self.session, "stop_reason", "length")
+        tokens = s.generate(self.ids, max_tokens=self.max_tokens,
+                            sampling=self.params.sampling, logits=self.params.logprobs)
+        try:
+            async for tok in tokens:
+                self._took(tok)
+                piece = text.push(tok)
+                if piece:
+                    yield piece
+                if text.stopped:
+                    break
+        finally:
+            await tokens.aclose()  # a stop string (or the client) ended it: the loop stops
+        reason = "stop" if text.stopped else getattr(s, "stop_reason", "length")
         self.finish_reason = "length" if reason == "length" else "stop"
-        text = _visible(full, stops, final=True)
-        if len(text) > len(sent) and text.startswith(sent):
-            yield text[len(sent):]
+        piece = text.finish()
+        if piece:
+            yield piece
         self.metrics.tokens(len(self.tokens))
         t0, d0, a0 = spec0
         self.metrics.speculation(s.trips - t0, s.drafted - d0, s.accepted - a0)
@@ -596,10 +625,9 @@ class _Generation:
         if chunk and not items:
             return None
         self._lp_sent = len(self.logprobs)
-        pieces = self.state["pieces"]
-        for tid in {t for it in items for t in (it.token, *(a for a, _ in it.top))}:
-            if tid not in pieces:
-                pieces[tid] = await self.route.detokenize([tid])
+        vocab = self.state["vocab"]
+        pieces = {t: vocab[t].decode("utf-8", "replace")
+                  for it in items for t in (it.token, *(a for a, _ in it.top))}
         if chat:
             return chat_logprobs(items, pieces)
         out = completion_logprobs(items, pieces, self._lp_offset)

@@ -30,6 +30,7 @@ DEFAULT_STREAM_TIMEOUT = 6 * 3600.0
 #: the full gRPC method of each control call (what a call's token is signed for)
 _METHODS = {"describe": f"/{SERVICE}/Describe", "release": f"/{SERVICE}/Release",
             "tokenize": f"/{SERVICE}/Tokenize", "detokenize": f"/{SERVICE}/Detokenize",
+            "token_pieces": f"/{SERVICE}/TokenPieces",
             "health": "/grpc.health.v1.Health/Check"}
 
 if sys.version_info >= (3, 11):
@@ -231,6 +232,15 @@ class ShardClient:
             tokens=[int(t) for t in tokens], remove_special=remove_special,
             unparse_special=unparse_special), timeout)
         return r.text
+
+    async def token_pieces(self, first: int, count: int, special: bool = False,
+                           timeout: float | None = None) -> list[bytes]:
+        """The bytes of token ids ``first`` .. ``first + count - 1`` as llama.cpp renders
+        each alone (``count`` at most ``MAX_PIECES``; fewer past the vocabulary's end)."""
+        r = await self._unary("token_pieces", self._stub.TokenPieces,
+                              dgr_pb2.TokenPiecesRequest(first=first, count=count,
+                                                         special=special), timeout)
+        return list(r.pieces)
 
     async def health(self, service: str = "", timeout: float | None = None) -> str:
         """``"SERVING"``, ``"NOT_SERVING"``, ... (standard gRPC health checking)."""

@@ -6,8 +6,8 @@ from typing import Any
 
 from dgr.protocol import wire
 
-__all__ = ["SERVICE", "STEP_METHOD", "HEALTH_SERVICE", "MAX_MESSAGE", "server_options",
-           "channel_options"]
+__all__ = ["SERVICE", "STEP_METHOD", "HEALTH_SERVICE", "MAX_MESSAGE", "MAX_PIECES",
+           "server_options", "channel_options"]
 
 SERVICE = "dgr.v1.Shard"
 #: The data-plane method: a bidirectional stream of raw dgr.protocol.wire frames
@@ -19,6 +19,8 @@ HEALTH_SERVICE = SERVICE
 #: Largest gRPC message either side accepts: the wire's own payload and header limits plus
 #: the prefix and padding, so gRPC never refuses a frame the wire format would accept.
 MAX_MESSAGE = wire.MAX_PAYLOAD + wire.MAX_HEADER + 4096
+#: the most token ids one TokenPieces call renders (a page of the vocabulary)
+MAX_PIECES = 65536
 
 # Keepalive: the client pings an idle connection every 20 s and gives up after 10 s without
 # an answer (a dead worker is noticed without a step deadline); the server accepts pings that

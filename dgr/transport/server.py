@@ -13,7 +13,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from dgr import errors
 from dgr._proto import dgr_pb2, dgr_pb2_grpc
 from dgr.protocol import wire
-from dgr.transport.common import HEALTH_SERVICE, MAX_MESSAGE, SERVICE, server_options
+from dgr.transport.common import (
+    HEALTH_SERVICE,
+    MAX_MESSAGE,
+    MAX_PIECES,
+    SERVICE,
+    server_options,
+)
 from dgr.transport.security import CALLER, METADATA_KEY, PUBLIC_METHODS, Security
 from dgr.transport.status import to_status
 
@@ -34,6 +40,8 @@ class StageBackend(Protocol):
 
     def detokenize(self, tokens: Sequence[int], remove_special: bool,
                    unparse_special: bool) -> str: ...
+
+    def token_pieces(self, first: int, count: int, special: bool) -> list[bytes]: ...
 
     async def step(self, frame: bytes) -> bytes:
         """One request frame in, one reply frame (``Result`` or ``ErrorReply``) out; never
@@ -136,18 +144,34 @@ class _Servicer(dgr_pb2_grpc.ShardServicer):
         except Exception as e:  # noqa: BLE001
             await _abort(context, e)
 
+    # The tokenizer's RPCs read the vocabulary only: they run on a thread, off the event loop
+    # (which serves the Step streams) and without the engine's lock (which every forward
+    # holds), so a prompt never waits for a forward to be tokenized.
+
     async def Tokenize(self, request, context):
         try:
-            toks = self.b.tokenize(request.text, request.add_special, request.parse_special)
+            toks = await asyncio.to_thread(self.b.tokenize, request.text, request.add_special,
+                                           request.parse_special)
             return dgr_pb2.TokenizeReply(tokens=[int(t) for t in toks])
         except Exception as e:  # noqa: BLE001
             await _abort(context, e)
 
     async def Detokenize(self, request, context):
         try:
-            text = self.b.detokenize(list(request.tokens), request.remove_special,
-                                     request.unparse_special)
+            text = await asyncio.to_thread(self.b.detokenize, list(request.tokens),
+                                           request.remove_special, request.unparse_special)
             return dgr_pb2.DetokenizeReply(text=text)
+        except Exception as e:  # noqa: BLE001
+            await _abort(context, e)
+
+    async def TokenPieces(self, request, context):
+        try:
+            if not 0 <= request.count <= MAX_PIECES:
+                raise errors.InvalidArgument(
+                    f"TokenPieces count must be in [0, {MAX_PIECES}], got {request.count}")
+            pieces = await asyncio.to_thread(self.b.token_pieces, request.first, request.count,
+                                             request.special)
+            return dgr_pb2.TokenPiecesReply(pieces=pieces)
         except Exception as e:  # noqa: BLE001
             await _abort(context, e)
 

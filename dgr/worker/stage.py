@@ -198,6 +198,9 @@ class Worker(StagePipeline):
     def detokenize(self, tokens, remove_special: bool, unparse_special: bool) -> str:
         return self.engine.detokenize(tokens, remove_special, unparse_special)
 
+    def token_pieces(self, first: int, count: int, special: bool) -> list[bytes]:
+        return self.engine.token_pieces(first, count, special)
+
     # -- gRPC Step stream ----------------------------------------------------------------
 
     async def step(self, data: bytes) -> bytes:

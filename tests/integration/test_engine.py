@@ -74,6 +74,38 @@ def test_tokenize_detokenize_round_trip(smol_vocab, text):
     assert smol_vocab.tokenize(back, add_special=False).tolist() == toks.tolist()
 
 
+@pytest.mark.parametrize("text", ["Hello, world!", "naïve café — 日本語 🙂"])
+def test_token_pieces_are_the_bytes_llama_cpp_renders_per_token(smol_vocab, text):
+    """Every id's bytes (what llama-server appends per token): the pieces of a text's
+    tokens join to the text, byte by byte, even where one character spans two tokens; ids
+    past the vocabulary are left out, control tokens are empty unless asked for."""
+    pieces = smol_vocab.token_pieces()
+    assert len(pieces) == smol_vocab.n_vocab and all(isinstance(p, bytes) for p in pieces)
+    toks = smol_vocab.tokenize(text, add_special=False).tolist()
+    assert b"".join(pieces[t] for t in toks).decode() == text == smol_vocab.detokenize(toks)
+    assert any(len(pieces[t].decode("utf-8", "replace")) != len(pieces[t].decode("utf-8",
+               "ignore")) for t in toks) or text.isascii()  # a character split over tokens
+    n = smol_vocab.n_vocab
+    assert smol_vocab.token_pieces(n - 2, 10) == pieces[n - 2:]
+    assert smol_vocab.token_pieces(0, 1) == [b""]  # <|endoftext|>: a control token
+    assert smol_vocab.token_pieces(0, 1, special=True) == [b"<|endoftext|>"]
+    with pytest.raises(dgr.errors.InvalidArgument):
+        smol_vocab.token_pieces(-1, 3)
+
+
+def test_tokenizing_never_waits_for_the_engines_lock(eng):
+    """Tokenize, detokenize and token_pieces read the vocabulary only: they run while a
+    forward holds the engine's lock (as llama-server tokenizes beside its decode loop)."""
+    import concurrent.futures
+
+    with eng.lock, concurrent.futures.ThreadPoolExecutor(1) as ex:
+        f = ex.submit(lambda: (eng.tokenize("tok_1"), eng.detokenize([5]),
+                               eng.token_pieces(0, 4)))
+        toks, text, pieces = f.result(timeout=30)
+    assert toks.tolist() == _test_vocab_ids("tok_1") and text == "5"
+    assert [p.decode() for p in pieces] == ["0", "1", "2", "3"]
+
+
 def test_forward_logits_shapes(eng):
     eng.release(0)
     toks = np.arange(20, dtype=np.int32) % 128  # > n_ubatch: computed in chunks

@@ -85,6 +85,42 @@ def test_describe_health_tokenizer(served, engine):
     assert text == engine.detokenize([5, 6])
 
 
+def test_a_prompt_is_tokenized_while_a_forward_holds_the_engine(served, engine):
+    """The tokenizer's RPCs neither wait for the engine's lock (held by every forward) nor
+    hold the worker's event loop: here the lock is held throughout, and they answer."""
+    async def go(c):
+        return await asyncio.gather(c.tokenize("tok_1 tok_2", timeout=20),
+                                    c.detokenize([5, 6], timeout=20),
+                                    c.token_pieces(0, 8, timeout=20), c.describe())
+
+    with engine.lock:
+        toks, text, pieces, info = run(with_client(served.address, go))
+    assert list(toks) == list(engine.tokenize("tok_1 tok_2")) and text == "56"
+    assert pieces == engine.token_pieces(0, 8) and info.n_vocab == 128
+
+
+def test_token_pieces_over_grpc_in_pages(served, engine, monkeypatch):
+    """The route fetches the vocabulary's pieces in pages (at most MAX_PIECES ids a call;
+    50 here: 3 pages), and they are the engine's; a page too large is refused with
+    InvalidArgument."""
+    from dgr.driver import async_route
+    from dgr.driver.async_route import AsyncRoute
+    from dgr.transport.common import MAX_PIECES
+
+    monkeypatch.setattr(async_route, "MAX_PIECES", 50)
+
+    async def go(c):
+        with pytest.raises(errors.InvalidArgument, match="count"):
+            await c.token_pieces(0, MAX_PIECES + 1)
+        page = await c.token_pieces(120, 50)  # past the end: the ids there are
+        async with AsyncRoute([served.address]) as r:
+            return page, await r.token_pieces(), await r.pieces(), await r.token_pieces(3, 4)
+
+    page, every, kept, some = run(with_client(served.address, go))
+    assert every == kept == engine.token_pieces() and len(every) == 128
+    assert page == every[120:] and some == every[3:7]
+
+
 def test_unary_error_travels_as_typed_status(served):
     async def go(c):
         with pytest.raises(errors.InvalidToken, match="outside the vocabulary"):

@@ -38,7 +38,7 @@ class FakeSession:
             self.logits.append(row)
         return tok
 
-    async def generate(self, ids, *, max_tokens, sampling, stop, logits=False):
+    async def generate(self, ids, *, max_tokens, sampling, stop=(), logits=False):
         if any(t == 7 for t in ids):  # a prompt with token 7: the route fails mid-way
             yield self._sampled(9, logits)
             raise errors.WorkerUnavailable("stage 1 went away")
@@ -71,6 +71,9 @@ class FakeRoute:
 
     async def detokenize(self, tokens):
         return "".join(chr(ord("a") + t % 26) for t in tokens)
+
+    async def pieces(self):  # each token's bytes, as detokenize renders it
+        return [bytes([ord("a") + t % 26]) for t in range(N_VOCAB)]
 
     def session(self):
         return FakeSession(self)

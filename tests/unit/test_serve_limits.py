@@ -28,7 +28,7 @@ SECRET_ENDPOINT = "10.20.30.40:50051"
 
 
 class HeldSession(FakeSession):
-    async def generate(self, ids, *, max_tokens, sampling, stop, logits=False):
+    async def generate(self, ids, *, max_tokens, sampling, stop=(), logits=False):
         if ids[-1] != HOLD:
             async for t in super().generate(ids, max_tokens=max_tokens, sampling=sampling,
                                             stop=stop, logits=logits):

@@ -111,6 +111,12 @@ public:
                     std::vector<int32_t> * out) const;
     Status Detokenize(const int32_t * tokens, size_t n, bool remove_special, bool unparse_special,
                       std::string * out) const;
+    // Each token id of [first, first + count) as the bytes llama.cpp renders it alone
+    // (llama_token_to_piece: no leading space removed; control tokens empty unless `special`),
+    // concatenated into `bytes`, with `ends[i]` the end offset of id first + i. The ids past
+    // the vocabulary are left out. Reads the vocabulary only: safe beside a forward.
+    Status TokenPieces(int32_t first, int32_t count, bool special, std::string * bytes,
+                       std::vector<int32_t> * ends) const;
     bool IsEog(int32_t token) const;
 
     // Number of output floats per row: n_vocab on the last stage, n_embd_boundary otherwise.

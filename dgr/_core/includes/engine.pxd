@@ -94,6 +94,8 @@ cdef extern from "dgr/engine.h" namespace "dgr" nogil:
                          vector[int32_t] * out) except +
         CStatus Detokenize(const int32_t * tokens, size_t n, bool remove_special,
                            bool unparse_special, string * out) except +
+        CStatus TokenPieces(int32_t first, int32_t count, bint special, string * out,
+                            vector[int32_t] * ends) except +
         bool IsEog(int32_t token) except +
         int32_t OutputWidth()
         CStatus Forward(int32_t slot, const int32_t * pos, const int32_t * tokens,

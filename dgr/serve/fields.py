@@ -1,0 +1,120 @@
+"""Every request field of the OpenAI chat completions and completions API references, and
+what the front does with it: honoured, or refused with a 400 that names it.
+
+A field dgr does not honour is accepted only at the value that asks for nothing (absent,
+``null``, its default, an empty list); any other value is refused, never silently ignored.
+A field that is in neither reference is refused as OpenAI refuses it ("Unrecognized request
+argument supplied"). docs/serve.md has the table; tests/unit/test_serve_fields.py walks it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+__all__ = ["CHAT", "COMPLETIONS", "HONOURED", "refusal"]
+
+#: a field whose every valid value is honoured (its checks are the request parser's)
+HONOURED = None
+
+
+def _absent(v: Any) -> bool:
+    return v is None
+
+
+def _false(v: Any) -> bool:
+    return v is None or v is False
+
+
+def _zero(v: Any) -> bool:
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0)
+
+
+def _empty(v: Any) -> bool:
+    return v is None or v == [] or v == {} or v == ""
+
+
+def _one_of(*ok: Any) -> Callable[[Any], bool]:
+    return lambda v: v is None or any(v == o and type(v) is type(o) for o in ok)
+
+
+def _text_format(v: Any) -> bool:
+    return v is None or v == {"type": "text"}
+
+
+def _no_tool_choice(v: Any) -> bool:
+    return v is None or v == "none"
+
+
+def _bool(v: Any) -> bool:
+    return v is None or isinstance(v, bool)
+
+
+# name -> None (honoured) or a test of the values accepted though not honoured, and why not
+_COMMON: dict[str, tuple[Callable[[Any], bool], str] | None] = {
+    "model": HONOURED, "max_tokens": HONOURED, "temperature": HONOURED, "top_p": HONOURED,
+    "seed": HONOURED, "stop": HONOURED, "stream": HONOURED, "stream_options": HONOURED,
+    "logprobs": HONOURED, "n": HONOURED,
+    # identifiers of the end user: logged with the request's id
+    "user": HONOURED,
+    "frequency_penalty": (_zero, "frequency penalties are not supported yet"),
+    "presence_penalty": (_zero, "presence penalties are not supported yet"),
+    "logit_bias": (_empty, "logit_bias is not supported yet"),
+}
+
+#: POST /v1/chat/completions
+CHAT: dict[str, tuple[Callable[[Any], bool], str] | None] = {
+    **_COMMON, "messages": HONOURED, "max_completion_tokens": HONOURED,
+    "top_logprobs": HONOURED, "safety_identifier": HONOURED,
+    # no tools: there is no tool use for it to parallelize
+    "parallel_tool_calls": (_bool, "'parallel_tool_calls' must be a boolean"),
+    "tools": (_empty, "tools are not supported yet"),
+    "tool_choice": (_no_tool_choice, "tool_choice other than 'none' needs tools, which are "
+                                     "not supported yet"),
+    "functions": (_empty, "functions (deprecated: tools) are not supported"),
+    "function_call": (_no_tool_choice, "function_call (deprecated: tool_choice) is not "
+                                       "supported"),
+    "response_format": (_text_format, "response_format other than {'type': 'text'} "
+                                      "(structured output) is not supported yet"),
+    "modalities": (_one_of(["text"]), "this model answers in text only"),
+    "audio": (_absent, "audio output is not supported"),
+    "prediction": (_absent, "predicted outputs are not supported"),
+    "reasoning_effort": (_absent, "reasoning_effort is not supported"),
+    "verbosity": (_absent, "verbosity is not supported"),
+    "web_search_options": (_absent, "web search is not supported"),
+    "store": (_false, "stored completions are not supported"),
+    "metadata": (_empty, "metadata is kept only with 'store', which is not supported"),
+    "service_tier": (_one_of("auto", "default"), "this route serves one tier: 'auto' or "
+                                                 "'default'"),
+    "prompt_cache_key": (_absent, "prompt_cache_key is not supported yet"),
+    "prompt_cache_retention": (_absent, "prompt_cache_retention is not supported yet"),
+}
+
+#: POST /v1/completions
+COMPLETIONS: dict[str, tuple[Callable[[Any], bool], str] | None] = {
+    **_COMMON, "prompt": HONOURED, "echo": HONOURED,
+    "best_of": (_one_of(1), "best_of must be 1 (one choice per request)"),
+    "suffix": (_empty, "suffix (insertion) is not supported"),
+}
+
+#: stream_options' keys
+STREAM_OPTIONS: dict[str, tuple[Callable[[Any], bool], str] | None] = {
+    "include_usage": HONOURED,
+    "include_obfuscation": (_false, "stream obfuscation is not supported"),
+}
+
+
+def refusal(body: dict, table: dict, prefix: str = "") -> tuple[str, str, str] | None:
+    """The first field of ``body`` ``table`` does not accept at its value, as ``(name,
+    message, code)``; None when every field is accepted."""
+    for key, value in body.items():
+        name = prefix + str(key)
+        if key not in table:
+            return name, f"Unrecognized request argument supplied: {name}", \
+                "unrecognized_argument"
+        rule = table[key]
+        if rule is not None and not rule[0](value):
+            return name, f"Unsupported parameter: '{name}': {rule[1]}", "unsupported_parameter"
+    opts = body.get("stream_options")
+    if isinstance(opts, dict) and not prefix:
+        return refusal(opts, STREAM_OPTIONS, "stream_options.")
+    return None

@@ -1,0 +1,188 @@
+"""Every request field of the OpenAI chat completions and completions API references is
+either honoured, with a check of its effect here, or refused with a 400 naming it: none is
+accepted and ignored (dgr.serve.fields)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import pytest
+
+pytest.importorskip("starlette")
+from test_serve_fuzz import FakeRoute, FakeSession, Template, _call  # noqa: E402  (its fakes)
+
+from dgr.serve import fields  # noqa: E402
+from dgr.serve.app import create_app  # noqa: E402
+
+# The API references' request fields (platform.openai.com/docs/api-reference, 2026), written
+# out here independently of dgr.serve.fields: a field missing there fails below.
+CHAT_REFERENCE = [
+    "messages", "model", "audio", "frequency_penalty", "function_call", "functions",
+    "logit_bias", "logprobs", "max_completion_tokens", "max_tokens", "metadata", "modalities",
+    "n", "parallel_tool_calls", "prediction", "presence_penalty", "prompt_cache_key",
+    "prompt_cache_retention", "reasoning_effort", "response_format", "safety_identifier",
+    "seed", "service_tier", "stop", "store", "stream", "stream_options", "temperature",
+    "tool_choice", "tools", "top_logprobs", "top_p", "user", "verbosity",
+    "web_search_options"]
+COMPLETIONS_REFERENCE = [
+    "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs",
+    "max_tokens", "n", "presence_penalty", "seed", "stop", "stream", "stream_options",
+    "suffix", "temperature", "top_p", "user"]
+
+# a value of each refused field that asks for something dgr does not do
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+REFUSED = {
+    "audio": {"voice": "alloy", "format": "wav"}, "frequency_penalty": 2.0,
+    "presence_penalty": 2.0, "logit_bias": {"5": -100}, "function_call": "auto",
+    "functions": [TOOL["function"]], "tools": [TOOL], "tool_choice": "required",
+    "parallel_tool_calls": "yes", "response_format": {"type": "json_object"},
+    "metadata": {"a": "b"}, "store": True, "modalities": ["text", "audio"],
+    "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "high",
+    "verbosity": "low", "web_search_options": {}, "service_tier": "flex",
+    "prompt_cache_key": "k", "prompt_cache_retention": "24h", "best_of": 3,
+    "suffix": "tail", "n": 2, "stream_options": {"include_obfuscation": True}}
+# the value of each refused field that asks for nothing: accepted
+NEUTRAL = {
+    "audio": None, "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {},
+    "function_call": "none", "functions": [], "tools": [], "tool_choice": "none",
+    "parallel_tool_calls": False, "response_format": {"type": "text"}, "metadata": {},
+    "store": False, "modalities": ["text"], "prediction": None, "reasoning_effort": None,
+    "verbosity": None, "web_search_options": None, "service_tier": "auto",
+    "prompt_cache_key": None, "prompt_cache_retention": None, "best_of": 1, "suffix": "",
+    "n": 1, "stream_options": {"include_usage": False}}
+
+
+class Recording(FakeRoute):
+    def session(self):
+        route = self
+
+        class S(FakeSession):
+            def generate(self, ids, **kw):
+                route.asked = kw
+                return super().generate(ids, **kw)
+
+        return S(self)
+
+
+def post(path: str, body: dict, route=None):
+    route = route or Recording()
+    app = create_app(route, model="m", template=Template())
+
+    async def go():
+        async with app.router.lifespan_context(app):
+            return await _call(app, path, json.dumps(body).encode())
+
+    status, _, raw = asyncio.run(go())
+    return status, raw, route
+
+
+def base(chat: bool) -> tuple[str, dict]:
+    if chat:
+        return "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                        "max_tokens": 3}
+    return "/v1/completions", {"prompt": "hi", "max_tokens": 3}
+
+
+@pytest.mark.parametrize("chat,reference", [(True, CHAT_REFERENCE),
+                                            (False, COMPLETIONS_REFERENCE)])
+def test_every_reference_field_is_classed(chat, reference):
+    table = fields.CHAT if chat else fields.COMPLETIONS
+    assert sorted(table) == sorted(reference)
+
+
+def _refused(chat: bool) -> list[str]:
+    table = fields.CHAT if chat else fields.COMPLETIONS
+    return [f for f in table if table[f] is not None] + ["n", "stream_options"]
+
+
+@pytest.mark.parametrize("chat,name", [(c, f) for c in (True, False) for f in _refused(c)])
+def test_a_field_not_honoured_is_refused_naming_it_and_accepted_when_it_asks_nothing(chat,
+                                                                                      name):
+    path, body = base(chat)
+    status, raw, _ = post(path, {**body, name: REFUSED[name]})
+    err = json.loads(raw)["error"]
+    assert status == 400 and err["type"] == "invalid_request_error", raw
+    assert err["param"].split(".")[0] == name and name in err["message"]
+    status, raw, _ = post(path, {**body, name: NEUTRAL[name]})
+    assert status == 200, raw
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_field_in_no_reference_is_refused_as_openai_refuses_it(chat):
+    path, body = base(chat)
+    status, raw, _ = post(path, {**body, "top_k": 5})
+    err = json.loads(raw)["error"]
+    assert status == 400 and err["param"] == "top_k"
+    assert err["message"] == "Unrecognized request argument supplied: top_k"
+    status, raw, _ = post(path, {**body, "stream_options": {"include_usage": True, "x": 1}})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "stream_options.x"
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_each_honoured_field_has_its_effect(chat, caplog):
+    path, body = base(chat)
+    # temperature, top_p, seed: the session samples with them
+    _, _, route = post(path, {**body, "temperature": 0.5, "top_p": 0.25, "seed": 9})
+    p = route.asked["sampling"]
+    assert (p.temperature, p.top_p, p.seed) == (0.5, 0.25, 9)
+    # max_tokens (and chat's max_completion_tokens): the budget
+    for name in ("max_tokens",) + (("max_completion_tokens",) if chat else ()):
+        status, raw, route = post(path, {**{k: v for k, v in body.items() if k != "max_tokens"},
+                                         name: 5})
+        assert json.loads(raw)["usage"]["completion_tokens"] == 5
+    # stop: the text is cut before it
+    _, raw, _ = post(path, {**body, "max_tokens": 8})
+    full = _text(raw, chat)
+    _, raw, _ = post(path, {**body, "max_tokens": 8, "stop": full[3:5]})
+    assert _text(raw, chat) == full[:3]
+    # stream and stream_options.include_usage: server-sent events, the last with the usage
+    _, raw, _ = post(path, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    events = [json.loads(x[6:]) for x in raw.decode().splitlines() if x.startswith("data: {")]
+    assert raw.endswith(b"data: [DONE]\n\n") and events[-1]["usage"]["completion_tokens"] == 3
+    # logprobs (and chat's top_logprobs)
+    lp = {"logprobs": True, "top_logprobs": 2} if chat else {"logprobs": 2}
+    _, raw, _ = post(path, {**body, **lp})
+    got = json.loads(raw)["choices"][0]["logprobs"]
+    assert (len(got["content"][0]["top_logprobs"]) if chat else len(got["top_logprobs"][0])) == 2
+    # model: another model's name is a 404
+    status, raw, _ = post(path, {**body, "model": "other"})
+    assert status == 404 and json.loads(raw)["error"]["code"] == "model_not_found"
+    # user (and chat's safety_identifier): logged with the request's id
+    ids = {"user": "u-17", **({"safety_identifier": "s-3"} if chat else {})}
+    with caplog.at_level(logging.INFO, logger="dgr.serve"):
+        _, raw, _ = post(path, {**body, **ids})
+    rid = json.loads(raw)["id"]
+    assert any(rid in r.getMessage() and all(v in r.getMessage() for v in ids.values())
+               for r in caplog.records)
+    if not chat:  # echo: the prompt's text comes first, streamed or not
+        _, raw, _ = post(path, {**body, "echo": True})
+        assert _text(raw, chat) == "hi" + full[:3]
+        _, raw, _ = post(path, {**body, "echo": True, "stream": True})
+        assert _text(raw, chat) == "hi" + full[:3]
+        status, raw, _ = post(path, {**body, "echo": True, "logprobs": 1})
+        assert status == 400 and json.loads(raw)["error"]["param"] == "echo"
+
+
+def _text(raw: bytes, chat: bool) -> str:
+    if raw.startswith(b"data: "):
+        ev = [json.loads(x[6:]) for x in raw.decode().splitlines() if x.startswith("data: {")]
+        return "".join((e["choices"][0]["delta"].get("content") or "") if chat
+                       else e["choices"][0]["text"] for e in ev if e["choices"])
+    c = json.loads(raw)["choices"][0]
+    return c["message"]["content"] if chat else c["text"]
+
+
+def test_a_model_is_retrieved_by_its_id():
+    route = FakeRoute()
+    app = create_app(route, model="org/m", template=Template())
+
+    async def go():
+        async with app.router.lifespan_context(app):
+            return (await _call(app, "/v1/models/org/m", b"", method="GET"),
+                    await _call(app, "/v1/models/x", b"", method="GET"))
+
+    (s1, _, r1), (s2, _, r2) = asyncio.run(go())
+    assert s1 == 200 and json.loads(r1)["id"] == "org/m" and json.loads(r1)["object"] == "model"
+    assert s2 == 404 and json.loads(r2)["error"]["code"] == "model_not_found"
