@@ -292,7 +292,22 @@ bool read_sampling(Reader& r, Sampling* s) {
     }
     if (n > 3) { if (!r.read_uint_in(0, UINT64_MAX, &s->seed)) return false; }
     if (n > 4) { if (!r.read_bool(&s->greedy)) return false; }
-    return n <= 5 || r.skip(n - 5);
+    if (n > 5) {
+        if (!r.read_float(&s->min_p) || !(s->min_p >= 0.0) || !(s->min_p <= 1.0)) return false;
+    }
+    bool has = false;
+    if (n > 6) { if (!r.read_i32_list(&has, &s->bias_ids) || !has) return false; }
+    if (n > 7) {
+        uint64_t m;
+        if (!r.read_array(&m) || m != s->bias_ids.size()) return false;
+        s->bias.resize(static_cast<size_t>(m));
+        for (uint64_t i = 0; i < m; ++i) {
+            if (!r.read_float(&s->bias[i])) return false;
+        }
+    } else if (!s->bias_ids.empty()) {
+        return false;  // ids without their values
+    }
+    return n <= 8 || r.skip(n - 8);
 }
 
 bool read_hops(Reader& r, bool* has, std::vector<Hop>* out) {
@@ -851,12 +866,16 @@ Status encode_forward(const Forward& h, const float* array, int64_t rows, int64_
     w.list(h.has_rows, h.rows);
     if (h.has_sampling) {
         const Sampling& s = h.sampling;
-        w.array(5);
+        w.array(8);
         w.f(s.temperature);
         w.i(s.top_k);
         w.f(s.top_p);
         w.u(s.seed);
         w.b(s.greedy);
+        w.f(s.min_p);
+        w.list(true, s.bias_ids);
+        w.array(s.bias.size());
+        for (double x : s.bias) w.f(x);
     } else {
         w.nil();
     }

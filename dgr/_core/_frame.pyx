@@ -78,7 +78,9 @@ cdef dict _forward(const CForward & h):
         "tokens": _ints(h.tokens) if h.has_tokens else None,
         "want": _s(h.want), "rows": _ints(h.rows) if h.has_rows else None,
         "sampling": {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
-                     "seed": s.seed, "greedy": s.greedy} if h.has_sampling else None,
+                     "seed": s.seed, "greedy": s.greedy, "min_p": s.min_p,
+                     "bias_ids": tuple(s.bias_ids), "bias": tuple(s.bias)}
+        if h.has_sampling else None,
         "relay": _hops(h.relay) if h.has_relay else None, "reply_to": _s(h.reply_to),
         "loop": _hops(h.loop) if h.has_loop else None, "steps": h.steps,
         "stop_tokens": _ints(h.stop_tokens) if h.has_stop_tokens else None,
@@ -248,6 +250,9 @@ cdef object _fill(object header, CForward * f, CResult * r, list keep):
                 f.sampling.top_p = s.top_p
                 f.sampling.seed = s.seed
                 f.sampling.greedy = s.greedy
+                f.sampling.min_p = s.min_p
+                f.sampling.bias_ids = s.bias_ids
+                f.sampling.bias = s.bias
             f.has_relay = _hop_list(header.relay, &f.relay, keep)
             f.reply_to = _sv(keep[3])
             f.has_loop = _hop_list(header.loop, &f.loop, keep)
@@ -564,7 +569,9 @@ cdef object _message(CFrameView * v):
             tokens=_ints_or(f.has_tokens, f.tokens), want=_s(f.want),
             rows=_ints_or(f.has_rows, f.rows),
             sampling=_wire.Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                                    seed=s.seed, greedy=s.greedy) if f.has_sampling else None,
+                                    seed=s.seed, greedy=s.greedy, min_p=s.min_p,
+                                    bias_ids=tuple(s.bias_ids), bias=tuple(s.bias))
+            if f.has_sampling else None,
             relay=_hop_objs(f.relay) if f.has_relay else None, reply_to=_s(f.reply_to),
             loop=_hop_objs(f.loop) if f.has_loop else None, steps=f.steps,
             stop_tokens=_ints_or(f.has_stop_tokens, f.stop_tokens), solo=f.solo,

@@ -11,10 +11,15 @@ __all__ = ["forward_header", "wire_sampling", "solo_of"]
 
 def wire_sampling(p: SamplingParams | None) -> wire.Sampling | None:
     """``Forward.sampling`` of ``p`` (None: greedy, the stage's default)."""
-    if p is None or p.greedy:
+    if p is None or (p.greedy and not p.logit_bias):
         return None
+    ids = tuple(int(t) for t, _ in p.logit_bias)
+    bias = tuple(float(b) for _, b in p.logit_bias)
+    if p.greedy:  # greedy over the biased logits
+        return wire.Sampling(greedy=True, bias_ids=ids, bias=bias)
     return wire.Sampling(temperature=float(p.temperature), top_k=int(p.top_k),
-                         top_p=float(p.top_p), seed=int(p.seed))
+                         top_p=float(p.top_p), seed=int(p.seed), min_p=float(p.min_p),
+                         bias_ids=ids, bias=bias)
 
 
 def forward_header(session: str, epoch: int, stage: StageInfo, pos: int, toks: list[int], *,

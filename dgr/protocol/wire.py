@@ -77,7 +77,8 @@ FORMAT_VERSION = 1
 #: boundary's); their slots stay, reserved (``_reserved``), so no other field moves.
 #: 4: speculative decoding: ``Forward.rollback`` / ``drafts`` / ``speculate`` /
 #: ``max_draft`` and ``Result.drafted`` (docs/speculative.md).
-SCHEMA_VERSION = 4
+#: 5: ``Sampling.min_p`` / ``bias_ids`` / ``bias`` (min-p and logit bias).
+SCHEMA_VERSION = 5
 #: magic[4] version:u8 flags:u8 reserved:u16 header_len:u32 header_sum:u32, little endian.
 _PREFIX = struct.Struct("<4sBBHII")
 PREFIX_SIZE = _PREFIX.size  # 16
@@ -117,7 +118,9 @@ _Schema = Annotated[int, msgspec.Meta(ge=1)]
 class Sampling(msgspec.Struct, frozen=True, array_like=True, kw_only=True):
     """How the last stage picks a token (``Forward.sampling``; ``None`` there means greedy).
 
-    ``greedy`` overrides the rest; ``top_k=0`` and ``top_p=1.0`` switch those filters off.
+    ``greedy`` overrides the rest; ``top_k=0``, ``top_p=1.0`` and ``min_p=0.0`` switch those
+    filters off. ``bias[i]`` is added to the logit of token ``bias_ids[i]`` before anything
+    else (greedy included), as llama.cpp's logit-bias sampler does.
     """
 
     temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
@@ -125,6 +128,14 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True, kw_only=True):
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
     seed: _UInt64 = 0
     greedy: bool = False
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    bias_ids: tuple[_NonNeg32, ...] = ()
+    bias: tuple[float, ...] = ()
+
+    def __post_init__(self):
+        if len(self.bias_ids) != len(self.bias):
+            raise ValueError(f"Sampling has {len(self.bias_ids)} bias_ids and {len(self.bias)} "
+                             f"bias values")
 
 
 class Hop(msgspec.Struct, frozen=True, array_like=True, kw_only=True):

@@ -129,6 +129,26 @@ def _field(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
     return v
 
 
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: token ids (as JSON object keys) to a bias in [-100, 100],
+    added to the token's logit before sampling (greedy included), as llama-server does."""
+    bias = _field(body, "logit_bias", (dict,), {})
+    out = []
+    for k, v in bias.items():
+        try:
+            tid = int(k)
+        except ValueError:
+            tid = -1
+        if tid < 0 or str(tid) != k.strip():
+            raise ApiError(400, f"'logit_bias' keys are token ids, got {k!r}",
+                           param="logit_bias")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise ApiError(400, f"'logit_bias' values are numbers in [-100, 100], got {v!r} "
+                                f"for token {k}", param="logit_bias")
+        out.append((tid, float(v)))
+    return tuple(sorted(out))
+
+
 class Params:
     """What a completion request asks for, checked (every bad field a 400 naming it)."""
 
@@ -171,7 +191,7 @@ class Params:
         if not 0.0 < top_p <= 1.0:
             raise ApiError(400, f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
         self.sampling = SamplingParams(
-            temperature=temperature, top_p=top_p,
+            temperature=temperature, top_p=top_p, logit_bias=_logit_bias(body),
             # OpenAI's seed is any int64; the wire's is a uint64 (two's complement kept)
             seed=(seed & 0xFFFFFFFFFFFFFFFF) if seed is not None
             else uuid.uuid4().int & 0x7FFFFFFF)
@@ -399,6 +419,12 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
                 body = await body_of(request)
                 params = Params(body, chat=chat)
                 ids, text = await prompt_tokens(body, chat)
+                n_vocab = int(route.stages[0].n_vocab)
+                bad = [t for t, _ in params.sampling.logit_bias if t >= n_vocab]
+                if bad:
+                    raise ApiError(400, f"'logit_bias' names token {bad[0]}, not a token id "
+                                        f"of this model (0 to {n_vocab - 1})",
+                                   param="logit_bias", code="invalid_token")
                 if params.user:
                     log.info("request %s from %s", rid, params.user)
                 max_tokens = budget(ids, params)

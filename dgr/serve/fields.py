@@ -56,9 +56,10 @@ _COMMON: dict[str, tuple[Callable[[Any], bool], str] | None] = {
     "logprobs": HONOURED, "n": HONOURED,
     # identifiers of the end user: logged with the request's id
     "user": HONOURED,
+    # added to the token's logit before sampling, greedy included (llama-server's meaning)
+    "logit_bias": HONOURED,
     "frequency_penalty": (_zero, "frequency penalties are not supported yet"),
     "presence_penalty": (_zero, "presence penalties are not supported yet"),
-    "logit_bias": (_empty, "logit_bias is not supported yet"),
 }
 
 #: POST /v1/chat/completions

@@ -484,6 +484,30 @@ def test_two_in_process_stages(tiny_llama, reference):
         b.stop()
 
 
+def test_a_split_route_samples_with_logit_bias_as_the_whole_model(tiny_llama, reference):
+    """logit_bias travels to the last stage (in the wire's Sampling, through the relay and
+    the decode loop) and is applied there before the argmax or the draw, exactly as the
+    whole model in this process applies it: the same tokens, greedy and sampled, and not
+    the unbiased ones."""
+    a = ThreadedWorker(dgr.Engine(tiny_llama, layers=(0, 2), **SETTINGS))
+    b = ThreadedWorker(dgr.Engine(tiny_llama, layers=(2, 4), **SETTINGS))
+    try:
+        plain, _ = generate_local(reference, PROMPT, max_tokens=8, stop_on_eog=False)
+        with Route([a.address, b.address]) as r:
+            for temperature in (0.0, 3.0):
+                # ban the plain run's first tokens, promote another
+                sp = SamplingParams(temperature=temperature, seed=5, logit_bias=tuple(
+                    sorted({(t, -100.0) for t in plain[:3]} | {(plain[3] ^ 1, 1.5)})))
+                g = r.complete(PROMPT, max_tokens=8, sampling=sp, stop_on_eog=False)
+                ref, _ = generate_local(reference, PROMPT, max_tokens=8, sampling=sp,
+                                        stop_on_eog=False)
+                assert g.tokens == ref and len(ref) == 8
+                assert not set(ref) & set(plain[:3]) and ref != plain
+    finally:
+        a.stop()
+        b.stop()
+
+
 @pytest.mark.skipif(not HAS_LAYER_RANGES, reason="needs the llama.cpp layer-range patches (dgr._core.HAS_LAYER_RANGES)")
 def test_inputs_that_cannot_run_are_refused_before_they_take_a_slot(tiny_llama):
     # a frame whose boundary cannot run on this stage is refused at admission with the class
@@ -585,6 +609,10 @@ class ToyEngine:
 
     def detokenize(self, tokens, remove_special=False, unparse_special=False):
         return " ".join(str(int(t)) for t in tokens)
+
+    def token_pieces(self, first=0, count=None, special=False):
+        end = self.N_VOCAB if count is None else min(self.N_VOCAB, first + count)
+        return [f"{t} ".encode() for t in range(first, end)]
 
     def release(self, slot):
         self.state.pop(slot, None)

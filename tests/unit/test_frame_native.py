@@ -81,10 +81,18 @@ def rand_forward(rng: np.random.Generator) -> tuple[wire.Forward, np.ndarray | N
     rows = sorted({int(r) for r in rng.integers(0, n, int(rng.integers(1, 4)))}) if rng.random() < 0.3 else None
     sampling = None
     if rng.random() < 0.4:
+        temperature = pick(rng, [0.0, 0.7, 1.0, 1e300, float("inf")])
+        top_k = rand_int(rng, 2**31 - 1)
+        top_p = pick(rng, [1.0, 0.95, 1e-300])
+        seed = rand_int(rng, 2**64 - 1)
+        greedy = bool(rng.random() < 0.5)
+        # min_p and the logit bias from the seed drawn (more draws would change every later
+        # frame of the stream)
         sampling = wire.Sampling(
-            temperature=pick(rng, [0.0, 0.7, 1.0, 1e300, float("inf")]),
-            top_k=rand_int(rng, 2**31 - 1), top_p=pick(rng, [1.0, 0.95, 1e-300]),
-            seed=rand_int(rng, 2**64 - 1), greedy=bool(rng.random() < 0.5))
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, greedy=greedy,
+            min_p=(0.0, 0.05, 1.0)[seed % 3],
+            **({} if seed % 2 else dict(bias_ids=(seed % 2**31, 0, 2**31 - 1),
+                                        bias=(-100.0, float("-inf"), 2.5))))
     relay = rand_hops(rng) if rng.random() < 0.4 else None
     reply_to = rand_str(rng) or "r" if relay is not None or rng.random() < 0.3 else ""
     loop, steps = None, 0

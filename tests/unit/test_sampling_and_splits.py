@@ -33,8 +33,42 @@ def test_top_p_tiny_keeps_only_the_best():
     assert {s(row) for _ in range(20)} == {1}
 
 
+def test_logit_bias_applies_before_greedy_and_sampling_alike_on_both_forms():
+    """A bias moves the argmax (-100 bans, +2 promotes), for a SamplingParams and for the
+    wire.Sampling a route's last stage receives: the same tokens either way."""
+    from dgr.driver.headers import wire_sampling
+    from dgr.protocol.sampling import sample_rows
+
+    rows = np.random.default_rng(3).standard_normal((20, 50)).astype(np.float32)
+    best = [int(np.argmax(r)) for r in rows]
+    for temperature in (0.0, 0.7):
+        p = SamplingParams(temperature=temperature, seed=4,
+                           logit_bias=((best[0], -100.0), (7, 30.0)))
+        w = wire_sampling(p)
+        assert w is not None and w.bias_ids == (best[0], 7) and w.bias == (-100.0, 30.0)
+        pos = list(range(20))
+        assert sample_rows(rows, pos, p) == sample_rows(rows, pos, w) == [7] * 20
+    p = SamplingParams(logit_bias=((best[0], -100.0),))
+    got = sample_rows(rows[:1], [0], p)
+    assert got == [int(np.argsort(-rows[0])[1])]  # the runner-up once the best is banned
+    assert Sampler(p)(rows[0]) == got[0]
+    with pytest.raises(errors.InvalidArgument, match="outside the vocabulary"):
+        sample_rows(rows[:1], [0], SamplingParams(logit_bias=((50, 1.0),)))
+
+
+def test_min_p_keeps_the_tokens_near_the_best_before_the_temperature():
+    # logits 5, 4, 0: with min_p 0.2 only tokens with logit >= 5 + ln(0.2) = 3.39 stay
+    row = np.array([0.0, 5.0, 4.0], dtype=np.float32)
+    s = Sampler(SamplingParams(temperature=5.0, min_p=0.2, seed=1))
+    assert {s(row) for _ in range(200)} == {1, 2}
+    s = Sampler(SamplingParams(temperature=5.0, seed=1))
+    assert {s(row) for _ in range(200)} == {0, 1, 2}
+
+
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_k=-2), dict(top_p=0.0),
-                                 dict(top_p=1.5), dict(temperature=float("nan"))])
+                                 dict(top_p=1.5), dict(temperature=float("nan")),
+                                 dict(min_p=1.5), dict(logit_bias=((-1, 1.0),)),
+                                 dict(logit_bias=((1, float("nan")),))])
 def test_bad_sampling_params(bad):
     with pytest.raises(errors.InvalidArgument):
         SamplingParams(**bad)

@@ -35,7 +35,7 @@ COMPLETIONS_REFERENCE = [
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 REFUSED = {
     "audio": {"voice": "alloy", "format": "wav"}, "frequency_penalty": 2.0,
-    "presence_penalty": 2.0, "logit_bias": {"5": -100}, "function_call": "auto",
+    "presence_penalty": 2.0, "function_call": "auto",
     "functions": [TOOL["function"]], "tools": [TOOL], "tool_choice": "required",
     "parallel_tool_calls": "yes", "response_format": {"type": "json_object"},
     "metadata": {"a": "b"}, "store": True, "modalities": ["text", "audio"],
@@ -45,7 +45,7 @@ REFUSED = {
     "suffix": "tail", "n": 2, "stream_options": {"include_obfuscation": True}}
 # the value of each refused field that asks for nothing: accepted
 NEUTRAL = {
-    "audio": None, "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {},
+    "audio": None, "frequency_penalty": 0, "presence_penalty": 0.0,
     "function_call": "none", "functions": [], "tools": [], "tool_choice": "none",
     "parallel_tool_calls": False, "response_format": {"type": "text"}, "metadata": {},
     "store": False, "modalities": ["text"], "prediction": None, "reasoning_effort": None,
@@ -127,6 +127,12 @@ def test_each_honoured_field_has_its_effect(chat, caplog):
     _, _, route = post(path, {**body, "temperature": 0.5, "top_p": 0.25, "seed": 9})
     p = route.asked["sampling"]
     assert (p.temperature, p.top_p, p.seed) == (0.5, 0.25, 9)
+    # logit_bias: the session samples with it (its effect on tokens: tests/system/test_serve.py)
+    _, _, route = post(path, {**body, "logit_bias": {"5": -100, "12": 2.5}})
+    assert route.asked["sampling"].logit_bias == ((5, -100.0), (12, 2.5))
+    for bad in ({"x": 1}, {"5": 101}, {"5": True}, {"-1": 1}, {"64": 1}):  # N_VOCAB 64
+        status, raw, _ = post(path, {**body, "logit_bias": bad})
+        assert status == 400 and json.loads(raw)["error"]["param"] == "logit_bias", bad
     # max_tokens (and chat's max_completion_tokens): the budget
     for name in ("max_tokens",) + (("max_completion_tokens",) if chat else ()):
         status, raw, route = post(path, {**{k: v for k, v in body.items() if k != "max_tokens"},

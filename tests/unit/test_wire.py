@@ -44,7 +44,7 @@ RESULT_FIELDS = (
     "drafted",
 )
 ERROR_FIELDS = ("schema", "code", "message", "session", "epoch", "retry_after")
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "greedy")
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "greedy", "min_p", "bias_ids", "bias")
 HOP_FIELDS = ("endpoint", "tokens")
 HELLO_FIELDS = ("schema", "route")
 

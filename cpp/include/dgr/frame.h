@@ -32,7 +32,7 @@ namespace dgr {
 namespace wire {
 
 constexpr uint8_t kFormatVersion = 1;
-constexpr uint64_t kSchemaVersion = 4;
+constexpr uint64_t kSchemaVersion = 5;
 constexpr int32_t kMaxDraft = 32;  // wire.MAX_DRAFT: Forward.max_draft, drafts at most
 constexpr size_t kPrefixSize = 16;
 constexpr size_t kPayloadAlign = 64;
@@ -49,6 +49,9 @@ struct Sampling {
     double top_p = 1.0;
     uint64_t seed = 0;
     bool greedy = false;
+    double min_p = 0.0;
+    std::vector<int32_t> bias_ids;  // as many as bias
+    std::vector<double> bias;
 };
 
 struct Hop {

@@ -26,6 +26,9 @@ cdef extern from "dgr/frame.h" namespace "dgr::wire" nogil:
         double top_p
         uint64_t seed
         bool greedy
+        double min_p
+        vector[int32_t] bias_ids
+        vector[double] bias
 
     cdef cppclass CHop "dgr::wire::Hop":
         string_view endpoint
