@@ -3,6 +3,8 @@
 // (the error code a bad frame gets), so keep both sides in step.
 #include "dgr/frame.h"
 
+#include <cfloat>
+#include <cmath>
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -302,12 +304,23 @@ bool read_sampling(Reader& r, Sampling* s) {
         if (!r.read_array(&m) || m != s->bias_ids.size()) return false;
         s->bias.resize(static_cast<size_t>(m));
         for (uint64_t i = 0; i < m; ++i) {
-            if (!r.read_float(&s->bias[i])) return false;
+            if (!r.read_float(&s->bias[i]) || !(s->bias[i] <= DBL_MAX)) return false;  // -inf bans
         }
     } else if (!s->bias_ids.empty()) {
         return false;  // ids without their values
     }
-    return n <= 8 || r.skip(n - 8);
+    if (n > 8) { if (!r.read_i32(0, &s->penalty_last_n)) return false; }
+    if (n > 9) {
+        if (!r.read_float(&s->repeat_penalty) || !(s->repeat_penalty > 0.0) ||
+            !std::isfinite(s->repeat_penalty)) return false;
+    }
+    if (n > 10) {
+        if (!r.read_float(&s->frequency_penalty) || !std::isfinite(s->frequency_penalty)) return false;
+    }
+    if (n > 11) {
+        if (!r.read_float(&s->presence_penalty) || !std::isfinite(s->presence_penalty)) return false;
+    }
+    return n <= 12 || r.skip(n - 12);
 }
 
 bool read_hops(Reader& r, bool* has, std::vector<Hop>* out) {
@@ -866,7 +879,7 @@ Status encode_forward(const Forward& h, const float* array, int64_t rows, int64_
     w.list(h.has_rows, h.rows);
     if (h.has_sampling) {
         const Sampling& s = h.sampling;
-        w.array(8);
+        w.array(12);
         w.f(s.temperature);
         w.i(s.top_k);
         w.f(s.top_p);
@@ -876,6 +889,10 @@ Status encode_forward(const Forward& h, const float* array, int64_t rows, int64_
         w.list(true, s.bias_ids);
         w.array(s.bias.size());
         for (double x : s.bias) w.f(x);
+        w.i(s.penalty_last_n);
+        w.f(s.repeat_penalty);
+        w.f(s.frequency_penalty);
+        w.f(s.presence_penalty);
     } else {
         w.nil();
     }

@@ -79,7 +79,10 @@ cdef dict _forward(const CForward & h):
         "want": _s(h.want), "rows": _ints(h.rows) if h.has_rows else None,
         "sampling": {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
                      "seed": s.seed, "greedy": s.greedy, "min_p": s.min_p,
-                     "bias_ids": tuple(s.bias_ids), "bias": tuple(s.bias)}
+                     "bias_ids": tuple(s.bias_ids), "bias": tuple(s.bias),
+                     "penalty_last_n": s.penalty_last_n, "repeat_penalty": s.repeat_penalty,
+                     "frequency_penalty": s.frequency_penalty,
+                     "presence_penalty": s.presence_penalty}
         if h.has_sampling else None,
         "relay": _hops(h.relay) if h.has_relay else None, "reply_to": _s(h.reply_to),
         "loop": _hops(h.loop) if h.has_loop else None, "steps": h.steps,
@@ -253,6 +256,10 @@ cdef object _fill(object header, CForward * f, CResult * r, list keep):
                 f.sampling.min_p = s.min_p
                 f.sampling.bias_ids = s.bias_ids
                 f.sampling.bias = s.bias
+                f.sampling.penalty_last_n = s.penalty_last_n
+                f.sampling.repeat_penalty = s.repeat_penalty
+                f.sampling.frequency_penalty = s.frequency_penalty
+                f.sampling.presence_penalty = s.presence_penalty
             f.has_relay = _hop_list(header.relay, &f.relay, keep)
             f.reply_to = _sv(keep[3])
             f.has_loop = _hop_list(header.loop, &f.loop, keep)
@@ -570,7 +577,11 @@ cdef object _message(CFrameView * v):
             rows=_ints_or(f.has_rows, f.rows),
             sampling=_wire.Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                                     seed=s.seed, greedy=s.greedy, min_p=s.min_p,
-                                    bias_ids=tuple(s.bias_ids), bias=tuple(s.bias))
+                                    bias_ids=tuple(s.bias_ids), bias=tuple(s.bias),
+                                    penalty_last_n=s.penalty_last_n,
+                                    repeat_penalty=s.repeat_penalty,
+                                    frequency_penalty=s.frequency_penalty,
+                                    presence_penalty=s.presence_penalty)
             if f.has_sampling else None,
             relay=_hop_objs(f.relay) if f.has_relay else None, reply_to=_s(f.reply_to),
             loop=_hop_objs(f.loop) if f.has_loop else None, steps=f.steps,

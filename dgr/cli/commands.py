@@ -31,6 +31,17 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="keep tokens at least this fraction as likely as the best (0 = off)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0,
+                   help="divide a recent token's logit by this (llama.cpp's; 1 = off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract this from a recent token's logit (0 = off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this times its count from a recent token's logit (0 = off)")
+    p.add_argument("--repeat-last-n", type=int, default=64,
+                   help="the penalties count the last N tokens, the prompt's included "
+                        "(default 64, as llama.cpp)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--parity", action="store_true",
                    help="also fetch the logits of every step and compare them bit for bit with "
@@ -57,7 +68,10 @@ def _sampling(args):
     from dgr.protocol.sampling import SamplingParams
 
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          seed=args.seed)
+                          seed=args.seed, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
+                          presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty,
+                          penalty_last_n=args.repeat_last_n)
 
 
 def _stream(route, args, prompt_tokens, detok) -> tuple:

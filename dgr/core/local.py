@@ -88,8 +88,10 @@ def generate_local(engine, prompt: Sequence[int], *, max_tokens: int = 64,
     toks: list[int] = []
     rows: list[np.ndarray] = []
     steps = 0
+    seq = [int(t) for t in prompt]  # the penalties' window: every token before the next
     for i in range(max_tokens):
-        t = sample_rows(row, [pos], sampling)[0]
+        t = sample_rows(row, [pos], sampling, [seq])[0]
+        seq.append(t)
         if logits:
             rows.append(np.array(row[-1]))
         if stop_on_eog and engine.is_eog(t):

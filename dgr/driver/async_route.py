@@ -185,8 +185,6 @@ class AsyncRoute:
                 f"max_draft must be in [1, {wire.MAX_DRAFT}], got {max_draft}")
         #: the decode loop's drafter on the last stage ("": none) and its most drafts a trip
         self.speculate, self.max_draft = speculate, int(max_draft)
-        # the last stage drafts from the session's tokens: it gets the token ids of every step
-        self.relay_links.tokens_to_last = bool(speculate)
         #: whether stages may compute on different kinds of device (``check_route``)
         self.mixed_devices = bool(mixed_devices)
 

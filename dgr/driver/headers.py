@@ -11,15 +11,18 @@ __all__ = ["forward_header", "wire_sampling", "solo_of"]
 
 def wire_sampling(p: SamplingParams | None) -> wire.Sampling | None:
     """``Forward.sampling`` of ``p`` (None: greedy, the stage's default)."""
-    if p is None or (p.greedy and not p.logit_bias):
+    if p is None or (p.greedy and not p.logit_bias and not p.penalized):
         return None
+    pen = dict(penalty_last_n=int(p.penalty_last_n), repeat_penalty=float(p.repeat_penalty),
+               frequency_penalty=float(p.frequency_penalty),
+               presence_penalty=float(p.presence_penalty)) if p.penalized else {}
     ids = tuple(int(t) for t, _ in p.logit_bias)
     bias = tuple(float(b) for _, b in p.logit_bias)
-    if p.greedy:  # greedy over the biased logits
-        return wire.Sampling(greedy=True, bias_ids=ids, bias=bias)
+    if p.greedy:  # greedy over the biased, penalized logits
+        return wire.Sampling(greedy=True, bias_ids=ids, bias=bias, **pen)
     return wire.Sampling(temperature=float(p.temperature), top_k=int(p.top_k),
                          top_p=float(p.top_p), seed=int(p.seed), min_p=float(p.min_p),
-                         bias_ids=ids, bias=bias)
+                         bias_ids=ids, bias=bias, **pen)
 
 
 def forward_header(session: str, epoch: int, stage: StageInfo, pos: int, toks: list[int], *,
@@ -33,7 +36,8 @@ def forward_header(session: str, epoch: int, stage: StageInfo, pos: int, toks: l
 
     ``last``: the step ends where the driver reads the reply, so it asks for ``want`` with
     ``sampling``; otherwise it asks for the boundary only. ``tokens``: the frame carries the
-    token ids (the first stage, and a stage whose range routes by token id). ``relay``,
+    token ids (the first stage, the last stage, and a stage whose range routes by token
+    id). ``relay``,
     ``reply_to``: the stages after ``stage`` and the route to answer (direct relay);
     ``loop``, ``steps``, ``stop_tokens``: the decode loop (every stage, tokens to run, where
     the last stage stops it). ``solo``: every stage computes the step alone, not batched

@@ -50,8 +50,6 @@ class RelayLinks:
         self.rings: dict[tuple[str, int], asyncio.Queue] = {}
         self._lock: asyncio.Lock | None = None
         self._route: tuple | None = None  # (stages list it was built for, links, hops)
-        #: frames relayed to the last stage carry the token ids (its drafter reads them)
-        self.tokens_to_last = False
 
     async def links(self) -> list[AsyncLink]:
         """Open data links to every stage (once; reopened after a loss) and say ``Hello``.
@@ -90,8 +88,9 @@ class RelayLinks:
                             raise
             out.append(link)
         last = len(stages) - 1
-        hops = [wire.Hop(endpoint=st.data_endpoint,
-                         tokens=st.needs_token_ids or (self.tokens_to_last and i == last))
+        # frames relayed to the last stage carry the token ids: it keeps the session's
+        # tokens (its drafter and the penalties read them; dgr.worker.history)
+        hops = [wire.Hop(endpoint=st.data_endpoint, tokens=st.needs_token_ids or i == last)
                 for i, st in enumerate(stages) if i > 0]
         self._route = (stages, out, hops)
         return out

@@ -93,8 +93,9 @@ class HopByHop(StepPath):
         for i, st in enumerate(r.stages):
             h = forward_header(s.id, s.epoch, st, pos, toks, want=want, sampling=sampling,
                                last=i == last,
-                               tokens=i == 0 or st.needs_token_ids or (
-                                   i == last and bool(r.speculate)),
+                               # the last stage keeps the session's tokens (its drafter
+                               # and the penalties read them)
+                               tokens=i == 0 or i == last or st.needs_token_ids,
                                solo=solo_of(r, want), rollback=rollback,
                                speculate=r.speculate if i == last else "")
             if x is None:

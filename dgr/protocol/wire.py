@@ -77,7 +77,8 @@ FORMAT_VERSION = 1
 #: boundary's); their slots stay, reserved (``_reserved``), so no other field moves.
 #: 4: speculative decoding: ``Forward.rollback`` / ``drafts`` / ``speculate`` /
 #: ``max_draft`` and ``Result.drafted`` (docs/speculative.md).
-#: 5: ``Sampling.min_p`` / ``bias_ids`` / ``bias`` (min-p and logit bias).
+#: 5: ``Sampling.min_p`` / ``bias_ids`` / ``bias`` (min-p and logit bias) and
+#: ``penalty_last_n`` / ``repeat_penalty`` / ``frequency_penalty`` / ``presence_penalty``.
 SCHEMA_VERSION = 5
 #: magic[4] version:u8 flags:u8 reserved:u16 header_len:u32 header_sum:u32, little endian.
 _PREFIX = struct.Struct("<4sBBHII")
@@ -113,6 +114,8 @@ _Positive32 = Annotated[int, msgspec.Meta(ge=1, le=_I32_MAX)]
 _NonNeg63 = Annotated[int, msgspec.Meta(ge=0, le=_I64_MAX)]
 _UInt64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack itself caps ints at 2**64 - 1
 _Schema = Annotated[int, msgspec.Meta(ge=1)]
+_DBL_MAX = 1.7976931348623157e308
+_Finite = Annotated[float, msgspec.Meta(ge=-_DBL_MAX, le=_DBL_MAX)]  # not inf, not NaN
 
 
 class Sampling(msgspec.Struct, frozen=True, array_like=True, kw_only=True):
@@ -120,7 +123,9 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True, kw_only=True):
 
     ``greedy`` overrides the rest; ``top_k=0``, ``top_p=1.0`` and ``min_p=0.0`` switch those
     filters off. ``bias[i]`` is added to the logit of token ``bias_ids[i]`` before anything
-    else (greedy included), as llama.cpp's logit-bias sampler does.
+    else (greedy included), as llama.cpp's logit-bias sampler does; then the penalties over
+    the session's last ``penalty_last_n`` tokens (0: none), as llama.cpp's penalties sampler
+    (``dgr.protocol.sampling.SamplingParams``; the last stage keeps the session's tokens).
     """
 
     temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
@@ -130,7 +135,11 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True, kw_only=True):
     greedy: bool = False
     min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
     bias_ids: tuple[_NonNeg32, ...] = ()
-    bias: tuple[float, ...] = ()
+    bias: tuple[Annotated[float, msgspec.Meta(le=_DBL_MAX)], ...] = ()  # -inf bans
+    penalty_last_n: _NonNeg32 = 0
+    repeat_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=_DBL_MAX)] = 1.0
+    frequency_penalty: _Finite = 0.0
+    presence_penalty: _Finite = 0.0
 
     def __post_init__(self):
         if len(self.bias_ids) != len(self.bias):

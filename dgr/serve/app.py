@@ -149,6 +149,33 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out))
 
 
+#: llama-server's default penalty window (``repeat_last_n``)
+PENALTY_LAST_N = 64
+
+
+def _number(body: dict, name: str, lo: float, hi: float, default: float,
+            integer: bool = False) -> float:
+    v = _field(body, name, (int,) if integer else (int, float), default)
+    if not lo <= v <= hi:
+        raise ApiError(400, f"'{name}' must be in [{lo:g}, {hi:g}], got {v}", param=name)
+    return v
+
+
+def _llama_sampling(body: dict) -> dict:
+    """The penalties (OpenAI's ``presence_penalty`` and ``frequency_penalty`` in [-2, 2],
+    llama-server's ``repeat_penalty`` and ``repeat_last_n``), ``top_k`` and ``min_p``, with
+    llama-server's meanings and defaults (a window of the last 64 tokens, the prompt's
+    included; ``repeat_last_n`` -1: the whole context; 0: no penalties)."""
+    last_n = int(_number(body, "repeat_last_n", -1, 2**31 - 1, PENALTY_LAST_N, integer=True))
+    return dict(
+        presence_penalty=float(_number(body, "presence_penalty", -2.0, 2.0, 0.0)),
+        frequency_penalty=float(_number(body, "frequency_penalty", -2.0, 2.0, 0.0)),
+        repeat_penalty=float(_number(body, "repeat_penalty", 1e-6, 1e6, 1.0)),
+        penalty_last_n=2**31 - 1 if last_n == -1 else last_n,
+        top_k=int(_number(body, "top_k", 0, 2**31 - 1, 0, integer=True)),
+        min_p=float(_number(body, "min_p", 0.0, 1.0, 0.0)))
+
+
 class Params:
     """What a completion request asks for, checked (every bad field a 400 naming it)."""
 
@@ -192,6 +219,7 @@ class Params:
             raise ApiError(400, f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
         self.sampling = SamplingParams(
             temperature=temperature, top_p=top_p, logit_bias=_logit_bias(body),
+            **_llama_sampling(body),
             # OpenAI's seed is any int64; the wire's is a uint64 (two's complement kept)
             seed=(seed & 0xFFFFFFFFFFFFFFFF) if seed is not None
             else uuid.uuid4().int & 0x7FFFFFFF)

@@ -3,8 +3,9 @@ what the front does with it: honoured, or refused with a 400 that names it.
 
 A field dgr does not honour is accepted only at the value that asks for nothing (absent,
 ``null``, its default, an empty list); any other value is refused, never silently ignored.
-A field that is in neither reference is refused as OpenAI refuses it ("Unrecognized request
-argument supplied"). docs/serve.md has the table; tests/unit/test_serve_fields.py walks it.
+llama-server's ``top_k``, ``min_p``, ``repeat_penalty`` and ``repeat_last_n`` are honoured as
+it means them. A field that is in none of these is refused as OpenAI refuses it
+("Unrecognized request argument supplied"). docs/serve.md has the table; tests/unit/test_serve_fields.py walks it.
 """
 
 from __future__ import annotations
@@ -58,8 +59,10 @@ _COMMON: dict[str, tuple[Callable[[Any], bool], str] | None] = {
     "user": HONOURED,
     # added to the token's logit before sampling, greedy included (llama-server's meaning)
     "logit_bias": HONOURED,
-    "frequency_penalty": (_zero, "frequency penalties are not supported yet"),
-    "presence_penalty": (_zero, "presence penalties are not supported yet"),
+    # llama-server's meaning: over the last repeat_last_n tokens (64), the prompt's included
+    "frequency_penalty": HONOURED, "presence_penalty": HONOURED,
+    # llama-server's own sampling fields (not in OpenAI's reference), as it means them
+    "top_k": HONOURED, "min_p": HONOURED, "repeat_penalty": HONOURED, "repeat_last_n": HONOURED,
 }
 
 #: POST /v1/chat/completions

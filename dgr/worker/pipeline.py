@@ -35,9 +35,10 @@ import numpy as np
 from dgr import errors
 from dgr.protocol import wire
 from dgr.protocol.describe import COUNTERS
-from dgr.protocol.sampling import sample_rows
+from dgr.protocol.sampling import params_of, sample_rows
 from dgr.protocol.settings import CPU, stage_identity
 from dgr.transport.common import MAX_MESSAGE
+from dgr.worker.history import Histories
 from dgr.worker.profile import Profile
 from dgr.worker.sessions import Lease, SessionTable
 from dgr.worker.speculation import Speculator, accept
@@ -199,6 +200,9 @@ class StagePipeline:
         #: the last stage's speculative decoding (dgr.worker.speculation): its drafters and
         #: per-session state; None on other stages
         self.speculator: Speculator | None = None
+        #: the last stage's record of each session's tokens, which the penalties count
+        #: (dgr.worker.history); None on other stages
+        self.history: Histories | None = Histories() if self.is_last else None
         if self.is_last:
             mtp = None
             if getattr(engine, "mtp", False):
@@ -233,6 +237,8 @@ class StagePipeline:
     def _event(self, event: str, session: str, epoch: int, slot: int, detail: str) -> None:
         if self.speculator is not None:  # every event starts or ends a session's state
             self.speculator.forget(session)
+        if self.history is not None:
+            self.history.forget(session)
         log.info("%s session=%s epoch=%d slot=%d%s", event, session, epoch, slot,
                  f" ({detail})" if detail else "")
 
@@ -599,14 +605,17 @@ class StagePipeline:
             step.kind, step.result = "logits", logits
         self.profile.add("sample", time.perf_counter() - t1)
 
-    @staticmethod
-    def _sample(step: Step, logits: np.ndarray, rows: list[int]) -> None:
+    def _sample(self, step: Step, logits: np.ndarray, rows: list[int]) -> None:
         """A token from each wanted row; with drafts (``Forward.drafts``), the verified
-        ones: the accepted drafts and the token after them (``speculation.accept``)."""
+        ones: the accepted drafts and the token after them (``speculation.accept``). With
+        penalties, each row counts the session's tokens before its own (``history``)."""
         h = step.header
         pos = [(h.positions[r] if h.positions is not None else h.first_pos + r) + 1
                for r in rows]
-        sampled = sample_rows(logits, pos, h.sampling)
+        p = params_of(h.sampling)
+        windows = (self.history.windows(h, rows, p.penalty_last_n)
+                   if p is not None and p.penalized else None)
+        sampled = sample_rows(logits, pos, p, windows)
         if h.drafts:
             step.tokens, step.accepted = accept(h.tokens[h.n_tokens - h.drafts:], sampled,
                                                 h.stop_tokens)
@@ -631,6 +640,10 @@ class StagePipeline:
                     self.table.commit(lease)
                 else:
                     self.table.abort(lease, f"{type(failure).__name__}: {failure}")
+        if failure is None and self.history is not None:  # the session's tokens so far
+            h = step.header
+            self.history.commit(h, h.n_tokens - h.drafts + step.accepted if h.drafts
+                                else h.n_tokens)
         if failure is None and self.speculator is not None:  # the session's tokens, drafts
             self.speculator.observe(step.header, step.tokens, step.accepted, step.t_arrive)
         if failure is None:

@@ -17,6 +17,7 @@ import dgr
 from dgr._core import HAS_LAYER_RANGES
 from dgr.core.local import generate_local
 from dgr.driver.route import AsyncRoute
+from dgr.protocol.sampling import SamplingParams
 from dgr.worker.process import ThreadedWorker
 
 pytestmark = [pytest.mark.skipif(not HAS_LAYER_RANGES, reason="needs the patched llama.cpp"),
@@ -69,12 +70,34 @@ def _reset(stages):
         lp.inline_runs = lp.batches = 0
 
 
-async def _generate(stages, k: int, **kw):
+async def _generate(stages, k: int, sampling=None, **kw):
     async with AsyncRoute([w.address for w in stages], **kw) as r:
         assert r.relay and r.loop
         gens = await asyncio.gather(*(r.complete(prompt(i), max_tokens=TOKENS,
-                                                 stop_on_eog=False) for i in range(k)))
+                                                 stop_on_eog=False, sampling=sampling)
+                                      for i in range(k)))
     return [list(g.tokens) for g in gens]
+
+
+def test_batched_sessions_with_penalties_make_the_whole_models_tokens(smollm2, stages, exact):
+    """Each session's penalties count its own tokens, in a batch of several sessions as
+    alone: the concurrent sessions' tokens are the whole model's with the same penalties."""
+    sp = SamplingParams(repeat_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5,
+                        penalty_last_n=16, logit_bias=((11, 3.0),))
+    e = dgr.Engine(smollm2, **SETTINGS)
+    refs = []
+    for i in range(N):
+        toks, _ = generate_local(e, prompt(i), max_tokens=TOKENS, stop_on_eog=False,
+                                 sampling=sp)
+        refs.append([int(t) for t in toks])
+        e.release(0)
+    _reset(stages)
+    got = asyncio.run(_generate(stages, N, sampling=sp))
+    if exact:
+        assert got == refs
+    else:
+        assert [len(t) for t in got] == [TOKENS] * N
+    assert max(stages[-1].worker.loop.batch_sizes) >= 2
 
 
 def test_concurrent_sessions_share_forwards_and_keep_their_tokens(stages, refs, exact):

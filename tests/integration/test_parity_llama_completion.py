@@ -54,3 +54,39 @@ def test_greedy_generation_matches_llama_completion(smollm2, llama_tool):
         f"dgr generated {text!r}\nllama-completion generated {reference!r}")
     # the reference printed exactly our tokens (nothing but trailing whitespace after them)
     assert reference[len(text):].strip() == ""
+
+
+@pytest.mark.slow
+def test_penalties_and_logit_bias_match_llama_completion(smollm2, llama_tool):
+    """A split route (two stages) with llama.cpp's penalties and a logit bias, greedy,
+    makes the tokens llama.cpp's own sampler chain makes (llama-completion, as llama-server
+    feeds it the prompt), and not the unpenalized ones."""
+    from dgr.driver.route import Route
+    from dgr.protocol.sampling import SamplingParams
+    from dgr.worker.process import ThreadedWorker
+
+    exe = llama_tool("llama-completion")
+    plain, _ = _dgr_greedy(smollm2, PROMPT, N_PREDICT)
+    banned = plain[2]
+    sp = SamplingParams(repeat_penalty=1.5, presence_penalty=0.4, frequency_penalty=0.3,
+                        penalty_last_n=64, logit_bias=((banned, -100.0),))
+    ws = [ThreadedWorker(dgr.Engine(smollm2, layers=r, **SETTINGS), evict_after=3600.0)
+          for r in ((0, 15), (15, 30))]
+    try:
+        with Route([w.address for w in ws], relay=True) as r:
+            g = r.complete(PROMPT, max_tokens=N_PREDICT, sampling=sp)
+    finally:
+        for w in ws:
+            w.stop()
+    assert len(g.tokens) >= 16 and g.tokens != plain and banned not in g.tokens
+    proc = subprocess.run(
+        [str(exe), "-m", str(smollm2), "-p", PROMPT, "-n", str(len(g.tokens)), "--temp", "0",
+         "--repeat-penalty", "1.5", "--presence-penalty", "0.4", "--frequency-penalty", "0.3",
+         "--repeat-last-n", "64", "--logit-bias", f"{banned}-100",
+         "-no-cnv", "--no-display-prompt", "-t", "1", "-tb", "1", "-c", str(SETTINGS["n_ctx"]),
+         "-b", str(SETTINGS["n_ubatch"]), "-ub", str(SETTINGS["n_ubatch"]), "-fa", "on",
+         "-ctk", "f16", "-ctv", "f16", "--seed", "1", "--simple-io", "-ngl", "0"],
+        capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith(g.text) and proc.stdout[len(g.text):].strip() == "", (
+        f"dgr generated {g.text!r}\nllama-completion generated {proc.stdout!r}")

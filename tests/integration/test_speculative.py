@@ -143,3 +143,18 @@ def test_the_lane_measure_of_speculative_trips(smollm2, tiny_llama):
     t = measure(dgr.Engine(tiny_llama, n_ctx=128, n_threads=2), max_draft=6, decode_tokens=20)
     assert t.rows == 20 and t.bit_identical == (t.max_abs_diff == 0.0)
     assert 0.0 <= t.top1_agreement <= 1.0 and (t.top1_agreement == 1.0 or not t.bit_identical)
+
+
+def test_penalties_and_logit_bias_make_the_same_tokens_with_speculation(split, whole):
+    """The last stage counts the session's tokens (the prompt's, and each verified row's
+    drafts before it): with penalties and a logit bias, the speculative split run makes the
+    tokens of plain decoding and of the whole model, and not those of the unpenalized run."""
+    sp = SamplingParams(repeat_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.1,
+                        penalty_last_n=32, logit_bias=((1, 2.0), (29, -100.0)))
+    with Route([w.address for w in split], relay=True) as r, r.session() as s:
+        ref = s.complete(PROMPT, max_tokens=N, stop_on_eog=False, sampling=sp)
+        unpenalized = s.complete(PROMPT, max_tokens=N, stop_on_eog=False)
+    g = _run(split, sampling=sp)
+    assert g.tokens == ref.tokens and g.drafted > 0
+    assert _run([whole], sampling=sp).tokens == ref.tokens
+    assert ref.tokens != unpenalized.tokens and 29 not in ref.tokens

@@ -82,6 +82,33 @@ def _sessions(stages) -> list[int]:
 def test_models_list(client):
     ids = [m.id for m in client.models.list().data]
     assert ids == [NAME]
+    m = client.models.retrieve(NAME)
+    assert m.id == NAME and m.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("another-model")
+
+
+def test_penalties_and_logit_bias_are_the_routes_own(client, route):
+    """OpenAI's presence_penalty, frequency_penalty and logit_bias (and llama-server's
+    repeat_penalty and min_p, as extra fields) reach the last stage: the text is the route's
+    own with the same sampling, and differs from the plain text."""
+    from dgr.protocol.sampling import SamplingParams
+
+    ids = route.tokenize(PROMPT, True, True)
+    plain, g = _greedy_text(route, ids, 16)
+    banned = g.tokens[0]
+    r = client.completions.create(
+        model=NAME, prompt=PROMPT, max_tokens=16, temperature=0, presence_penalty=1.5,
+        frequency_penalty=1.0, logit_bias={str(banned): -100},
+        extra_body={"repeat_penalty": 1.3, "min_p": 0.05})
+    sp = SamplingParams(presence_penalty=1.5, frequency_penalty=1.0, repeat_penalty=1.3,
+                        min_p=0.05, penalty_last_n=64, logit_bias=((banned, -100.0),))
+    want = route.complete(ids, max_tokens=16, sampling=sp)
+    assert r.choices[0].text == want.text != plain and banned not in want.tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4,
+                                  extra_body={"mirostat": 2})
+    assert e.value.body["param"] == "mirostat"
 
 
 def test_completion_equals_the_routes_greedy_text(client, route):

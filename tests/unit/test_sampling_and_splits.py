@@ -116,3 +116,63 @@ def test_balanced_ranges_give_the_last_stage_fewer_layers_for_the_head():
     for bad in (0, 3):
         with pytest.raises(errors.InvalidLayerRange):
             balance_layers([1.0, 1.0], bad)
+
+
+def test_penalties_are_llama_cpps_over_the_last_n_tokens():
+    """llama.cpp's penalties sampler, written out: a token seen c times in the window gets
+    its logit divided by repeat_penalty (multiplied when it is not positive), then
+    c * frequency + presence subtracted; tokens outside the last n are not counted."""
+    from dgr.protocol.sampling import adjusted, sample_rows
+
+    row = np.array([2.0, -1.0, 0.5, 3.0, 0.0], dtype=np.float32)
+    p = SamplingParams(repeat_penalty=2.0, frequency_penalty=0.25, presence_penalty=1.0,
+                       penalty_last_n=4)
+    window = [3, 3, 0, 1, 1, 3]  # the last 4: 0, 1, 1, 3
+    want = row.copy()
+    want[0] = np.float32(2.0) / 2 - (1 * 0.25 + 1.0)
+    want[1] = np.float32(-1.0) * 2 - (2 * 0.25 + 1.0)
+    want[3] = np.float32(3.0) / 2 - (1 * 0.25 + 1.0)
+    got = adjusted(row, p, window)
+    assert got.tobytes() == want.astype(np.float32).tobytes()
+    assert row[3] == 3.0  # the caller's row is left as it was
+    # greedy takes the penalized argmax: 3 would win unpenalized, 2 now does
+    assert sample_rows(row[None], [6], p, [window]) == [2]
+    assert sample_rows(row[None], [6], SamplingParams(), [window]) == [3]
+    # the penalties need the window: refused without it
+    with pytest.raises(errors.InvalidArgument, match="tokens before each row"):
+        sample_rows(row[None], [6], p)
+    # off: penalty_last_n 0 or neutral values
+    assert not SamplingParams(repeat_penalty=2.0, penalty_last_n=0).penalized
+    assert not SamplingParams().penalized
+
+
+def test_the_last_stage_keeps_each_sessions_tokens_for_the_penalties():
+    """dgr.worker.history: the record follows commits (drafts rejected are cut by the next
+    step's start), a new epoch starts over, and a gap is refused, not guessed."""
+    from types import SimpleNamespace as H
+
+    from dgr.worker.history import Histories
+
+    def step(pos, toks, epoch=1, session="s"):
+        return H(session=session, epoch=epoch, first_pos=pos, n_tokens=len(toks or [0]),
+                 tokens=toks, positions=None)
+
+    h = Histories()
+    h.commit(step(0, [5, 6, 7]), 3)  # the prompt
+    assert h.windows(step(3, [8, 9, 10]), [0, 2], 4) == [[5, 6, 7, 8], [7, 8, 9, 10]]
+    h.commit(step(3, [8, 9, 10]), 2)  # a token and 2 drafts, 1 accepted: 10 is not kept
+    assert h.windows(step(5, [11]), [0], 64) == [[5, 6, 7, 8, 9, 11]]
+    h.commit(step(4, [20]), 1)  # a step that starts earlier (a rollback): cut there
+    assert h.windows(step(5, [21]), [0], 3) == [[8, 20, 21]]
+    with pytest.raises(errors.InvalidArgument, match="gap"):
+        h.windows(step(9, [1]), [0], 4)  # positions 5..8 never came here
+    with pytest.raises(errors.InvalidArgument, match="gap"):
+        h.windows(step(3, [1], epoch=2), [0], 4)  # a new epoch that does not start at 0
+    assert h.windows(step(0, [1, 2], epoch=2), [1], 4) == [[1, 2]]
+    with pytest.raises(errors.InvalidArgument, match="token ids"):
+        h.windows(step(0, None, epoch=2), [0], 4)
+    h.commit(step(5, None), 1)  # a step without token ids: no record from here
+    with pytest.raises(errors.InvalidArgument, match="gap"):
+        h.windows(step(6, [1]), [0], 4)
+    h.forget("s")
+    assert len(h) == 0

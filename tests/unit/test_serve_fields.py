@@ -34,8 +34,7 @@ COMPLETIONS_REFERENCE = [
 # a value of each refused field that asks for something dgr does not do
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 REFUSED = {
-    "audio": {"voice": "alloy", "format": "wav"}, "frequency_penalty": 2.0,
-    "presence_penalty": 2.0, "function_call": "auto",
+    "audio": {"voice": "alloy", "format": "wav"}, "function_call": "auto",
     "functions": [TOOL["function"]], "tools": [TOOL], "tool_choice": "required",
     "parallel_tool_calls": "yes", "response_format": {"type": "json_object"},
     "metadata": {"a": "b"}, "store": True, "modalities": ["text", "audio"],
@@ -45,7 +44,7 @@ REFUSED = {
     "suffix": "tail", "n": 2, "stream_options": {"include_obfuscation": True}}
 # the value of each refused field that asks for nothing: accepted
 NEUTRAL = {
-    "audio": None, "frequency_penalty": 0, "presence_penalty": 0.0,
+    "audio": None,
     "function_call": "none", "functions": [], "tools": [], "tool_choice": "none",
     "parallel_tool_calls": False, "response_format": {"type": "text"}, "metadata": {},
     "store": False, "modalities": ["text"], "prediction": None, "reasoning_effort": None,
@@ -85,11 +84,15 @@ def base(chat: bool) -> tuple[str, dict]:
     return "/v1/completions", {"prompt": "hi", "max_tokens": 3}
 
 
+# llama-server's sampling fields dgr honours too
+LLAMA_SERVER = ["top_k", "min_p", "repeat_penalty", "repeat_last_n"]
+
+
 @pytest.mark.parametrize("chat,reference", [(True, CHAT_REFERENCE),
                                             (False, COMPLETIONS_REFERENCE)])
 def test_every_reference_field_is_classed(chat, reference):
     table = fields.CHAT if chat else fields.COMPLETIONS
-    assert sorted(table) == sorted(reference)
+    assert sorted(table) == sorted(reference + LLAMA_SERVER)
 
 
 def _refused(chat: bool) -> list[str]:
@@ -112,10 +115,10 @@ def test_a_field_not_honoured_is_refused_naming_it_and_accepted_when_it_asks_not
 @pytest.mark.parametrize("chat", [True, False])
 def test_a_field_in_no_reference_is_refused_as_openai_refuses_it(chat):
     path, body = base(chat)
-    status, raw, _ = post(path, {**body, "top_k": 5})
+    status, raw, _ = post(path, {**body, "mirostat": 2})
     err = json.loads(raw)["error"]
-    assert status == 400 and err["param"] == "top_k"
-    assert err["message"] == "Unrecognized request argument supplied: top_k"
+    assert status == 400 and err["param"] == "mirostat"
+    assert err["message"] == "Unrecognized request argument supplied: mirostat"
     status, raw, _ = post(path, {**body, "stream_options": {"include_usage": True, "x": 1}})
     assert status == 400 and json.loads(raw)["error"]["param"] == "stream_options.x"
 
@@ -123,10 +126,26 @@ def test_a_field_in_no_reference_is_refused_as_openai_refuses_it(chat):
 @pytest.mark.parametrize("chat", [True, False])
 def test_each_honoured_field_has_its_effect(chat, caplog):
     path, body = base(chat)
-    # temperature, top_p, seed: the session samples with them
-    _, _, route = post(path, {**body, "temperature": 0.5, "top_p": 0.25, "seed": 9})
+    # temperature, top_p, seed, the penalties, top_k, min_p: the session samples with them
+    # (their effect on tokens, against llama.cpp's: tests/integration/test_penalties.py)
+    _, _, route = post(path, {**body, "temperature": 0.5, "top_p": 0.25, "seed": 9,
+                              "presence_penalty": 1.5, "frequency_penalty": -0.5,
+                              "repeat_penalty": 1.2, "repeat_last_n": 16, "top_k": 7,
+                              "min_p": 0.05})
     p = route.asked["sampling"]
-    assert (p.temperature, p.top_p, p.seed) == (0.5, 0.25, 9)
+    assert (p.temperature, p.top_p, p.seed, p.presence_penalty, p.frequency_penalty,
+            p.repeat_penalty, p.penalty_last_n, p.top_k, p.min_p) == (
+        0.5, 0.25, 9, 1.5, -0.5, 1.2, 16, 7, 0.05)
+    _, _, route = post(path, {**body, "repeat_last_n": -1})
+    assert route.asked["sampling"].penalty_last_n == 2**31 - 1
+    _, _, route = post(path, body)  # llama-server's defaults: no penalty, a 64-token window
+    p = route.asked["sampling"]
+    assert (p.presence_penalty, p.frequency_penalty, p.repeat_penalty, p.penalty_last_n,
+            p.top_k, p.min_p) == (0.0, 0.0, 1.0, 64, 0, 0.0) and not p.penalized
+    for name, bad in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("top_k", -1),
+                      ("min_p", 1.5), ("repeat_last_n", -2), ("repeat_penalty", 0)):
+        status, raw, _ = post(path, {**body, name: bad})
+        assert status == 400 and json.loads(raw)["error"]["param"] == name, name
     # logit_bias: the session samples with it (its effect on tokens: tests/system/test_serve.py)
     _, _, route = post(path, {**body, "logit_bias": {"5": -100, "12": 2.5}})
     assert route.asked["sampling"].logit_bias == ((5, -100.0), (12, 2.5))

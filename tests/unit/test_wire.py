@@ -44,7 +44,8 @@ RESULT_FIELDS = (
     "drafted",
 )
 ERROR_FIELDS = ("schema", "code", "message", "session", "epoch", "retry_after")
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "greedy", "min_p", "bias_ids", "bias")
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "greedy", "min_p", "bias_ids", "bias",
+                   "penalty_last_n", "repeat_penalty", "frequency_penalty", "presence_penalty")
 HOP_FIELDS = ("endpoint", "tokens")
 HELLO_FIELDS = ("schema", "route")
 

@@ -52,6 +52,10 @@ struct Sampling {
     double min_p = 0.0;
     std::vector<int32_t> bias_ids;  // as many as bias
     std::vector<double> bias;
+    int32_t penalty_last_n = 0;
+    double repeat_penalty = 1.0;
+    double frequency_penalty = 0.0;
+    double presence_penalty = 0.0;
 };
 
 struct Hop {

@@ -29,6 +29,10 @@ cdef extern from "dgr/frame.h" namespace "dgr::wire" nogil:
         double min_p
         vector[int32_t] bias_ids
         vector[double] bias
+        int32_t penalty_last_n
+        double repeat_penalty
+        double frequency_penalty
+        double presence_penalty
 
     cdef cppclass CHop "dgr::wire::Hop":
         string_view endpoint
