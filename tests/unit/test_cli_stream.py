@@ -71,7 +71,8 @@ def stream(monkeypatch, tokens, clock=None):
     monkeypatch.setattr(sys, "stdout", out)
     monkeypatch.setattr(cli, "time", clock or Clock())
     args = argparse.Namespace(max_tokens=len(tokens), temperature=0.0, top_k=0, top_p=1.0,
-                              seed=0, stop=[], parity=False)
+                              seed=0, stop=[], parity=False, min_p=0.0, repeat_penalty=1.0,
+                              presence_penalty=0.0, frequency_penalty=0.0, repeat_last_n=64)
     _, got, *_ = cli._stream(FakeRoute(tokens), args, [0], detok)
     assert got == tokens
     return out.parts
