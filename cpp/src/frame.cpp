@@ -320,7 +320,10 @@ bool read_sampling(Reader& r, Sampling* s) {
     if (n > 11) {
         if (!r.read_float(&s->presence_penalty) || !std::isfinite(s->presence_penalty)) return false;
     }
-    return n <= 12 || r.skip(n - 12);
+    if (n > 12) { if (!r.read_str(&s->grammar)) return false; }
+    if (n > 13) { if (!r.read_uint_in(0, UINT64_MAX, &s->grammar_id)) return false; }
+    if (n > 14) { if (!r.read_i32(0, &s->grammar_from)) return false; }
+    return n <= 15 || r.skip(n - 15);
 }
 
 bool read_hops(Reader& r, bool* has, std::vector<Hop>* out) {
@@ -879,7 +882,7 @@ Status encode_forward(const Forward& h, const float* array, int64_t rows, int64_
     w.list(h.has_rows, h.rows);
     if (h.has_sampling) {
         const Sampling& s = h.sampling;
-        w.array(12);
+        w.array(15);
         w.f(s.temperature);
         w.i(s.top_k);
         w.f(s.top_p);
@@ -893,6 +896,9 @@ Status encode_forward(const Forward& h, const float* array, int64_t rows, int64_
         w.f(s.repeat_penalty);
         w.f(s.frequency_penalty);
         w.f(s.presence_penalty);
+        w.str(s.grammar);
+        w.u(s.grammar_id);
+        w.i(s.grammar_from);
     } else {
         w.nil();
     }

@@ -82,7 +82,8 @@ cdef dict _forward(const CForward & h):
                      "bias_ids": tuple(s.bias_ids), "bias": tuple(s.bias),
                      "penalty_last_n": s.penalty_last_n, "repeat_penalty": s.repeat_penalty,
                      "frequency_penalty": s.frequency_penalty,
-                     "presence_penalty": s.presence_penalty}
+                     "presence_penalty": s.presence_penalty, "grammar": _s(s.grammar),
+                     "grammar_id": s.grammar_id, "grammar_from": s.grammar_from}
         if h.has_sampling else None,
         "relay": _hops(h.relay) if h.has_relay else None, "reply_to": _s(h.reply_to),
         "loop": _hops(h.loop) if h.has_loop else None, "steps": h.steps,
@@ -260,6 +261,11 @@ cdef object _fill(object header, CForward * f, CResult * r, list keep):
                 f.sampling.repeat_penalty = s.repeat_penalty
                 f.sampling.frequency_penalty = s.frequency_penalty
                 f.sampling.presence_penalty = s.presence_penalty
+                grammar = s.grammar.encode("utf-8")
+                keep.append(grammar)  # (no negative index: wraparound is off here)
+                f.sampling.grammar = _sv(grammar)
+                f.sampling.grammar_id = s.grammar_id
+                f.sampling.grammar_from = s.grammar_from
             f.has_relay = _hop_list(header.relay, &f.relay, keep)
             f.reply_to = _sv(keep[3])
             f.has_loop = _hop_list(header.loop, &f.loop, keep)
@@ -581,7 +587,9 @@ cdef object _message(CFrameView * v):
                                     penalty_last_n=s.penalty_last_n,
                                     repeat_penalty=s.repeat_penalty,
                                     frequency_penalty=s.frequency_penalty,
-                                    presence_penalty=s.presence_penalty)
+                                    presence_penalty=s.presence_penalty,
+                                    grammar=_s(s.grammar), grammar_id=s.grammar_id,
+                                    grammar_from=s.grammar_from)
             if f.has_sampling else None,
             relay=_hop_objs(f.relay) if f.has_relay else None, reply_to=_s(f.reply_to),
             loop=_hop_objs(f.loop) if f.has_loop else None, steps=f.steps,

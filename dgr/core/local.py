@@ -9,9 +9,23 @@ from typing import Sequence
 import numpy as np
 
 from dgr.errors import InvalidArgument, InvalidLayerRange
+from dgr.protocol.grammar import Constraint, Vocabulary
 from dgr.protocol.sampling import SamplingParams, sample_rows
 
-__all__ = ["LocalChain", "generate_local"]
+__all__ = ["LocalChain", "generate_local", "vocabulary"]
+
+#: llguidance vocabularies by model identity (``vocabulary``)
+_VOCABS: dict[str, Vocabulary] = {}
+
+
+def vocabulary(engine) -> Vocabulary:
+    """The grammar engine's view of ``engine``'s vocabulary, built once per model."""
+    key = getattr(engine, "identity", None) or str(id(engine))
+    if key not in _VOCABS:
+        if len(_VOCABS) >= 4:
+            _VOCABS.pop(next(iter(_VOCABS)))
+        _VOCABS[key] = Vocabulary(engine)
+    return _VOCABS[key]
 
 
 class LocalChain:
@@ -89,7 +103,13 @@ def generate_local(engine, prompt: Sequence[int], *, max_tokens: int = 64,
     rows: list[np.ndarray] = []
     steps = 0
     seq = [int(t) for t in prompt]  # the penalties' window: every token before the next
+    grammar = None
+    if sampling is not None and sampling.grammar:  # as the last stage masks (worker.grammar)
+        grammar = Constraint(vocabulary(engine), sampling.grammar, len(prompt))
     for i in range(max_tokens):
+        if grammar is not None:
+            grammar.seek(len(seq), lambda a, b: seq[a:b])
+            row = grammar.mask(row[-1])[None]
         t = sample_rows(row, [pos], sampling, [seq])[0]
         seq.append(t)
         if logits:

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 from dgr.protocol import wire
 from dgr.protocol.describe import StageInfo
+from dgr.protocol.grammar import grammar_id
 from dgr.protocol.sampling import SamplingParams
 
 __all__ = ["forward_header", "wire_sampling", "solo_of"]
 
 
-def wire_sampling(p: SamplingParams | None) -> wire.Sampling | None:
-    """``Forward.sampling`` of ``p`` (None: greedy, the stage's default)."""
-    if p is None or (p.greedy and not p.logit_bias and not p.penalized):
+def wire_sampling(p: SamplingParams | None, start: int = 0) -> wire.Sampling | None:
+    """``Forward.sampling`` of ``p`` (None: greedy, the stage's default); ``start``: the
+    position of the first token sampled (where ``p.grammar`` begins)."""
+    if p is None or (p.greedy and not p.logit_bias and not p.penalized and not p.grammar):
         return None
     pen = dict(penalty_last_n=int(p.penalty_last_n), repeat_penalty=float(p.repeat_penalty),
                frequency_penalty=float(p.frequency_penalty),
                presence_penalty=float(p.presence_penalty)) if p.penalized else {}
+    if p.grammar:
+        pen.update(grammar=p.grammar, grammar_id=grammar_id(p.grammar), grammar_from=int(start))
     ids = tuple(int(t) for t, _ in p.logit_bias)
     bias = tuple(float(b) for _, b in p.logit_bias)
     if p.greedy:  # greedy over the biased, penalized logits

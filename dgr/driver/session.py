@@ -160,7 +160,7 @@ class AsyncRouteSession:
         ub = self.route.n_ubatch
         want = ("token+logits" if logits else "token") if sample else (
             "logits" if logits else "boundary")
-        ws = wire_sampling(sampling)
+        ws = wire_sampling(sampling, start=len(self.history) + len(toks))
         chunks = [toks[a:a + ub] for a in range(0, len(toks), ub)]
         f = await self._run_chunks(chunks, want, ws)
         return self._take(f, logits) if sample else None
@@ -194,7 +194,7 @@ class AsyncRouteSession:
         await self.reset()
         self.stop_reason = "length"
         want = "token+logits" if logits else "token"
-        ws = wire_sampling(sampling)
+        ws = wire_sampling(sampling, start=len(prompt))
         eog = r.eog_tokens if stop_on_eog else frozenset()
         stops = [s for s in stop if s]
         text = TextStream(await r.pieces(), stops) if stops else None

@@ -42,6 +42,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     penalty_last_n: int = 64
+    #: llguidance's grammar definition the sampled tokens follow (``dgr.protocol.grammar``;
+    #: "": none)
+    grammar: str = ""
 
     def __post_init__(self):
         if not (self.temperature >= 0.0 and np.isfinite(self.temperature)):
@@ -88,7 +91,8 @@ def params_of(sampling) -> SamplingParams | None:
         repeat_penalty=float(g(sampling, "repeat_penalty", 1.0)),
         frequency_penalty=float(g(sampling, "frequency_penalty", 0.0)),
         presence_penalty=float(g(sampling, "presence_penalty", 0.0)),
-        penalty_last_n=int(g(sampling, "penalty_last_n", 0)))
+        penalty_last_n=int(g(sampling, "penalty_last_n", 0)),
+        grammar=g(sampling, "grammar", "") or "")
 
 
 def adjusted(row: np.ndarray, p: SamplingParams, window: Sequence[int] = ()) -> np.ndarray:

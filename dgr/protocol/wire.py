@@ -78,7 +78,8 @@ FORMAT_VERSION = 1
 #: 4: speculative decoding: ``Forward.rollback`` / ``drafts`` / ``speculate`` /
 #: ``max_draft`` and ``Result.drafted`` (docs/speculative.md).
 #: 5: ``Sampling.min_p`` / ``bias_ids`` / ``bias`` (min-p and logit bias) and
-#: ``penalty_last_n`` / ``repeat_penalty`` / ``frequency_penalty`` / ``presence_penalty``.
+#: ``penalty_last_n`` / ``repeat_penalty`` / ``frequency_penalty`` / ``presence_penalty``,
+#: and ``grammar`` / ``grammar_id`` / ``grammar_from`` (constrained decoding).
 SCHEMA_VERSION = 5
 #: magic[4] version:u8 flags:u8 reserved:u16 header_len:u32 header_sum:u32, little endian.
 _PREFIX = struct.Struct("<4sBBHII")
@@ -126,6 +127,9 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True, kw_only=True):
     else (greedy included), as llama.cpp's logit-bias sampler does; then the penalties over
     the session's last ``penalty_last_n`` tokens (0: none), as llama.cpp's penalties sampler
     (``dgr.protocol.sampling.SamplingParams``; the last stage keeps the session's tokens).
+    ``grammar_id`` nonzero: the tokens from position ``grammar_from`` on follow the grammar
+    ``grammar`` (llguidance's definition, ``dgr.protocol.grammar``; the last stage keeps its
+    state per session, so a step may name it by id alone once the stage has its text).
     """
 
     temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
@@ -140,6 +144,9 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True, kw_only=True):
     repeat_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=_DBL_MAX)] = 1.0
     frequency_penalty: _Finite = 0.0
     presence_penalty: _Finite = 0.0
+    grammar: str = ""
+    grammar_id: _UInt64 = 0
+    grammar_from: _NonNeg32 = 0
 
     def __post_init__(self):
         if len(self.bias_ids) != len(self.bias):

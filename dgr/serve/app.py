@@ -46,6 +46,7 @@ from starlette.staticfiles import StaticFiles
 
 from dgr import errors
 from dgr.driver.text import TextStream
+from dgr.protocol.grammar import compile_grammar
 from dgr.protocol.sampling import SamplingParams
 from dgr.serve import fields
 from dgr.serve.auth import KEY_SCOPE, ApiKeys
@@ -149,6 +150,52 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out))
 
 
+def _grammar(body: dict) -> str:
+    """The grammar the output follows ("": none): chat's ``response_format`` (``json_object``:
+    any JSON object; ``json_schema``: its ``schema``), or llama-server's ``json_schema`` (a
+    schema) or ``grammar`` (GBNF); one of them at most. A schema or grammar llguidance
+    rejects is a 400 naming the field."""
+    asked = []
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object",
+                                                             "json_schema"):
+            raise ApiError(400, "'response_format' must be {'type': 'text'}, {'type': "
+                                "'json_object'} or {'type': 'json_schema', 'json_schema': {...}}",
+                           param="response_format")
+        if rf["type"] == "json_object":
+            asked.append(("response_format", "json_schema", {"type": "object"}))
+        elif rf["type"] == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("name"), str):
+                raise ApiError(400, "'response_format.json_schema' must be an object with a "
+                                    "'name'", param="response_format")
+            schema = js.get("schema", {"type": "object"})
+            if not isinstance(schema, dict):
+                raise ApiError(400, "'response_format.json_schema.schema' must be an object",
+                               param="response_format")
+            asked.append(("response_format", "json_schema", schema))
+    if body.get("json_schema") is not None:
+        if not isinstance(body["json_schema"], dict):
+            raise ApiError(400, "'json_schema' must be a JSON schema object",
+                           param="json_schema")
+        asked.append(("json_schema", "json_schema", body["json_schema"]))
+    if body.get("grammar") is not None and body.get("grammar") != "":
+        if not isinstance(body["grammar"], str):
+            raise ApiError(400, "'grammar' must be a GBNF grammar string", param="grammar")
+        asked.append(("grammar", "gbnf", body["grammar"]))
+    if len(asked) > 1:
+        raise ApiError(400, f"only one of {', '.join(a[0] for a in asked)} may be given",
+                       param=asked[1][0])
+    if not asked:
+        return ""
+    name, fmt, text = asked[0]
+    try:
+        return compile_grammar(fmt, text)
+    except errors.InvalidArgument as e:
+        raise ApiError(400, f"'{name}': {e}", param=name, code="invalid_grammar") from None
+
+
 #: llama-server's default penalty window (``repeat_last_n``)
 PENALTY_LAST_N = 64
 
@@ -219,6 +266,7 @@ class Params:
             raise ApiError(400, f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
         self.sampling = SamplingParams(
             temperature=temperature, top_p=top_p, logit_bias=_logit_bias(body),
+            grammar=_grammar(body),
             **_llama_sampling(body),
             # OpenAI's seed is any int64; the wire's is a uint64 (two's complement kept)
             seed=(seed & 0xFFFFFFFFFFFFFFFF) if seed is not None

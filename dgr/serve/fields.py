@@ -3,8 +3,8 @@ what the front does with it: honoured, or refused with a 400 that names it.
 
 A field dgr does not honour is accepted only at the value that asks for nothing (absent,
 ``null``, its default, an empty list); any other value is refused, never silently ignored.
-llama-server's ``top_k``, ``min_p``, ``repeat_penalty`` and ``repeat_last_n`` are honoured as
-it means them. A field that is in none of these is refused as OpenAI refuses it
+llama-server's ``top_k``, ``min_p``, ``repeat_penalty``, ``repeat_last_n``, ``grammar`` and
+``json_schema`` are honoured as it means them. A field that is in none of these is refused as OpenAI refuses it
 ("Unrecognized request argument supplied"). docs/serve.md has the table; tests/unit/test_serve_fields.py walks it.
 """
 
@@ -63,6 +63,8 @@ _COMMON: dict[str, tuple[Callable[[Any], bool], str] | None] = {
     "frequency_penalty": HONOURED, "presence_penalty": HONOURED,
     # llama-server's own sampling fields (not in OpenAI's reference), as it means them
     "top_k": HONOURED, "min_p": HONOURED, "repeat_penalty": HONOURED, "repeat_last_n": HONOURED,
+    # constrained output: llama-server's GBNF grammar and JSON schema fields
+    "grammar": HONOURED, "json_schema": HONOURED,
 }
 
 #: POST /v1/chat/completions
@@ -77,8 +79,8 @@ CHAT: dict[str, tuple[Callable[[Any], bool], str] | None] = {
     "functions": (_empty, "functions (deprecated: tools) are not supported"),
     "function_call": (_no_tool_choice, "function_call (deprecated: tool_choice) is not "
                                        "supported"),
-    "response_format": (_text_format, "response_format other than {'type': 'text'} "
-                                      "(structured output) is not supported yet"),
+    # json_object and json_schema: the output follows the schema (dgr.protocol.grammar)
+    "response_format": HONOURED,
     "modalities": (_one_of(["text"]), "this model answers in text only"),
     "audio": (_absent, "audio output is not supported"),
     "prediction": (_absent, "predicted outputs are not supported"),

@@ -64,6 +64,16 @@ class Histories:
         before = list(seq[max(0, p - last_n):p]) if last_n else []
         return [(before + list(h.tokens[:r + 1]))[-last_n:] for r in rows]
 
+    def span(self, h, a: int, b: int) -> list[int]:
+        """The session's tokens at positions ``a`` .. ``b - 1`` as step ``h`` sees them (the
+        record before its start, then its own token ids); shorter where they are not here."""
+        p = h.first_pos
+        seq = self._seq(h)
+        out = [] if seq is None else [int(t) for t in seq[a:min(b, p)]]
+        if b > p and h.tokens is not None and len(out) == max(0, min(b, p) - a):
+            out += [int(t) for t in h.tokens[max(a, p) - p:b - p]]
+        return out
+
     def commit(self, h, kept: int) -> None:
         """Step ``h`` committed its first ``kept`` tokens (all but its rejected drafts):
         the record is cut where it starts and extended by them."""

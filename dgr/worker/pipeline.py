@@ -38,6 +38,7 @@ from dgr.protocol.describe import COUNTERS
 from dgr.protocol.sampling import params_of, sample_rows
 from dgr.protocol.settings import CPU, stage_identity
 from dgr.transport.common import MAX_MESSAGE
+from dgr.worker.grammar import Grammars
 from dgr.worker.history import Histories
 from dgr.worker.profile import Profile
 from dgr.worker.sessions import Lease, SessionTable
@@ -203,6 +204,8 @@ class StagePipeline:
         #: the last stage's record of each session's tokens, which the penalties count
         #: (dgr.worker.history); None on other stages
         self.history: Histories | None = Histories() if self.is_last else None
+        #: the last stage's constrained sessions (dgr.worker.grammar); None on other stages
+        self.grammars: Grammars | None = Grammars(engine) if self.is_last else None
         if self.is_last:
             mtp = None
             if getattr(engine, "mtp", False):
@@ -239,6 +242,8 @@ class StagePipeline:
             self.speculator.forget(session)
         if self.history is not None:
             self.history.forget(session)
+        if self.grammars is not None:
+            self.grammars.forget(session)
         log.info("%s session=%s epoch=%d slot=%d%s", event, session, epoch, slot,
                  f" ({detail})" if detail else "")
 
@@ -615,6 +620,8 @@ class StagePipeline:
         p = params_of(h.sampling)
         windows = (self.history.windows(h, rows, p.penalty_last_n)
                    if p is not None and p.penalized else None)
+        # a constrained session's rows, masked by its grammar (dgr.worker.grammar)
+        logits = self.grammars.mask(h, logits, rows, self.history)
         sampled = sample_rows(logits, pos, p, windows)
         if h.drafts:
             step.tokens, step.accepted = accept(h.tokens[h.n_tokens - h.drafts:], sampled,

@@ -18,6 +18,8 @@ import logging
 import threading
 from typing import Callable
 
+import msgspec
+
 from dgr.protocol import wire
 from dgr.transport.dataplane import FrameSocket, Links
 from dgr.worker.frames import Frames
@@ -135,9 +137,12 @@ class Forwarder:
         first = h.loop[0]
         # ``h``'s input up to its last accepted draft stays; the last token emitted goes next
         pos = h.first_pos + h.n_tokens - h.drafts + len(emitted) - 1
+        sampling = h.sampling
+        if sampling is not None and sampling.grammar:  # this stage keeps it: its id suffices
+            sampling = msgspec.structs.replace(sampling, grammar="")
         nh = wire.Forward(model=h.model, session=h.session, epoch=h.epoch,
                           first_pos=pos, n_tokens=1 + len(drafts), layer=0,
-                          tokens=[emitted[-1], *drafts], want=h.want, sampling=h.sampling,
+                          tokens=[emitted[-1], *drafts], want=h.want, sampling=sampling,
                           relay=h.loop[1:], reply_to=h.reply_to, loop=h.loop, steps=left,
                           stop_tokens=h.stop_tokens, solo=h.solo,
                           rollback=h.first_pos + h.n_tokens - pos, drafts=len(drafts),

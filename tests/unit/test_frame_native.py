@@ -93,6 +93,8 @@ def rand_forward(rng: np.random.Generator) -> tuple[wire.Forward, np.ndarray | N
             min_p=(0.0, 0.05, 1.0)[seed % 3], penalty_last_n=seed % 100,
             repeat_penalty=(1.0, 1.3, 1e-300)[seed % 5 % 3],
             frequency_penalty=(0.0, -2.0, 1e300)[seed % 7 % 3], presence_penalty=0.5,
+            grammar=("", '{"grammars": []}', "é" * 3)[seed % 11 % 3], grammar_id=seed // 3,
+            grammar_from=seed % 1000,
             **({} if seed % 2 else dict(bias_ids=(seed % 2**31, 0, 2**31 - 1),
                                         bias=(-100.0, float("-inf"), 2.5))))
     relay = rand_hops(rng) if rng.random() < 0.4 else None

@@ -36,7 +36,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 REFUSED = {
     "audio": {"voice": "alloy", "format": "wav"}, "function_call": "auto",
     "functions": [TOOL["function"]], "tools": [TOOL], "tool_choice": "required",
-    "parallel_tool_calls": "yes", "response_format": {"type": "json_object"},
+    "parallel_tool_calls": "yes",
     "metadata": {"a": "b"}, "store": True, "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "high",
     "verbosity": "low", "web_search_options": {}, "service_tier": "flex",
@@ -46,7 +46,7 @@ REFUSED = {
 NEUTRAL = {
     "audio": None,
     "function_call": "none", "functions": [], "tools": [], "tool_choice": "none",
-    "parallel_tool_calls": False, "response_format": {"type": "text"}, "metadata": {},
+    "parallel_tool_calls": False, "metadata": {},
     "store": False, "modalities": ["text"], "prediction": None, "reasoning_effort": None,
     "verbosity": None, "web_search_options": None, "service_tier": "auto",
     "prompt_cache_key": None, "prompt_cache_retention": None, "best_of": 1, "suffix": "",
@@ -85,7 +85,7 @@ def base(chat: bool) -> tuple[str, dict]:
 
 
 # llama-server's sampling fields dgr honours too
-LLAMA_SERVER = ["top_k", "min_p", "repeat_penalty", "repeat_last_n"]
+LLAMA_SERVER = ["top_k", "min_p", "repeat_penalty", "repeat_last_n", "grammar", "json_schema"]
 
 
 @pytest.mark.parametrize("chat,reference", [(True, CHAT_REFERENCE),
@@ -152,6 +152,31 @@ def test_each_honoured_field_has_its_effect(chat, caplog):
     for bad in ({"x": 1}, {"5": 101}, {"5": True}, {"-1": 1}, {"64": 1}):  # N_VOCAB 64
         status, raw, _ = post(path, {**body, "logit_bias": bad})
         assert status == 400 and json.loads(raw)["error"]["param"] == "logit_bias", bad
+    # grammars: chat's response_format, llama-server's json_schema and grammar (their effect
+    # on the output: tests/integration/test_structured.py, tests/system/test_serve.py)
+    asks = [{"json_schema": {"type": "object"}}, {"grammar": 'root ::= "yes" | "no"'}]
+    if chat:
+        asks += [{"response_format": {"type": "json_object"}},
+                 {"response_format": {"type": "json_schema",
+                                      "json_schema": {"name": "x", "strict": True,
+                                                      "schema": {"type": "integer"}}}}]
+    for ask in asks:
+        status, raw, route = post(path, {**body, **ask})
+        assert status == 200 and route.asked["sampling"].grammar, (ask, raw)
+    _, _, route = post(path, body)
+    assert route.asked["sampling"].grammar == ""
+    if chat:
+        _, _, route = post(path, {**body, "response_format": {"type": "text"}})
+        assert route.asked["sampling"].grammar == ""
+    bad = [({"json_schema": {"type": "nonsense"}}, "json_schema"),
+           ({"grammar": "root ::= ("}, "grammar"),
+           ({"grammar": "root ::= \"a\"", "json_schema": {}}, "grammar")]
+    if chat:
+        bad += [({"response_format": {"type": "xml"}}, "response_format"),
+                ({"response_format": {"type": "json_schema"}}, "response_format")]
+    for ask, name in bad:
+        status, raw, _ = post(path, {**body, **ask})
+        assert status == 400 and json.loads(raw)["error"]["param"] == name, (ask, raw)
     # max_tokens (and chat's max_completion_tokens): the budget
     for name in ("max_tokens",) + (("max_completion_tokens",) if chat else ()):
         status, raw, route = post(path, {**{k: v for k, v in body.items() if k != "max_tokens"},

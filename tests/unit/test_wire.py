@@ -45,7 +45,8 @@ RESULT_FIELDS = (
 )
 ERROR_FIELDS = ("schema", "code", "message", "session", "epoch", "retry_after")
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "greedy", "min_p", "bias_ids", "bias",
-                   "penalty_last_n", "repeat_penalty", "frequency_penalty", "presence_penalty")
+                   "penalty_last_n", "repeat_penalty", "frequency_penalty", "presence_penalty",
+                   "grammar", "grammar_id", "grammar_from")
 HOP_FIELDS = ("endpoint", "tokens")
 HELLO_FIELDS = ("schema", "route")
 

@@ -56,6 +56,9 @@ struct Sampling {
     double repeat_penalty = 1.0;
     double frequency_penalty = 0.0;
     double presence_penalty = 0.0;
+    std::string_view grammar;  // into the frame's buffer (or a kept Python bytes)
+    uint64_t grammar_id = 0;
+    int32_t grammar_from = 0;
 };
 
 struct Hop {

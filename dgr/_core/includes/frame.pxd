@@ -33,6 +33,9 @@ cdef extern from "dgr/frame.h" namespace "dgr::wire" nogil:
         double repeat_penalty
         double frequency_penalty
         double presence_penalty
+        string_view grammar
+        uint64_t grammar_id
+        int32_t grammar_from
 
     cdef cppclass CHop "dgr::wire::Hop":
         string_view endpoint
