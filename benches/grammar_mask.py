@@ -84,15 +84,16 @@ def llama_cpp_cost(path: str, tokens: int) -> dict:
     def run(extra: list[str]) -> float:
         cmd = [exe, "-m", path, "-p", "Describe a person as JSON:", "-n", str(tokens),
                "--temp", "0", "-no-cnv", "--no-display-prompt", "-t", "1", "-c", "512",
-               "--ignore-eos", "--simple-io", "-ngl", "0", *extra]
+               "--ignore-eos", "--simple-io", "-ngl", "0", "--perf", *extra]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                            stdin=subprocess.DEVNULL)
         if p.returncode != 0:
             raise RuntimeError(p.stderr[-2000:])
-        m = re.search(r"sampling time =\s*([\d.]+) ms /\s*(\d+) runs", p.stderr)
-        if not m:
+        m = re.search(r"sampling time =\s*([\d.]+) ms", p.stderr)
+        n = re.search(r"samplers time =\s*[\d.]+ ms /\s*(\d+) tokens", p.stderr)
+        if not m or not n:
             raise RuntimeError("no sampling time in llama-completion's output")
-        return float(m.group(1)) / int(m.group(2))
+        return float(m.group(1)) / int(n.group(1))
 
     plain = run([])
     constrained = run(["--json-schema", json.dumps(SCHEMA)])

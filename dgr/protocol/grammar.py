@@ -24,6 +24,8 @@ __all__ = ["compile_grammar", "grammar_id", "Vocabulary", "Constraint", "GRAMMAR
 
 #: what ``compile_grammar`` takes: llguidance's formats
 GRAMMAR_FORMATS = ("json_schema", "gbnf", "lark", "regex")
+#: the JSON a schema's grammar allows: compact, with a space after "," and ":"
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def _llg():
@@ -43,7 +45,12 @@ def compile_grammar(fmt: str, text: str | dict) -> str:
     if fmt == "json_schema" and not isinstance(text, str):
         text = json.dumps(text)
     try:
-        grammar = llg.grammar_from(fmt, text)
+        if fmt == "json_schema":
+            # one layout: ", " and ": ", no other whitespace (a model cannot pad its
+            # output with blank lines until max_tokens); a schema's "x-guidance" overrides
+            grammar = llg.LLMatcher.grammar_from_json_schema(text, defaults=JSON_LAYOUT)
+        else:
+            grammar = llg.grammar_from(fmt, text)
     except (ValueError, TypeError) as e:
         raise InvalidArgument(f"the {fmt} is not valid: {e}") from None
     is_error, msgs = llg.LLMatcher.validate_grammar_with_warnings(grammar)

@@ -516,3 +516,83 @@ def test_a_speculating_front_gives_the_plain_routes_text_and_counts_its_drafts(
     finally:
         s.stop()
         stages[-1].worker.speculator.policy = policy
+
+
+_S = {"type": "string", "maxLength": 16}
+SCHEMAS = [
+    {"type": "object", "properties": {"city": _S}, "required": ["city"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"answer": {"type": "boolean"}}, "required": ["answer"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}},
+     "required": ["n"]},
+    {"type": "object", "properties": {"x": {"type": "number", "minimum": 0, "maximum": 100}},
+     "required": ["x"]},
+    {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}},
+     "required": ["colour"]},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": _S, "maxItems": 3}},
+     "required": ["tags"]},
+    {"type": "object", "properties": {"p": {"type": "object", "properties": {
+        "name": _S, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+        "required": ["name", "age"], "additionalProperties": False}}, "required": ["p"]},
+    {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 4},
+    {"enum": ["yes", "no", "maybe"]},
+    {"type": "object", "properties": {"a": _S, "b": _S, "c": _S}, "required": ["a", "c"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"ok": {"const": True}, "why": _S},
+     "required": ["ok", "why"]},
+    {"type": "object", "properties": {"items": {"type": "array", "maxItems": 2, "items": {
+        "type": "object", "properties": {"id": {"type": "integer"}, "done": {"type": "boolean"}},
+        "required": ["id", "done"], "additionalProperties": False}}}, "required": ["items"]},
+    {"type": "string", "maxLength": 20},
+    {"type": "integer", "minimum": 10, "maximum": 99},
+    {"type": "object", "properties": {"v": {"anyOf": [{"type": "integer"}, _S]}},
+     "required": ["v"]},
+    {"type": "object", "properties": {"when": {"type": "string", "pattern": "^[0-9]{4}$"}},
+     "required": ["when"]},
+    {"type": "object", "properties": {"m": {"type": "array", "maxItems": 2, "items": {
+        "type": "array", "maxItems": 2, "items": {"type": "integer"}}}}, "required": ["m"]},
+    {"type": "object", "properties": {"level": {"enum": [1, 2, 3]},
+                                      "label": {"enum": ["low", "high"]}},
+     "required": ["level", "label"], "additionalProperties": False},
+    {"type": "object", "properties": {"name": _S, "nick": {"type": ["string", "null"],
+                                                           "maxLength": 8}},
+     "required": ["name", "nick"]},
+    {"type": "object", "properties": {"scores": {"type": "object", "properties": {
+        "math": {"type": "integer"}, "art": {"type": "integer"}},
+        "required": ["math", "art"], "additionalProperties": False}}, "required": ["scores"],
+     "additionalProperties": False},
+]
+
+
+def _strict(schema):
+    """As OpenAI's strict mode asks: every object closed (``additionalProperties: false``)."""
+    if isinstance(schema, dict):
+        out = {k: _strict(v) for k, v in schema.items()}
+        if out.get("type") == "object":
+            out.setdefault("additionalProperties", False)
+        return out
+    if isinstance(schema, list):
+        return [_strict(v) for v in schema]
+    return schema
+
+
+def test_json_schema_output_validates_for_twenty_schemas(client):
+    """``response_format`` ``json_schema`` with ``strict``, through the official client: every
+    reply parses and validates (nested objects, enums, arrays, required keys, patterns)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    assert len(SCHEMAS) == 20
+    for i, schema in enumerate(map(_strict, SCHEMAS)):
+        r = client.chat.completions.create(
+            model=NAME, max_tokens=120, temperature=0,
+            messages=[{"role": "user", "content": "Answer with JSON about a small town."}],
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": f"s{i}", "schema": schema,
+                                             "strict": True}})
+        c = r.choices[0]
+        assert c.finish_reason == "stop", (i, c.message.content)
+        jsonschema.validate(json.loads(c.message.content), schema)
+    r = client.chat.completions.create(model=NAME, max_tokens=120, temperature=0,
+                                       messages=MESSAGES,
+                                       response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
