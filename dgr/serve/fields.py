@@ -4,8 +4,9 @@ what the front does with it: honoured, or refused with a 400 that names it.
 A field dgr does not honour is accepted only at the value that asks for nothing (absent,
 ``null``, its default, an empty list); any other value is refused, never silently ignored.
 llama-server's ``top_k``, ``min_p``, ``repeat_penalty``, ``repeat_last_n``, ``grammar`` and
-``json_schema`` are honoured as it means them. A field that is in none of these is refused as OpenAI refuses it
-("Unrecognized request argument supplied"). docs/serve.md has the table; tests/unit/test_serve_fields.py walks it.
+``json_schema`` are honoured as it means them. A field that is in none of these is refused
+as OpenAI refuses it ("Unrecognized request argument supplied"). docs/serve.md has the
+table; tests/unit/test_serve_fields.py walks it.
 """
 
 from __future__ import annotations

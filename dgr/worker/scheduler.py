@@ -224,8 +224,8 @@ class RingLoad:
         A member missing from the queue that arrived here last round ``lag`` seconds after
         ``session`` did (0 < lag <= ``bound``, default ``wait_bound``, and at most a third of
         a round) is expected ``lag`` after it this round: the step waits that long, so the
-        pieces compute together again. Members that were ahead (they came and went already), or further behind, are
-        not waited for.
+        pieces compute together again. Members that were ahead (they came and went already),
+        or further behind, are not waited for.
         """
         g = group_of.get(session)
         prev = self._prev.get(session)

@@ -1,0 +1,201 @@
+"""One request's generation: its route session, its text as it grows, its log
+probabilities, and the server-sent events of a streamed response."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import AsyncIterator
+
+import anyio
+from starlette.responses import StreamingResponse
+
+from dgr import errors
+from dgr.driver.text import TextStream
+from dgr.serve.admission import Admission
+from dgr.serve.api_errors import ApiError, from_dgr
+from dgr.serve.logprobs import chat_logprobs, completion_logprobs, token_logprob
+from dgr.serve.params import Params
+
+__all__ = ["Generation", "Stream", "sse"]
+
+log = logging.getLogger("dgr.serve")
+
+
+class Generation:
+    """One request's generation on its own route session: the text as it grows (held back
+    while it may still become a stop string or ends inside a UTF-8 sequence)."""
+
+    def __init__(self, route, ids: list[int], max_tokens: int, params: Params, *, metrics,
+                 t0: float, admission: Admission, vocab: list[bytes], rid: str,
+                 endpoint: str, traffic, on_close=None):
+        self.route, self.ids, self.max_tokens, self.params = route, ids, max_tokens, params
+        self.rid, self.endpoint, self.traffic = rid, endpoint, traffic
+        self.ttft_s: float | None = None
+        self._t_last = 0.0  # when the previous token came
+        # the request holds one of the route's slots (acquired before): close() gives it back
+        self.admission, self.vocab = admission, vocab
+        admission.started(rid, self)
+        self.session = route.session()
+        self.tokens: list[int] = []
+        self.finish_reason = "length"
+        self.metrics, self.t0 = metrics, t0
+        self._closed = False
+        self._on_close = on_close  # called once by close(): the request's API key count
+        #: log probabilities of ``tokens`` (with ``params.logprobs``), and how many were sent
+        self.logprobs: list = []
+        self._lp_sent = 0
+        self._lp_offset = 0
+        #: completions' ``echo``: the prompt's text, sent before the completion's
+        self.echo = ""
+
+    def _took(self, tok: int) -> None:
+        """Count a token the session yielded: TTFT or the time since the last one, and its
+        log probability (with ``params.logprobs``)."""
+        now = time.perf_counter()
+        if not self.tokens:
+            self.ttft_s = now - self.t0
+            self.metrics.first_token(self.ttft_s)
+            self.traffic.first_token(self.ttft_s)
+            self.traffic.token(None)
+        else:
+            self.traffic.token(now - self._t_last)
+        self._t_last = now
+        self.tokens.append(int(tok))
+        if self.params.logprobs:
+            # the row that sampled this token (the session keeps one per sampled token, in
+            # order); dropped once read: a row is n_vocab floats
+            rows = self.session.logits
+            i = len(self.tokens) - 1
+            self.logprobs.append(token_logprob(rows[i], tok, self.params.top_logprobs))
+            rows[i] = None
+
+    async def pieces(self) -> AsyncIterator[str]:
+        """The completion's text, piece by piece (stop strings cut, never sent)."""
+        # the text as llama-server builds it: each token's piece appended (no list is
+        # detokenized again); the stop strings are found here, not by the session
+        text = TextStream(self.vocab, self.params.stop)
+        if self.echo:
+            yield self.echo
+        s = self.session
+        spec0 = (s.trips, s.drafted, s.accepted)  # the session's, before this request
+        tokens = s.generate(self.ids, max_tokens=self.max_tokens,
+                            sampling=self.params.sampling, logits=self.params.logprobs)
+        try:
+            async for tok in tokens:
+                self._took(tok)
+                piece = text.push(tok)
+                if piece:
+                    yield piece
+                if text.stopped:
+                    break
+        finally:
+            await tokens.aclose()  # a stop string (or the client) ended it: the loop stops
+        reason = "stop" if text.stopped else getattr(s, "stop_reason", "length")
+        self.finish_reason = "length" if reason == "length" else "stop"
+        piece = text.finish()
+        if piece:
+            yield piece
+        self.metrics.tokens(len(self.tokens))
+        t0, d0, a0 = spec0
+        self.metrics.speculation(s.trips - t0, s.drafted - d0, s.accepted - a0)
+
+    async def take_logprobs(self, chat: bool, *, chunk: bool = False) -> dict | None:
+        """The ``logprobs`` of the tokens generated since the last call, in the endpoint's
+        shape (None when the request did not ask for them, or for a streamed ``chunk`` when
+        no token is new)."""
+        if not self.params.logprobs:
+            return None
+        items = self.logprobs[self._lp_sent:]
+        if chunk and not items:
+            return None
+        self._lp_sent = len(self.logprobs)
+        pieces = {t: self.vocab[t].decode("utf-8", "replace")
+                  for it in items for t in (it.token, *(a for a, _ in it.top))}
+        if chat:
+            return chat_logprobs(items, pieces)
+        out = completion_logprobs(items, pieces, self._lp_offset)
+        self._lp_offset = out["text_offset"][-1] + len(out["tokens"][-1]) if items \
+            else self._lp_offset
+        return out
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": len(self.ids), "completion_tokens": len(self.tokens),
+                "total_tokens": len(self.ids) + len(self.tokens)}
+
+    async def close(self) -> None:
+        """Release the session on every stage, the request's slot and its API key's count,
+        once (also when the request was cancelled, or its stream never started)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.admission.ended(self.rid)
+        if self._on_close is not None:
+            self._on_close()
+        with anyio.CancelScope(shield=True):
+            await self.session.close()
+
+
+class Stream(StreamingResponse):
+    """A streamed completion whose generation is closed when the ASGI call ends, however it
+    ends: a client gone before the first event never starts the event generator, whose own
+    ``finally`` would then never run."""
+
+    def __init__(self, content, gen: Generation, **kw):
+        super().__init__(content, **kw)
+        self._gen = gen
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._gen.close()
+
+
+async def sse(gen: Generation, rid: str, chat: bool, model: str, created: int,
+               include_usage: bool, endpoint: str, m) -> AsyncIterator[bytes]:
+    """Server-sent events of one streamed completion, ending in ``data: [DONE]``."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def event(choices: list, **extra) -> bytes:
+        d = {"id": rid, "object": obj, "created": created, "model": model,
+             "system_fingerprint": None, "choices": choices, **extra}
+        return b"data: " + json.dumps(d, ensure_ascii=False).encode() + b"\n\n"
+
+    def choice(piece: str | None, finish: str | None, role: bool = False,
+               lp: dict | None = None) -> dict:
+        if chat:
+            delta: dict = {"role": "assistant", "content": ""} if role else {}
+            if piece is not None:
+                delta["content"] = piece
+            return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        return {"index": 0, "text": piece or "", "logprobs": lp, "finish_reason": finish}
+
+    status = 200
+    try:
+        if chat:
+            yield event([choice(None, None, role=True)])
+        try:
+            async for piece in gen.pieces():
+                yield event([choice(piece, None, lp=await gen.take_logprobs(chat, chunk=True))])
+        except Exception as e:  # noqa: BLE001 - whatever failed, the client gets an error event
+            if isinstance(e, errors.DgrError):
+                err = from_dgr(e, rid)
+            else:
+                log.exception("request %s failed mid-stream: %s: %s", rid, type(e).__name__, e)
+                err = ApiError(500, f"internal error (request {rid})", type="server_error",
+                               code="internal_error")
+            status = err.status
+            yield b"data: " + json.dumps({"error": {"message": err.message, "type": err.type,
+                                                    "param": None, "code": err.code}}).encode() \
+                + b"\n\n"
+            return
+        yield event([choice(None if chat else "", gen.finish_reason,
+                            lp=await gen.take_logprobs(chat, chunk=True))])
+        if include_usage:
+            yield event([], usage=gen.usage())
+        yield b"data: [DONE]\n\n"
+    finally:
+        await gen.close()
+        m.request(endpoint, status)
