@@ -104,6 +104,7 @@ class _Front:
         self.admission = Admission(queue_timeout, max_per_key, self.m)
         self.traffic = serve_status.Traffic()
         self.watch = serve_status.StageWatch(route)
+        self.history = serve_status.History()
         self.created = int(time.time())
         self.card = {"id": model, "object": "model", "created": self.created,
                      "owned_by": "dgr"}
@@ -343,13 +344,16 @@ class _Front:
                  "completion_tokens": len(g.tokens), "age_s": now - g.t0,
                  "ttft_ms": None if g.ttft_s is None else 1e3 * g.ttft_s}
                 for g in list(a.active.values())]
+        seam = serve_status.seam_ms(t["tpot_ms"], stages,
+                                    serve_status.links_of(path, len(stages)))
+        self.history.add({**t, "waiting": a.waiting, "in_flight": a.in_flight,
+                          "seam_ms": seam}, [s.get("compute_ms") for s in stages])
         return JSONResponse({
             "model": self.model, "path": path, "capacity": a.capacity,
             "in_flight": a.in_flight, "waiting": a.waiting,
             "healthy": all(s["health"] == "ok" for s in stages),
-            "traffic": t, "stages": stages, "requests": reqs,
-            "seam_ms": serve_status.seam_ms(t["tpot_ms"], stages,
-                                            serve_status.links_of(path, len(stages)))},
+            "traffic": t, "stages": stages, "requests": reqs, "seam_ms": seam,
+            "history": self.history.series()},
             headers={"Cache-Control": "no-store"})
 
     async def page(self, request: Request) -> Response:

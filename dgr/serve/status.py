@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Traffic", "StageWatch", "WINDOW_S", "links_of"]
+__all__ = ["Traffic", "StageWatch", "History", "WINDOW_S", "links_of"]
 
 #: the span of the "recent" figures, seconds
 WINDOW_S = 10.0
@@ -69,6 +69,43 @@ class Traffic:
                 "tokens_per_s": len(self._tokens) / span,
                 "ttft_ms": 1e3 * statistics.median(ttft) if ttft else None,
                 "tpot_ms": 1e3 * statistics.fmean(gaps) if gaps else None}
+
+
+class History:
+    """The status figures of the last ``span_s`` seconds, one sample per ``every_s`` at most:
+    what the page's charts draw. A sample is taken when the status is asked for (the page
+    polls it), so the charts cover the time a page (or any poller) watched."""
+
+    FIELDS = ("tokens_per_s", "ttft_ms", "waiting", "in_flight", "seam_ms")
+
+    def __init__(self, span_s: float = 300.0, every_s: float = 2.0, clock=time.monotonic):
+        self.span_s, self.every_s, self.clock = span_s, every_s, clock
+        self._samples: collections.deque[tuple[float, dict[str, Any]]] = collections.deque()
+
+    def add(self, figures: dict[str, Any], compute_ms: list[float | None]) -> None:
+        """A sample of ``figures`` (``FIELDS``) and each stage's compute per token, unless
+        the last one is younger than ``every_s``."""
+        now = self.clock()
+        if self._samples and now - self._samples[-1][0] < self.every_s:
+            return
+        self._samples.append((now, {**{k: figures.get(k) for k in self.FIELDS},
+                                    "compute_ms": list(compute_ms)}))
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._samples and self._samples[0][0] <= now - self.span_s:
+            self._samples.popleft()
+
+    def series(self) -> dict[str, Any]:
+        """``{"span_s", "age_s": [...], field: [...], "compute_ms": [[per stage], ...]}``,
+        oldest first (``age_s``: seconds before now)."""
+        now = self.clock()
+        self._trim(now)
+        out: dict[str, Any] = {"span_s": self.span_s,
+                               "age_s": [now - t for t, _ in self._samples]}
+        for k in (*self.FIELDS, "compute_ms"):
+            out[k] = [s[k] for _, s in self._samples]
+        return out
 
 
 def links_of(path: str, n_stages: int) -> int:

@@ -15,6 +15,7 @@ import json
 import os
 import pathlib
 import shutil
+import time
 import urllib.request
 
 import pytest
@@ -169,6 +170,26 @@ def test_the_page_shows_every_stage_and_a_chat_round_trip_streams(browser, serve
     # traffic: wait for a poll that has both
     _wait(browser, "no compute figure per stage after the chat",
           lambda d: (lambda c: len(c) == 3 and all(map(_compute_shown, c)))(_cards(d)))
+
+    # the trends: the server's samples (one per 2 s of polling) drawn as SVG lines, no CDN;
+    # the tokens/s line rose with the chat, and each stage has its own compute line
+    def drawn(d):
+        pts = d.execute_script("""
+            const out = {};
+            for (const p of document.querySelectorAll('.chart polyline'))
+              out[p.closest('figure').id + '/' + p.dataset.series] = p.getAttribute('points');
+            return out;""")
+        ok = len(pts) == 7 and all(len(v.split()) >= 2 for k, v in pts.items()
+                                   if not k.endswith("seam per link"))
+        return pts if ok else False
+
+    pts = _wait(browser, "the trend charts did not draw their lines", drawn)
+    assert {k.split("/")[0] for k in pts} == {"chart-tps", "chart-ttft", "chart-waiting",
+                                              "chart-seam"}
+    assert [k for k in pts if k.startswith("chart-seam/stage")] == [
+        "chart-seam/stage 0 compute", "chart-seam/stage 1 compute", "chart-seam/stage 2 compute"]
+    tps = [float(p.split(",")[1]) for p in pts["chart-tps/tokens/s"].split()]
+    assert min(tps) < max(tps), "the tokens/s line is flat: the chat's traffic is not in it"
     shot = _output_dir() / "status-page.png"
     browser.save_screenshot(str(shot))
     assert shot.stat().st_size > 10_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -189,6 +210,18 @@ def test_the_status_json_after_a_completion(served, stages):
     assert st["healthy"] and st["in_flight"] == 0 and st["requests"] == []
     assert st["traffic"]["tokens_per_s"] > 0 and st["traffic"]["ttft_ms"] > 0
     assert st["path"] in ("relay+loop", "relay", "hop-by-hop")
+    # the trends' samples: one per 2 s of polls at most (a page may be polling too), so a
+    # sample after the completion comes within a few polls
+    deadline = time.monotonic() + 30
+    while True:
+        with urllib.request.urlopen(served.base + "/status", timeout=30) as r:
+            h = json.load(r)["history"]
+        if h["tokens_per_s"] and h["tokens_per_s"][-1] > 0:
+            break
+        assert time.monotonic() < deadline, "no trend sample with the completion's tokens"
+        time.sleep(0.5)
+    assert h["span_s"] == 300 and len(h["age_s"]) == len(h["tokens_per_s"]) >= 1
+    assert [len(c) for c in h["compute_ms"]] == [len(RANGES)] * len(h["age_s"])
     for name in ("status.js", "status.css"):
         with urllib.request.urlopen(served.base + "/static/" + name, timeout=30) as r:
             assert r.status == 200 and len(r.read()) > 500

@@ -123,3 +123,19 @@ def test_the_page_loads_nothing_from_elsewhere():
     for name in ("status.js", "status.css"):
         text = (STATIC / name).read_text()
         assert not re.search(r"https?://|@import|url\(", text), name
+
+
+def test_history_keeps_one_sample_per_interval_over_its_span():
+    from dgr.serve.status import History
+
+    now = [0.0]
+    h = History(span_s=10.0, every_s=2.0, clock=lambda: now[0])
+    for t in range(0, 30):  # a poll every second
+        now[0] = float(t)
+        h.add({"tokens_per_s": float(t), "waiting": t % 3, "ttft_ms": None}, [1.0, float(t)])
+    s = h.series()
+    # one sample per 2 s, the last 10 s of them: polls at 20, 22, ..., 28
+    assert s["tokens_per_s"] == [20.0, 22.0, 24.0, 26.0, 28.0]
+    assert s["age_s"] == [9.0, 7.0, 5.0, 3.0, 1.0] and s["span_s"] == 10.0
+    assert s["compute_ms"][-1] == [1.0, 28.0] and s["waiting"][-1] == 28 % 3
+    assert s["ttft_ms"] == [None] * 5 and s["seam_ms"] == [None] * 5

@@ -46,6 +46,62 @@ function stageItem(s, seam) {
   return li;
 }
 
+// -- trends: small SVG line charts of the server's samples (st.history), no library ---------
+
+const COLOURS = ["#0b62c4", "#1a7f37", "#9a6700", "#8250df", "#cf222e", "#57606a"];
+
+function esc(t) {
+  return String(t).replace(/[&<>"]/g, (c) => ({"&": "&amp;", "<": "&lt;", ">": "&gt;",
+                                                '"': "&quot;"}[c]));
+}
+
+// lines: [{name, values}] over the samples' ages (seconds before now, oldest first); the
+// SVG is parsed from markup (the HTML parser puts it in the SVG namespace)
+function chart(id, ages, lines, span) {
+  const fig = $(id);
+  const W = 300, H = 70;
+  const all = lines.flatMap((l) => l.values).filter((v) => v !== null && v !== undefined);
+  const hi = all.length ? Math.max(...all) : 0;
+  const top = hi > 0 ? hi * 1.1 : 1;
+  let svg = '<svg viewBox="0 0 ' + W + " " + H + '" preserveAspectRatio="none" role="img" ' +
+    'aria-label="' + esc(fig.querySelector("figcaption").textContent) + '">';
+  lines.forEach((l, i) => {
+    const pts = [];
+    l.values.forEach((v, j) => {
+      if (v === null || v === undefined) return;
+      const x = W * (1 - ages[j] / span), y = H - 12 - (H - 16) * (v / top);
+      pts.push(x.toFixed(1) + "," + y.toFixed(1));
+    });
+    svg += '<polyline points="' + pts.join(" ") + '" stroke="' + COLOURS[i % COLOURS.length] +
+      '" data-series="' + esc(l.name) + '" data-points="' + pts.length + '"></polyline>';
+  });
+  svg += '<text x="2" y="9" class="axis">max ' + esc(fmt(hi, hi >= 10 ? 0 : 2)) + "</text></svg>";
+  const old = fig.querySelector("svg");
+  if (old) old.remove();
+  fig.querySelector("figcaption").insertAdjacentHTML("afterend", svg);
+  let legend = fig.querySelector(".legend");
+  if (lines.length > 1) {
+    if (!legend) { legend = el("div", {class: "legend"}); fig.appendChild(legend); }
+    legend.replaceChildren(...lines.map((l, i) => {
+      const s = el("span", {}, "\u25a0 " + l.name + "  ");
+      s.style.color = COLOURS[i % COLOURS.length];
+      return s;
+    }));
+  }
+}
+
+function renderTrends(h, stages) {
+  $("trend-span").textContent = "(last " + Math.round(h.span_s / 60) + " min, " +
+    h.age_s.length + " sample(s))";
+  chart("chart-tps", h.age_s, [{name: "tokens/s", values: h.tokens_per_s}], h.span_s);
+  chart("chart-ttft", h.age_s, [{name: "TTFT", values: h.ttft_ms}], h.span_s);
+  chart("chart-waiting", h.age_s, [{name: "waiting", values: h.waiting}], h.span_s);
+  const per = stages.map((s, i) => ({name: "stage " + i + " compute",
+                                     values: h.compute_ms.map((c) => c[i] ?? null)}));
+  per.push({name: "seam per link", values: h.seam_ms});
+  chart("chart-seam", h.age_s, per, h.span_s);
+}
+
 function render(st) {
   $("model").textContent = st.model;
   document.title = "dgr: " + st.model;
@@ -72,6 +128,7 @@ function render(st) {
     return tr;
   }));
   $("no-requests").hidden = st.requests.length > 0;
+  if (st.history) renderTrends(st.history, st.stages);
 }
 
 async function poll() {
