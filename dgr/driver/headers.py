@@ -40,9 +40,8 @@ def forward_header(session: str, epoch: int, stage: StageInfo, pos: int, toks: l
 
     ``last``: the step ends where the driver reads the reply, so it asks for ``want`` with
     ``sampling``; otherwise it asks for the boundary only. ``tokens``: the frame carries the
-    token ids (the first stage, the last stage, and a stage whose range routes by token
-    id). ``relay``,
-    ``reply_to``: the stages after ``stage`` and the route to answer (direct relay);
+    token ids (the first stage, the last stage, and a stage whose range routes by token id).
+    ``relay``, ``reply_to``: the stages after ``stage`` and the route to answer (direct relay);
     ``loop``, ``steps``, ``stop_tokens``: the decode loop (every stage, tokens to run, where
     the last stage stops it). ``solo``: every stage computes the step alone, not batched
     with other sessions' steps (``solo_of``). ``rollback``: positions every stage drops from

@@ -100,6 +100,7 @@ class Generation:
         self.metrics.tokens(len(self.tokens))
         t0, d0, a0 = spec0
         self.metrics.speculation(s.trips - t0, s.drafted - d0, s.accepted - a0)
+        self.traffic.speculation(s.trips - t0, s.drafted - d0, s.accepted - a0)
 
     async def take_logprobs(self, chat: bool, *, chunk: bool = False) -> dict | None:
         """The ``logprobs`` of the tokens generated since the last call, in the endpoint's

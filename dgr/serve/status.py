@@ -40,10 +40,12 @@ class Traffic:
         self.window_s, self.clock = window_s, clock
         self._tokens: collections.deque[tuple[float, float | None]] = collections.deque()
         self._ttft: collections.deque[tuple[float, float]] = collections.deque()
+        #: (when, trips, drafted, accepted) of each generation that ended
+        self._spec: collections.deque[tuple[float, int, int, int]] = collections.deque()
         self.started = clock()
 
     def _trim(self, now: float) -> None:
-        for q in (self._tokens, self._ttft):
+        for q in (self._tokens, self._ttft, self._spec):
             while q and q[0][0] < now - self.window_s:
                 q.popleft()
 
@@ -59,16 +61,27 @@ class Traffic:
         self._ttft.append((now, seconds))
         self._trim(now)
 
+    def speculation(self, trips: int, drafted: int, accepted: int) -> None:
+        """A generation ended: its decode-loop trips, drafts sent and drafts accepted."""
+        now = self.clock()
+        self._spec.append((now, trips, drafted, accepted))
+        self._trim(now)
+
     def snapshot(self) -> dict[str, Any]:
         now = self.clock()
         self._trim(now)
         span = min(self.window_s, max(now - self.started, 1e-9))
         gaps = [g for _, g in self._tokens if g is not None]
         ttft = [s for _, s in self._ttft]
+        trips, drafted, accepted = (sum(x[i] for x in self._spec) for i in (1, 2, 3))
         return {"window_s": self.window_s,
                 "tokens_per_s": len(self._tokens) / span,
                 "ttft_ms": 1e3 * statistics.median(ttft) if ttft else None,
-                "tpot_ms": 1e3 * statistics.fmean(gaps) if gaps else None}
+                "tpot_ms": 1e3 * statistics.fmean(gaps) if gaps else None,
+                # speculation of the generations that ended in the window (None: no drafts)
+                "drafted": drafted, "accepted": accepted,
+                "acceptance": accepted / drafted if drafted else None,
+                "tokens_per_trip": (trips + accepted) / trips if trips and drafted else None}
 
 
 class History:
@@ -76,7 +89,7 @@ class History:
     what the page's charts draw. A sample is taken when the status is asked for (the page
     polls it), so the charts cover the time a page (or any poller) watched."""
 
-    FIELDS = ("tokens_per_s", "ttft_ms", "waiting", "in_flight", "seam_ms")
+    FIELDS = ("tokens_per_s", "ttft_ms", "waiting", "in_flight", "seam_ms", "acceptance")
 
     def __init__(self, span_s: float = 300.0, every_s: float = 2.0, clock=time.monotonic):
         self.span_s, self.every_s, self.clock = span_s, every_s, clock

@@ -513,6 +513,13 @@ def test_a_speculating_front_gives_the_plain_routes_text_and_counts_its_drafts(
         accepted = vals["dgr_serve_speculative_drafts_accepted_total"]
         assert 0 < drafted == accepted, (trips, drafted, accepted)
         assert trips + accepted == n - 1  # the first token is the prefill's
+        # the status page's speculation panel: the same counts over its window
+        conn = http.client.HTTPConnection(s.host, s.port, timeout=30)
+        conn.request("GET", "/status")
+        t = json.loads(conn.getresponse().read())["traffic"]
+        conn.close()
+        assert (t["drafted"], t["accepted"], t["acceptance"]) == (drafted, accepted, 1.0)
+        assert t["tokens_per_trip"] == (trips + accepted) / trips
     finally:
         s.stop()
         stages[-1].worker.speculator.policy = policy

@@ -36,7 +36,8 @@ def test_traffic_counts_the_window_only():
     assert s["ttft_ms"] == pytest.approx(500) and s["tpot_ms"] == pytest.approx(100)
     c.t += 20  # ...all older than the window now
     s = t.snapshot()
-    assert s == {"window_s": 10, "tokens_per_s": 0.0, "ttft_ms": None, "tpot_ms": None}
+    assert s == {"window_s": 10, "tokens_per_s": 0.0, "ttft_ms": None, "tpot_ms": None,
+                 "drafted": 0, "accepted": 0, "acceptance": None, "tokens_per_trip": None}
 
 
 def test_traffic_before_a_full_window_divides_by_the_time_served():
@@ -139,3 +140,19 @@ def test_history_keeps_one_sample_per_interval_over_its_span():
     assert s["age_s"] == [9.0, 7.0, 5.0, 3.0, 1.0] and s["span_s"] == 10.0
     assert s["compute_ms"][-1] == [1.0, 28.0] and s["waiting"][-1] == 28 % 3
     assert s["ttft_ms"] == [None] * 5 and s["seam_ms"] == [None] * 5
+
+
+def test_traffic_counts_the_speculation_of_the_generations_that_ended_in_the_window():
+    now = [0.0]
+    t = status.Traffic(window_s=10.0, clock=lambda: now[0])
+    s = t.snapshot()
+    assert s["drafted"] == 0 and s["acceptance"] is None and s["tokens_per_trip"] is None
+    t.speculation(trips=10, drafted=8, accepted=6)
+    now[0] = 5.0
+    t.speculation(trips=4, drafted=0, accepted=0)  # a generation without drafts
+    s = t.snapshot()
+    assert (s["drafted"], s["accepted"]) == (8, 6) and s["acceptance"] == 0.75
+    assert s["tokens_per_trip"] == (14 + 6) / 14
+    now[0] = 12.0  # the first generation left the window
+    s = t.snapshot()
+    assert s["drafted"] == 0 and s["acceptance"] is None

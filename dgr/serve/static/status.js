@@ -96,6 +96,7 @@ function renderTrends(h, stages) {
   chart("chart-tps", h.age_s, [{name: "tokens/s", values: h.tokens_per_s}], h.span_s);
   chart("chart-ttft", h.age_s, [{name: "TTFT", values: h.ttft_ms}], h.span_s);
   chart("chart-waiting", h.age_s, [{name: "waiting", values: h.waiting}], h.span_s);
+  chart("chart-acceptance", h.age_s, [{name: "accepted", values: h.acceptance}], h.span_s);
   const per = stages.map((s, i) => ({name: "stage " + i + " compute",
                                      values: h.compute_ms.map((c) => c[i] ?? null)}));
   per.push({name: "seam per link", values: h.seam_ms});
@@ -114,6 +115,9 @@ function render(st) {
   $("fig-seam").textContent = fmt(st.seam_ms, 2, "ms");
   $("fig-inflight").textContent = String(st.in_flight);
   $("fig-waiting").textContent = String(st.waiting);
+  $("fig-acceptance").textContent = st.traffic.acceptance === null ? "\u2013" :
+    fmt(100 * st.traffic.acceptance, 0, "%") + " of " + st.traffic.drafted;
+  $("fig-per-trip").textContent = fmt(st.traffic.tokens_per_trip, 2);
   $("seam-note").textContent = st.in_flight > 1 ?
     "With several requests in flight the seam figure includes their waits for each other." : "";
   const ol = $("stages");
