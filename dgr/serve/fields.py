@@ -27,20 +27,12 @@ def _false(v: Any) -> bool:
     return v is None or v is False
 
 
-def _zero(v: Any) -> bool:
-    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0)
-
-
 def _empty(v: Any) -> bool:
     return v is None or v == [] or v == {} or v == ""
 
 
 def _one_of(*ok: Any) -> Callable[[Any], bool]:
     return lambda v: v is None or any(v == o and type(v) is type(o) for o in ok)
-
-
-def _text_format(v: Any) -> bool:
-    return v is None or v == {"type": "text"}
 
 
 def _no_tool_choice(v: Any) -> bool:
