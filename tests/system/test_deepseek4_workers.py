@@ -55,8 +55,10 @@ def test_three_workers_match_the_whole_model(model, cluster, monkeypatch, relay)
     whole = dgr.Engine(model, **SETTINGS)
     ref, rows = generate_local(whole, PROMPT, max_tokens=16, stop_on_eog=False, logits=True)
     # what the route driver puts in each Forward header: token ids exactly for the receivers
-    # that need them (the first stage and the hash-routed one); with direct relay the driver
-    # sends stage 0 only, and the hops tell each stage whether to pass the ids on
+    # that need them (the first stage, the hash-routed one, and the last stage, which keeps
+    # the session's tokens for the penalties and grammars: dgr.worker.history); with direct
+    # relay the driver sends stage 0 only, and the hops tell each stage whether to pass the
+    # ids on
     sent = set()
     hops = set()
     encode = wire.encode
@@ -80,9 +82,9 @@ def test_three_workers_match_the_whole_model(model, cluster, monkeypatch, relay)
         assert r.aroute.relay_steps == (n_chunks + 15 if relay else 0)  # 16 tokens
     assert g.tokens == ref and len(ref) == 16
     if relay:
-        assert sent == {(0, True)} and hops == {(True, False)}
+        assert sent == {(0, True)} and hops == {(True, True)}
     else:
-        assert sent == {(0, True), (1, True), (4, False)}
+        assert sent == {(0, True), (1, True), (4, True)}
     assert len(g.logits) == len(rows)
     assert all(a.tobytes() == b.tobytes() for a, b in zip(g.logits, rows))
 
