@@ -298,6 +298,10 @@ class StagePipeline:
                 "this worker is draining (shutting down): the step was not run")
         self._check(h)
         self._fits(h, frame.array)
+        if self.grammars is not None and h.sampling is not None and h.sampling.grammar:
+            # the grammar engine's view of the vocabulary (0.4-2 s, once) is built here, on
+            # the connection's thread, not in a step's compute under the engine's lock
+            self.grammars.vocab.tokenizer  # noqa: B018
         if h.reply_to:
             if returns is None:
                 raise errors.InvalidArgument("relayed frames (reply_to) travel on the data "
