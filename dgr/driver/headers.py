@@ -15,18 +15,21 @@ def wire_sampling(p: SamplingParams | None, start: int = 0) -> wire.Sampling | N
     position of the first token sampled (where ``p.grammar`` begins)."""
     if p is None or (p.greedy and not p.logit_bias and not p.penalized and not p.grammar):
         return None
-    pen = dict(penalty_last_n=int(p.penalty_last_n), repeat_penalty=float(p.repeat_penalty),
-               frequency_penalty=float(p.frequency_penalty),
-               presence_penalty=float(p.presence_penalty)) if p.penalized else {}
+    # what applies to greedy and sampling alike: the bias, the penalties, the grammar
+    common = dict(bias_ids=tuple(int(t) for t, _ in p.logit_bias),
+                  bias=tuple(float(b) for _, b in p.logit_bias))
+    if p.penalized:
+        common.update(penalty_last_n=int(p.penalty_last_n),
+                      repeat_penalty=float(p.repeat_penalty),
+                      frequency_penalty=float(p.frequency_penalty),
+                      presence_penalty=float(p.presence_penalty))
     if p.grammar:
-        pen.update(grammar=p.grammar, grammar_id=grammar_id(p.grammar), grammar_from=int(start))
-    ids = tuple(int(t) for t, _ in p.logit_bias)
-    bias = tuple(float(b) for _, b in p.logit_bias)
-    if p.greedy:  # greedy over the biased, penalized logits
-        return wire.Sampling(greedy=True, bias_ids=ids, bias=bias, **pen)
+        common.update(grammar=p.grammar, grammar_id=grammar_id(p.grammar),
+                      grammar_from=int(start))
+    if p.greedy:
+        return wire.Sampling(greedy=True, **common)
     return wire.Sampling(temperature=float(p.temperature), top_k=int(p.top_k),
-                         top_p=float(p.top_p), seed=int(p.seed), min_p=float(p.min_p),
-                         bias_ids=ids, bias=bias, **pen)
+                         top_p=float(p.top_p), seed=int(p.seed), min_p=float(p.min_p), **common)
 
 
 def forward_header(session: str, epoch: int, stage: StageInfo, pos: int, toks: list[int], *,

@@ -142,7 +142,10 @@ class Params:
         #: completions: the prompt's text comes before the completion's
         self.echo = bool(_field(body, "echo", (bool,), False)) if not chat else False
         opts = _field(body, "stream_options", (dict,), {})
-        self.include_usage = bool(opts.get("include_usage", False)) if self.stream else False
+        self.include_usage = bool(opts.get("include_usage", False))
+        if self.include_usage and not self.stream:  # OpenAI refuses it too
+            raise ApiError(400, "'stream_options.include_usage' needs 'stream': true",
+                           param="stream_options")
         n = _field(body, "n", (int,), 1)
         if n != 1:
             raise ApiError(400, f"'n' must be 1 (one choice per request), got {n}", param="n")

@@ -121,6 +121,9 @@ def test_a_field_in_no_reference_is_refused_as_openai_refuses_it(chat):
     assert err["message"] == "Unrecognized request argument supplied: mirostat"
     status, raw, _ = post(path, {**body, "stream_options": {"include_usage": True, "x": 1}})
     assert status == 400 and json.loads(raw)["error"]["param"] == "stream_options.x"
+    # the usage chunk is a stream's: asked without a stream, refused (as OpenAI does)
+    status, raw, _ = post(path, {**body, "stream_options": {"include_usage": True}})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "stream_options"
 
 
 @pytest.mark.parametrize("chat", [True, False])
