@@ -80,7 +80,13 @@ def _extensions():
         depends=["cpp/include/dgr/frame.h", "cpp/include/dgr/frame_io.h", "cpp/include/dgr/status.h",
                  "dgr/_core/includes/frame.pxd"],
     )
-    return cythonize([ext, frame], language_level=3,
+    chat = Extension(  # llama.cpp's chat templates and tool-call parsers (common/chat)
+        "dgr._chat._chat",
+        sources=["dgr/_chat/_chat.pyx", "cpp/src/chat.cpp"],
+        language="c++",
+        depends=["cpp/include/dgr/chat.h", "vendor-manifest.json"],
+    )
+    return cythonize([ext, frame, chat], language_level=3,
                      compiler_directives={"embedsignature": True},
                      annotate=bool(os.environ.get("DGR_CYTHON_ANNOTATE")))
 

@@ -27,6 +27,7 @@ released at once. Requests beyond the route's slots (the fewest any stage has) w
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import pathlib
@@ -47,6 +48,7 @@ from dgr.serve import status as serve_status
 from dgr.serve.admission import Admission, per_key_default
 from dgr.serve.api_errors import ApiError, from_dgr
 from dgr.serve.auth import KEY_SCOPE, ApiKeys
+from dgr.serve.chat import NativeChat, Rendered, Reply, ToolAsk, tool_ask
 from dgr.serve.generation import Generation, Stream, sse
 from dgr.serve.params import MAX_STOP_CHARS, Params
 
@@ -111,6 +113,15 @@ class _Front:
         #: each token id's bytes (the route's pieces): the text of a generation and of its
         #: log probabilities
         self.vocab: list[bytes] = []
+        #: the template in llama.cpp's chat code: tools and reasoning (None: no template, or
+        #: no chat binding built; a request with tools is then a 400 saying why)
+        self.native, self.native_error = None, ""
+        if getattr(template, "source", None):  # a ChatTemplate with a template
+            try:
+                self.native = NativeChat(template)
+            except errors.DgrError as e:
+                self.native_error = str(e)
+                log.warning("tools and reasoning are off: %s", e)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
@@ -148,9 +159,12 @@ class _Front:
                                 f"'{self.model}'", param="model", code="model_not_found")
         return body
 
-    async def prompt_tokens(self, body: dict, chat: bool) -> tuple[list[int], str]:
-        """The prompt's token ids, and its text (chat: the rendered messages; "" for a
-        completions prompt of token ids)."""
+    async def prompt_tokens(self, body: dict, chat: bool, ask: ToolAsk | None = None
+                            ) -> tuple[list[int], str, Rendered | None]:
+        """The prompt's token ids, its text (chat: the rendered messages; "" for a
+        completions prompt of token ids), and how llama.cpp's chat code rendered it (None:
+        the plain template, or completions)."""
+        rendered = None
         if chat:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
@@ -159,18 +173,48 @@ class _Front:
                 raise ApiError(400, f"the model '{self.model}' has no chat template: use "
                                     "/v1/completions", param="messages",
                                code="no_chat_template")
-            try:
-                text, add_bos = self.template.render_prompt(messages,
-                                                            add_generation_prompt=True)
-            except errors.DgrError as e:
-                raise ApiError(400, str(e), param="messages", code=type(e).__name__) from None
+            ask = ask or ToolAsk()
+            if self.native is not None and self.native.wanted(ask):
+                rendered = self.native.render(messages, ask)
+                text, add_bos = rendered.prompt, rendered.add_bos
+            elif ask.tools:
+                raise ApiError(400, f"tools need llama.cpp's chat code, which is off on this "
+                                    f"server: {self.native_error}", param="tools",
+                               code="unsupported_parameter")
+            else:
+                try:
+                    text, add_bos = self.template.render_prompt(messages,
+                                                                add_generation_prompt=True)
+                except errors.DgrError as e:
+                    raise ApiError(400, str(e), param="messages",
+                                   code=type(e).__name__) from None
             ids = await self.route.tokenize(text, add_bos, True)
         else:
             text, ids = await self._completion_prompt(body.get("prompt"))
         ids = [int(t) for t in ids]
         if not ids:
             raise ApiError(400, "the prompt has no tokens", param="prompt")
-        return ids, text
+        return ids, text, rendered
+
+    async def _grammar_prefix(self, ids: list[int], generation_prompt: str) -> int:
+        """How many of the prompt's last tokens are the template's generation prompt (which
+        a format grammar starts with, as llama.cpp feeds it first); 0 when they are not."""
+        if not generation_prompt:
+            return 0
+        gp = [int(t) for t in await self.route.tokenize(generation_prompt, False, True)]
+        # as llama.cpp: a tokenizer may put a space before the first special token
+        if gp and self.vocab[gp[0]][:1].isspace() and not generation_prompt[:1].isspace():
+            gp = gp[1:]
+        return len(gp) if gp and len(gp) <= len(ids) and ids[-len(gp):] == gp else 0
+
+    async def _with_tools(self, params: Params, ids: list[int], rendered: Rendered) -> None:
+        """``params`` with the format's grammar and stop strings (a request with tools or a
+        thinking template)."""
+        if rendered.grammar:
+            prefix = await self._grammar_prefix(ids, rendered.grammar_prefill)
+            params.sampling = dataclasses.replace(params.sampling, grammar=rendered.grammar,
+                                                  grammar_prefix=prefix)
+        params.stop = params.stop + [s for s in rendered.stops if s not in params.stop]
 
     async def _completion_prompt(self, p) -> tuple[str, list[int]]:
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
@@ -235,7 +279,8 @@ class _Front:
         gen = None
         try:
             try:
-                params, ids, text, max_tokens = await self._admit(request, chat, rid)
+                params, ids, text, max_tokens, rendered = await self._admit(request, chat,
+                                                                           rid)
             except ApiError as e:
                 return fail(e)
             except errors.DgrError as e:
@@ -244,7 +289,9 @@ class _Front:
             gen = Generation(self.route, ids, max_tokens, params, metrics=self.m, t0=t0,
                              admission=self.admission, vocab=self.vocab, rid=rid,
                              endpoint=endpoint, traffic=self.traffic,
-                             on_close=lambda: self.admission.give_key(key))
+                             on_close=lambda: self.admission.give_key(key),
+                             reply=None if rendered is None
+                             else Reply(rendered, stream=params.stream))
             if params.echo:  # the prompt as sent, or its tokens' text
                 gen.echo = text or b"".join(self.vocab[t] for t in ids).decode("utf-8",
                                                                                "replace")
@@ -267,13 +314,21 @@ class _Front:
         text, max tokens)``."""
         body = await self.body_of(request)
         params = Params(body, chat=chat)
-        ids, text = await self.prompt_tokens(body, chat)
+        ask = tool_ask(body) if chat else None
+        if ask is not None and ask.calls and params.sampling.grammar:
+            raise ApiError(400, "a grammar or response_format cannot be combined with tools",
+                           param="response_format" if body.get("response_format")
+                           else "grammar" if body.get("grammar") else "json_schema",
+                           code="unsupported_parameter")
+        ids, text, rendered = await self.prompt_tokens(body, chat, ask)
+        if rendered is not None:
+            await self._with_tools(params, ids, rendered)
         self._check_ids([t for t, _ in params.sampling.logit_bias], "logit_bias")
         if params.user:
             log.info("request %s from %s", rid, params.user)
         max_tokens = self.budget(ids, params)
         await self.admission.acquire_slot()
-        return params, ids, text, max_tokens
+        return params, ids, text, max_tokens, rendered
 
     async def _respond(self, gen: Generation, chat: bool, endpoint: str,
                        ident: dict) -> Response:
@@ -287,8 +342,12 @@ class _Front:
         self.m.request(endpoint, 200)
         lp = await gen.take_logprobs(chat)
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": lp, "finish_reason": gen.finish_reason}
+            message = {"role": "assistant", "content": text}
+            if gen.reply is not None:
+                gen.reply.feed(text, final=True)
+                message = gen.reply.openai_message()
+            choice = {"index": 0, "message": message, "logprobs": lp,
+                      "finish_reason": gen.finish}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "logprobs": lp,

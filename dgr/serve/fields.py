@@ -3,8 +3,8 @@ what the front does with it: honoured, or refused with a 400 that names it.
 
 A field dgr does not honour is accepted only at the value that asks for nothing (absent,
 ``null``, its default, an empty list); any other value is refused, never silently ignored.
-llama-server's ``top_k``, ``min_p``, ``repeat_penalty``, ``repeat_last_n``, ``grammar`` and
-``json_schema`` are honoured as it means them. A field that is in none of these is refused
+llama-server's ``top_k``, ``min_p``, ``repeat_penalty``, ``repeat_last_n``, ``grammar``,
+``json_schema`` and ``reasoning_format`` are honoured as it means them. A field that is in none of these is refused
 as OpenAI refuses it ("Unrecognized request argument supplied"). docs/serve.md has the
 table; tests/unit/test_serve_fields.py walks it.
 """
@@ -35,12 +35,8 @@ def _one_of(*ok: Any) -> Callable[[Any], bool]:
     return lambda v: v is None or any(v == o and type(v) is type(o) for o in ok)
 
 
-def _no_tool_choice(v: Any) -> bool:
+def _no_function_call(v: Any) -> bool:
     return v is None or v == "none"
-
-
-def _bool(v: Any) -> bool:
-    return v is None or isinstance(v, bool)
 
 
 # name -> None (honoured) or a test of the values accepted though not honoured, and why not
@@ -64,13 +60,14 @@ _COMMON: dict[str, tuple[Callable[[Any], bool], str] | None] = {
 CHAT: dict[str, tuple[Callable[[Any], bool], str] | None] = {
     **_COMMON, "messages": HONOURED, "max_completion_tokens": HONOURED,
     "top_logprobs": HONOURED, "safety_identifier": HONOURED,
-    # no tools: there is no tool use for it to parallelize
-    "parallel_tool_calls": (_bool, "'parallel_tool_calls' must be a boolean"),
-    "tools": (_empty, "tools are not supported yet"),
-    "tool_choice": (_no_tool_choice, "tool_choice other than 'none' needs tools, which are "
-                                     "not supported yet"),
+    # tools, tool_choice (auto, none, required, a named function), parallel_tool_calls: the
+    # model's own template renders them and its own format is parsed back (dgr.serve.chat)
+    "tools": HONOURED, "tool_choice": HONOURED, "parallel_tool_calls": HONOURED,
+    # llama-server's: whether the reasoning of a thinking model comes back apart
+    # (message.reasoning_content) or inline in the content
+    "reasoning_format": HONOURED,
     "functions": (_empty, "functions (deprecated: tools) are not supported"),
-    "function_call": (_no_tool_choice, "function_call (deprecated: tool_choice) is not "
+    "function_call": (_no_function_call, "function_call (deprecated: tool_choice) is not "
                                        "supported"),
     # json_object and json_schema: the output follows the schema (dgr.protocol.grammar)
     "response_format": HONOURED,

@@ -29,7 +29,7 @@ class Generation:
 
     def __init__(self, route, ids: list[int], max_tokens: int, params: Params, *, metrics,
                  t0: float, admission: Admission, vocab: list[bytes], rid: str,
-                 endpoint: str, traffic, on_close=None):
+                 endpoint: str, traffic, on_close=None, reply=None):
         self.route, self.ids, self.max_tokens, self.params = route, ids, max_tokens, params
         self.rid, self.endpoint, self.traffic = rid, endpoint, traffic
         self.ttft_s: float | None = None
@@ -49,6 +49,17 @@ class Generation:
         self._lp_offset = 0
         #: completions' ``echo``: the prompt's text, sent before the completion's
         self.echo = ""
+        #: chat with tools or a thinking template: the text parsed in the model's format
+        #: (``dgr.serve.chat.Reply``; None: the text is the content)
+        self.reply = reply
+
+    @property
+    def finish(self) -> str:
+        """The choice's ``finish_reason``: ``tool_calls`` when the reply called a tool and
+        ended (cut at the token limit it is ``length``, as OpenAI says of a cut call)."""
+        if self.reply is not None and self.reply.called and self.finish_reason != "length":
+            return "tool_calls"
+        return self.finish_reason
 
     def _took(self, tok: int) -> None:
         """Count a token the session yielded: TTFT or the time since the last one, and its
@@ -165,21 +176,36 @@ async def sse(gen: Generation, rid: str, chat: bool, model: str, created: int,
         return b"data: " + json.dumps(d, ensure_ascii=False).encode() + b"\n\n"
 
     def choice(piece: str | None, finish: str | None, role: bool = False,
-               lp: dict | None = None) -> dict:
+               lp: dict | None = None, delta: dict | None = None) -> dict:
         if chat:
-            delta: dict = {"role": "assistant", "content": ""} if role else {}
+            d: dict = {"role": "assistant", "content": ""} if role else {}
             if piece is not None:
-                delta["content"] = piece
-            return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+                d["content"] = piece
+            d.update(delta or {})
+            return {"index": 0, "delta": d, "logprobs": lp, "finish_reason": finish}
         return {"index": 0, "text": piece or "", "logprobs": lp, "finish_reason": finish}
+
+    async def pieces() -> AsyncIterator[tuple[str | None, dict | None]]:
+        """``(content, None)`` per piece of text; with a parsed reply ``(None, delta)`` per
+        change of its content, reasoning or tool calls."""
+        if gen.reply is None:
+            async for piece in gen.pieces():
+                yield piece, None
+            return
+        async for piece in gen.pieces():
+            for d in gen.reply.feed(piece):
+                yield None, d
+        for d in gen.reply.feed("", final=True):
+            yield None, d
 
     status = 200
     try:
         if chat:
             yield event([choice(None, None, role=True)])
         try:
-            async for piece in gen.pieces():
-                yield event([choice(piece, None, lp=await gen.take_logprobs(chat, chunk=True))])
+            async for piece, delta in pieces():
+                yield event([choice(piece, None, delta=delta,
+                                    lp=await gen.take_logprobs(chat, chunk=True))])
         except Exception as e:  # noqa: BLE001 - whatever failed, the client gets an error event
             if isinstance(e, errors.DgrError):
                 err = from_dgr(e, rid)
@@ -192,7 +218,7 @@ async def sse(gen: Generation, rid: str, chat: bool, model: str, created: int,
                                                     "param": None, "code": err.code}}).encode() \
                 + b"\n\n"
             return
-        yield event([choice(None if chat else "", gen.finish_reason,
+        yield event([choice(None if chat else "", gen.finish,
                             lp=await gen.take_logprobs(chat, chunk=True))])
         if include_usage:
             yield event([], usage=gen.usage())

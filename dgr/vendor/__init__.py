@@ -591,7 +591,10 @@ class Vendor:
     def libraries(self) -> list[Path]:
         """Static archives to link, dependents before their dependencies."""
         b = self.build_dir
-        libs = [b / "src" / "libllama.a", b / "ggml" / "src" / "libggml.a"]
+        # llama.cpp's common library (chat templates, tool-call formats and their parsers:
+        # ``common/chat``), then llama itself
+        common = [b / "common" / "libllama-common.a", b / "common" / "libllama-common-base.a"]
+        libs = common + [b / "src" / "libllama.a", b / "ggml" / "src" / "libggml.a"]
         # backend archives (ggml-cpu, ggml-rpc, ggml-cuda, ...) sit between ggml and ggml-base
         backends = sorted(p for p in (b / "ggml" / "src").rglob("libggml-*.a")
                           if p.name != "libggml-base.a")
@@ -606,7 +609,8 @@ class Vendor:
         return sorted(names, key=lambda n: (order.index(n) if n in order else len(order), n))
 
     def include_dirs(self) -> list[Path]:
-        return [self.src / "include", self.src / "ggml" / "include", self.src / "src"]
+        return [self.src / "include", self.src / "ggml" / "include", self.src / "src",
+                self.src / "common", self.src / "vendor"]
 
     def tool_path(self, name: str) -> Path:
         return self.build_dir / "bin" / name

@@ -35,8 +35,7 @@ COMPLETIONS_REFERENCE = [
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 REFUSED = {
     "audio": {"voice": "alloy", "format": "wav"}, "function_call": "auto",
-    "functions": [TOOL["function"]], "tools": [TOOL], "tool_choice": "required",
-    "parallel_tool_calls": "yes",
+    "functions": [TOOL["function"]],
     "metadata": {"a": "b"}, "store": True, "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "high",
     "verbosity": "low", "web_search_options": {}, "service_tier": "flex",
@@ -45,8 +44,7 @@ REFUSED = {
 # the value of each refused field that asks for nothing: accepted
 NEUTRAL = {
     "audio": None,
-    "function_call": "none", "functions": [], "tools": [], "tool_choice": "none",
-    "parallel_tool_calls": False, "metadata": {},
+    "function_call": "none", "functions": [], "metadata": {},
     "store": False, "modalities": ["text"], "prediction": None, "reasoning_effort": None,
     "verbosity": None, "web_search_options": None, "service_tier": "auto",
     "prompt_cache_key": None, "prompt_cache_retention": None, "best_of": 1, "suffix": "",
@@ -92,7 +90,9 @@ LLAMA_SERVER = ["top_k", "min_p", "repeat_penalty", "repeat_last_n", "grammar", 
                                             (False, COMPLETIONS_REFERENCE)])
 def test_every_reference_field_is_classed(chat, reference):
     table = fields.CHAT if chat else fields.COMPLETIONS
-    assert sorted(table) == sorted(reference + LLAMA_SERVER)
+    # and chat's reasoning_format (llama-server's)
+    assert sorted(table) == sorted(reference + LLAMA_SERVER + (["reasoning_format"] if chat
+                                                               else []))
 
 
 def _refused(chat: bool) -> list[str]:
@@ -180,6 +180,19 @@ def test_each_honoured_field_has_its_effect(chat, caplog):
     for ask, name in bad:
         status, raw, _ = post(path, {**body, **ask})
         assert status == 400 and json.loads(raw)["error"]["param"] == name, (ask, raw)
+    if chat:  # tools, tool_choice, parallel_tool_calls, reasoning_format: parsed and checked
+        # here; their effect (calls rendered, forced, parsed and streamed; reasoning apart):
+        # tests/unit/test_serve_chat.py, tests/system/test_serve_tools.py
+        for name, bad in (("tools", [{"type": "retrieval"}]), ("tool_choice", "sometimes"),
+                          ("parallel_tool_calls", "yes"), ("reasoning_format", "loud")):
+            status, raw, _ = post(path, {**body, "tools": [TOOL], name: bad})
+            assert status == 400 and json.loads(raw)["error"]["param"] == name, (name, raw)
+        # a template that is not a model's (this test's) has no chat code: tools are a 400
+        # that says why, never dropped
+        status, raw, _ = post(path, {**body, "tools": [TOOL]})
+        assert status == 400 and json.loads(raw)["error"]["param"] == "tools", raw
+        status, raw, _ = post(path, {**body, "tools": [TOOL], "tool_choice": "none"})
+        assert status == 400 and json.loads(raw)["error"]["param"] == "tools", raw
     # max_tokens (and chat's max_completion_tokens): the budget
     for name in ("max_tokens",) + (("max_completion_tokens",) if chat else ()):
         status, raw, route = post(path, {**{k: v for k, v in body.items() if k != "max_tokens"},

@@ -1,0 +1,453 @@
+"""Tools and reasoning on the chat endpoint, as llama-server does them.
+
+The model's own chat template renders the tools, and the model's own format is parsed back
+out of its text, by llama.cpp's chat code in the pinned tree (``common/chat``, through the
+binding ``dgr._chat``): Hermes/Qwen, Llama 3.x, Mistral, DeepSeek, gpt-oss harmony, and every
+other format llama-server knows, with a generic JSON format for templates that know no tools.
+
+- ``tool_choice`` ``auto``: the model may call a tool; its text is parsed after each piece.
+  llama.cpp's grammar for ``auto`` is lazy (it starts at a trigger word); dgr does not apply
+  it, so a call the model writes badly comes back as content rather than as a call.
+- ``required``, and a named function (the tools cut to that one, then ``required``): the
+  output follows the tool-call grammar llama.cpp makes for the template, from its first
+  token (the template's generation prompt, which it starts with, cut off), calls only.
+- A template that knows no tools (SmolLM2's; llama.cpp's chat code would drop the tools):
+  llama.cpp's former generic format. The tools and an instruction go into the system
+  message and the reply is JSON under a schema: ``{"tool_call": ...}`` or
+  ``{"tool_calls": [...]}``, or with ``auto`` ``{"response": "..."}``.
+- ``parallel_tool_calls`` (default true, OpenAI's): whether the grammar and the template
+  allow more than one call.
+- A template that thinks (``<think>`` ...): the reasoning comes back apart, in
+  ``message.reasoning_content`` (llama-server's ``reasoning_format`` ``auto``; ``none``
+  leaves it in the content).
+
+A template the binding cannot read, or messages it refuses, is a 400 naming ``messages``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from dgr import errors
+from dgr.protocol.grammar import compile_grammar
+from dgr.serve.api_errors import ApiError
+
+__all__ = ["ToolAsk", "NativeChat", "Rendered", "Reply", "tool_ask", "REASONING_FORMATS"]
+
+log = logging.getLogger("dgr.serve")
+
+#: llama-server's ``reasoning_format`` values
+REASONING_FORMATS = ("auto", "none", "deepseek", "deepseek-legacy")
+#: OpenAI's rule for a function's name
+_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class ToolAsk:
+    """What a chat request asks about tools and reasoning (``tool_ask``)."""
+
+    tools: tuple = ()
+    #: "auto", "none" or "required" (a named function is "required" over that one tool)
+    choice: str = "none"
+    parallel: bool = True
+    reasoning_format: str = "auto"
+
+    @property
+    def calls(self) -> bool:
+        """Whether the model may call a tool."""
+        return bool(self.tools) and self.choice != "none"
+
+
+def _tool(i: int, t: Any) -> dict:
+    where = f"tools[{i}]"
+    if not isinstance(t, dict) or t.get("type") != "function" or \
+            not isinstance(t.get("function"), dict):
+        raise ApiError(400, f"'{where}' must be {{'type': 'function', 'function': {{...}}}}",
+                       param="tools")
+    f = t["function"]
+    name = f.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ApiError(400, f"'{where}.function.name' must be 1 to 64 letters, digits, '_' or "
+                            f"'-', got {name!r}", param="tools")
+    if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
+        raise ApiError(400, f"'{where}.function.parameters' must be a JSON schema object",
+                       param="tools")
+    if f.get("description") is not None and not isinstance(f["description"], str):
+        raise ApiError(400, f"'{where}.function.description' must be a string", param="tools")
+    unknown = set(f) - {"name", "description", "parameters", "strict"}
+    if unknown:
+        raise ApiError(400, f"'{where}.function' has unknown keys {sorted(unknown)}",
+                       param="tools")
+    return t
+
+
+def tool_ask(body: dict) -> ToolAsk:
+    """The request's ``tools``, ``tool_choice``, ``parallel_tool_calls`` and
+    ``reasoning_format``, checked (each bad value a 400 naming it)."""
+    tools = body.get("tools")
+    if tools is None:
+        tools = []
+    if not isinstance(tools, list):
+        raise ApiError(400, "'tools' must be a list of tools", param="tools")
+    tools = [_tool(i, t) for i, t in enumerate(tools)]
+    names = [t["function"]["name"] for t in tools]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise ApiError(400, f"'tools' names the function '{dup}' twice", param="tools")
+    choice = body.get("tool_choice")
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if isinstance(choice, dict):
+        f = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(f, dict) or \
+                not isinstance(f.get("name"), str):
+            raise ApiError(400, "'tool_choice' must be 'none', 'auto', 'required' or "
+                                "{'type': 'function', 'function': {'name': ...}}",
+                           param="tool_choice")
+        if f["name"] not in names:
+            raise ApiError(400, f"'tool_choice' names the function '{f['name']}', which is "
+                                "not in 'tools'", param="tool_choice")
+        tools = [t for t in tools if t["function"]["name"] == f["name"]]
+        choice = "required"
+    elif choice not in ("none", "auto", "required"):
+        raise ApiError(400, "'tool_choice' must be 'none', 'auto', 'required' or "
+                            "{'type': 'function', 'function': {'name': ...}}",
+                       param="tool_choice")
+    if choice != "none" and not tools:
+        raise ApiError(400, "'tool_choice' is only allowed when 'tools' are specified",
+                       param="tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ApiError(400, "'parallel_tool_calls' must be a boolean",
+                       param="parallel_tool_calls")
+    rf = body.get("reasoning_format")
+    if rf is None:
+        rf = "auto"
+    if rf not in REASONING_FORMATS:
+        raise ApiError(400, f"'reasoning_format' must be one of {list(REASONING_FORMATS)}, "
+                            f"got {rf!r}", param="reasoning_format")
+    return ToolAsk(tools=tuple(tools), choice=choice,
+                   parallel=True if parallel is None else parallel, reasoning_format=rf)
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A chat request rendered by llama.cpp's chat code."""
+
+    prompt: str
+    #: tokenize ``prompt`` with ``add_special`` (the vocabulary adds BOS itself)
+    add_bos: bool
+    #: llguidance's grammar the output follows ("": none)
+    grammar: str
+    #: text that ends the generation besides the request's ``stop`` (the format's own)
+    stops: tuple[str, ...]
+    #: the prompt's tail the grammar consumes before the first sampled token ("": none)
+    grammar_prefill: str
+    #: the parser's settings (``Reply``)
+    parser: dict
+    format_name: str
+
+
+class NativeChat:
+    """A model's chat template (``dgr.serve.templates.ChatTemplate``) in llama.cpp's chat
+    code. Raises ``dgr.errors.CoreNotBuilt`` without the binding, and ``ChatTemplateError``
+    for a template it cannot read."""
+
+    def __init__(self, template):
+        from dgr._chat import ChatTemplate as _Native
+
+        try:
+            self._t = _Native(template.source, template.tool_use, template.bos_token,
+                              template.eos_token, template.add_bos, template.add_eos)
+            probe = self._t.apply({"messages": [{"role": "user", "content": "Hi"}]})
+        except (RuntimeError, ValueError) as e:
+            raise errors.ChatTemplateError(
+                f"llama.cpp's chat code cannot use the chat template of {template.name}: "
+                f"{e}") from None
+        self.template = template
+        self.add_bos = bool(template.add_bos)
+        #: the template thinks (its reasoning is parsed apart from the content)
+        self.thinking = bool(probe.get("supports_thinking"))
+        self.caps: dict = self._t.caps()
+
+    def wanted(self, ask: ToolAsk) -> bool:
+        """Whether a request renders here (tools, or a thinking template) rather than with
+        the plain template (``ChatTemplate.render_prompt``)."""
+        return bool(ask.tools) or self.thinking
+
+    def render(self, messages: list, ask: ToolAsk) -> Rendered:
+        if ask.tools and not self.caps.get("supports_tools"):
+            return self._generic(messages, ask)
+        req = {"messages": messages, "tools": list(ask.tools), "tool_choice": ask.choice,
+               "parallel_tool_calls": ask.parallel and ask.choice != "none",
+               "reasoning_format": ask.reasoning_format, "add_generation_prompt": True}
+        try:
+            out = self._t.apply(req)
+        except (RuntimeError, ValueError) as e:
+            raise ApiError(400, f"the messages could not be rendered with the model's chat "
+                                f"template: {e}", param="messages",
+                           code="ChatTemplateError") from None
+        grammar, prefill = "", ""
+        if out["grammar"] and ask.calls and not out["grammar_lazy"]:
+            gbnf, prefill = _past_generation_prompt(out["grammar"], out["generation_prompt"])
+            gbnf = _calls_only(gbnf, parallel=ask.parallel)
+            try:
+                grammar = compile_grammar("gbnf", gbnf)
+            except errors.InvalidArgument as e:  # llama.cpp's own grammar: not the client's
+                raise errors.ChatTemplateError(
+                    f"the tool-call grammar of the chat format {out['format_name']} does "
+                    f"not compile: {e}") from None
+        parser = {"format": out["format"], "reasoning_format": ask.reasoning_format,
+                  "generation_prompt": out["generation_prompt"], "parser": out["parser"],
+                  "parse_tool_calls": ask.calls}
+        return Rendered(prompt=out["prompt"], add_bos=self.add_bos, grammar=grammar,
+                        stops=tuple(s for s in out["additional_stops"] if s),
+                        grammar_prefill=prefill, parser=parser,
+                        format_name=out["format_name"])
+
+
+    def _generic(self, messages: list, ask: ToolAsk) -> Rendered:
+        """A template that knows no tools (SmolLM2's): llama.cpp's former generic format.
+        The tools and the instruction to answer in JSON go into the system message, the
+        history's calls and results into JSON text, and the output follows a JSON schema:
+        ``{"tool_call": ...}`` (``{"tool_calls": [...]}`` with ``parallel_tool_calls``) or,
+        unless a call is required, ``{"response": "..."}``."""
+        msgs = _generic_messages(messages, ask)
+        try:
+            text, add_bos = self.template.render_prompt(msgs, add_generation_prompt=True)
+        except errors.DgrError as e:
+            raise ApiError(400, str(e), param="messages", code=type(e).__name__) from None
+        grammar = compile_grammar("json_schema", _generic_schema(ask)) if ask.calls else ""
+        return Rendered(prompt=text, add_bos=add_bos, grammar=grammar, stops=(),
+                        grammar_prefill="", parser={"generic": ask.calls},
+                        format_name="generic")
+
+
+#: llama.cpp's instruction of its generic tool format
+GENERIC_INSTRUCTION = ("Respond in JSON format, either with `tool_call` (a request to call "
+                       "tools) or with `response` reply to the user's request")
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
+
+
+def _generic_call(c: dict) -> dict:
+    f = c.get("function") or {}
+    args = f.get("arguments", "{}")
+    try:
+        args = json.loads(args) if isinstance(args, str) else args
+    except json.JSONDecodeError:
+        pass
+    return {"name": f.get("name", ""), "arguments": args, "id": c.get("id", "")}
+
+
+def _generic_messages(messages: list, ask: ToolAsk) -> list:
+    """The history as a template without tools renders it (``NativeChat._generic``)."""
+    out = []
+    for m in messages:
+        if not isinstance(m, dict):
+            raise ApiError(400, "each message must be an object", param="messages")
+        role = m.get("role")
+        if role == "assistant" and m.get("tool_calls"):
+            calls = [_generic_call(c) for c in m["tool_calls"] if isinstance(c, dict)]
+            body = {"tool_calls": calls} if ask.parallel or len(calls) > 1 \
+                else {"tool_call": calls[0]}
+            out.append({"role": "assistant", "content": json.dumps(body, ensure_ascii=False)})
+        elif role == "tool":
+            out.append({"role": "user", "content": json.dumps(
+                {"tool_response": {"tool_call_id": m.get("tool_call_id", ""),
+                                   "content": _text_of(m.get("content"))}},
+                ensure_ascii=False)})
+        elif role == "assistant" and ask.calls:
+            out.append({"role": "assistant", "content": json.dumps(
+                {"response": _text_of(m.get("content"))}, ensure_ascii=False)})
+        else:
+            out.append(m)
+    if ask.calls:
+        tools = json.dumps([t["function"] for t in ask.tools], indent=2, ensure_ascii=False)
+        note = f"You can call these tools:\n{tools}\n\n{GENERIC_INSTRUCTION}"
+        if out and out[0].get("role") == "system":
+            out[0] = {**out[0], "content": _text_of(out[0].get("content")) + "\n\n" + note}
+        else:
+            out.insert(0, {"role": "system", "content": note})
+    return out
+
+
+def _generic_schema(ask: ToolAsk) -> dict:
+    calls = [{"type": "object", "additionalProperties": False,
+              "properties": {"name": {"type": "string", "const": t["function"]["name"]},
+                             "arguments": t["function"].get("parameters") or {"type": "object"}},
+              "required": ["name", "arguments"]} for t in ask.tools]
+    one = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    if ask.parallel:
+        call = {"type": "object", "additionalProperties": False, "required": ["tool_calls"],
+                "properties": {"tool_calls": {"type": "array", "items": one, "minItems": 1}}}
+    else:
+        call = {"type": "object", "additionalProperties": False, "required": ["tool_call"],
+                "properties": {"tool_call": one}}
+    if ask.choice == "required":
+        return call
+    return {"anyOf": [call, {"type": "object", "additionalProperties": False,
+                             "required": ["response"],
+                             "properties": {"response": {"type": "string"}}}]}
+
+
+def _gbnf_literal(text: str) -> str:
+    return '"' + "".join({"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r",
+                          "\t": "\\t"}.get(c, c) for c in text) + '"'
+
+
+def _past_generation_prompt(gbnf: str, generation_prompt: str) -> tuple[str, str]:
+    """``(grammar, prefill)``: llama.cpp's format grammar with the generation prompt it
+    starts with (``root ::= "<|im_start|>assistant\\n" ...``) cut off its root rule, so the
+    grammar starts at the first sampled token (the prompt's special tokens are not text to
+    llguidance); ``prefill`` "". A root that does not start so is kept, with the generation
+    prompt as the prefill llama.cpp feeds it."""
+    if not generation_prompt:
+        return gbnf, ""
+    head = "root ::= " + _gbnf_literal(generation_prompt)
+    lines = gbnf.split("\n")
+    for i, line in enumerate(lines):
+        if line.startswith(head) and line[len(head):len(head) + 1] in (" ", ""):
+            rest = line[len(head):].strip()
+            lines[i] = "root ::= " + (rest or '""')
+            return "\n".join(lines), ""
+    return gbnf, generation_prompt
+
+
+#: an optional run of text before the calls in a root rule (llama.cpp's ``until`` rules)
+_TEXT_FIRST = re.compile(r"\s+until-\d+\?(?=\s)")
+
+
+#: a run of one or more calls (``tool-calls ::= (tool-call space)+``)
+_MANY = re.compile(r"^tool-calls ::= (\(.*\))\+$")
+
+
+def _calls_only(gbnf: str, parallel: bool) -> str:
+    """llama.cpp's tool-call grammar without the optional text it lets come before the calls
+    (``root ::= space until-161? tool-calls``): a required call is the reply's start, as
+    OpenAI's ``required`` means (and as vLLM forces it). The ``until`` rules match text a
+    byte at a time, which is too costly for llguidance's masks on a real vocabulary.
+    Without ``parallel``, one call: llama.cpp's grammars let a format's call blocks repeat
+    whatever ``parallel_tool_calls`` says."""
+    lines = gbnf.split("\n")
+    for i, line in enumerate(lines):
+        if line.startswith("root ::= "):
+            lines[i] = _TEXT_FIRST.sub("", line + " ").rstrip()
+        elif not parallel and _MANY.match(line):
+            lines[i] = _MANY.sub(r"tool-calls ::= \1", line)
+    return "\n".join(lines)
+
+
+def _delta(d: dict) -> dict:
+    """OpenAI's ``delta`` of one of llama.cpp's message diffs."""
+    out: dict = {}
+    if d["reasoning_content_delta"]:
+        out["reasoning_content"] = d["reasoning_content_delta"]
+    if d["content_delta"]:
+        out["content"] = d["content_delta"]
+    i = d["tool_call_index"]
+    if i >= 0:
+        c = d["tool_call"]
+        call: dict = {"index": i}
+        if c["name"]:  # the call's first delta: its id and name
+            call.update(id=c["id"], type="function",
+                        function={"name": c["name"], "arguments": c["arguments"]})
+        else:
+            call["function"] = {"arguments": c["arguments"]}
+        out["tool_calls"] = [call]
+    return out
+
+
+class Reply:
+    """One reply's text parsed as it grows: content, reasoning and tool calls."""
+
+    def __init__(self, rendered: Rendered, *, stream: bool):
+        self._text = ""
+        self.message: dict = {"content": "", "reasoning_content": "", "tool_calls": []}
+        p = dict(rendered.parser)
+        #: the generic format (a JSON reply, parsed whole); None: not generic
+        self._generic = p.get("generic")
+        if self._generic is not None:
+            return
+        from dgr._chat import ChatParser
+
+        # llama-server's: deepseek-legacy leaves the reasoning inline while streaming
+        p["reasoning_in_content"] = stream and p["reasoning_format"] == "deepseek-legacy"
+        self._p = ChatParser(p)
+
+    def _feed_generic(self, final: bool) -> list[dict]:
+        """The generic format: plain content, or (with tools) one JSON reply parsed once
+        whole; text that is not such JSON comes back as content."""
+        if not self._generic:  # tools given but tool_choice none: the text is the content
+            done = self.message["content"]
+            self.message = {**self.message, "content": self._text}
+            return [{"content": self._text[len(done):]}] if len(self._text) > len(done) \
+                else []
+        if not final:
+            return []
+        try:
+            body = json.loads(self._text)
+        except json.JSONDecodeError:
+            body = None
+        calls = body.get("tool_calls") if isinstance(body, dict) else None
+        if isinstance(body, dict) and isinstance(body.get("tool_call"), dict):
+            calls = [body["tool_call"]]
+        if isinstance(calls, list) and calls and all(isinstance(c, dict) for c in calls):
+            tc = [{"id": "call_" + uuid.uuid4().hex[:24], "name": str(c.get("name", "")),
+                   "arguments": json.dumps(c.get("arguments", {}), ensure_ascii=False)}
+                  for c in calls]
+            self.message = {**self.message, "tool_calls": tc}
+            return [{"tool_calls": [{"index": i, "id": c["id"], "type": "function",
+                                     "function": {"name": c["name"],
+                                                  "arguments": c["arguments"]}}]}
+                    for i, c in enumerate(tc)]
+        content = body["response"] if isinstance(body, dict) and \
+            isinstance(body.get("response"), str) else self._text
+        self.message = {**self.message, "content": content}
+        return [{"content": content}] if content else []
+
+    def feed(self, text: str, *, final: bool = False) -> list[dict]:
+        """Append ``text`` (``final``: the reply is whole) and return the OpenAI deltas of
+        what changed. Text the format cannot parse when whole comes back as content."""
+        self._text += text
+        if self._generic is not None:
+            return self._feed_generic(final)
+        try:
+            r = self._p.update(text, not final)
+        except (RuntimeError, ValueError) as e:
+            if not final:
+                return []
+            log.warning("the reply does not parse in its chat format (%s): sent as content", e)
+            done = self.message["content"]
+            self.message = {"content": self._text, "reasoning_content": "", "tool_calls": []}
+            rest = self._text[len(done):] if self._text.startswith(done) else ""
+            return [{"content": rest}] if rest else []
+        self.message = r["message"]
+        return [d for d in map(_delta, r["diffs"]) if d]
+
+    def openai_message(self) -> dict:
+        """The whole reply as OpenAI's assistant ``message``."""
+        m = self.message
+        calls = [{"id": c["id"], "type": "function",
+                  "function": {"name": c["name"], "arguments": c["arguments"]}}
+                 for c in m["tool_calls"]]
+        out: dict = {"role": "assistant",
+                     "content": m["content"] if m["content"] or not calls else None}
+        if m["reasoning_content"]:
+            out["reasoning_content"] = m["reasoning_content"]
+        if calls:
+            out["tool_calls"] = calls
+        return out
+
+    @property
+    def called(self) -> bool:
+        return bool(self.message["tool_calls"])

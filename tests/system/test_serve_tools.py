@@ -1,0 +1,164 @@
+"""Tool calls through the HTTP front with the official ``openai`` client, on a 2-stage SmolLM2
+route: with SmolLM2's own template (which knows no tools: llama.cpp's generic JSON format) and
+with a Hermes template given to the front (``<tool_call>`` markup). ``required`` and a named
+function are grammar-forced, so the calls' structure is asserted, not the model's judgement:
+a round trip (call, ``tool`` message, final answer), and streamed deltas that add up to the
+non-streamed calls."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import dgr
+from dgr.driver.route import AsyncRoute
+from dgr.testing.serving import Served
+from dgr.worker.process import ThreadedWorker
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("dgr._chat._chat")
+
+pytestmark = pytest.mark.slow
+
+SETTINGS = dict(n_ctx=2048, n_slots=2, n_threads=1, n_ubatch=64)
+NAME = "smollm2"
+HERMES = Path(__file__).resolve().parents[1] / "data" / "chat_templates" / \
+    "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "description": "The city, e.g. Paris"},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Get the current time in a timezone",
+    "parameters": {"type": "object", "properties": {"tz": {"type": "string"}},
+                   "required": ["tz"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+@pytest.fixture(scope="module")
+def stages(smollm2):
+    ws = [ThreadedWorker(dgr.Engine(smollm2, layers=r, **SETTINGS)) for r in [(0, 15), (15, 30)]]
+    yield ws
+    for w in ws:
+        w.stop()
+
+
+def _client(stages, template):
+    from dgr.serve.app import create_app
+
+    served = Served(create_app(AsyncRoute([w.address for w in stages]), model=NAME,
+                               template=template))
+    return served, openai.OpenAI(base_url=served.base + "/v1", api_key="unused",
+                                 max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def smol(stages, smollm2):
+    from dgr.serve.templates import ChatTemplate
+
+    served, client = _client(stages, ChatTemplate.from_gguf(smollm2))
+    yield client
+    served.stop()
+
+
+@pytest.fixture(scope="module")
+def hermes(stages, smollm2):
+    """The same route, its front given a Hermes/Qwen-style template (SmolLM2's BOS/EOS)."""
+    import dataclasses
+
+    from dgr.serve.templates import ChatTemplate
+
+    t = dataclasses.replace(ChatTemplate.from_gguf(smollm2), source=HERMES.read_text(),
+                            tool_use=None, name="hermes")
+    served, client = _client(stages, t)
+    yield client
+    served.stop()
+
+
+def _check_calls(choice, tools=(WEATHER,)) -> list[tuple[str, dict]]:
+    """The calls of a choice, each naming a tool of ``tools`` with arguments its schema
+    validates."""
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    assert choice.finish_reason == "tool_calls", choice
+    calls = choice.message.tool_calls
+    assert calls, choice.message
+    out = []
+    for c in calls:
+        assert c.type == "function" and c.id
+        args = json.loads(c.function.arguments)
+        jsonschema.validate(args, schemas[c.function.name])
+        out.append((c.function.name, args))
+    return out
+
+
+def test_a_round_trip_with_smollm2s_own_template(smol):
+    """required: a call comes back; its result as a ``tool`` message gets a final answer."""
+    r = smol.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER],
+                                     tool_choice="required", temperature=0, max_tokens=64)
+    calls = _check_calls(r.choices[0])
+    assert calls[0][0] == "get_weather"
+    call = r.choices[0].message.tool_calls[0]
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function",
+             "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees celsius, sunny"}]
+    final = smol.chat.completions.create(model=NAME, messages=history, tools=[WEATHER],
+                                         tool_choice="none", temperature=0, max_tokens=24)
+    c = final.choices[0]
+    assert c.finish_reason in ("stop", "length") and not c.message.tool_calls
+    assert isinstance(c.message.content, str) and c.message.content.strip()
+    plain = smol.chat.completions.create(model=NAME, messages=ASK, max_tokens=1)
+    # the call and its result are in the prompt
+    assert final.usage.prompt_tokens > plain.usage.prompt_tokens + 10
+
+
+def test_a_named_function_with_a_hermes_template(hermes):
+    """A named function forces that call, in Hermes's <tool_call> markup, parsed into its
+    structure."""
+    r = hermes.chat.completions.create(
+        model=NAME, messages=ASK, tools=[TIME, WEATHER], temperature=0, max_tokens=64,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        parallel_tool_calls=False)
+    calls = _check_calls(r.choices[0], (TIME, WEATHER))
+    assert [n for n, _ in calls] == ["get_weather"]
+    assert r.choices[0].message.content is None
+
+
+@pytest.mark.parametrize("which", ["smol", "hermes"])
+def test_streamed_tool_call_deltas_add_up_to_the_calls(which, request):
+    client = request.getfixturevalue(which)
+    kw = dict(model=NAME, messages=ASK, tools=[WEATHER], tool_choice="required",
+              temperature=0, max_tokens=64, parallel_tool_calls=False)
+    whole = client.chat.completions.create(**kw)
+    calls: list[dict] = []
+    finish = None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        ch = chunk.choices[0]
+        finish = ch.finish_reason or finish
+        for d in ch.delta.tool_calls or []:
+            if d.index == len(calls):
+                assert d.id and d.function.name and d.type == "function"
+                calls.append({"name": d.function.name, "arguments": ""})
+            calls[d.index]["arguments"] += d.function.arguments or ""
+    assert finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == \
+        _check_calls(whole.choices[0])
+
+
+def test_tools_with_a_response_format_is_refused(smol):
+    with pytest.raises(openai.BadRequestError) as e:
+        smol.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER],
+                                     tool_choice="required", max_tokens=4,
+                                     response_format={"type": "json_object"})
+    assert e.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError) as e:
+        smol.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER], max_tokens=4,
+                                     tool_choice={"type": "function",
+                                                  "function": {"name": "nope"}})
+    assert e.value.body["param"] == "tool_choice"
