@@ -1,9 +1,10 @@
-"""Tool calls through the HTTP front with the official ``openai`` client, on a 2-stage SmolLM2
-route: with SmolLM2's own template (which knows no tools: llama.cpp's generic JSON format) and
-with a Hermes template given to the front (``<tool_call>`` markup). ``required`` and a named
-function are grammar-forced, so the calls' structure is asserted, not the model's judgement:
-a round trip (call, ``tool`` message, final answer), and streamed deltas that add up to the
-non-streamed calls."""
+"""Tool calls and reasoning through the HTTP front with the official ``openai`` client, on a
+2-stage SmolLM2 route: with SmolLM2's own template (which knows no tools: llama.cpp's generic
+JSON format) and with a Hermes template given to the front (``<tool_call>`` markup).
+``required`` and a named function are grammar-forced, so the calls' structure is asserted,
+not the model's judgement: a round trip (call, ``tool`` message, final answer), and streamed
+deltas that add up to the non-streamed calls. With DeepSeek R1's template, the reasoning comes
+back apart (``reasoning_content``)."""
 
 from __future__ import annotations
 
@@ -162,3 +163,38 @@ def test_tools_with_a_response_format_is_refused(smol):
                                      tool_choice={"type": "function",
                                                   "function": {"name": "nope"}})
     assert e.value.body["param"] == "tool_choice"
+
+
+@pytest.fixture(scope="module")
+def thinking(stages, smollm2):
+    """The same route, its front given DeepSeek R1's template (which opens <think> itself)."""
+    import dataclasses
+
+    from dgr.serve.templates import ChatTemplate
+
+    src = HERMES.with_name("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja").read_text()
+    t = dataclasses.replace(ChatTemplate.from_gguf(smollm2), source=src, tool_use=None,
+                            name="r1")
+    served, client = _client(stages, t)
+    yield client
+    served.stop()
+
+
+def test_a_thinking_templates_reasoning_comes_apart_streamed_and_not(thinking):
+    """R1's template opens <think>: what the model writes up to </think> is
+    ``reasoning_content``, the rest ``content``; the streamed deltas add up to the same, and
+    ``reasoning_format: none`` gives it all as content."""
+    kw = dict(model=NAME, messages=ASK, temperature=0, max_tokens=24)
+    m = thinking.chat.completions.create(**kw).choices[0].message
+    reasoning = (m.model_extra or {}).get("reasoning_content") or ""
+    assert reasoning.strip()
+    got = {"content": "", "reasoning_content": ""}
+    for chunk in thinking.chat.completions.create(stream=True, **kw):
+        d = chunk.choices[0].delta
+        got["content"] += d.content or ""
+        got["reasoning_content"] += (d.model_extra or {}).get("reasoning_content") or ""
+    assert got == {"content": m.content or "", "reasoning_content": reasoning}
+    inline = thinking.chat.completions.create(extra_body={"reasoning_format": "none"}, **kw)
+    im = inline.choices[0].message
+    assert not (im.model_extra or {}).get("reasoning_content")
+    assert reasoning.strip() in im.content
