@@ -48,14 +48,20 @@ namespace {
 
 std::mutex g_log_mu;
 std::deque<std::string> g_log_tail;
-int g_log_echo = -1;
+
+// DGR_LLAMA_LOG, read once: a function-local static is initialised once, thread-safely
+// (llama.cpp may log from several threads at once)
+int log_echo() {
+    static const int echo = [] {
+        const char * env = std::getenv("DGR_LLAMA_LOG");
+        return env ? std::atoi(env) : 0;
+    }();
+    return echo;
+}
 
 void log_cb(ggml_log_level level, const char * text, void *) {
-    if (g_log_echo < 0) {
-        const char * env = std::getenv("DGR_LLAMA_LOG");
-        g_log_echo = env ? std::atoi(env) : 0;
-    }
-    if (g_log_echo >= 2 || (g_log_echo == 1 && level >= GGML_LOG_LEVEL_WARN)) {
+    const int echo = log_echo();
+    if (echo >= 2 || (echo == 1 && level >= GGML_LOG_LEVEL_WARN)) {
         std::fputs(text, stderr);
     }
     if (level >= GGML_LOG_LEVEL_WARN || level == GGML_LOG_LEVEL_CONT) {

@@ -238,108 +238,110 @@ def _verify_files(m: Manifest, base: Path, layers, jr: Journal, rep: VerifyRepor
     def chunk_len(f: dict, k: int) -> int:
         return min(cs, f["size"] - k * cs)
 
-    # what is there, and what is left to hash
-    todo: list[tuple[dict, Path, dict, int]] = []
-    open_files: dict[str, int] = {}
-    sigs: dict[str, list[int]] = {}
-    for f in m.files:
-        p = base / f["name"]
-        want = plan[f["name"]]
-        rep.bytes_planned += sum(chunk_len(f, k) for k in want)
-        sig = stat_sig(p)
-        if sig is None:
-            jr.drop(p)
-            rep.problems.append(Problem("missing", f["name"], detail=f"not found in {base}"))
-            continue
-        size = sig[0]
-        if size < f["size"]:
-            jr.drop(p)
-            cut = sorted((t for t in m.tensors if t["file"] == f["name"]
-                          and t["offset"] + t["size"] > size), key=lambda t: t["offset"])
-            more = (f"; {len(cut)} tensors cut off, from {cut[0]['name']}" if cut
-                    else "; only padding is cut off")
-            rep.problems.append(Problem("truncated", f["name"],
-                                        detail=f"{size} of {f['size']} bytes{more}"))
-            continue
-        if size > f["size"]:
-            jr.drop(p)
-            rep.problems.append(Problem("oversized", f["name"], detail=(
-                f"{size} bytes, the manifest says {f['size']}: not the manifest's file")))
-            continue
-        entry = jr.entry(p, sig)
-        done = entry["chunks"] & want
-        rep.bytes_journal += sum(chunk_len(f, k) for k in done)
-        sigs[f["name"]] = sig
-        try:
-            open_files[f["name"]] = os.open(p, os.O_RDONLY)
-        except OSError as e:
-            rep.problems.append(Problem("unreadable", f["name"], detail=e.strerror or str(e)))
-            continue
-        for k in sorted(want - done):
-            todo.append((f, p, entry, k))
-
-    bar = Progress(sum(chunk_len(f, k) for f, _, _, k in todo), "verify", progress)
-    bad: dict[str, list[int]] = {}
-    pending = 0
-
-    def job(item):
-        f, _p, _e, k = item
-        start = k * cs
-        return item, reader.hash_range(open_files[f["name"]], start, start + chunk_len(f, k))
-
-    def results():
-        if threads <= 1:
-            for item in todo:
-                yield job(item)
-        else:
-            with ThreadPoolExecutor(threads) as pool:
-                # bounded look-ahead keeps memory and wasted work (on a kill) small
-                it = iter(todo)
-                futs = [pool.submit(job, x) for _, x in zip(range(threads * 2), it)]
-                while futs:
-                    res = futs.pop(0).result()
-                    nxt = next(it, None)
-                    if nxt is not None:
-                        futs.append(pool.submit(job, nxt))
-                    yield res
-
-    n_results = 0
+    open_files: dict[str, int] = {}  # closed however this ends, a raise included
     try:
-        for (f, p, entry, k), digest in results():
-            n_results += 1
-            n = chunk_len(f, k)
-            bar.update(n, f["name"])
-            if digest == f["chunks"][k]:
-                entry["chunks"].add(k)
-                pending += n
-                if pending >= flush_bytes:
-                    jr.flush()
-                    pending = 0
-                killer.unit_done(jr)
-            else:
-                bad.setdefault(f["name"], []).append(k)
-    finally:
-        bar.close()
-        if pending:
-            jr.flush()
-    rep.bytes_read = reader.bytes
-    if n_results != len(todo):  # never report success for chunks nobody hashed
-        raise ArtifactError(f"internal error: {n_results} of {len(todo)} chunks were hashed")
+        # what is there, and what is left to hash
+        todo: list[tuple[dict, Path, dict, int]] = []
+        sigs: dict[str, list[int]] = {}
+        for f in m.files:
+            p = base / f["name"]
+            want = plan[f["name"]]
+            rep.bytes_planned += sum(chunk_len(f, k) for k in want)
+            sig = stat_sig(p)
+            if sig is None:
+                jr.drop(p)
+                rep.problems.append(Problem("missing", f["name"], detail=f"not found in {base}"))
+                continue
+            size = sig[0]
+            if size < f["size"]:
+                jr.drop(p)
+                cut = sorted((t for t in m.tensors if t["file"] == f["name"]
+                              and t["offset"] + t["size"] > size), key=lambda t: t["offset"])
+                more = (f"; {len(cut)} tensors cut off, from {cut[0]['name']}" if cut
+                        else "; only padding is cut off")
+                rep.problems.append(Problem("truncated", f["name"],
+                                            detail=f"{size} of {f['size']} bytes{more}"))
+                continue
+            if size > f["size"]:
+                jr.drop(p)
+                rep.problems.append(Problem("oversized", f["name"], detail=(
+                    f"{size} bytes, the manifest says {f['size']}: not the manifest's file")))
+                continue
+            entry = jr.entry(p, sig)
+            done = entry["chunks"] & want
+            rep.bytes_journal += sum(chunk_len(f, k) for k in done)
+            sigs[f["name"]] = sig
+            try:
+                open_files[f["name"]] = os.open(p, os.O_RDONLY)
+            except OSError as e:
+                rep.problems.append(Problem("unreadable", f["name"], detail=e.strerror or str(e)))
+                continue
+            for k in sorted(want - done):
+                todo.append((f, p, entry, k))
 
-    # a file that changed while it was read: nothing it gave can be trusted
-    for f in m.files:
-        if f["name"] in sigs and stat_sig(base / f["name"]) != sigs[f["name"]]:
-            jr.drop(base / f["name"])
-            rep.problems.append(Problem("changed", f["name"],
-                                        detail="modified while being verified; run again"))
-            bad.pop(f["name"], None)
-    needed = m.needed(layers) if layers is not None else None
-    for name, ks in bad.items():
-        _localise(m, name, sorted(ks), open_files[name], reader, rep, needed)
-    rep.bytes_read = reader.bytes
-    for fd in open_files.values():
-        os.close(fd)
-    jr.flush()
+        bar = Progress(sum(chunk_len(f, k) for f, _, _, k in todo), "verify", progress)
+        bad: dict[str, list[int]] = {}
+        pending = 0
+
+        def job(item):
+            f, _p, _e, k = item
+            start = k * cs
+            return item, reader.hash_range(open_files[f["name"]], start, start + chunk_len(f, k))
+
+        def results():
+            if threads <= 1:
+                for item in todo:
+                    yield job(item)
+            else:
+                with ThreadPoolExecutor(threads) as pool:
+                    # bounded look-ahead keeps memory and wasted work (on a kill) small
+                    it = iter(todo)
+                    futs = [pool.submit(job, x) for _, x in zip(range(threads * 2), it)]
+                    while futs:
+                        res = futs.pop(0).result()
+                        nxt = next(it, None)
+                        if nxt is not None:
+                            futs.append(pool.submit(job, nxt))
+                        yield res
+
+        n_results = 0
+        try:
+            for (f, p, entry, k), digest in results():
+                n_results += 1
+                n = chunk_len(f, k)
+                bar.update(n, f["name"])
+                if digest == f["chunks"][k]:
+                    entry["chunks"].add(k)
+                    pending += n
+                    if pending >= flush_bytes:
+                        jr.flush()
+                        pending = 0
+                    killer.unit_done(jr)
+                else:
+                    bad.setdefault(f["name"], []).append(k)
+        finally:
+            bar.close()
+            if pending:
+                jr.flush()
+        rep.bytes_read = reader.bytes
+        if n_results != len(todo):  # never report success for chunks nobody hashed
+            raise ArtifactError(f"internal error: {n_results} of {len(todo)} chunks were hashed")
+
+        # a file that changed while it was read: nothing it gave can be trusted
+        for f in m.files:
+            if f["name"] in sigs and stat_sig(base / f["name"]) != sigs[f["name"]]:
+                jr.drop(base / f["name"])
+                rep.problems.append(Problem("changed", f["name"],
+                                            detail="modified while being verified; run again"))
+                bad.pop(f["name"], None)
+        needed = m.needed(layers) if layers is not None else None
+        for name, ks in bad.items():
+            _localise(m, name, sorted(ks), open_files[name], reader, rep, needed)
+        rep.bytes_read = reader.bytes
+        jr.flush()
+    finally:
+        for fd in open_files.values():
+            os.close(fd)
 
 
 def _localise(m: Manifest, name: str, ks: list[int], fd: int, reader: _Reader,

@@ -264,6 +264,22 @@ def test_verify_ok_then_journal_makes_it_free(tiny, tiny_manifest, tmp_path):
     assert r3.ok and r3.bytes_read == r3.bytes_planned
 
 
+def test_a_verification_that_raises_closes_its_files(tiny, tiny_manifest, tmp_path,
+                                                      monkeypatch):
+    """A read that fails mid-way raises, and leaves no file descriptor open."""
+    from dgr.artifacts import verify as verify_mod
+
+    def fail(self, fd, start, end, alg="sha256"):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(verify_mod._Reader, "hash_range", fail)
+    before = len(os.listdir("/proc/self/fd"))
+    for threads in (1, 2):
+        with pytest.raises(OSError):
+            verify(tiny_manifest, journal=tmp_path / f"j{threads}.json", threads=threads)
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
 def test_verify_threads_and_default_journal(tiny, tiny_manifest):
     r = verify(tiny_manifest, threads=4)
     assert r.ok and r.bytes_read == tiny.stat().st_size

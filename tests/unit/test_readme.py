@@ -55,3 +55,21 @@ def test_every_project_path_the_docs_name_exists():
     assert len(names) >= 30, names  # the docs were read
     missing = sorted({(d, p) for d, p in names if not (ROOT / p).exists()})
     assert not missing, f"the docs name paths that do not exist: {missing}"
+
+
+def test_a_hung_test_is_stopped_by_the_suites_timeout(tmp_path):
+    """pyproject's pytest settings bound every test (pytest-timeout): a test that hangs fails
+    alone, named, instead of holding the CI run (here with the bound set to 1 s)."""
+    import subprocess
+    import sys
+
+    import tomllib
+
+    ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert 0 < int(ini["timeout"]) <= 1800
+    (tmp_path / "test_hang.py").write_text("import time\n\ndef test_hangs():\n"
+                                           "    time.sleep(60)\n")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "-o", "timeout=1", str(tmp_path / "test_hang.py")],
+                       capture_output=True, text=True, timeout=50, cwd=tmp_path)
+    assert r.returncode == 1 and "Timeout" in r.stdout and "test_hangs" in r.stdout, r.stdout
