@@ -67,6 +67,15 @@ def add_serve_parser(sub) -> None:
                         "once. Default: half the route's slots, at least 1 (on a route of 2 "
                         "slots or more one key never holds them all). 0: no cap. Applies "
                         "only with API keys: without them there is no key to count")
+    s.add_argument("--prompt-cache", type=int, default=2, metavar="N",
+                   help="ended sessions kept, caches on every stage and all, for later "
+                        "requests of the same API key whose prompts begin the same way: they "
+                        "prefill only what differs, with the bits a fresh prefill gives "
+                        "(whole n_ubatch chunks are reused). Each kept session holds a slot "
+                        "until a request needs it or --prompt-cache-ttl passes. Default: 2; "
+                        "0: off")
+    s.add_argument("--prompt-cache-ttl", type=float, default=30.0, metavar="S",
+                   help="seconds a kept session may stay idle (default: 30)")
     s.add_argument("--insecure", action="store_true",
                    help="allow a --host beyond loopback without API keys (a warning is "
                         "logged): anyone who can reach the port may use it")
@@ -90,6 +99,9 @@ def _cmd_serve(args) -> int:
         api_keys = load_keys(args.api_key_file, os.environ.get("DGR_API_KEYS"))
     except (OSError, ValueError) as e:
         print(f"error: API keys: {e}", file=sys.stderr)
+        return 2
+    if args.prompt_cache < 0 or not args.prompt_cache_ttl > 0:
+        print("error: --prompt-cache must be >= 0 and --prompt-cache-ttl > 0", file=sys.stderr)
         return 2
     if args.max_requests_per_key is not None and args.max_requests_per_key < 0:
         print(f"error: --max-requests-per-key must be >= 0, got {args.max_requests_per_key}",
@@ -145,7 +157,9 @@ def _cmd_serve(args) -> int:
                          template=template if template is not None and template.available
                          else None,
                          queue_timeout=args.queue_timeout, api_keys=api_keys,
-                         max_per_key=args.max_requests_per_key)
+                         max_per_key=args.max_requests_per_key,
+                         prompt_cache=args.prompt_cache,
+                         prompt_cache_ttl=args.prompt_cache_ttl)
         cap = args.max_requests_per_key
         cap_text = ("half the route's slots" if cap is None else "no cap" if cap == 0
                     else str(cap))

@@ -165,12 +165,37 @@ class AsyncRouteSession:
         f = await self._run_chunks(chunks, want, ws)
         return self._take(f, logits) if sample else None
 
+    def aligned(self) -> int:
+        """How many of ``history``'s first tokens were prefilled in the chunks a fresh
+        prefill makes (whole ``n_ubatch`` chunks from position 0): the part another prompt
+        may reuse with the bits a fresh prefill gives (``generate``'s ``reuse``)."""
+        ub, n = self.route.n_ubatch, 0
+        for first, count in self.steps:
+            if first != n or count != ub:
+                break
+            n += ub
+        return n
+
+    def _keep(self, n: int) -> None:
+        """Cut ``history`` to its first ``n`` tokens (``n`` within ``aligned()``); the next
+        step drops the rest from every stage's cache (``Forward.rollback``)."""
+        self.rollback += len(self.history) - n
+        self.history = self.history[:n]
+        self.steps = [st for st in self.steps if st[0] + st[1] <= n]
+        self.logits = []
+
     async def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 64,
                        sampling: SamplingParams | None = None, stop: Sequence[str] = (),
                        stop_on_eog: bool = True, logits: bool = False,
-                       add_special: bool = True, parse_special: bool = True
-                       ) -> AsyncIterator[int]:
+                       add_special: bool = True, parse_special: bool = True,
+                       reuse: int = 0) -> AsyncIterator[int]:
         """Prefill ``prompt`` (from position 0, new epoch) and yield sampled tokens.
+
+        ``reuse``: keep the session's first ``reuse`` positions instead (a multiple of
+        ``n_ubatch``, within ``aligned()``, shorter than ``prompt``, and ``history``'s
+        tokens there equal to ``prompt``'s): every stage drops the rest of its cache and
+        prefills from there, in the chunks a fresh prefill makes, so the bits are a fresh
+        prefill's. Anything else is ``InvalidArgument``.
 
         Stops after ``max_tokens``, at an end-of-generation token (not yielded) or once the
         text contains one of ``stop`` (the token completing it is yielded). ``logits=True``
@@ -191,7 +216,16 @@ class AsyncRouteSession:
             raise errors.InvalidArgument("the prompt has no tokens")
         if max_tokens < 1:
             return
-        await self.reset()
+        if reuse:
+            ub = self.route.n_ubatch
+            if reuse % ub or not reuse < len(prompt) or reuse > self.aligned() or \
+                    self.history[:reuse] != prompt[:reuse]:
+                raise errors.InvalidArgument(
+                    f"reuse={reuse}: not a whole-chunk prefix ({ub} tokens a chunk) this "
+                    f"session holds ({self.aligned()} aligned) and the prompt begins with")
+            self._keep(reuse)
+        else:
+            await self.reset()
         self.stop_reason = "length"
         want = "token+logits" if logits else "token"
         ws = wire_sampling(sampling, start=len(prompt))
@@ -199,7 +233,7 @@ class AsyncRouteSession:
         stops = [s for s in stop if s]
         text = TextStream(await r.pieces(), stops) if stops else None
         out: list[int] = []
-        tok = await self.prefill(prompt, sampling=sampling, logits=logits)
+        tok = await self.prefill(prompt[reuse:], sampling=sampling, logits=logits)
         tokens = None  # the tokens after the prefill's, made on demand
         try:
             while True:

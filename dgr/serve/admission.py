@@ -90,7 +90,18 @@ class Admission:
         """Request ``rid`` holds a slot (acquired) and generates (``gen``)."""
         self.active[rid] = gen
 
-    def ended(self, rid: str) -> None:
-        """Request ``rid`` ended: its slot is free."""
+    @property
+    def slot_free(self) -> bool:
+        """Whether a slot is free now (a request would not wait)."""
+        return self._slots is not None and not self._slots.locked()
+
+    def ended(self, rid: str, release: bool = True) -> None:
+        """Request ``rid`` ended: its slot is free (``release``), or the prompt cache keeps
+        its session, slot and all (``dgr.serve.prefix``)."""
         self.active.pop(rid, None)
+        if release:
+            self._slots.release()
+
+    def release(self) -> None:
+        """A slot the prompt cache held is free (its session closed)."""
         self._slots.release()

@@ -26,6 +26,7 @@ released at once. Requests beyond the route's slots (the fewest any stage has) w
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -34,6 +35,7 @@ import pathlib
 import time
 import uuid
 
+import anyio
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -51,6 +53,7 @@ from dgr.serve.auth import KEY_SCOPE, ApiKeys
 from dgr.serve.chat import NativeChat, Rendered, Reply, ToolAsk, tool_ask
 from dgr.serve.generation import Generation, Stream, sse
 from dgr.serve.params import MAX_STOP_CHARS, Params
+from dgr.serve.prefix import PrefixPool
 
 __all__ = ["create_app", "ApiError", "MAX_BODY", "MAX_STOP_CHARS", "per_key_default"]
 
@@ -64,7 +67,8 @@ STATIC = pathlib.Path(__file__).with_name("static")
 
 def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
                metrics_registry=None, api_keys=None,
-               max_per_key: int | None = None) -> Starlette:
+               max_per_key: int | None = None, prompt_cache: int = 0,
+               prompt_cache_ttl: float = 30.0) -> Starlette:
     """The ASGI app serving ``route`` (an ``AsyncRoute``) as the model named ``model``.
 
     ``api_keys``: keys a request must present as ``Authorization: Bearer`` (strings or
@@ -78,9 +82,15 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
     ``template``: a ``dgr.serve.templates.ChatTemplate`` for the chat endpoint (None: chat
     requests get a 400 saying the model has no chat template; completions still work). The
     route is connected at startup if it is not yet, and closed at shutdown.
+
+    ``prompt_cache``: how many ended sessions the front keeps, caches and all, for later
+    requests of the same API key whose prompts begin the same way (``dgr.serve.prefix``;
+    0: none); each holds a slot until a request needs it or it is ``prompt_cache_ttl``
+    seconds idle.
     """
     f = _Front(route, model=model, template=template, queue_timeout=queue_timeout,
-               metrics_registry=metrics_registry, api_keys=api_keys, max_per_key=max_per_key)
+               metrics_registry=metrics_registry, api_keys=api_keys, max_per_key=max_per_key,
+               pool=PrefixPool(prompt_cache, prompt_cache_ttl))
     return Starlette(
         routes=[HttpRoute("/", f.page, methods=["GET"]),
                 HttpRoute("/status", f.status, methods=["GET"]),
@@ -100,9 +110,12 @@ class _Front:
     """The app's parts and its endpoints (``create_app``'s arguments)."""
 
     def __init__(self, route, *, model: str, template, queue_timeout: float, metrics_registry,
-                 api_keys, max_per_key: int | None):
+                 api_keys, max_per_key: int | None, pool: PrefixPool):
         self.route, self.model, self.template, self.api_keys = route, model, template, api_keys
         self.m = serve_metrics.ServeMetrics(metrics_registry)
+        #: the prompt cache: ended sessions kept for their prefixes
+        self.pool = pool
+        self.m.watch_prefix(pool)
         self.admission = Admission(queue_timeout, max_per_key, self.m)
         self.traffic = serve_status.Traffic()
         self.watch = serve_status.StageWatch(route)
@@ -130,10 +143,31 @@ class _Front:
             await r.connect()
         self.admission.open(min(int(s.settings["n_slots"]) for s in r.stages))
         self.vocab = await r.pieces()
+        sweep = asyncio.create_task(self._sweep()) if self.pool.size else None
         try:
             yield
         finally:
+            if sweep is not None:
+                sweep.cancel()
+            await self._close_kept(self.pool.drain())
             await r.close()
+
+    async def _sweep(self) -> None:
+        """Close the prompt cache's sessions idle longer than its ttl."""
+        while True:
+            await asyncio.sleep(max(0.05, self.pool.ttl / 4))
+            await self._close_kept(self.pool.expired())
+
+    async def _close_kept(self, sessions: list) -> None:
+        """Close sessions the prompt cache held; each gives its slot back."""
+        with anyio.CancelScope(shield=True):
+            for s in sessions:
+                try:
+                    await s.close()
+                except Exception as e:  # noqa: BLE001 - a stage gone frees it by TTL
+                    log.warning("closing a kept session failed: %s: %s", type(e).__name__, e)
+                finally:
+                    self.admission.release()
 
     def n_ctx(self) -> int:
         return min(int(s.settings["n_ctx"]) for s in self.route.stages)
@@ -279,8 +313,8 @@ class _Front:
         gen = None
         try:
             try:
-                params, ids, text, max_tokens, rendered = await self._admit(request, chat,
-                                                                           rid)
+                params, ids, text, max_tokens, rendered, taken = await self._admit(
+                    request, chat, rid, key)
             except ApiError as e:
                 return fail(e)
             except errors.DgrError as e:
@@ -291,7 +325,9 @@ class _Front:
                              endpoint=endpoint, traffic=self.traffic,
                              on_close=lambda: self.admission.give_key(key),
                              reply=None if rendered is None
-                             else Reply(rendered, stream=params.stream))
+                             else Reply(rendered, stream=params.stream),
+                             session=taken[0] if taken else None,
+                             reuse=taken[1] if taken else 0, pool=self.pool, key=key)
             if params.echo:  # the prompt as sent, or its tokens' text
                 gen.echo = text or b"".join(self.vocab[t] for t in ids).decode("utf-8",
                                                                                "replace")
@@ -309,9 +345,11 @@ class _Front:
         except errors.DgrError as e:
             return fail(from_dgr(e, rid))
 
-    async def _admit(self, request: Request, chat: bool, rid: str):
-        """Parse and check the request, then wait for a slot: ``(params, prompt ids, prompt
-        text, max tokens)``."""
+    async def _admit(self, request: Request, chat: bool, rid: str, key: str | None):
+        """Parse and check the request, then take a slot: ``(params, prompt ids, prompt
+        text, max tokens, the chat code's rendering or None, (kept session, positions it
+        reuses) or None)``. A slot is a kept session whose cache begins as the prompt does,
+        or a free one, waited for (a kept session closed when none is free)."""
         body = await self.body_of(request)
         params = Params(body, chat=chat)
         ask = tool_ask(body) if chat else None
@@ -327,8 +365,13 @@ class _Front:
         if params.user:
             log.info("request %s from %s", rid, params.user)
         max_tokens = self.budget(ids, params)
-        await self.admission.acquire_slot()
-        return params, ids, text, max_tokens, rendered
+        # a grammar's state on the last stage is the session's (by epoch): not reused
+        taken = None if params.sampling.grammar else self.pool.take(key, ids)
+        if taken is None:
+            if not self.admission.slot_free:
+                await self._close_kept([s for s in [self.pool.evict()] if s is not None])
+            await self.admission.acquire_slot()
+        return params, ids, text, max_tokens, rendered, taken
 
     async def _respond(self, gen: Generation, chat: bool, endpoint: str,
                        ident: dict) -> Response:
@@ -412,6 +455,7 @@ class _Front:
             "in_flight": a.in_flight, "waiting": a.waiting,
             "healthy": all(s["health"] == "ok" for s in stages),
             "traffic": t, "stages": stages, "requests": reqs, "seam_ms": seam,
+            "prompt_cache": self.pool.snapshot(),
             "history": self.history.series()},
             headers={"Cache-Control": "no-store"})
 

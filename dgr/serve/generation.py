@@ -29,7 +29,8 @@ class Generation:
 
     def __init__(self, route, ids: list[int], max_tokens: int, params: Params, *, metrics,
                  t0: float, admission: Admission, vocab: list[bytes], rid: str,
-                 endpoint: str, traffic, on_close=None, reply=None):
+                 endpoint: str, traffic, on_close=None, reply=None, session=None,
+                 reuse: int = 0, pool=None, key: str | None = None):
         self.route, self.ids, self.max_tokens, self.params = route, ids, max_tokens, params
         self.rid, self.endpoint, self.traffic = rid, endpoint, traffic
         self.ttft_s: float | None = None
@@ -37,7 +38,13 @@ class Generation:
         # the request holds one of the route's slots (acquired before): close() gives it back
         self.admission, self.vocab = admission, vocab
         admission.started(rid, self)
-        self.session = route.session()
+        #: a session the prompt cache kept, and how many of its positions this request
+        #: reuses (``dgr.serve.prefix``); else a new one
+        self.session = session if session is not None else route.session()
+        self.reuse = reuse
+        #: the prompt cache this request's session goes to when it ends well, under ``key``
+        self.pool, self.key = pool, key
+        self.completed = False
         self.tokens: list[int] = []
         self.finish_reason = "length"
         self.metrics, self.t0 = metrics, t0
@@ -92,7 +99,8 @@ class Generation:
         s = self.session
         spec0 = (s.trips, s.drafted, s.accepted)  # the session's, before this request
         tokens = s.generate(self.ids, max_tokens=self.max_tokens,
-                            sampling=self.params.sampling, logits=self.params.logprobs)
+                            sampling=self.params.sampling, logits=self.params.logprobs,
+                            **({"reuse": self.reuse} if self.reuse else {}))
         try:
             async for tok in tokens:
                 self._took(tok)
@@ -112,6 +120,7 @@ class Generation:
         t0, d0, a0 = spec0
         self.metrics.speculation(s.trips - t0, s.drafted - d0, s.accepted - a0)
         self.traffic.speculation(s.trips - t0, s.drafted - d0, s.accepted - a0)
+        self.completed = True
 
     async def take_logprobs(self, chat: bool, *, chunk: bool = False) -> dict | None:
         """The ``logprobs`` of the tokens generated since the last call, in the endpoint's
@@ -142,11 +151,19 @@ class Generation:
         if self._closed:
             return
         self._closed = True
-        self.admission.ended(self.rid)
+        # a generation that ended well keeps its session for the prompt cache (slot and
+        # all); every session closed gives its slot back
+        keep = self.pool is not None and self.completed
+        closing = self.pool.put(self.key, self.session) if keep else [self.session]
+        self.admission.ended(self.rid, release=False)
         if self._on_close is not None:
             self._on_close()
         with anyio.CancelScope(shield=True):
-            await self.session.close()
+            for s in closing:
+                try:
+                    await s.close()
+                finally:
+                    self.admission.release()
 
 
 class Stream(StreamingResponse):

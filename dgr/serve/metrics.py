@@ -69,5 +69,39 @@ class ServeMetrics:
     def key_refused(self, key: str) -> None:
         self._key_refused.labels(key=key).inc()
 
+    def watch_prefix(self, pool) -> None:
+        """Export the prompt cache's counts (``dgr.serve.prefix.PrefixPool``) at each scrape."""
+        self.registry.register(_PrefixCollector(pool))
+
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _PrefixCollector:
+    """The prompt cache's counts, read from the pool when scraped."""
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        p = self.pool
+        for name, doc, v in (
+                ("dgr_serve_prompt_cache_hits", "Requests that reused a kept session's prefix",
+                 p.hits),
+                ("dgr_serve_prompt_cache_misses", "Requests the prompt cache had no prefix for",
+                 p.misses),
+                ("dgr_serve_prompt_cache_evictions",
+                 "Kept sessions closed to free a slot, or idle past the cache's ttl",
+                 p.evictions),
+                ("dgr_serve_prompt_cache_tokens_reused",
+                 "Prompt tokens not prefilled again (reused from a kept session)",
+                 p.tokens_reused)):
+            yield CounterMetricFamily(name, doc, value=v)
+        yield GaugeMetricFamily("dgr_serve_prompt_cache_sessions",
+                                "Sessions the prompt cache keeps now (each holds a slot)",
+                                value=len(p))

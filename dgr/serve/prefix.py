@@ -1,0 +1,123 @@
+"""The front's prompt cache: sessions kept, caches and all, after their request ends.
+
+As llama-server keeps a slot's cache and reuses its common prefix (``cache_prompt``), the
+front keeps up to ``size`` ended sessions open on every stage. A later request of the same API
+key whose prompt begins as one of them did takes that session over: every stage drops the
+cache past the common prefix and prefills the rest (``AsyncRouteSession.generate``'s
+``reuse``). Only whole ``n_ubatch`` chunks that the first request prefilled from position 0
+are reused, so the rest is prefilled in the chunks a fresh prefill makes and the bits are a
+fresh prefill's (tests/system/test_prefix_cache.py compares every output with an uncached
+front's).
+
+A kept session holds one of the route's slots: a request that finds no free slot closes the
+least recently used kept session first, and a kept session idle ``ttl`` seconds is closed
+(so a draining worker is not held). One tenant never reuses another's prefix: entries are
+per API key.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["PrefixPool"]
+
+
+@dataclass
+class _Kept:
+    key: str | None
+    session: Any
+    since: float = field(default_factory=time.monotonic)
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class PrefixPool:
+    """Up to ``size`` ended sessions kept for reuse (``size`` 0: none)."""
+
+    def __init__(self, size: int, ttl: float = 30.0):
+        if size < 0:
+            raise ValueError(f"the prompt cache's size must be >= 0, got {size}")
+        self.size, self.ttl = size, ttl
+        self._kept: collections.OrderedDict[int, _Kept] = collections.OrderedDict()
+        self._next = 0
+        #: requests that reused a kept prefix, that found none, kept sessions closed to free
+        #: a slot or by age, and prompt tokens not prefilled again
+        self.hits = self.misses = self.evictions = self.tokens_reused = 0
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    @staticmethod
+    def reusable(session, prompt: list[int]) -> int:
+        """The positions of ``session`` a request with ``prompt`` may keep: the common
+        prefix, cut to whole chunks it prefilled from 0, leaving at least one prompt token
+        to prefill (the step that samples)."""
+        ub = session.route.n_ubatch
+        n = min(_common(session.history, prompt), session.aligned(), len(prompt) - 1)
+        return n - n % ub
+
+    def take(self, key: str | None, prompt: list[int]) -> tuple[Any, int] | None:
+        """The kept session of ``key`` whose cache serves ``prompt`` best, and how many of its
+        positions to reuse (taken out of the pool: its slot is the request's); None when
+        none reuses a chunk."""
+        if not self.size:
+            return None
+        best, best_n = None, 0
+        for i, k in self._kept.items():
+            if k.key == key:
+                n = self.reusable(k.session, prompt)
+                if n > best_n:
+                    best, best_n = i, n
+        if best is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self.tokens_reused += best_n
+        return self._kept.pop(best).session, best_n
+
+    def put(self, key: str | None, session) -> list:
+        """Keep ``session`` (its request ended well; it holds its slot); returns the sessions
+        to close: beyond ``size``, the least recently kept."""
+        if not self.size:
+            return [session]
+        self._kept[self._next] = _Kept(key, session)
+        self._next += 1
+        out = []
+        while len(self._kept) > self.size:
+            out.append(self._kept.popitem(last=False)[1].session)
+            self.evictions += 1
+        return out
+
+    def evict(self) -> Any | None:
+        """The least recently kept session, out of the pool (a request needs its slot)."""
+        if not self._kept:
+            return None
+        self.evictions += 1
+        return self._kept.popitem(last=False)[1].session
+
+    def expired(self, now: float | None = None) -> list:
+        """The sessions kept longer than ``ttl``, out of the pool."""
+        now = time.monotonic() if now is None else now
+        old = [i for i, k in self._kept.items() if now - k.since > self.ttl]
+        self.evictions += len(old)
+        return [self._kept.pop(i).session for i in old]
+
+    def drain(self) -> list:
+        """Every kept session, out of the pool (shutdown)."""
+        out = [k.session for k in self._kept.values()]
+        self._kept.clear()
+        return out
+
+    def snapshot(self) -> dict:
+        return {"size": self.size, "kept": len(self._kept), "hits": self.hits,
+                "misses": self.misses, "evictions": self.evictions,
+                "tokens_reused": self.tokens_reused}
