@@ -313,7 +313,7 @@ class _Front:
         gen = None
         try:
             try:
-                params, ids, text, max_tokens, rendered, taken = await self._admit(
+                params, ids, text, max_tokens, reply, taken = await self._admit(
                     request, chat, rid, key)
             except ApiError as e:
                 return fail(e)
@@ -324,9 +324,7 @@ class _Front:
                              admission=self.admission, vocab=self.vocab, rid=rid,
                              endpoint=endpoint, traffic=self.traffic,
                              on_close=lambda: self.admission.give_key(key),
-                             reply=None if rendered is None
-                             else Reply(rendered, stream=params.stream),
-                             session=taken[0] if taken else None,
+                             reply=reply, session=taken[0] if taken else None,
                              reuse=taken[1] if taken else 0, pool=self.pool, key=key)
             if params.echo:  # the prompt as sent, or its tokens' text
                 gen.echo = text or b"".join(self.vocab[t] for t in ids).decode("utf-8",
@@ -347,8 +345,8 @@ class _Front:
 
     async def _admit(self, request: Request, chat: bool, rid: str, key: str | None):
         """Parse and check the request, then take a slot: ``(params, prompt ids, prompt
-        text, max tokens, the chat code's rendering or None, (kept session, positions it
-        reuses) or None)``. A slot is a kept session whose cache begins as the prompt does,
+        text, max tokens, the reply's parser or None, (kept session, positions it reuses) or
+        None)``; nothing raises once the slot is taken. A slot is a kept session whose cache begins as the prompt does,
         or a free one, waited for (a kept session closed when none is free)."""
         body = await self.body_of(request)
         params = Params(body, chat=chat)
@@ -365,13 +363,14 @@ class _Front:
         if params.user:
             log.info("request %s from %s", rid, params.user)
         max_tokens = self.budget(ids, params)
+        reply = None if rendered is None else Reply(rendered, stream=params.stream)
         # a grammar's state on the last stage is the session's (by epoch): not reused
         taken = None if params.sampling.grammar else self.pool.take(key, ids)
         if taken is None:
             if not self.admission.slot_free:
                 await self._close_kept([s for s in [self.pool.evict()] if s is not None])
             await self.admission.acquire_slot()
-        return params, ids, text, max_tokens, rendered, taken
+        return params, ids, text, max_tokens, reply, taken
 
     async def _respond(self, gen: Generation, chat: bool, endpoint: str,
                        ident: dict) -> Response:

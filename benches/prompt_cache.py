@@ -1,0 +1,128 @@
+"""A growing chat, turn by turn: time to first token with the front's prompt cache, without it,
+and ``llama-server`` (its slot cache) on the whole model, side by side in one run.
+
+    python benches/prompt_cache.py [--turns 5] [--tokens 32] [--stages 3] [--json out.json]
+
+Each server holds its own conversation: a system prompt of about 400 tokens, then per turn a
+short user message; the reply (greedy, ``--tokens`` at most) joins the history, and the next
+turn sends it all again, as chat clients and agent loops do. Settings as
+``benches/serve_load.py`` (one thread per process, ``n_ubatch`` 64, flash attention, 1024
+context tokens per slot, 2 slots). dgr reuses only whole 64-token chunks (exact:
+docs/serve.md "Prompt cache"); llama-server reuses its slot's common prefix to the token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import subprocess
+import sys
+import time
+
+from serve_load import N_CTX, N_UBATCH, _free_port, _wait_healthy, llama_server
+
+SYSTEM = ("You are a careful assistant for a small bakery. " + " ".join(
+    f"Rule {i}: answer in plain words, mention the price of item {i} when asked, keep "
+    f"replies short, and never invent opening hours." for i in range(1, 19)))
+QUESTIONS = ["What bread do you recommend for breakfast?", "How much is item 3?",
+             "Do you have anything without sugar?", "Which rule says to keep replies short?",
+             "Thank you. Summarise our talk in one line.", "And item 7?", "Goodbye."]
+
+
+def turn(port: int, name: str, messages: list, max_tokens: int) -> tuple[float, str, int]:
+    """One streamed chat request: (TTFT s, the reply, prompt tokens)."""
+    body = json.dumps({"model": name, "messages": messages, "max_tokens": max_tokens,
+                       "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}})
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    t0 = time.perf_counter()
+    c.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    r = c.getresponse()
+    if r.status != 200:
+        raise RuntimeError(f"HTTP {r.status}: {r.read()[:300]!r}")
+    first, text, usage = None, "", {}
+    for raw in r:
+        line = raw.decode().strip()
+        if not line.startswith("data: {"):
+            continue
+        ev = json.loads(line[6:])
+        usage = ev.get("usage") or usage
+        for ch in ev.get("choices") or []:
+            piece = (ch.get("delta") or {}).get("content")
+            if piece:
+                first = first or time.perf_counter()
+                text += piece
+    c.close()
+    return (first or time.perf_counter()) - t0, text, usage.get("prompt_tokens", 0)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--model", help="GGUF (default: the registry's default model)")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    from dgr.artifacts import models
+
+    model = args.model or str(models.path(models.DEFAULT_MODEL))
+    name = "bench"
+    ports = {k: _free_port() for k in ("dgr cache", "dgr no cache", "llama-server")}
+    common = ["--stages", str(args.stages), "--model-name", name, "--ctx", str(N_CTX),
+              "--slots", "2", "--threads", "1", "--ubatch", str(N_UBATCH), "--flash-attn",
+              "on"]
+    cmds = {
+        "dgr cache": [sys.executable, "-m", "dgr", "serve", "--model", model, "--port",
+                      str(ports["dgr cache"]), "--prompt-cache", "2", *common],
+        "dgr no cache": [sys.executable, "-m", "dgr", "serve", "--model", model, "--port",
+                         str(ports["dgr no cache"]), "--prompt-cache", "0", *common],
+        "llama-server": [llama_server(), "-m", model, "--host", "127.0.0.1", "--port",
+                         str(ports["llama-server"]), "-t", "1", "-tb", "1", "-c",
+                         str(N_CTX * 2), "-np", "2", "-b", str(N_UBATCH), "-ub",
+                         str(N_UBATCH), "-fa", "on", "--alias", name, "--no-webui"]}
+    log = open(os.devnull, "w")
+    procs = {}
+    rows = []
+    try:
+        for k in cmds:  # one at a time: each has the machine to itself while it works
+            procs[k] = subprocess.Popen(cmds[k], stdout=log, stderr=log)
+        for k, p in procs.items():
+            _wait_healthy(ports[k], p, k)
+        history = {k: [{"role": "system", "content": SYSTEM}] for k in cmds}
+        for t in range(args.turns):
+            row = {"turn": t + 1}
+            for k in cmds:
+                history[k].append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)]})
+                ttft, reply, n = turn(ports[k], name, history[k], args.tokens)
+                history[k].append({"role": "assistant", "content": reply})
+                row[k] = {"ttft_ms": 1e3 * ttft, "prompt_tokens": n}
+            rows.append(row)
+            print(f"turn {t + 1}: " + "  ".join(
+                f"{k} {row[k]['ttft_ms']:7.0f} ms ({row[k]['prompt_tokens']} tokens)"
+                for k in cmds), flush=True)
+    finally:
+        for p in procs.values():
+            p.send_signal(2)
+        for p in procs.values():
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    print("\n| turn | prompt tokens | dgr cache ms | dgr no cache ms | llama-server ms | "
+          "cache / no cache | cache / llama-server |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        a, b, c = (r[k]["ttft_ms"] for k in cmds)
+        print(f"| {r['turn']} | {r['dgr cache']['prompt_tokens']} | {a:.0f} | {b:.0f} | "
+              f"{c:.0f} | {a / b:.2f} | {a / c:.2f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": model, "commands": cmds, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
