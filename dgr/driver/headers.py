@@ -12,8 +12,7 @@ __all__ = ["forward_header", "wire_sampling", "solo_of"]
 
 def wire_sampling(p: SamplingParams | None, start: int = 0) -> wire.Sampling | None:
     """``Forward.sampling`` of ``p`` (None: greedy, the stage's default); ``start``: the
-    position of the first token sampled (``p.grammar`` begins ``p.grammar_prefix`` tokens
-    before it)."""
+    position of the first token sampled (where ``p.grammar`` begins)."""
     if p is None or (p.greedy and not p.logit_bias and not p.penalized and not p.grammar):
         return None
     # what applies to greedy and sampling alike: the bias, the penalties, the grammar
@@ -26,7 +25,7 @@ def wire_sampling(p: SamplingParams | None, start: int = 0) -> wire.Sampling | N
                       presence_penalty=float(p.presence_penalty))
     if p.grammar:
         common.update(grammar=p.grammar, grammar_id=grammar_id(p.grammar),
-                      grammar_from=max(0, int(start) - int(p.grammar_prefix)))
+                      grammar_from=int(start))
     if p.greedy:
         return wire.Sampling(greedy=True, **common)
     return wire.Sampling(temperature=float(p.temperature), top_k=int(p.top_k),

@@ -45,9 +45,6 @@ class SamplingParams:
     #: llguidance's grammar definition the sampled tokens follow (``dgr.protocol.grammar``;
     #: "": none)
     grammar: str = ""
-    #: how many of the prompt's last tokens the grammar consumes before the first sampled
-    #: one (a chat format's generation prompt, which llama.cpp feeds its format grammars)
-    grammar_prefix: int = 0
 
     def __post_init__(self):
         if not (self.temperature >= 0.0 and np.isfinite(self.temperature)):
@@ -65,8 +62,6 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not np.isfinite(getattr(self, name)):
                 raise InvalidArgument(f"{name} must be a finite number")
-        if self.grammar_prefix < 0 or (self.grammar_prefix and not self.grammar):
-            raise InvalidArgument("grammar_prefix is a count >= 0 of a grammar's prompt tokens")
         if not 0 <= self.penalty_last_n <= 2**31 - 1:
             raise InvalidArgument(f"penalty_last_n must be >= 0, got {self.penalty_last_n}")
 

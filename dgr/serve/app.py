@@ -230,24 +230,11 @@ class _Front:
             raise ApiError(400, "the prompt has no tokens", param="prompt")
         return ids, text, rendered
 
-    async def _grammar_prefix(self, ids: list[int], generation_prompt: str) -> int:
-        """How many of the prompt's last tokens are the template's generation prompt (which
-        a format grammar starts with, as llama.cpp feeds it first); 0 when they are not."""
-        if not generation_prompt:
-            return 0
-        gp = [int(t) for t in await self.route.tokenize(generation_prompt, False, True)]
-        # as llama.cpp: a tokenizer may put a space before the first special token
-        if gp and self.vocab[gp[0]][:1].isspace() and not generation_prompt[:1].isspace():
-            gp = gp[1:]
-        return len(gp) if gp and len(gp) <= len(ids) and ids[-len(gp):] == gp else 0
-
-    async def _with_tools(self, params: Params, ids: list[int], rendered: Rendered) -> None:
+    def _with_tools(self, params: Params, rendered: Rendered) -> None:
         """``params`` with the format's grammar and stop strings (a request with tools or a
         thinking template)."""
         if rendered.grammar:
-            prefix = await self._grammar_prefix(ids, rendered.grammar_prefill)
-            params.sampling = dataclasses.replace(params.sampling, grammar=rendered.grammar,
-                                                  grammar_prefix=prefix)
+            params.sampling = dataclasses.replace(params.sampling, grammar=rendered.grammar)
         params.stop = params.stop + [s for s in rendered.stops if s not in params.stop]
 
     async def _completion_prompt(self, p) -> tuple[str, list[int]]:
@@ -358,7 +345,7 @@ class _Front:
                            code="unsupported_parameter")
         ids, text, rendered = await self.prompt_tokens(body, chat, ask)
         if rendered is not None:
-            await self._with_tools(params, ids, rendered)
+            self._with_tools(params, rendered)
         self._check_ids([t for t, _ in params.sampling.logit_bias], "logit_bias")
         if params.user:
             log.info("request %s from %s", rid, params.user)

@@ -11,6 +11,8 @@ other format llama-server knows, with a generic JSON format for templates that k
 - ``required``, and a named function (the tools cut to that one, then ``required``): the
   output follows the tool-call grammar llama.cpp makes for the template, from its first
   token (the template's generation prompt, which it starts with, cut off), calls only.
+  Where that grammar does not fit llguidance (gpt-oss's starts past special tokens), or
+  llama.cpp makes none, the generic format below forces the call instead.
 - A template that knows no tools (SmolLM2's; llama.cpp's chat code would drop the tools):
   llama.cpp's former generic format. The tools and an instruction go into the system
   message and the reply is JSON under a schema: ``{"tool_call": ...}`` or
@@ -146,8 +148,6 @@ class Rendered:
     grammar: str
     #: text that ends the generation besides the request's ``stop`` (the format's own)
     stops: tuple[str, ...]
-    #: the prompt's tail the grammar consumes before the first sampled token ("": none)
-    grammar_prefill: str
     #: the parser's settings (``Reply``)
     parser: dict
     format_name: str
@@ -181,7 +181,8 @@ class NativeChat:
         return bool(ask.tools) or self.thinking
 
     def render(self, messages: list, ask: ToolAsk) -> Rendered:
-        if ask.tools and not self.caps.get("supports_tools"):
+        if ask.tools and not (self.caps.get("supports_tools") or
+                              self.caps.get("supports_tool_calls")):
             return self._generic(messages, ask)
         req = {"messages": messages, "tools": list(ask.tools), "tool_choice": ask.choice,
                "parallel_tool_calls": ask.parallel and ask.choice != "none",
@@ -192,24 +193,25 @@ class NativeChat:
             raise ApiError(400, f"the messages could not be rendered with the model's chat "
                                 f"template: {e}", param="messages",
                            code="ChatTemplateError") from None
-        grammar, prefill = "", ""
+        grammar = ""
         if out["grammar"] and ask.calls and not out["grammar_lazy"]:
-            gbnf, prefill = _past_generation_prompt(out["grammar"], out["generation_prompt"])
-            gbnf = _calls_only(gbnf, parallel=ask.parallel)
-            try:
-                grammar = compile_grammar("gbnf", gbnf)
-            except errors.InvalidArgument as e:  # llama.cpp's own grammar: not the client's
-                raise errors.ChatTemplateError(
-                    f"the tool-call grammar of the chat format {out['format_name']} does "
-                    f"not compile: {e}") from None
+            grammar = _llguidance_of(out["grammar"], out["generation_prompt"], ask.parallel)
+            if not grammar:
+                log.info("the tool-call grammar of %s does not fit llguidance: the generic "
+                         "format forces the call", self.template.name)
+        if ask.choice == "required" and not grammar:
+            # llama.cpp forces no call here (its grammar is lazy or none), or its grammar
+            # does not fit llguidance (it starts past the prompt's special tokens, or does
+            # not compile): the generic format's schema forces it, rather than a required
+            # call left to chance
+            return self._generic(messages, ask)
         parser = {"format": out["format"], "reasoning_format": ask.reasoning_format,
                   "generation_prompt": out["generation_prompt"], "parser": out["parser"],
                   "parse_tool_calls": ask.calls}
         return Rendered(prompt=out["prompt"], add_bos=self.add_bos, grammar=grammar,
                         stops=tuple(s for s in out["additional_stops"] if s),
-                        grammar_prefill=prefill, parser=parser,
+                        parser=parser,
                         format_name=out["format_name"])
-
 
     def _generic(self, messages: list, ask: ToolAsk) -> Rendered:
         """A template that knows no tools (SmolLM2's): llama.cpp's former generic format.
@@ -224,7 +226,7 @@ class NativeChat:
             raise ApiError(400, str(e), param="messages", code=type(e).__name__) from None
         grammar = compile_grammar("json_schema", _generic_schema(ask)) if ask.calls else ""
         return Rendered(prompt=text, add_bos=add_bos, grammar=grammar, stops=(),
-                        grammar_prefill="", parser={"generic": ask.calls},
+                        parser={"generic": ask.calls},
                         format_name="generic")
 
 
@@ -305,22 +307,26 @@ def _gbnf_literal(text: str) -> str:
                           "\t": "\\t"}.get(c, c) for c in text) + '"'
 
 
-def _past_generation_prompt(gbnf: str, generation_prompt: str) -> tuple[str, str]:
-    """``(grammar, prefill)``: llama.cpp's format grammar with the generation prompt it
-    starts with (``root ::= "<|im_start|>assistant\\n" ...``) cut off its root rule, so the
-    grammar starts at the first sampled token (the prompt's special tokens are not text to
-    llguidance); ``prefill`` "". A root that does not start so is kept, with the generation
-    prompt as the prefill llama.cpp feeds it."""
-    if not generation_prompt:
-        return gbnf, ""
-    head = "root ::= " + _gbnf_literal(generation_prompt)
-    lines = gbnf.split("\n")
-    for i, line in enumerate(lines):
-        if line.startswith(head) and line[len(head):len(head) + 1] in (" ", ""):
-            rest = line[len(head):].strip()
-            lines[i] = "root ::= " + (rest or '""')
-            return "\n".join(lines), ""
-    return gbnf, generation_prompt
+def _llguidance_of(gbnf: str, generation_prompt: str, parallel: bool) -> str:
+    """llguidance's grammar of llama.cpp's tool-call grammar ``gbnf``, starting at the first
+    sampled token; "" when it does not fit. llama.cpp's format grammars start with the
+    generation prompt (``root ::= "<|im_start|>assistant\\n" ...``), which its sampler is fed
+    first; here that literal is cut off the root rule instead, since the prompt's special
+    tokens are not text to llguidance. A root that does not start so does not fit."""
+    if generation_prompt:
+        head = "root ::= " + _gbnf_literal(generation_prompt)
+        lines = gbnf.split("\n")
+        at = next((i for i, line in enumerate(lines) if line.startswith(head) and
+                   line[len(head):len(head) + 1] in (" ", "")), None)
+        if at is None:
+            return ""
+        lines[at] = "root ::= " + (lines[at][len(head):].strip() or '""')
+        gbnf = "\n".join(lines)
+    try:
+        return compile_grammar("gbnf", _calls_only(gbnf, parallel=parallel))
+    except errors.InvalidArgument as e:
+        log.info("llguidance refuses a tool-call grammar: %s", e)
+        return ""
 
 
 #: an optional run of text before the calls in a root rule (llama.cpp's ``until`` rules)

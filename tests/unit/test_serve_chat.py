@@ -190,7 +190,7 @@ def test_required_and_a_named_function_get_a_grammar_auto_does_not():
     grammar is lazy, not applied (parsed only)."""
     native = _native("Qwen-Qwen2.5-7B-Instruct")
     req = native.render(USER, ToolAsk(tools=(SPECIAL, WEATHER), choice="required"))
-    assert req.grammar and "special_function" in req.grammar and req.grammar_prefill == ""
+    assert req.grammar and "special_function" in req.grammar and req.format_name != "generic"
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     assert _accepts(req.grammar, call)  # with the generation prompt first, it would not
     assert not _accepts(req.grammar, "Let me look.\n" + call)  # calls only
@@ -208,6 +208,21 @@ def test_required_and_a_named_function_get_a_grammar_auto_does_not():
         ["get_weather"]
     g = native.render(USER, named).grammar
     assert "get_weather" in g and "special_function" not in g
+
+
+def test_a_required_call_the_native_grammar_cannot_force_gets_the_generic_format():
+    """gpt-oss's tool-call grammar starts past the prompt's special tokens, which llguidance
+    does not take as text: the generic format's schema forces the call instead (never a
+    required call left to chance); a template that calls tools but does not describe them
+    (DeepSeek R1's) keeps its own format where nothing is forced."""
+    gpt = _native("openai-gpt-oss-120b", bos="<|startoftext|>", eos="<|return|>")
+    r = gpt.render(USER, ToolAsk(tools=(SPECIAL,), choice="required"))
+    assert r.format_name == "generic" and "special_function" in r.prompt
+    assert _accepts(r.grammar, '{"tool_calls": [{"name": "special_function", '
+                               '"arguments": {"arg1": 1}}]}')
+    assert not _accepts(r.grammar, '{"response": "hi"}')
+    r1 = _native("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B")
+    assert r1.render(USER, ToolAsk(tools=(SPECIAL,), choice="auto")).format_name != "generic"
 
 
 @pytest.mark.parametrize("body, param", [
