@@ -479,3 +479,20 @@ def test_serve_beyond_loopback_with_keys_or_insecure_starts(serve_cmd, monkeypat
     assert rc == 0 and ran == ["0.0.0.0", "0.0.0.0"]
     rc, _ = serve_cmd("--max-requests-per-key", "-1")
     assert rc == 2
+
+
+def test_serve_prompt_cache_flags(serve_cmd, monkeypatch):
+    """--prompt-cache N and --prompt-cache-ttl S reach the app (its pool); bad values stop
+    the command before it serves."""
+    import dgr.serve.app as app_mod
+
+    made = []
+    real = app_mod.create_app
+    monkeypatch.setattr(app_mod, "create_app", lambda *a, **kw: made.append(kw) or real(*a, **kw))
+    rc, ran = serve_cmd("--prompt-cache", "3", "--prompt-cache-ttl", "7.5")
+    assert rc == 0 and (made[-1]["prompt_cache"], made[-1]["prompt_cache_ttl"]) == (3, 7.5)
+    rc, _ = serve_cmd()
+    assert rc == 0 and made[-1]["prompt_cache"] == 2  # the default
+    for bad in (("--prompt-cache", "-1"), ("--prompt-cache-ttl", "0")):
+        rc, _ = serve_cmd(*bad)
+        assert rc == 2, bad
