@@ -137,6 +137,8 @@ def test_the_page_shows_every_stage_and_a_chat_round_trip_streams(browser, serve
         assert f"layers [{a}, {b})" in card["text"] and w.address in card["text"]
         assert "slots in use" in card["text"] and "0 / 2" in card["text"]
     assert browser.find_element(By.ID, "model").text == "smollm2"
+    # this front keeps no sessions (tests/system/test_prefix_cache.py counts a cache's use)
+    assert browser.find_element(By.ID, "fig-prompt-cache").text == "off"
 
     # count the updates of the reply as it streams in
     browser.execute_script("""
@@ -211,6 +213,7 @@ def test_the_status_json_after_a_completion(served, stages):
     assert st["healthy"] and st["in_flight"] == 0 and st["requests"] == []
     assert st["traffic"]["tokens_per_s"] > 0 and st["traffic"]["ttft_ms"] > 0
     assert st["path"] in ("relay+loop", "relay", "hop-by-hop")
+    assert st["prompt_cache"]["size"] == 0 and st["prompt_cache"]["kept"] == 0
     # the trends' samples: one per 2 s of polls at most (a page may be polling too), so a
     # sample after the completion comes within a few polls
     deadline = time.monotonic() + 30

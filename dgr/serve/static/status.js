@@ -118,6 +118,10 @@ function render(st) {
   $("fig-acceptance").textContent = st.traffic.acceptance === null ? "\u2013" :
     fmt(100 * st.traffic.acceptance, 0, "%") + " of " + st.traffic.drafted;
   $("fig-per-trip").textContent = fmt(st.traffic.tokens_per_trip, 2);
+  const pc = st.prompt_cache;
+  $("fig-prompt-cache").textContent = !pc || !pc.size ? "off" :
+    pc.hits + " of " + (pc.hits + pc.misses) + ", " + pc.tokens_reused + " tokens; " +
+    pc.kept + " / " + pc.size + " kept";
   $("seam-note").textContent = st.in_flight > 1 ?
     "With several requests in flight the seam figure includes their waits for each other." : "";
   const ol = $("stages");
