@@ -224,14 +224,20 @@ class NativeChat:
             text, add_bos = self.template.render_prompt(msgs, add_generation_prompt=True)
         except errors.DgrError as e:
             raise ApiError(400, str(e), param="messages", code=type(e).__name__) from None
-        grammar = compile_grammar("json_schema", _generic_schema(ask)) if ask.calls else ""
+        try:
+            grammar = compile_grammar("json_schema", _generic_schema(ask)) if ask.calls else ""
+        except errors.InvalidArgument as e:  # a tool's parameters: the client's schema
+            raise ApiError(400, f"'tools': a function's parameters are not a schema the "
+                                f"output can follow: {e}", param="tools",
+                           code="invalid_grammar") from None
         return Rendered(prompt=text, add_bos=add_bos, grammar=grammar, stops=(),
                         parser={"generic": ask.calls},
                         format_name="generic")
 
 
-#: llama.cpp's instruction of its generic tool format
-GENERIC_INSTRUCTION = ("Respond in JSON format, either with `tool_call` (a request to call "
+#: llama.cpp's instruction of its generic tool format (``{key}``: ``tool_call``, or
+#: ``tool_calls`` with ``parallel_tool_calls``)
+GENERIC_INSTRUCTION = ("Respond in JSON format, either with `{key}` (a request to call "
                        "tools) or with `response` reply to the user's request")
 
 
@@ -258,8 +264,9 @@ def _generic_messages(messages: list, ask: ToolAsk) -> list:
         if not isinstance(m, dict):
             raise ApiError(400, "each message must be an object", param="messages")
         role = m.get("role")
-        if role == "assistant" and m.get("tool_calls"):
-            calls = [_generic_call(c) for c in m["tool_calls"] if isinstance(c, dict)]
+        calls = [_generic_call(c) for c in m.get("tool_calls") or [] if isinstance(c, dict)] \
+            if role == "assistant" and isinstance(m.get("tool_calls"), list) else []
+        if calls:
             body = {"tool_calls": calls} if ask.parallel or len(calls) > 1 \
                 else {"tool_call": calls[0]}
             out.append({"role": "assistant", "content": json.dumps(body, ensure_ascii=False)})
@@ -275,7 +282,8 @@ def _generic_messages(messages: list, ask: ToolAsk) -> list:
             out.append(m)
     if ask.calls:
         tools = json.dumps([t["function"] for t in ask.tools], indent=2, ensure_ascii=False)
-        note = f"You can call these tools:\n{tools}\n\n{GENERIC_INSTRUCTION}"
+        key = "tool_calls" if ask.parallel else "tool_call"
+        note = f"You can call these tools:\n{tools}\n\n{GENERIC_INSTRUCTION.format(key=key)}"
         if out and out[0].get("role") == "system":
             out[0] = {**out[0], "content": _text_of(out[0].get("content")) + "\n\n" + note}
         else:

@@ -225,6 +225,31 @@ def test_a_required_call_the_native_grammar_cannot_force_gets_the_generic_format
     assert r1.render(USER, ToolAsk(tools=(SPECIAL,), choice="auto")).format_name != "generic"
 
 
+def test_the_generic_formats_history_and_a_schema_it_cannot_follow():
+    """A template without tools: the history's calls and results become JSON text (a
+    malformed assistant ``tool_calls`` is not a 500), the instruction names the key the
+    schema wants, and parameters llguidance cannot follow are a 400 naming tools."""
+    native = NativeChat(ChatTemplate(source=CHATML, name="chatml"))
+    history = USER + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "special_function", "arguments": '{"arg1": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "done"},
+        {"role": "assistant", "content": "ok", "tool_calls": ["junk"]}]
+    r = native.render(history, ToolAsk(tools=(SPECIAL,), choice="auto", parallel=False))
+    assert r.format_name == "generic" and "`tool_call`" in r.prompt
+    assert '{"tool_call": {"name": "special_function", "arguments": {"arg1": 1}' in r.prompt
+    assert '"tool_response": {"tool_call_id": "c1", "content": "done"}' in r.prompt
+    assert _accepts(r.grammar, '{"response": "hi"}')
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}
+    with pytest.raises(ApiError) as e:
+        native.render(USER, ToolAsk(tools=(bad,), choice="required"))
+    assert e.value.status == 400 and e.value.param == "tools"
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
 @pytest.mark.parametrize("body, param", [
     ({"tools": {"a": 1}}, "tools"),
     ({"tools": [{"type": "retrieval"}]}, "tools"),
