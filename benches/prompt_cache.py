@@ -14,14 +14,13 @@ docs/serve.md "Prompt cache"); llama-server reuses its slot's common prefix to t
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import subprocess
 import sys
 import time
 
-from serve_load import N_CTX, N_UBATCH, _free_port, _wait_healthy, llama_server
+from serve_load import N_CTX, N_UBATCH, _free_port, _wait_healthy, llama_server, stream_chat
 
 SYSTEM = ("You are a careful assistant for a small bakery. " + " ".join(
     f"Rule {i}: answer in plain words, mention the price of item {i} when asked, keep "
@@ -33,28 +32,17 @@ QUESTIONS = ["What bread do you recommend for breakfast?", "How much is item 3?"
 
 def turn(port: int, name: str, messages: list, max_tokens: int) -> tuple[float, str, int]:
     """One streamed chat request: (TTFT s, the reply, prompt tokens)."""
-    body = json.dumps({"model": name, "messages": messages, "max_tokens": max_tokens,
-                       "temperature": 0, "stream": True,
-                       "stream_options": {"include_usage": True}})
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    t0 = time.perf_counter()
-    c.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-    r = c.getresponse()
-    if r.status != 200:
-        raise RuntimeError(f"HTTP {r.status}: {r.read()[:300]!r}")
-    first, text, usage = None, "", {}
-    for raw in r:
-        line = raw.decode().strip()
-        if not line.startswith("data: {"):
+    t0, first, text, usage = None, None, "", {}
+    for t, ev in stream_chat(port, name, messages, max_tokens):
+        if ev is None:
+            t0 = t
             continue
-        ev = json.loads(line[6:])
         usage = ev.get("usage") or usage
         for ch in ev.get("choices") or []:
             piece = (ch.get("delta") or {}).get("content")
             if piece:
-                first = first or time.perf_counter()
+                first = first or t
                 text += piece
-    c.close()
     return (first or time.perf_counter()) - t0, text, usage.get("prompt_tokens", 0)
 
 

@@ -90,29 +90,38 @@ def _wait_healthy(port: int, proc: subprocess.Popen, what: str, timeout: float =
         time.sleep(0.25)
 
 
-def one_request(port: int, model: str, message: str, max_tokens: int) -> dict:
-    """One streamed chat completion: TTFT, TPOT, output tokens."""
+def stream_chat(port: int, model: str, messages: list, max_tokens: int):
+    """A streamed greedy chat completion: yields ``(time received, event)`` for each
+    server-sent event, the first with ``event`` None at the time the request was sent."""
     body = json.dumps({"model": model, "stream": True, "max_tokens": max_tokens,
                        "temperature": 0, "stream_options": {"include_usage": True},
-                       "messages": [{"role": "user", "content": message}]})
+                       "messages": messages})
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    t0 = time.perf_counter()
+    yield time.perf_counter(), None
     c.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
     r = c.getresponse()
     if r.status != 200:
         raise RuntimeError(f"HTTP {r.status}: {r.read()[:300]!r}")
-    times, usage = [], None
     for raw in r:
         line = raw.decode().strip()
-        if not line.startswith("data: ") or line == "data: [DONE]":
+        if line.startswith("data: {"):
+            yield time.perf_counter(), json.loads(line[6:])
+    c.close()
+
+
+def one_request(port: int, model: str, message: str, max_tokens: int) -> dict:
+    """One streamed chat completion: TTFT, TPOT, output tokens."""
+    times, usage, t0 = [], None, None
+    for t, ev in stream_chat(port, model, [{"role": "user", "content": message}],
+                             max_tokens):
+        if ev is None:
+            t0 = t
             continue
-        ev = json.loads(line[6:])
         if ev.get("usage"):
             usage = ev["usage"]
         for ch in ev.get("choices") or []:
             if (ch.get("delta") or {}).get("content"):
-                times.append(time.perf_counter())
-    c.close()
+                times.append(t)
     t_end = time.perf_counter()
     n = usage["completion_tokens"] if usage else len(times)
     return {"ttft_s": (times[0] - t0) if times else t_end - t0,

@@ -207,7 +207,7 @@ class NativeChat:
             return self._generic(messages, ask)
         parser = {"format": out["format"], "reasoning_format": ask.reasoning_format,
                   "generation_prompt": out["generation_prompt"], "parser": out["parser"],
-                  "parse_tool_calls": ask.calls}
+                  "parse_tool_calls": ask.calls, "parallel": ask.parallel}
         return Rendered(prompt=out["prompt"], add_bos=self.add_bos, grammar=grammar,
                         stops=tuple(s for s in out["additional_stops"] if s),
                         parser=parser,
@@ -394,6 +394,9 @@ class Reply:
             return
         from dgr._chat import ChatParser
 
+        #: without parallel_tool_calls, one call at most (``auto`` has no grammar to stop a
+        #: second; a forced call's grammar allows one)
+        self._parallel = p.pop("parallel", True)
         # llama-server's: deepseek-legacy leaves the reasoning inline while streaming
         p["reasoning_in_content"] = stream and p["reasoning_format"] == "deepseek-legacy"
         self._p = ChatParser(p)
@@ -445,8 +448,13 @@ class Reply:
             self.message = {"content": self._text, "reasoning_content": "", "tool_calls": []}
             rest = self._text[len(done):] if self._text.startswith(done) else ""
             return [{"content": rest}] if rest else []
-        self.message = r["message"]
-        return [d for d in map(_delta, r["diffs"]) if d]
+        m = r["message"]
+        diffs = r["diffs"]
+        if not self._parallel:  # one call: what the model writes past it is not sent
+            m = {**m, "tool_calls": m["tool_calls"][:1]}
+            diffs = [d for d in diffs if d["tool_call_index"] < 1]
+        self.message = m
+        return [d for d in map(_delta, diffs) if d]
 
     def openai_message(self) -> dict:
         """The whole reply as OpenAI's assistant ``message``."""

@@ -137,6 +137,12 @@ def test_two_calls_in_parallel():
     assert len({c["id"] for c in m["tool_calls"]}) == 2
     s = _streamed(native, text, ask, step=2)
     assert [c["name"] for c in s["tool_calls"]] == ["special_function", "get_weather"]
+    # parallel_tool_calls false: one call, streamed and not (auto has no grammar to stop a
+    # second; it is not sent)
+    one = ToolAsk(tools=(SPECIAL, WEATHER), choice="auto", parallel=False)
+    assert _calls(_parse(native, text, one)) == [("special_function", {"arg1": 1})]
+    assert [c["name"] for c in _streamed(native, text, one, step=2)["tool_calls"]] == \
+        ["special_function"]
 
 
 def test_reasoning_comes_apart_from_the_content():
