@@ -39,6 +39,9 @@ class AsyncRouteSession:
         self.history: list[int] = []
         #: (first_pos, n_tokens) of each step that built ``history`` (replayed on recovery)
         self.steps: list[tuple[int, int]] = []
+        #: (first_pos, n_tokens) of the prompt chunks among them (``prefill``'s, not the
+        #: decode steps'): what ``reusable`` may keep for a later prompt
+        self.chunks: list[tuple[int, int]] = []
         #: logits rows that sampled each token (only with ``logits=True``)
         self.logits: list[np.ndarray] = []
         #: positions the stages' caches hold past ``history`` (drafts a decode loop left
@@ -144,7 +147,7 @@ class AsyncRouteSession:
     async def reset(self) -> None:
         """Start over: the next step begins a new epoch at position 0."""
         self.epoch += 1
-        self.history, self.steps, self.logits = [], [], []
+        self.history, self.steps, self.chunks, self.logits = [], [], [], []
         self.rollback = 0
 
     async def prefill(self, tokens: Sequence[int], *, sample: bool = True,
@@ -162,7 +165,9 @@ class AsyncRouteSession:
             "logits" if logits else "boundary")
         ws = wire_sampling(sampling, start=len(self.history) + len(toks))
         chunks = [toks[a:a + ub] for a in range(0, len(toks), ub)]
+        start = len(self.history)
         f = await self._run_chunks(chunks, want, ws)
+        self.chunks.extend((start + a, len(toks[a:a + ub])) for a in range(0, len(toks), ub))
         return self._take(f, logits) if sample else None
 
     def aligned(self) -> int:
@@ -176,12 +181,55 @@ class AsyncRouteSession:
             n += ub
         return n
 
+    def reusable(self, prompt: Sequence[int]) -> int:
+        """How many of this session's positions a later ``prompt`` may keep (``generate``'s
+        ``reuse``) and still get the bits a fresh prefill of it gives; 0 for none.
+
+        A fresh prefill runs whole ``n_ubatch`` chunks from position 0, then one partial
+        chunk. The kept positions are the common prefix of ``history`` and ``prompt``
+        (leaving at least one prompt token, the step that samples), cut to the whole chunks
+        this session prefilled from 0 (``aligned``). Past the prompt's own whole chunks they
+        may go on into rows this session prefilled in partial chunks of two rows or more, when
+        every stage computes such rows as any partial chunk does (``prefix_rows_exact``,
+        measured by each worker): then the prompt's rest is prefilled as a partial chunk of
+        at least two rows, and a kept chunk cut short keeps at least two rows (a single row
+        may take another kernel). Decode steps' rows are never kept past whole chunks."""
+        ub, n = self.route.n_ubatch, len(prompt)
+        common = 0
+        for a, b in zip(self.history, prompt):
+            if a != b:
+                break
+            common += 1
+        common = min(common, n - 1)
+        aligned = self.aligned()
+        base = max(0, min(common, aligned))
+        base -= base % ub
+        full = n - n % ub  # where a fresh prefill of ``prompt`` ends its whole chunks
+        if common <= full or aligned < full or \
+                not all(st.prefix_rows_exact for st in self.route.stages):
+            return base
+        end = full  # the end of the run of partial prompt chunks from ``full``
+        for first, count in self.chunks:
+            if first + count <= full:
+                continue
+            if first != end or not 2 <= count < ub:
+                break
+            end = first + count
+        # the prompt's rest: a partial chunk of two rows or more
+        p = min(common, end, n - 2)
+        for first, count in self.chunks:
+            if p - first == 1 and count > 1:  # a kept chunk cut to one row: drop it
+                p = first
+        return p if p > full else base
+
     def _keep(self, n: int) -> None:
-        """Cut ``history`` to its first ``n`` tokens (``n`` within ``aligned()``); the next
-        step drops the rest from every stage's cache (``Forward.rollback``)."""
+        """Cut ``history`` to its first ``n`` tokens (``n`` at most ``reusable``'s); the next
+        step drops the rest from every stage's cache (``Forward.rollback``). A step cut short
+        keeps its first rows (recovery replays them as one step)."""
         self.rollback += len(self.history) - n
         self.history = self.history[:n]
-        self.steps = [st for st in self.steps if st[0] + st[1] <= n]
+        self.steps = [(a, min(c, n - a)) for a, c in self.steps if a < n]
+        self.chunks = [(a, min(c, n - a)) for a, c in self.chunks if a < n]
         self.logits = []
 
     async def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 64,
@@ -217,12 +265,11 @@ class AsyncRouteSession:
         if max_tokens < 1:
             return
         if reuse:
-            ub = self.route.n_ubatch
-            if reuse % ub or not reuse < len(prompt) or reuse > self.aligned() or \
-                    self.history[:reuse] != prompt[:reuse]:
+            ub, most = self.route.n_ubatch, self.reusable(prompt)
+            if reuse != most and (reuse % ub or reuse > most):
                 raise errors.InvalidArgument(
-                    f"reuse={reuse}: not a whole-chunk prefix ({ub} tokens a chunk) this "
-                    f"session holds ({self.aligned()} aligned) and the prompt begins with")
+                    f"reuse={reuse}: this session can keep {most} positions for this prompt "
+                    f"(or fewer whole chunks of {ub} tokens) with a fresh prefill's bits")
             self._keep(reuse)
         else:
             await self.reset()

@@ -63,6 +63,9 @@ class StageInfo:
     #: the compute device (``ComputeDevice`` fields: backend, name, type, description,
     #: driver, software, memory and bytes held); empty from a worker older than it (the CPU)
     device: dict = field(default_factory=dict)
+    #: whether the stage computes a partial prefill chunk's rows as any partial chunk does
+    #: (measured when it started; False from a worker older than the field)
+    prefix_rows_exact: bool = False
     extra: dict = field(default_factory=dict)
 
     @functools.cached_property
@@ -104,6 +107,7 @@ class StageInfo:
             kv_bytes=r.kv_bytes, steps_total=r.steps_total, errors_total=r.errors_total,
             uptime_s=r.uptime_s, data_port=r.data_port, drafters=tuple(r.drafters),
             device=_device_dict(r.device) if r.HasField("device") else {},
+            prefix_rows_exact=r.HasField("prefix_rows_exact") and r.prefix_rows_exact,
             **{k: getattr(r, k) if r.HasField(k) else None for k in COUNTERS})
 
     def to_dict(self) -> dict:

@@ -100,7 +100,10 @@ class _PrefixCollector:
                  p.evictions),
                 ("dgr_serve_prompt_cache_tokens_reused",
                  "Prompt tokens not prefilled again (reused from a kept session)",
-                 p.tokens_reused)):
+                 p.tokens_reused),
+                ("dgr_serve_prompt_cache_rows_reused",
+                 "Of those, the tokens past whole n_ubatch chunks (rows of partial chunks)",
+                 p.rows_reused)):
             yield CounterMetricFamily(name, doc, value=v)
         yield GaugeMetricFamily("dgr_serve_prompt_cache_sessions",
                                 "Sessions the prompt cache keeps now (each holds a slot)",

@@ -4,10 +4,11 @@ As llama-server keeps a slot's cache and reuses its common prefix (``cache_promp
 front keeps up to ``size`` ended sessions open on every stage. A later request of the same API
 key whose prompt begins as one of them did takes that session over: every stage drops the
 cache past the common prefix and prefills the rest (``AsyncRouteSession.generate``'s
-``reuse``). Only whole ``n_ubatch`` chunks that the first request prefilled from position 0
-are reused, so the rest is prefilled in the chunks a fresh prefill makes and the bits are a
-fresh prefill's (tests/system/test_prefix_cache.py compares every output with an uncached
-front's).
+``reuse``). Only positions whose rows a fresh prefill of the new prompt would compute to the
+same bits are reused (``AsyncRouteSession.reusable``): whole ``n_ubatch`` chunks prefilled
+from position 0 and, where every stage measured that partial chunks compute rows alike
+(``prefix_rows_exact``), the prompt rows after them, token by token
+(tests/system/test_prefix_cache.py compares every output with an uncached front's).
 
 A kept session holds one of the route's slots: a request that finds no free slot closes the
 least recently used kept session first, and a kept session idle ``ttl`` seconds is closed
@@ -32,14 +33,6 @@ class _Kept:
     since: float = field(default_factory=time.monotonic)
 
 
-def _common(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class PrefixPool:
     """Up to ``size`` ended sessions kept for reuse (``size`` 0: none)."""
 
@@ -52,18 +45,11 @@ class PrefixPool:
         #: requests that reused a kept prefix, that found none, kept sessions closed to free
         #: a slot or by age, and prompt tokens not prefilled again
         self.hits = self.misses = self.evictions = self.tokens_reused = 0
+        #: of those tokens, the ones past whole ``n_ubatch`` chunks (partial chunks' rows)
+        self.rows_reused = 0
 
     def __len__(self) -> int:
         return len(self._kept)
-
-    @staticmethod
-    def reusable(session, prompt: list[int]) -> int:
-        """The positions of ``session`` a request with ``prompt`` may keep: the common
-        prefix, cut to whole chunks it prefilled from 0, leaving at least one prompt token
-        to prefill (the step that samples)."""
-        ub = session.route.n_ubatch
-        n = min(_common(session.history, prompt), session.aligned(), len(prompt) - 1)
-        return n - n % ub
 
     def take(self, key: str | None, prompt: list[int]) -> tuple[Any, int] | None:
         """The kept session of ``key`` whose cache serves ``prompt`` best, and how many of its
@@ -74,7 +60,7 @@ class PrefixPool:
         best, best_n = None, 0
         for i, k in self._kept.items():
             if k.key == key:
-                n = self.reusable(k.session, prompt)
+                n = k.session.reusable(prompt)
                 if n > best_n:
                     best, best_n = i, n
         if best is None:
@@ -82,7 +68,9 @@ class PrefixPool:
             return None
         self.hits += 1
         self.tokens_reused += best_n
-        return self._kept.pop(best).session, best_n
+        session = self._kept.pop(best).session
+        self.rows_reused += best_n % session.route.n_ubatch
+        return session, best_n
 
     def put(self, key: str | None, session) -> list:
         """Keep ``session`` (its request ended well; it holds its slot); returns the sessions
@@ -120,4 +108,4 @@ class PrefixPool:
     def snapshot(self) -> dict:
         return {"size": self.size, "kept": len(self._kept), "hits": self.hits,
                 "misses": self.misses, "evictions": self.evictions,
-                "tokens_reused": self.tokens_reused}
+                "tokens_reused": self.tokens_reused, "rows_reused": self.rows_reused}

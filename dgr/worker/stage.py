@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from dgr import __version__, errors
+from dgr.control.prefix import rows_exact_cached as prefix_rows_exact
 from dgr.protocol import wire
 from dgr.protocol.settings import NUMERIC_SETTINGS
 from dgr.transport.common import MAX_MESSAGE
@@ -85,6 +86,10 @@ class Worker(StagePipeline):
         self.name = name
         self.cert_store = cert_store  # certified lanes advertised in the capability record
         self.eog_tokens = [t for t in range(engine.n_vocab) if engine.is_eog(t)]
+        #: whether a partial prefill chunk's rows are any partial chunk's rows here, measured
+        #: before the stage serves (``Describe.prefix_rows_exact``: routes reuse kept prompt
+        #: rows past whole chunks only where every stage says so)
+        self.prefix_rows_exact = prefix_rows_exact(engine)
         #: the stage's scheduler: every step of both planes computes through it
         self.loop = StageLoop(self, max_tokens=int(self.settings["n_ubatch"]),
                               batching=batching, burst=self._burst,
@@ -132,6 +137,7 @@ class Worker(StagePipeline):
             **self.compute_counters(),
             drafters=self.drafters,
             device=self.device_facts(),
+            prefix_rows_exact=self.prefix_rows_exact,
         )
 
     def _slot_of(self, session: str) -> int | None:

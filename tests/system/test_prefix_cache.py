@@ -1,7 +1,9 @@
 """The front's prompt cache (dgr.serve.prefix) is exact: 500 completions whose prompts share
-prefixes of random lengths, through a 3-stage route, greedy and seeded, with eviction pressure
-(a cache of 2 sessions over 4 prompt families), give the text and the log probabilities of
-the same requests through a front without the cache, bit for bit; and the cache was used."""
+prefixes of random lengths (and grow, as a chat's turns do), through a 3-stage route, greedy
+and seeded, with eviction pressure (a cache of 2 sessions over 4 prompt families), give the
+text and the log probabilities of the same requests through a front without the cache, bit for
+bit; and the cache was used, whole chunks and partial chunks' rows (n_ubatch 8, and 250
+requests at 64, where a whole chunk takes other kernels than a partial one)."""
 
 from __future__ import annotations
 
@@ -18,14 +20,17 @@ openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.slow
 
-TINY = dict(n_ctx=256, n_slots=4, n_threads=1, n_ubatch=8)
+TINY = dict(n_ctx=256, n_slots=4, n_threads=1)
 
 
-@pytest.fixture(scope="module")
-def fronts(tiny_llama):
+# n_ubatch 8: every chunk takes the same kernels, so rows are reused token by token; 64: ggml's
+# CPU flash attention tiles a whole chunk of 64 rows, so a whole chunk's rows are reused only
+# as the whole chunk, and a partial chunk's rows token by token
+@pytest.fixture(scope="module", params=[8, 64], ids=["ub8", "ub64"])
+def fronts(tiny_llama, request):
     from dgr.serve.app import create_app
 
-    ws = [ThreadedWorker(dgr.Engine(tiny_llama, layers=r, **TINY))
+    ws = [ThreadedWorker(dgr.Engine(tiny_llama, layers=r, n_ubatch=request.param, **TINY))
           for r in [(0, 1), (1, 3), (3, 4)]]
     addrs = [w.address for w in ws]
     cached = Served(create_app(AsyncRoute(addrs), model="tiny", prompt_cache=2,
@@ -33,7 +38,7 @@ def fronts(tiny_llama):
     plain = Served(create_app(AsyncRoute(addrs), model="tiny"))
     clients = [openai.OpenAI(base_url=s.base + "/v1", api_key="x", max_retries=0, timeout=60)
                for s in (cached, plain)]
-    yield clients, cached, ws
+    yield clients, cached, request.param
     for s in (cached, plain):
         s.stop()
     for w in ws:
@@ -47,13 +52,19 @@ def _ask(client, req: dict):
 
 
 def test_500_requests_with_shared_prefixes_equal_their_uncached_runs(fronts):
-    (cached, plain), served, ws = fronts
+    (cached, plain), served, ub = fronts
     rng = random.Random(20261202)
-    families = [[rng.randrange(3, 128) for _ in range(70)] for _ in range(4)]
-    for i in range(500):
-        base = rng.choice(families)
-        prompt = base[:rng.randrange(0, 70)] + [rng.randrange(3, 128)
-                                               for _ in range(rng.randrange(1, 12))]
+    length = 70 if ub == 8 else 200
+    families = [[rng.randrange(3, 128) for _ in range(length)] for _ in range(4)]
+    prompt: list[int] = []
+    for i in range(500 if ub == 8 else 250):
+        if prompt and len(prompt) < length and rng.random() < 0.3:
+            # the last prompt grown by a few tokens, as a chat's next turn is
+            prompt = prompt + [rng.randrange(3, 128) for _ in range(rng.randrange(1, 6))]
+        else:
+            base = rng.choice(families)
+            prompt = base[:rng.randrange(0, length)] + [rng.randrange(3, 128)
+                                                       for _ in range(rng.randrange(1, 12))]
         req = dict(prompt=prompt, max_tokens=rng.randrange(1, 10), logprobs=3)
         if rng.random() < 0.5:
             req.update(temperature=0.9, seed=rng.randrange(1 << 30))
@@ -68,6 +79,8 @@ def test_500_requests_with_shared_prefixes_equal_their_uncached_runs(fronts):
     # the cache was used, and evicted under pressure; a kept session holds a slot on every
     # stage and no more: the front's own count
     assert pc["hits"] > 100 and pc["tokens_reused"] > 1000 and pc["evictions"] > 50, pc
+    # and past whole chunks: every stage measured partial chunks' rows alike
+    assert pc["rows_reused"] > 50, pc
     assert pc["kept"] <= 2
     with urllib.request.urlopen(served.base + "/metrics") as r:
         text = r.read().decode()

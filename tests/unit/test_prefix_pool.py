@@ -11,13 +11,19 @@ import pytest
 from dgr.serve.prefix import PrefixPool
 
 
-def _session(history, steps, ub=4):
-    s = SimpleNamespace(history=list(history), steps=list(steps),
-                        route=SimpleNamespace(n_ubatch=ub))
-    # AsyncRouteSession.aligned: whole chunks from 0
+def _session(history, steps, ub=4, chunks=None, rows_exact=(False,)):
+    """An ``AsyncRouteSession``'s reuse state: ``chunks`` are the prompt chunks among
+    ``steps`` (default: every step of more than one token), each stage's
+    ``prefix_rows_exact`` from ``rows_exact``."""
     from dgr.driver.session import AsyncRouteSession
 
-    s.aligned = lambda: AsyncRouteSession.aligned(s)
+    stages = [SimpleNamespace(prefix_rows_exact=r) for r in rows_exact]
+    s = SimpleNamespace(history=list(history), steps=list(steps), rollback=0, logits=[],
+                        chunks=list(chunks if chunks is not None
+                                    else [st for st in steps if st[1] > 1]),
+                        route=SimpleNamespace(n_ubatch=ub, stages=stages))
+    for name in ("aligned", "reusable", "_keep"):
+        setattr(s, name, getattr(AsyncRouteSession, name).__get__(s))
     return s
 
 
@@ -25,12 +31,39 @@ def test_what_a_kept_session_may_reuse():
     # prefilled 10 tokens in chunks 4, 4, 2, then decoded 3
     s = _session(range(13), [(0, 4), (4, 4), (8, 2), (10, 1), (11, 1), (12, 1)])
     assert s.aligned() == 8
-    assert PrefixPool.reusable(s, list(range(20))) == 8       # the aligned chunks
-    assert PrefixPool.reusable(s, list(range(7)) + [99]) == 4  # common prefix 7: one chunk
-    assert PrefixPool.reusable(s, list(range(8))) == 4          # one token left to prefill
-    assert PrefixPool.reusable(s, [5] + list(range(1, 9))) == 0
+    assert s.reusable(list(range(20))) == 8       # the aligned chunks
+    assert s.reusable(list(range(7)) + [99]) == 4  # common prefix 7: one chunk
+    assert s.reusable(list(range(8))) == 4          # one token left to prefill
+    assert s.reusable([5] + list(range(1, 9))) == 0
     odd = _session(range(10), [(0, 3), (3, 4), (7, 3)])          # not a fresh chunking
-    assert PrefixPool.reusable(odd, list(range(10))) == 0
+    assert odd.reusable(list(range(10))) == 0
+
+
+def test_partial_chunk_rows_are_reused_where_every_stage_computes_them_alike():
+    # prefilled 7 tokens as one partial chunk (n_ubatch 8), then decoded 2
+    steps = [(0, 7), (7, 1), (8, 1)]
+    s = _session(range(9), steps, ub=8, rows_exact=(True, True))
+    assert s.reusable(list(range(5)) + [99, 98]) == 5   # the common prefix, row by row
+    assert s.reusable(list(range(6)) + [99]) == 5       # two prompt rows left to prefill
+    wide = _session(range(9), steps, ub=16, rows_exact=(True,))
+    assert wide.reusable(list(range(9)) + [99, 98]) == 7  # never the decode steps' rows
+    assert s.reusable([0, 99, 98, 97]) == 0             # a chunk is never cut to one row
+    assert s.reusable(list(range(7)) + [50]) == 0       # 8 tokens: one whole chunk, fresh
+    # a stage that computes partial chunks' rows otherwise: whole chunks only
+    assert _session(range(9), steps, ub=8, rows_exact=(True, False)).reusable(
+        list(range(5)) + [99, 98]) == 0
+    # past the prompt's own whole chunks only, and only after whole chunks from 0
+    long = _session(range(14), [(0, 8), (8, 5), (13, 1)], ub=8, rows_exact=(True,))
+    assert long.reusable(list(range(12)) + [99]) == 11
+    assert long.reusable(list(range(6)) + [99]) == 0    # a whole chunk's rows: never in
+    assert long.reusable(list(range(8)) + [99]) == 8    # a prompt's partial chunk
+    # a session that reused rows and prefilled its rest: both chunks serve the next prompt
+    again = _session(range(9), [(0, 4), (4, 5)], ub=16, rows_exact=(True,))
+    assert again.reusable(list(range(8)) + [99]) == 7
+    # the tail kept of a chunk cut short, and the rows after it dropped (Forward.rollback)
+    s._keep(5)
+    assert s.history == [0, 1, 2, 3, 4] and s.steps == [(0, 5)] and s.chunks == [(0, 5)]
+    assert s.rollback == 4
 
 
 def test_tenants_eviction_and_age():
