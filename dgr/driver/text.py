@@ -31,6 +31,7 @@ class TextStream:
         self.text = ""  # decoded so far (up to the cut, once a stop string was found)
         self.shown = 0  # characters of ``text`` handed out
         self.stopped = False  # a stop string was found: ``text`` ends before it
+        self.matched: str | None = None  # that stop string
         self._searched = 0  # stop strings were searched for in ``text[:_searched]``
 
     def push(self, token: int) -> str:
@@ -51,10 +52,10 @@ class TextStream:
         if self.stops and not self.stopped:
             # a stop string that ends in the new text starts at most its length back
             start = max(0, self._searched - self._longest + 1)
-            cut = min((i for i in (text.find(s, start) for s in self.stops) if i >= 0),
-                      default=-1)
+            found = [(i, s) for s in self.stops for i in [text.find(s, start)] if i >= 0]
             self._searched = len(text)
-            if cut >= 0:
+            if found:
+                cut, self.matched = min(found, key=lambda f: f[0])
                 self.stopped = True
                 self.text = text = text[:cut]
         end = len(text)

@@ -7,7 +7,8 @@
 
 Endpoints follow the OpenAI API reference: ``GET /v1/models``, ``POST /v1/completions`` and
 ``POST /v1/chat/completions`` (``stream: true`` as server-sent events ending in ``data:
-[DONE]``), ``GET /health`` and ``GET /metrics`` (Prometheus). Every error has the OpenAI shape
+[DONE]``), ``GET /health`` and ``GET /metrics`` (Prometheus); Anthropic's ``POST /v1/messages``
+and ``/v1/messages/count_tokens`` over the same pipeline (``dgr.serve.anthropic``). Every error has the OpenAI shape
 ``{"error": {"message", "type", "param", "code"}}`` and its HTTP status: a malformed request
 400, an unknown model 404, a prompt and completion longer than the context 400 naming both
 lengths, every slot busy 429 with ``Retry-After`` once a request waited ``queue_timeout``
@@ -45,6 +46,7 @@ from starlette.routing import Route as HttpRoute
 from starlette.staticfiles import StaticFiles
 
 from dgr import errors
+from dgr.serve import anthropic
 from dgr.serve import metrics as serve_metrics
 from dgr.serve import status as serve_status
 from dgr.serve.admission import Admission, per_key_default
@@ -74,7 +76,7 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
     ``api_keys``: keys a request must present as ``Authorization: Bearer`` (strings or
     ``dgr.serve.auth.ApiKey``; None or empty: no key needed).
 
-    ``max_per_key``: the generation requests (``/v1/chat/completions``, ``/v1/completions``)
+    ``max_per_key``: the generation requests (chat, completions and messages)
     one API key may have in flight, from arrival until the response or stream ends, however
     it ends; one more gets a 429 at once. None: ``per_key_default`` of the route's slots; 0:
     no cap. Without ``api_keys`` there is no key to count, and no cap.
@@ -99,6 +101,8 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
                 HttpRoute("/v1/models/{name:path}", f.model_card, methods=["GET"]),
                 HttpRoute("/v1/chat/completions", f.chat_completions, methods=["POST"]),
                 HttpRoute("/v1/completions", f.completions, methods=["POST"]),
+                HttpRoute("/v1/messages", f.messages, methods=["POST"]),
+                HttpRoute("/v1/messages/count_tokens", f.count_tokens, methods=["POST"]),
                 HttpRoute("/health", f.health, methods=["GET"]),
                 HttpRoute("/metrics", f.metrics, methods=["GET"])],
         exception_handlers={404: _not_found, 405: _method_not_allowed, 500: _server_error},
@@ -279,33 +283,25 @@ class _Front:
     async def completions(self, request: Request) -> Response:
         return await self.complete(request, chat=False)
 
-    async def complete(self, request: Request, chat: bool) -> Response:
-        endpoint = "chat" if chat else "completions"
-        t0 = time.perf_counter()
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        ident = {"X-Request-Id": rid}
-
-        def fail(e: ApiError) -> Response:
-            self.m.request(endpoint, e.status)
-            e.headers.update(ident)
-            return e.response()
-
+    async def _start(self, request: Request, body: dict, chat: bool, endpoint: str,
+                     rid: str, t0: float) -> tuple[Generation, Params]:
+        """Admit the request of ``body`` (a completions or chat completions body) under its
+        API key's cap and start its generation, which holds a slot and the key's count until
+        it is closed; an ``ApiError`` (nothing held) otherwise."""
         key = request.scope.get(KEY_SCOPE)
         if not self.admission.take_key(key):
-            return fail(ApiError(
+            raise ApiError(
                 429, f"this API key already has {self.admission.per_key_cap} request(s) in "
                      f"flight, its cap (--max-requests-per-key); retry when one ends (request "
                      f"{rid})", type="rate_limit_error", code="max_requests_per_key",
-                headers={"Retry-After": "1"}))
+                headers={"Retry-After": "1"})
         gen = None
         try:
             try:
                 params, ids, text, max_tokens, reply, taken = await self._admit(
-                    request, chat, rid, key)
-            except ApiError as e:
-                return fail(e)
+                    body, chat, rid, key)
             except errors.DgrError as e:
-                return fail(from_dgr(e, rid))
+                raise from_dgr(e, rid) from None
             # from here on gen.close() gives back the slot and the key's count
             gen = Generation(self.route, ids, max_tokens, params, metrics=self.m, t0=t0,
                              admission=self.admission, vocab=self.vocab, rid=rid,
@@ -319,6 +315,24 @@ class _Front:
         finally:
             if gen is None:  # refused, failed or cancelled before the generation: the count
                 self.admission.give_key(key)
+        return gen, params
+
+    async def complete(self, request: Request, chat: bool) -> Response:
+        endpoint = "chat" if chat else "completions"
+        t0 = time.perf_counter()
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        ident = {"X-Request-Id": rid}
+
+        def fail(e: ApiError) -> Response:
+            self.m.request(endpoint, e.status)
+            e.headers.update(ident)
+            return e.response()
+
+        try:
+            gen, params = await self._start(request, await self.body_of(request), chat,
+                                            endpoint, rid, t0)
+        except ApiError as e:
+            return fail(e)
         if params.stream:
             return Stream(sse(gen, rid, chat, self.model, self.created, params.include_usage,
                               endpoint, self.m),
@@ -330,12 +344,12 @@ class _Front:
         except errors.DgrError as e:
             return fail(from_dgr(e, rid))
 
-    async def _admit(self, request: Request, chat: bool, rid: str, key: str | None):
-        """Parse and check the request, then take a slot: ``(params, prompt ids, prompt
-        text, max tokens, the reply's parser or None, (kept session, positions it reuses) or
-        None)``; nothing raises once the slot is taken. A slot is a kept session whose cache begins as the prompt does,
-        or a free one, waited for (a kept session closed when none is free)."""
-        body = await self.body_of(request)
+    async def _admit(self, body: dict, chat: bool, rid: str, key: str | None):
+        """Parse and check the request's ``body``, then take a slot: ``(params, prompt ids,
+        prompt text, max tokens, the reply's parser or None, (kept session, positions it
+        reuses) or None)``; nothing raises once the slot is taken. A slot is a kept session
+        whose cache begins as the prompt does, or a free one, waited for (a kept session
+        closed when none is free)."""
         params = Params(body, chat=chat)
         ask = tool_ask(body) if chat else None
         if ask is not None and ask.calls and params.sampling.grammar:
@@ -386,6 +400,60 @@ class _Front:
                              "created": self.created, "model": self.model,
                              "choices": [choice], "usage": gen.usage(),
                              "system_fingerprint": None}, headers=ident)
+
+    # -- Anthropic's Messages API ------------------------------------------------------------
+
+    async def messages(self, request: Request) -> Response:
+        """``POST /v1/messages``: the chat pipeline in Anthropic's shapes
+        (``dgr.serve.anthropic``)."""
+        endpoint, t0 = "messages", time.perf_counter()
+        rid = "msg_" + uuid.uuid4().hex
+        ident = {"X-Request-Id": rid, "request-id": rid}
+
+        def fail(e: ApiError) -> Response:
+            self.m.request(endpoint, e.status)
+            e.headers.update(ident)
+            return anthropic.error_response(e)
+
+        try:
+            body = anthropic.to_chat(await self.body_of(request))
+            gen, params = await self._start(request, body, True, endpoint, rid, t0)
+        except ApiError as e:
+            return fail(e)
+        stops = list(body.get("stop") or [])
+        if params.stream:
+            return Stream(anthropic.events(gen, rid, self.model, stops, endpoint, self.m), gen,
+                          media_type="text/event-stream",
+                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                   **ident})
+        try:
+            text = ""
+            async for piece in gen.pieces():
+                text += piece
+        except errors.DgrError as e:
+            return fail(from_dgr(e, rid))
+        finally:
+            await gen.close()
+        self.m.request(endpoint, 200)
+        return JSONResponse(anthropic.message(gen, text, rid, self.model, stops),
+                            headers=ident)
+
+    async def count_tokens(self, request: Request) -> Response:
+        """``POST /v1/messages/count_tokens``: the prompt's tokens as the model's template
+        renders it (system, messages and tools), without a slot."""
+        endpoint = "count_tokens"
+        try:
+            body = anthropic.to_chat(await self.body_of(request), count=True)
+            ids, _, _ = await self.prompt_tokens(body, True, tool_ask(body))
+        except ApiError as e:
+            self.m.request(endpoint, e.status)
+            return anthropic.error_response(e)
+        except errors.DgrError as e:
+            err = from_dgr(e, "count_tokens-" + uuid.uuid4().hex)
+            self.m.request(endpoint, err.status)
+            return anthropic.error_response(err)
+        self.m.request(endpoint, 200)
+        return JSONResponse({"input_tokens": len(ids)})
 
     # -- the other endpoints -----------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""API keys for the HTTP front: OpenAI's ``Authorization: Bearer <key>`` (docs/serve.md).
+"""API keys for the HTTP front: OpenAI's ``Authorization: Bearer <key>``, or Anthropic's
+``x-api-key: <key>`` (docs/serve.md).
 
 ``ApiKeys`` is an ASGI middleware. With keys configured (``python -m dgr serve
 --api-key-file FILE`` or ``DGR_API_KEYS``), every request except ``PUBLIC`` needs one of the
@@ -129,7 +130,11 @@ class ApiKeys:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), None)
+        headers = scope.get("headers", ())
+        header = next((v for k, v in headers if k == b"authorization"), None)
+        if header is None:  # Anthropic's clients send the key as x-api-key
+            x = next((v for k, v in headers if k == b"x-api-key"), None)
+            header = b"Bearer " + x if x is not None else None
         name = self.identify(header)
         if name is not None:
             await self.app({**scope, KEY_SCOPE: name}, receive, send)
@@ -141,10 +146,14 @@ class ApiKeys:
             msg, code = "Incorrect API key provided.", "invalid_api_key"
         else:
             msg = ("You didn't provide an API key. Send it as 'Authorization: Bearer "
-                   "YOUR_KEY'.")
+                   "YOUR_KEY' (or 'x-api-key: YOUR_KEY').")
             code = "missing_api_key"
-        body = json.dumps({"error": {"message": msg, "type": "invalid_request_error",
-                                     "param": None, "code": code}}).encode()
+        if scope.get("path", "").startswith("/v1/messages"):  # Anthropic's error shape
+            body = json.dumps({"type": "error", "error": {"type": "authentication_error",
+                                                          "message": msg}}).encode()
+        else:
+            body = json.dumps({"error": {"message": msg, "type": "invalid_request_error",
+                                         "param": None, "code": code}}).encode()
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode()),

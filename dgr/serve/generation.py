@@ -18,7 +18,7 @@ from dgr.serve.api_errors import ApiError, from_dgr
 from dgr.serve.logprobs import chat_logprobs, completion_logprobs, token_logprob
 from dgr.serve.params import Params
 
-__all__ = ["Generation", "Stream", "sse"]
+__all__ = ["Generation", "Stream", "deltas", "sse"]
 
 log = logging.getLogger("dgr.serve")
 
@@ -47,6 +47,8 @@ class Generation:
         self.completed = False
         self.tokens: list[int] = []
         self.finish_reason = "length"
+        #: the stop string that ended the text (None: another reason)
+        self.stop_string: str | None = None
         self.metrics, self.t0 = metrics, t0
         self._closed = False
         self._on_close = on_close  # called once by close(): the request's API key count
@@ -113,6 +115,7 @@ class Generation:
             await tokens.aclose()  # a stop string (or the client) ended it: the loop stops
         reason = "stop" if text.stopped else getattr(s, "stop_reason", "length")
         self.finish_reason = "length" if reason == "length" else "stop"
+        self.stop_string = text.matched
         piece = text.finish()
         if piece:
             yield piece
@@ -182,6 +185,21 @@ class Stream(StreamingResponse):
             await self._gen.close()
 
 
+async def deltas(gen: Generation) -> AsyncIterator[tuple[str | None, dict | None]]:
+    """A generation's text as it grows: ``(content, None)`` per piece of text; with a parsed
+    reply (tools, reasoning) ``(None, delta)`` per change of its content, reasoning or tool
+    calls, as OpenAI's chat deltas."""
+    if gen.reply is None:
+        async for piece in gen.pieces():
+            yield piece, None
+        return
+    async for piece in gen.pieces():
+        for d in gen.reply.feed(piece):
+            yield None, d
+    for d in gen.reply.feed("", final=True):
+        yield None, d
+
+
 async def sse(gen: Generation, rid: str, chat: bool, model: str, created: int,
                include_usage: bool, endpoint: str, m) -> AsyncIterator[bytes]:
     """Server-sent events of one streamed completion, ending in ``data: [DONE]``."""
@@ -202,25 +220,12 @@ async def sse(gen: Generation, rid: str, chat: bool, model: str, created: int,
             return {"index": 0, "delta": d, "logprobs": lp, "finish_reason": finish}
         return {"index": 0, "text": piece or "", "logprobs": lp, "finish_reason": finish}
 
-    async def pieces() -> AsyncIterator[tuple[str | None, dict | None]]:
-        """``(content, None)`` per piece of text; with a parsed reply ``(None, delta)`` per
-        change of its content, reasoning or tool calls."""
-        if gen.reply is None:
-            async for piece in gen.pieces():
-                yield piece, None
-            return
-        async for piece in gen.pieces():
-            for d in gen.reply.feed(piece):
-                yield None, d
-        for d in gen.reply.feed("", final=True):
-            yield None, d
-
     status = 200
     try:
         if chat:
             yield event([choice(None, None, role=True)])
         try:
-            async for piece, delta in pieces():
+            async for piece, delta in deltas(gen):
                 yield event([choice(piece, None, delta=delta,
                                     lp=await gen.take_logprobs(chat, chunk=True))])
         except Exception as e:  # noqa: BLE001 - whatever failed, the client gets an error event

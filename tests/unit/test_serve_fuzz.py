@@ -2,7 +2,8 @@
 (any JSON, typed fields with values of any type, raw bytes) against ``create_app`` over a fake
 route, through the ASGI interface itself. Every answer is a 200 or an OpenAI-shaped error with
 a client status (never a 500), every streamed answer ends in ``[DONE]`` or an error event,
-and after each request every session the front opened is closed and no slot is held."""
+and after each request every session the front opened is closed and no slot is held. The
+same for Anthropic's ``/v1/messages`` and ``count_tokens``, in Anthropic's shapes."""
 
 from __future__ import annotations
 
@@ -216,3 +217,58 @@ def test_a_route_failing_mid_stream_ends_the_stream_with_an_error_and_closes(ser
     status, _, raw = loop.run_until_complete(
         _call(app, "/v1/completions", json.dumps({**body, "stream": False}).encode()))
     assert status == 503 and route.opened == route.closed
+
+
+# -- Anthropic's Messages API (dgr.serve.anthropic) ------------------------------------------
+
+A_FIELDS = ["model", "max_tokens", "messages", "system", "stop_sequences", "stream",
+            "temperature", "top_p", "top_k", "tools", "tool_choice", "metadata", "thinking"]
+blocks = st.lists(st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=10)}),
+    st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": st.text(max_size=5),
+                           "content": st.text(max_size=10)}),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": st.text(max_size=5),
+                           "name": st.text(max_size=5), "input": st.just({"a": 1})}),
+    json_values), max_size=3)
+a_messages = st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant"]),
+     "content": st.text(max_size=20) | blocks}), min_size=1, max_size=3)
+valid_message = st.fixed_dictionaries(
+    {"model": st.just("m"), "max_tokens": st.integers(1, 40), "messages": a_messages},
+    optional={"system": st.text(max_size=10), "stream": st.booleans(),
+              "temperature": st.floats(0, 1), "top_p": st.floats(0.01, 1),
+              "top_k": st.integers(0, 50),
+              "stop_sequences": st.lists(st.text(max_size=3), max_size=4),
+              "tool_choice": st.sampled_from([{"type": "auto"}, {"type": "none"}])})
+a_requests = st.one_of(
+    st.dictionaries(st.sampled_from(A_FIELDS), json_values, max_size=8),
+    valid_message,
+    st.tuples(valid_message, st.sampled_from(A_FIELDS), json_values).map(
+        lambda x: {**x[0], x[1]: x[2]}))
+
+
+def _check_anthropic(status, headers, raw, route):
+    assert status in (200, 400, 404, 413, 429, 503), (status, raw[:300])
+    if status != 200:
+        d = json.loads(raw)
+        assert d["type"] == "error" and set(d["error"]) == {"type", "message"}
+        assert d["error"]["message"]
+    elif headers.get("content-type", "").startswith("text/event-stream"):
+        kinds = [e.split("\n")[0] for e in raw.decode().split("\n\n") if e]
+        assert kinds[0] == "event: message_start"
+        assert kinds[-1] in ("event: message_stop", "event: error")
+    else:
+        d = json.loads(raw)
+        assert d["type"] == "message" and {"input_tokens", "output_tokens"} <= set(d["usage"])
+    assert route.opened == route.closed, "a session was not closed"
+
+
+@settings(max_examples=300, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                 HealthCheck.too_slow])
+@given(body=a_requests, count=st.booleans())
+def test_any_messages_body_is_answered_in_anthropics_shape(served, body, count):
+    app, route, loop = served
+    path = "/v1/messages/count_tokens" if count else "/v1/messages"
+    status, headers, raw = loop.run_until_complete(_call(app, path, json.dumps(body).encode()))
+    _check_anthropic(status, headers, raw, route)
