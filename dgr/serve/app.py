@@ -8,8 +8,9 @@
 Endpoints follow the OpenAI API reference: ``GET /v1/models``, ``POST /v1/completions`` and
 ``POST /v1/chat/completions`` (``stream: true`` as server-sent events ending in ``data:
 [DONE]``), ``GET /health`` and ``GET /metrics`` (Prometheus); Anthropic's ``POST /v1/messages``
-and ``/v1/messages/count_tokens`` over the same pipeline (``dgr.serve.anthropic``). Every error has the OpenAI shape
-``{"error": {"message", "type", "param", "code"}}`` and its HTTP status: a malformed request
+and ``/v1/messages/count_tokens`` over the same pipeline (``dgr.serve.anthropic``). Every error
+has the OpenAI shape ``{"error": {"message", "type", "param", "code"}}`` (Anthropic's on
+``/v1/messages``) and its HTTP status: a malformed request
 400, an unknown model 404, a prompt and completion longer than the context 400 naming both
 lengths, every slot busy 429 with ``Retry-After`` once a request waited ``queue_timeout``
 seconds, the route down 503. With API keys, a key with ``max_per_key`` generation requests in
