@@ -62,8 +62,8 @@ def add_serve_parser(sub) -> None:
                         "DGR_API_KEYS (comma-separated). Default: no key needed. Keys are "
                         "never logged: docs/security.md")
     s.add_argument("--max-requests-per-key", type=int, default=None, metavar="N",
-                   help="generation requests (chat, completions, messages; a stream until it ends) one "
-                        "API key may have in flight; one more gets a 429 with Retry-After at "
+                   help="generation requests (chat, completions, messages, responses; a "
+                        "stream until it ends) one API key may have in flight; one more gets a 429 with Retry-After at "
                         "once. Default: half the route's slots, at least 1 (on a route of 2 "
                         "slots or more one key never holds them all). 0: no cap. Applies "
                         "only with API keys: without them there is no key to count")

@@ -8,7 +8,8 @@
 Endpoints follow the OpenAI API reference: ``GET /v1/models``, ``POST /v1/completions`` and
 ``POST /v1/chat/completions`` (``stream: true`` as server-sent events ending in ``data:
 [DONE]``), ``GET /health`` and ``GET /metrics`` (Prometheus); Anthropic's ``POST /v1/messages``
-and ``/v1/messages/count_tokens`` over the same pipeline (``dgr.serve.anthropic``). Every error
+and ``/v1/messages/count_tokens``, and OpenAI's ``POST /v1/responses`` (stateless), over the
+same pipeline (``dgr.serve.anthropic``, ``dgr.serve.responses``). Every error
 has the OpenAI shape ``{"error": {"message", "type", "param", "code"}}`` (Anthropic's on
 ``/v1/messages``) and its HTTP status: a malformed request
 400, an unknown model 404, a prompt and completion longer than the context 400 naming both
@@ -49,12 +50,13 @@ from starlette.staticfiles import StaticFiles
 from dgr import errors
 from dgr.serve import anthropic
 from dgr.serve import metrics as serve_metrics
+from dgr.serve import responses as oai_responses
 from dgr.serve import status as serve_status
 from dgr.serve.admission import Admission, per_key_default
 from dgr.serve.api_errors import ApiError, from_dgr
 from dgr.serve.auth import KEY_SCOPE, ApiKeys
 from dgr.serve.chat import NativeChat, Rendered, Reply, ToolAsk, tool_ask
-from dgr.serve.generation import Generation, Stream, sse
+from dgr.serve.generation import Generation, Stream, deltas, sse
 from dgr.serve.params import MAX_STOP_CHARS, Params
 from dgr.serve.prefix import PrefixPool
 
@@ -77,7 +79,7 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
     ``api_keys``: keys a request must present as ``Authorization: Bearer`` (strings or
     ``dgr.serve.auth.ApiKey``; None or empty: no key needed).
 
-    ``max_per_key``: the generation requests (chat, completions and messages)
+    ``max_per_key``: the generation requests (chat, completions, messages, responses)
     one API key may have in flight, from arrival until the response or stream ends, however
     it ends; one more gets a 429 at once. None: ``per_key_default`` of the route's slots; 0:
     no cap. Without ``api_keys`` there is no key to count, and no cap.
@@ -103,6 +105,7 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
                 HttpRoute("/v1/chat/completions", f.chat_completions, methods=["POST"]),
                 HttpRoute("/v1/completions", f.completions, methods=["POST"]),
                 HttpRoute("/v1/messages", f.messages, methods=["POST"]),
+                HttpRoute("/v1/responses", f.responses, methods=["POST"]),
                 HttpRoute("/v1/messages/count_tokens", f.count_tokens, methods=["POST"]),
                 HttpRoute("/health", f.health, methods=["GET"]),
                 HttpRoute("/metrics", f.metrics, methods=["GET"])],
@@ -455,6 +458,45 @@ class _Front:
             return anthropic.error_response(err)
         self.m.request(endpoint, 200)
         return JSONResponse({"input_tokens": len(ids)})
+
+    # -- OpenAI's Responses API ---------------------------------------------------------------
+
+    async def responses(self, request: Request) -> Response:
+        """``POST /v1/responses``, stateless: the chat pipeline in the Responses API's shapes
+        (``dgr.serve.responses``)."""
+        endpoint, t0, created = "responses", time.perf_counter(), time.time()
+        rid = "resp_" + uuid.uuid4().hex
+        ident = {"X-Request-Id": rid}
+
+        def fail(e: ApiError) -> Response:
+            self.m.request(endpoint, e.status)
+            e.headers.update(ident)
+            return e.response()
+
+        try:
+            body = await self.body_of(request)
+            chat = oai_responses.to_chat(body)
+            gen, params = await self._start(request, chat, True, endpoint, rid, t0)
+        except ApiError as e:
+            return fail(e)
+        if params.stream:
+            return Stream(oai_responses.events(gen, rid, self.model, body, chat, endpoint,
+                                               self.m), gen,
+                          media_type="text/event-stream",
+                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                   **ident})
+        out = oai_responses.Output(gen)
+        try:
+            async for piece, delta in deltas(gen):
+                out.feed(piece, delta)
+            out.finish()
+        except errors.DgrError as e:
+            return fail(from_dgr(e, rid))
+        finally:
+            await gen.close()
+        self.m.request(endpoint, 200)
+        return JSONResponse(oai_responses.response(gen, out, rid, self.model, body, chat,
+                                                   created), headers=ident)
 
     # -- the other endpoints -----------------------------------------------------------------
 

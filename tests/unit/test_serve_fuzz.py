@@ -3,7 +3,8 @@
 route, through the ASGI interface itself. Every answer is a 200 or an OpenAI-shaped error with
 a client status (never a 500), every streamed answer ends in ``[DONE]`` or an error event,
 and after each request every session the front opened is closed and no slot is held. The
-same for Anthropic's ``/v1/messages`` and ``count_tokens``, in Anthropic's shapes."""
+same for Anthropic's ``/v1/messages`` and ``count_tokens`` (in Anthropic's shapes) and OpenAI's
+``/v1/responses``."""
 
 from __future__ import annotations
 
@@ -272,3 +273,53 @@ def test_any_messages_body_is_answered_in_anthropics_shape(served, body, count):
     path = "/v1/messages/count_tokens" if count else "/v1/messages"
     status, headers, raw = loop.run_until_complete(_call(app, path, json.dumps(body).encode()))
     _check_anthropic(status, headers, raw, route)
+
+
+# -- OpenAI's Responses API (dgr.serve.responses) --------------------------------------------
+
+R_FIELDS = ["model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
+            "text", "max_output_tokens", "temperature", "top_p", "stream", "store",
+            "previous_response_id", "metadata", "user", "reasoning"]
+r_items = st.lists(st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer",
+                                                    "assistant"]),
+                           "content": st.text(max_size=10)}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.text(max_size=4),
+                           "name": st.text(max_size=4), "arguments": st.text(max_size=8)}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"),
+                           "call_id": st.text(max_size=4), "output": st.text(max_size=8)}),
+    json_values), min_size=1, max_size=3)
+valid_response = st.fixed_dictionaries(
+    {"model": st.just("m"), "input": st.text(min_size=1, max_size=20) | r_items},
+    optional={"instructions": st.text(max_size=10), "stream": st.booleans(),
+              "max_output_tokens": st.integers(1, 40), "temperature": st.floats(0, 2),
+              "store": st.just(False),
+              "text": st.sampled_from([{"format": {"type": "text"}}])})
+r_requests = st.one_of(
+    st.dictionaries(st.sampled_from(R_FIELDS), json_values, max_size=8),
+    valid_response,
+    st.tuples(valid_response, st.sampled_from(R_FIELDS), json_values).map(
+        lambda x: {**x[0], x[1]: x[2]}))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                 HealthCheck.too_slow])
+@given(body=r_requests)
+def test_any_responses_body_is_answered_and_leaks_nothing(served, body):
+    app, route, loop = served
+    status, headers, raw = loop.run_until_complete(
+        _call(app, "/v1/responses", json.dumps(body).encode()))
+    assert status in (200, 400, 404, 413, 429, 503), (status, raw[:300])
+    if status != 200:
+        err = json.loads(raw)["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    elif headers.get("content-type", "").startswith("text/event-stream"):
+        kinds = [e.split("\n")[0] for e in raw.decode().split("\n\n") if e]
+        assert kinds[0] == "event: response.created"
+        assert kinds[-1] in ("event: response.completed", "event: response.incomplete",
+                             "event: error")
+    else:
+        r = json.loads(raw)
+        assert r["object"] == "response" and r["status"] in ("completed", "incomplete")
+    assert route.opened == route.closed, "a session was not closed"
