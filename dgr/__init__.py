@@ -3,7 +3,8 @@
 from dgr import errors
 from dgr.errors import DgrError
 
-__all__ = ["errors", "DgrError", "Engine", "devices"]
+__all__ = ["errors", "DgrError", "Engine", "devices", "Route", "RouteSession", "AsyncRoute",
+           "AsyncRouteSession"]
 __version__ = "0.1.0"
 
 # Heavy or compiled parts load on first use, so `python -m dgr.vendor` works before any build.

@@ -1,7 +1,7 @@
 """Where model artifacts live: the store location and the rule that none lives under /home.
 
-The plan puts exact model artifacts (split GGUFs, slices, their hashed manifests) on
-mounted-drive storage and forbids any model artifact under ``/home``. The store is chosen, in
+dgr keeps exact model artifacts (split GGUFs, slices, their hashed manifests) on mounted-drive
+storage and forbids any model artifact under ``/home``. The store is chosen, in
 order, by an explicit location (``--store DIR``), the ``DGR_STORE`` environment variable, or
 the development cache ``$DGR_CACHE`` (``dgr.vendor.cache_root()``). An explicit store is
 production storage: under ``/home`` it is refused (``StorageLocationError``), as is every
@@ -67,7 +67,7 @@ def check_production_path(path: str | os.PathLike, *, what: str = "a model artif
     if under_forbidden_root(p):
         raise StorageLocationError(
             f"refusing to place {what} at {p}: no model artifact may live under "
-            f"{FORBIDDEN_ROOT} (the plan keeps them on mounted-drive storage); put it on a "
+            f"{FORBIDDEN_ROOT} (they belong on mounted-drive storage); put it on a "
             f"mounted drive instead, e.g. `--store /mnt/models` or {STORE_ENV}=/mnt/models")
     return p
 

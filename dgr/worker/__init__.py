@@ -5,6 +5,13 @@
   ``Step`` stream and the data plane.
 - ``dgr.worker.relay``: where a data-plane step's frames go (return connections, relay to the
   next stage, the decode loop).
+- ``dgr.worker.scheduler``: the stage loop, which forms batches of ready steps
+  (``StageLoop``, the decode ring's groups).
+- ``dgr.worker.frames``: the data plane's frame codec and I/O (C++ or Python).
+- ``dgr.worker.speculation``, ``dgr.worker.grammar``, ``dgr.worker.history``: the last stage's
+  drafts and their verification, grammar masks, and the token history penalties read.
+- ``dgr.worker.profile``: where a stage's time goes (its Prometheus parts).
+- ``dgr.worker.trust``: whom relayed frames may make this worker connect to.
 - ``dgr.worker.stage``: ``Worker``, the stage: the pipeline fed by both planes, describe, drain.
 - ``dgr.worker.process``: workers in a thread of this process or as child processes.
 - ``dgr.worker.main``: the command line of ``python -m dgr.worker``.

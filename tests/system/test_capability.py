@@ -30,6 +30,9 @@ from dgr.protocol.settings import stage_identity
 from dgr.transport.client import ShardClient
 from dgr.worker.process import ThreadedWorker
 
+# six CLI runs (dgr certify, python -m dgr.worker) and worker processes
+pytestmark = [pytest.mark.slow, pytest.mark.system]
+
 SETTINGS = dict(n_ctx=128, n_slots=3, n_threads=1, n_ubatch=8)
 WIDTH = 64  # tiny llama n_embd
 
