@@ -752,7 +752,14 @@ struct Engine::Impl {
         }
     }
 
-    int32_t OutputWidth() const noexcept { return last ? info.n_vocab : info.n_embd_boundary; }
+    int32_t OutputWidth() const noexcept {
+        return embed_rows ? info.n_embd : last ? info.n_vocab : info.n_embd_boundary;
+    }
+    // Embed() runs: the last stage returns each row's final normed hidden state (llama.cpp's
+    // t_embd, n_embd wide) instead of logits
+    bool embed_rows = false;
+    Status Embed(int32_t slot, const int32_t * pos, const int32_t * tokens, const float * boundary,
+                 int32_t n_tokens, float * out, size_t out_capacity, int32_t * n_out_rows);
 
     // The bodies of Engine's methods, which run them through guarded().
     static Status Load(const EngineConfig & cfg, std::unique_ptr<Engine> * out);
@@ -780,6 +787,8 @@ struct Engine::Impl {
     std::vector<float> embd_gather;
     // Forward's slot of every token: a one-slot step runs through ForwardBatch
     std::vector<int32_t> one_slot;
+    // Embed()'s want mask: every row
+    std::vector<uint8_t> embed_want;
 
     // Every compute call's status passes here: a failure that says the device itself failed
     // (a lost Vulkan device, a reset) becomes kDeviceLost, and the engine refuses from then on.
@@ -849,6 +858,16 @@ Status Engine::ForwardBatch(const int32_t * slots, const int32_t * pos, const in
     return impl_->Checked(guarded("forward_batch", [&] {
         return impl_->ForwardBatch(slots, pos, tokens, boundary, n_tokens, want, out, out_capacity,
                                    n_out_rows);
+    }));
+}
+
+Status Engine::Embed(int32_t slot, const int32_t * pos, const int32_t * tokens, const float * boundary,
+                     int32_t n_tokens, float * out, size_t out_capacity, int32_t * n_out_rows) {
+    *n_out_rows = 0;
+    if (impl_->lost) return impl_->Refuse();
+    log_clear();
+    return impl_->Checked(guarded("embed", [&] {
+        return impl_->Embed(slot, pos, tokens, boundary, n_tokens, out, out_capacity, n_out_rows);
     }));
 }
 
@@ -1041,6 +1060,9 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
     // deepseek4 embeddings=true aborts in llama.cpp (t_embd is n_embd wide, its output rows
     // n_embd_out = hc*n_embd: "tensor read out of bounds", ggml-backend.cpp).
     cp.embeddings = false;
+    // Embed() turns embeddings on for its call: rows, never llama.cpp's pooling (a stage's
+    // ubatch is not a whole prompt; the driver pools: dgr.protocol.embeddings)
+    cp.pooling_type = LLAMA_POOLING_TYPE_NONE;
     cp.no_perf = true;
     // DeepSeek V4's trunk cache drops a tail (Truncate) only from its rollback snapshots of
     // the compressor state: n_rs_seq of them per sequence, as llama.cpp's server sets it for
@@ -1494,6 +1516,32 @@ Status Engine::Impl::Forward(int32_t slot, const int32_t * pos, const int32_t * 
                           n_out_rows);
 }
 
+Status Engine::Impl::Embed(int32_t slot, const int32_t * pos, const int32_t * tokens,
+                           const float * boundary, int32_t n_tokens, float * out, size_t out_capacity,
+                           int32_t * n_out_rows) {
+    Impl & m = *this;
+    *n_out_rows = 0;
+    if (!m.last) {
+        return Status(kInvalidArgument, "embeddings come from the last stage; this stage ends at layer " +
+                      std::to_string(m.info.layer_end) + " of " + std::to_string(m.info.n_layer));
+    }
+    if (m.mtp || m.info.arch == "deepseek4") {
+        return Status(kInvalidArgument, "this engine (" + m.info.arch + (m.mtp ? ", MTP" : "") +
+                      ") does not return embeddings");
+    }
+    if (n_tokens <= 0) return Status(kInvalidArgument, "forward needs at least one token");
+    m.embed_want.assign((size_t) n_tokens, 1);
+    // on for this call only: a later forward's graph returns logits as before
+    llama_set_embeddings(m.ctx, true);
+    m.embed_rows = true;
+    struct Off {
+        Impl & m;
+        ~Off() { m.embed_rows = false; llama_set_embeddings(m.ctx, false); }
+    } off{m};
+    return m.Forward(slot, pos, tokens, boundary, n_tokens, m.embed_want.data(), out, out_capacity,
+                     n_out_rows);
+}
+
 Status Engine::Impl::ForwardBatch(const int32_t * slots, const int32_t * pos, const int32_t * tokens,
                                   const float * boundary, int32_t n_tokens, const uint8_t * want,
                                   float * out, size_t out_capacity, int32_t * n_out_rows) {
@@ -1672,8 +1720,13 @@ Status Engine::Impl::ForwardBatch(const int32_t * slots, const int32_t * pos, co
             if (m.last) {
                 for (int32_t k = 0; k < n; ++k) {
                     if (!b.logits[k]) continue;
-                    const float * row = llama_get_logits_ith(m.ctx, k);
-                    if (!row) return cleared("llama.cpp returned no logits for row " + std::to_string(idx[k]));
+                    const float * row = m.embed_rows ? llama_get_embeddings_ith(m.ctx, k)
+                                                     : llama_get_logits_ith(m.ctx, k);
+                    if (!row) {
+                        return cleared(std::string("llama.cpp returned no ") +
+                                       (m.embed_rows ? "embedding" : "logits") + " for row " +
+                                       std::to_string(idx[k]));
+                    }
                     std::memcpy(out + (size_t) dst[idx[k]] * width, row, sizeof(float) * (size_t) width);
                     ++rows_out;
                 }

@@ -439,7 +439,8 @@ bool read_hello(Reader& r, uint64_t n, Hello* h) {
 // --- cross-field rules (wire._check_forward / _check_result) ------------------------
 
 bool is_want(std::string_view w) {
-    return w == "boundary" || w == "logits" || w == "token" || w == "token+logits";
+    return w == "boundary" || w == "logits" || w == "token" || w == "token+logits" ||
+           w == "embedding";
 }
 
 bool is_drafter(std::string_view d) { return d.empty() || d == "ngram" || d == "mtp"; }
@@ -507,8 +508,10 @@ std::string check_forward(const Forward& h, int32_t width) {
         return "Forward carries neither a boundary (width is 0) nor token ids";
     if (!is_want(h.want))
         return "unknown Forward.want " + py_repr(h.want) +
-               " (known: boundary, logits, token, token+logits)";
+               " (known: boundary, logits, token, token+logits, embedding)";
     if (h.has_rows) {
+        if (h.want == "embedding")
+            return "Forward.want 'embedding' returns every row: rows must be None";
         if (h.rows.empty()) return "Forward.rows is empty (use None for the last row)";
         int32_t top = h.rows[0];
         for (int32_t row : h.rows) top = std::max(top, row);
@@ -541,8 +544,9 @@ std::string check_forward(const Forward& h, int32_t width) {
 
 // wire._check_result, message for message; "" when valid.
 std::string check_result(std::string_view kind, int64_t rows, int64_t cols) {
-    if (kind != "none" && kind != "boundary" && kind != "logits")
-        return "unknown Result.kind " + py_repr(kind) + " (known: none, boundary, logits)";
+    if (kind != "none" && kind != "boundary" && kind != "logits" && kind != "embedding")
+        return "unknown Result.kind " + py_repr(kind) +
+               " (known: none, boundary, logits, embedding)";
     if (kind == "none") {
         if (rows || cols)
             return "Result.kind is 'none' but rows x cols is " + num(rows) + " x " + num(cols);
@@ -932,7 +936,7 @@ Status encode_result(const Result& h, const float* array, int64_t rows, int64_t 
     } else {
         if (h.kind == "none")
             return fail(kInvalidArgument,
-                        "Result.kind must be 'boundary' or 'logits' when an array is sent");
+                        "Result.kind must be 'boundary', 'logits' or 'embedding' when an array is sent");
         if (rows == 0 || cols == 0) return fail(kInvalidBoundary, "array shape is empty");
         if (rows > kI32Max || cols > kI32Max)
             return fail(kInvalidBoundary, "array shape does not fit int32");

@@ -143,6 +143,7 @@ cdef class Engine:
     cdef readonly bint needs_token_ids
     cdef readonly bint mtp
     cdef readonly int32_t n_slots
+    cdef int32_t _n_embd  # the width of an embedding row (``_embed``)
     cdef readonly object lock
 
     def __cinit__(self, str model_path, int layer_start=0, int layer_end=-1, *,
@@ -181,6 +182,7 @@ cdef class Engine:
         self.needs_token_ids = info.needs_token_ids
         self.mtp = info.mtp
         self.n_slots = info.n_slots
+        self._n_embd = info.n_embd
 
     def _info(self):
         """Engine facts as a dict (memory figures refreshed)."""
@@ -364,6 +366,40 @@ cdef class Engine:
         """Validated-array forward of one slot; see ``dgr.Engine.forward``. A one-slot
         ``_forward_batch`` (the C++ engine's ``Forward`` runs its one forward core)."""
         return self._step(None, slot, pos, tokens, boundary, want, out)
+
+    def _embed(self, int slot, object pos, object tokens, object boundary):
+        """Validated-array embedding forward of one slot (the last stage): every row's final
+        normed hidden state, float32 ``[n_tokens, n_embd]``; see ``dgr.Engine.embed``."""
+        cdef cnp.ndarray p = _array(pos, "positions", np.int32, 1, _errors.InvalidPosition)
+        if p.shape[0] > INT32_MAX:
+            raise _errors.InvalidPosition(f"{p.shape[0]} positions: at most {INT32_MAX} per step")
+        cdef int32_t n = <int32_t> p.shape[0]
+        cdef const int32_t * ppos = <const int32_t *> cnp.PyArray_DATA(p)
+        cdef const int32_t * ptok = NULL
+        cdef const float * pbnd = NULL
+        cdef cnp.ndarray a
+        if tokens is not None:
+            a = _array(tokens, "tokens", np.int32, 1, _errors.InvalidArgument)
+            if a.shape[0] != n:
+                raise _errors.InvalidPosition(f"{n} positions for {a.shape[0]} tokens")
+            ptok = <const int32_t *> cnp.PyArray_DATA(a)
+        if boundary is not None:
+            a = _array(boundary, "boundary", np.float32, 2, _errors.InvalidBoundary)
+            if a.shape[1] != self.n_embd_boundary or a.shape[0] != n:
+                raise _errors.InvalidBoundary(
+                    f"boundary must have shape [{n}, {self.n_embd_boundary}], "
+                    f"got {list(boundary.shape)}")
+            pbnd = <const float *> cnp.PyArray_DATA(a)
+        cdef cnp.ndarray o = np.empty((n, self._n_embd), dtype=np.float32)
+        cdef float * pout = <float *> cnp.PyArray_DATA(o)
+        cdef size_t cap = <size_t> o.shape[0] * <size_t> o.shape[1]
+        cdef int32_t n_rows = 0
+        cdef CStatus st
+        with self.lock:
+            with nogil:
+                st = self._e.get().Embed(slot, ppos, ptok, pbnd, n, pout, cap, &n_rows)
+        check_status(st)
+        return o
 
     def _forward_batch(self, object slots, object pos, object tokens, object boundary,
                        object want, object out):

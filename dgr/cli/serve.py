@@ -62,18 +62,23 @@ def add_serve_parser(sub) -> None:
                         "DGR_API_KEYS (comma-separated). Default: no key needed. Keys are "
                         "never logged: docs/security.md")
     s.add_argument("--max-requests-per-key", type=int, default=None, metavar="N",
-                   help="generation requests (chat, completions, messages, responses; a "
-                        "stream until it ends) one API key may have in flight; one more gets a 429 with Retry-After at "
-                        "once. Default: half the route's slots, at least 1 (on a route of 2 "
+                   help="generation requests (chat, completions, messages, responses, "
+                        "embeddings; a stream until it ends) one API key may have in flight; "
+                        "one more gets a 429 with Retry-After at once. Default: half the route's slots, at least 1 (on a route of 2 "
                         "slots or more one key never holds them all). 0: no cap. Applies "
                         "only with API keys: without them there is no key to count")
     s.add_argument("--prompt-cache", type=int, default=2, metavar="N",
                    help="ended sessions kept, caches on every stage and all, for later "
                         "requests of the same API key whose prompts begin the same way: they "
                         "prefill only what differs, with the bits a fresh prefill gives "
-                        "(whole n_ubatch chunks are reused). Each kept session holds a slot "
+                        "(whole n_ubatch chunks, and partial chunks' rows where every stage "
+                        "measured them exact). Each kept session holds a slot "
                         "until a request needs it or --prompt-cache-ttl passes. Default: 2; "
                         "0: off")
+    s.add_argument("--pooling", choices=["mean", "last", "cls"], default=None,
+                   help="how /v1/embeddings pools a prompt's final hidden rows (each vector "
+                        "then scaled to unit length). Default: the GGUF's pooling type where it "
+                        "has one, else last (the token that saw the whole prompt)")
     s.add_argument("--prompt-cache-ttl", type=float, default=30.0, metavar="S",
                    help="seconds a kept session may stay idle (default: 30)")
     s.add_argument("--insecure", action="store_true",
@@ -84,6 +89,19 @@ def add_serve_parser(sub) -> None:
     add_speculate_arguments(s)
     engine_settings.add_arguments(s)
     s.set_defaults(func=_cmd_serve)
+
+
+#: llama.cpp's ``LLAMA_POOLING_TYPE_*`` values of the GGUF key ``<arch>.pooling_type``
+_GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
+
+
+def gguf_pooling(model: str) -> str | None:
+    """The pooling type the GGUF at ``model`` declares (``mean``, ``cls`` or ``last``), None
+    where it declares none (a causal language model) or another (rank)."""
+    from dgr.artifacts.gguf import read_header
+
+    kv = read_header(model).kv
+    return _GGUF_POOLING.get(kv.get(f"{kv.get('general.architecture', '')}.pooling_type"))
 
 
 def _cmd_serve(args) -> int:
@@ -159,7 +177,8 @@ def _cmd_serve(args) -> int:
                          queue_timeout=args.queue_timeout, api_keys=api_keys,
                          max_per_key=args.max_requests_per_key,
                          prompt_cache=args.prompt_cache,
-                         prompt_cache_ttl=args.prompt_cache_ttl)
+                         prompt_cache_ttl=args.prompt_cache_ttl,
+                         pooling=args.pooling or (model and gguf_pooling(model)) or "last")
         cap = args.max_requests_per_key
         cap_text = ("half the route's slots" if cap is None else "no cap" if cap == 0
                     else str(cap))

@@ -248,6 +248,30 @@ class Engine(_CoreEngine):
         return self._forward(int(slot), pos, tok, bnd, want, out)
 
 
+    def embed(self, slot: int, positions: int | Sequence[int] | np.ndarray,
+              tokens: Sequence[int] | np.ndarray | None = None,
+              boundary: np.ndarray | None = None) -> np.ndarray:
+        """``forward`` on the last stage that returns every row's final hidden state, after
+        the model's output norm (llama.cpp's embeddings, never pooled: pool with
+        ``dgr.protocol.embeddings.pool``): float32 ``[n_tokens, n_embd]``. The slot's cache
+        grows as with ``forward``.
+
+        Raises
+        ------
+        dgr.errors.InvalidArgument
+            Not the last stage, or an engine that returns no embeddings (MTP, deepseek4).
+        The errors of ``forward`` otherwise.
+        """
+        tok = None if tokens is None else np.ascontiguousarray(tokens, dtype=np.int32)
+        bnd = np.ascontiguousarray(boundary) if isinstance(boundary, np.ndarray) else boundary
+        if isinstance(positions, (int, np.integer)):
+            rows = tok if tok is not None else bnd
+            n = 0 if rows is None else len(rows)
+            pos = np.arange(int(positions), int(positions) + n, dtype=np.int32)
+        else:
+            pos = np.ascontiguousarray(positions, dtype=np.int32)
+        return self._embed(int(slot), pos, tok, bnd)
+
     def forward_batch(self, slots: Sequence[int] | np.ndarray,
                       positions: Sequence[int] | np.ndarray,
                       tokens: Sequence[int] | np.ndarray | None = None,

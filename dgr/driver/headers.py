@@ -63,5 +63,6 @@ def forward_header(session: str, epoch: int, stage: StageInfo, pos: int, toks: l
 def solo_of(route, want: str) -> bool:
     """Whether a step of ``route`` asking for ``want`` runs alone on every stage: when the
     route does not batch (``AsyncRoute(batching=False)``), and in the parity mode (a step
-    that returns logits: they must be the whole model's own, bit for bit)."""
-    return not route.batching or want in ("logits", "token+logits")
+    that returns logits: they must be the whole model's own, bit for bit), and an embedding
+    step (the last stage returns every row)."""
+    return not route.batching or want in ("logits", "token+logits", "embedding")

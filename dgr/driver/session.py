@@ -170,6 +170,38 @@ class AsyncRouteSession:
         self.chunks.extend((start + a, len(toks[a:a + ub])) for a in range(0, len(toks), ub))
         return self._take(f, logits) if sample else None
 
+    async def embed(self, tokens: Sequence[int]) -> np.ndarray:
+        """Every row's final hidden state, after the model's output norm, of ``tokens``
+        prefilled from position 0 (a new epoch) in chunks of ``n_ubatch``: float32 ``[n,
+        n_embd]`` (pool with ``dgr.protocol.embeddings.pool``). Each chunk is a step of its
+        own that runs alone on every stage (``Forward.want`` ``"embedding"``), repaired as
+        any step.
+
+        Raises
+        ------
+        dgr.errors.InvalidArgument
+            No tokens, or a last stage that returns no embeddings.
+        dgr.errors.FrameError
+            The last stage's reply is not one embedding row per token.
+        """
+        toks = [int(t) for t in np.asarray(tokens, dtype=np.int64).reshape(-1)]
+        if not toks:
+            raise errors.InvalidArgument("an embedding needs at least one token")
+        if self.history or self.rollback or self.epoch == 0:
+            await self.reset()
+        ub, rows = self.route.n_ubatch, []
+        for a in range(0, len(toks), ub):
+            chunk, start = toks[a:a + ub], len(self.history)
+            f = await self._run_chunks([chunk], "embedding", None)
+            self.chunks.append((start, len(chunk)))
+            if f.header.kind != "embedding" or f.array is None or \
+                    f.array.shape[0] != len(chunk):
+                raise errors.FrameError(
+                    f"the last stage answered an embedding step of {len(chunk)} rows with "
+                    f"{f.header.kind} {None if f.array is None else list(f.array.shape)}")
+            rows.append(np.array(f.array, dtype=np.float32))
+        return np.concatenate(rows)
+
     def aligned(self) -> int:
         """How many of ``history``'s first tokens were prefilled in the chunks a fresh
         prefill makes (whole ``n_ubatch`` chunks from position 0): the part another prompt

@@ -91,12 +91,12 @@ _KNOWN_FLAGS = 0  # no flag bits are defined in format version 1
 MAX_PAYLOAD = 256 << 20
 MAX_HEADER = 1 << 20
 
-WANTS = ("boundary", "logits", "token", "token+logits")
+WANTS = ("boundary", "logits", "token", "token+logits", "embedding")
 #: the last stage's drafters (``Forward.speculate``; "" is none)
 DRAFTERS = ("", "ngram", "mtp")
 #: the most drafts one step may carry (``Forward.max_draft``)
 MAX_DRAFT = 32
-RESULT_KINDS = ("none", "boundary", "logits")
+RESULT_KINDS = ("none", "boundary", "logits", "embedding")
 _DTYPES = ("f32",)
 
 _I32_MAX = 2**31 - 1
@@ -337,6 +337,8 @@ def _check_forward(h: Forward) -> str | None:
     if h.want not in WANTS:
         return f"unknown Forward.want {h.want!r} (known: {', '.join(WANTS)})"
     if h.rows is not None:
+        if h.want == "embedding":
+            return "Forward.want 'embedding' returns every row: rows must be None"
         if not h.rows:
             return "Forward.rows is empty (use None for the last row)"
         if max(h.rows) >= n:
@@ -443,7 +445,8 @@ def _prepare(
             raise InvalidBoundary("array has width 0")
     elif cls is Result:
         if header.kind == "none":
-            raise InvalidArgument("Result.kind must be 'boundary' or 'logits' when an array is sent")
+            raise InvalidArgument("Result.kind must be 'boundary', 'logits' or 'embedding' when "
+                                  "an array is sent")
         if rows == 0 or cols == 0:
             raise InvalidBoundary(f"array shape {array.shape} is empty")
     else:

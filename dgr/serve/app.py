@@ -48,8 +48,10 @@ from starlette.routing import Route as HttpRoute
 from starlette.staticfiles import StaticFiles
 
 from dgr import errors
+from dgr.protocol.embeddings import POOLING, pool
 from dgr.serve import anthropic
 from dgr.serve import metrics as serve_metrics
+from dgr.serve import embeddings as embedding_fields
 from dgr.serve import responses as oai_responses
 from dgr.serve import status as serve_status
 from dgr.serve.admission import Admission, per_key_default
@@ -73,13 +75,14 @@ STATIC = pathlib.Path(__file__).with_name("static")
 def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
                metrics_registry=None, api_keys=None,
                max_per_key: int | None = None, prompt_cache: int = 0,
-               prompt_cache_ttl: float = 30.0) -> Starlette:
+               prompt_cache_ttl: float = 30.0, pooling: str = "last",
+               normalize: bool = True) -> Starlette:
     """The ASGI app serving ``route`` (an ``AsyncRoute``) as the model named ``model``.
 
     ``api_keys``: keys a request must present as ``Authorization: Bearer`` (strings or
     ``dgr.serve.auth.ApiKey``; None or empty: no key needed).
 
-    ``max_per_key``: the generation requests (chat, completions, messages, responses)
+    ``max_per_key``: the requests (chat, completions, messages, responses, embeddings)
     one API key may have in flight, from arrival until the response or stream ends, however
     it ends; one more gets a 429 at once. None: ``per_key_default`` of the route's slots; 0:
     no cap. Without ``api_keys`` there is no key to count, and no cap.
@@ -92,10 +95,16 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
     requests of the same API key whose prompts begin the same way (``dgr.serve.prefix``;
     0: none); each holds a slot until a request needs it or it is ``prompt_cache_ttl``
     seconds idle.
+
+    ``pooling``: how ``/v1/embeddings`` pools a prompt's rows (``mean``, ``last``, ``cls``:
+    ``dgr.protocol.embeddings``); ``normalize``: scale each vector to unit length.
     """
+    if pooling not in POOLING:
+        raise ValueError(f"unknown pooling {pooling!r} (known: {', '.join(POOLING)})")
     f = _Front(route, model=model, template=template, queue_timeout=queue_timeout,
                metrics_registry=metrics_registry, api_keys=api_keys, max_per_key=max_per_key,
-               pool=PrefixPool(prompt_cache, prompt_cache_ttl))
+               pool=PrefixPool(prompt_cache, prompt_cache_ttl), pooling=pooling,
+               normalize=normalize)
     return Starlette(
         routes=[HttpRoute("/", f.page, methods=["GET"]),
                 HttpRoute("/status", f.status, methods=["GET"]),
@@ -106,6 +115,7 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
                 HttpRoute("/v1/completions", f.completions, methods=["POST"]),
                 HttpRoute("/v1/messages", f.messages, methods=["POST"]),
                 HttpRoute("/v1/responses", f.responses, methods=["POST"]),
+                HttpRoute("/v1/embeddings", f.embeddings, methods=["POST"]),
                 HttpRoute("/v1/messages/count_tokens", f.count_tokens, methods=["POST"]),
                 HttpRoute("/health", f.health, methods=["GET"]),
                 HttpRoute("/metrics", f.metrics, methods=["GET"])],
@@ -118,11 +128,14 @@ class _Front:
     """The app's parts and its endpoints (``create_app``'s arguments)."""
 
     def __init__(self, route, *, model: str, template, queue_timeout: float, metrics_registry,
-                 api_keys, max_per_key: int | None, pool: PrefixPool):
+                 api_keys, max_per_key: int | None, pool: PrefixPool, pooling: str = "last",
+                 normalize: bool = True):
         self.route, self.model, self.template, self.api_keys = route, model, template, api_keys
         self.m = serve_metrics.ServeMetrics(metrics_registry)
         #: the prompt cache: ended sessions kept for their prefixes
         self.pool = pool
+        #: how /v1/embeddings pools a prompt's rows, and whether it scales them to unit length
+        self.pooling, self.normalize = pooling, bool(normalize)
         self.m.watch_prefix(pool)
         self.admission = Admission(queue_timeout, max_per_key, self.m)
         self.traffic = serve_status.Traffic()
@@ -287,6 +300,13 @@ class _Front:
     async def completions(self, request: Request) -> Response:
         return await self.complete(request, chat=False)
 
+    def _key_cap(self, rid: str) -> ApiError:
+        return ApiError(
+            429, f"this API key already has {self.admission.per_key_cap} request(s) in "
+                 f"flight, its cap (--max-requests-per-key); retry when one ends (request "
+                 f"{rid})", type="rate_limit_error", code="max_requests_per_key",
+            headers={"Retry-After": "1"})
+
     async def _start(self, request: Request, body: dict, chat: bool, endpoint: str,
                      rid: str, t0: float) -> tuple[Generation, Params]:
         """Admit the request of ``body`` (a completions or chat completions body) under its
@@ -294,11 +314,7 @@ class _Front:
         it is closed; an ``ApiError`` (nothing held) otherwise."""
         key = request.scope.get(KEY_SCOPE)
         if not self.admission.take_key(key):
-            raise ApiError(
-                429, f"this API key already has {self.admission.per_key_cap} request(s) in "
-                     f"flight, its cap (--max-requests-per-key); retry when one ends (request "
-                     f"{rid})", type="rate_limit_error", code="max_requests_per_key",
-                headers={"Retry-After": "1"})
+            raise self._key_cap(rid)
         gen = None
         try:
             try:
@@ -372,10 +388,15 @@ class _Front:
         # a grammar's state on the last stage is the session's (by epoch): not reused
         taken = None if params.sampling.grammar else self.pool.take(key, ids)
         if taken is None:
-            if not self.admission.slot_free:
-                await self._close_kept([s for s in [self.pool.evict()] if s is not None])
-            await self.admission.acquire_slot()
+            await self._take_slot()
         return params, ids, text, max_tokens, reply, taken
+
+    async def _take_slot(self) -> None:
+        """A free slot, waited for (a 429 after ``queue_timeout``); a kept session of the
+        prompt cache is closed first when none is free."""
+        if not self.admission.slot_free:
+            await self._close_kept([s for s in [self.pool.evict()] if s is not None])
+        await self.admission.acquire_slot()
 
     async def _respond(self, gen: Generation, chat: bool, endpoint: str,
                        ident: dict) -> Response:
@@ -497,6 +518,70 @@ class _Front:
         self.m.request(endpoint, 200)
         return JSONResponse(oai_responses.response(gen, out, rid, self.model, body, chat,
                                                    created), headers=ident)
+
+    # -- embeddings ---------------------------------------------------------------------------
+
+    async def embeddings(self, request: Request) -> Response:
+        """``POST /v1/embeddings``: each input prefilled on the route, its rows pooled
+        (``dgr.protocol.embeddings``), one slot and one session for the whole request."""
+        endpoint, rid = "embeddings", "embd-" + uuid.uuid4().hex
+        ident = {"X-Request-Id": rid}
+        key = request.scope.get(KEY_SCOPE)
+
+        def fail(e: ApiError) -> Response:
+            self.m.request(endpoint, e.status)
+            e.headers.update(ident)
+            return e.response()
+
+        if not self.admission.take_key(key):
+            return fail(self._key_cap(rid))
+        try:
+            req = await self._embedding_request(await self.body_of(request))
+            vectors = await self._embed_all(req.inputs, rid)
+        except ApiError as e:
+            return fail(e)
+        finally:
+            self.admission.give_key(key)
+        self.m.request(endpoint, 200)
+        n = sum(len(i) for i in req.inputs)
+        return JSONResponse({"object": "list", "model": self.model,
+                             "data": [{"object": "embedding", "index": i,
+                                       "embedding": req.encode(v)}
+                                      for i, v in enumerate(vectors)],
+                             "usage": {"prompt_tokens": n, "total_tokens": n}}, headers=ident)
+
+    async def _embedding_request(self, body: dict) -> embedding_fields.EmbeddingRequest:
+        req = embedding_fields.parse(body)
+        inputs = []
+        for i, x in enumerate(req.inputs):
+            ids = ([int(t) for t in await self.route.tokenize(x, True, True)]
+                   if isinstance(x, str) else x)
+            self._check_ids(ids, "input")
+            if len(ids) > self.n_ctx():
+                raise ApiError(400, f"input {i} has {len(ids)} tokens; this model's maximum "
+                                    f"context length is {self.n_ctx()}", param="input",
+                               code="context_length_exceeded")
+            inputs.append(ids)
+        req.inputs = inputs
+        return req
+
+    async def _embed_all(self, inputs: list[list[int]], rid: str) -> list:
+        """Each input's pooled vector, on one slot and one route session."""
+        await self._take_slot()
+        session = None
+        try:
+            session = self.route.session()
+            return [pool(await session.embed(ids), self.pooling, normalize=self.normalize)
+                    for ids in inputs]
+        except errors.DgrError as e:
+            raise from_dgr(e, rid) from None
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    if session is not None:
+                        await session.close()
+                finally:
+                    self.admission.release()
 
     # -- the other endpoints -----------------------------------------------------------------
 

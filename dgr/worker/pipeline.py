@@ -99,7 +99,7 @@ class Step:
     array: Any  # the boundary it came with (None on a first stage)
     lease: Lease | None  # None until ``StagePipeline.lease`` (the stage loop, before compute)
     t_arrive: float  # time.perf_counter() when its frame arrived
-    kind: str = "none"  # what ``result`` is: "boundary", "logits" or "none"
+    kind: str = "none"  # what ``result`` is: "boundary", "logits", "embedding" or "none"
     result: Any = None  # the boundary or the logits rows
     tokens: list[int] | None = None  # sampled, one per wanted row (verified: the emitted)
     accepted: int = 0  # drafts (``Forward.drafts``) the verification accepted
@@ -527,9 +527,12 @@ class StagePipeline:
 
     def _forward_batch(self, steps: list[Step]) -> None:
         """One ``Engine.forward_batch`` over ``steps`` (the engine's lock held), then each
-        step's rows, sampled tokens and share of the compute time."""
+        step's rows, sampled tokens and share of the compute time. An embedding step is
+        never batched (``InvalidArgument``: the caller runs each step alone)."""
         eng = self.engine
         hs = [s.header for s in steps]
+        if any(h.want == "embedding" for h in hs):
+            raise errors.InvalidArgument("an embedding step runs alone")
         n = sum(h.n_tokens for h in hs)
         slots = np.concatenate([np.full(h.n_tokens, s.lease.slot, np.int32)
                                 for s, h in zip(steps, hs)])
@@ -596,6 +599,12 @@ class StagePipeline:
             step.kind = "boundary"
             return
         want = h.want
+        if want == "embedding":  # every row's final normed hidden state, not logits
+            step.kind, step.result = "embedding", eng.embed(lease.slot, positions, tokens,
+                                                            boundary=step.array)
+            step.seconds = time.perf_counter() - t0
+            self.profile.add("engine", step.seconds)
+            return
         rows = wanted_rows(h)
         mask: Any
         if rows == [n - 1]:

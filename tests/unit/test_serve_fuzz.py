@@ -3,8 +3,8 @@
 route, through the ASGI interface itself. Every answer is a 200 or an OpenAI-shaped error with
 a client status (never a 500), every streamed answer ends in ``[DONE]`` or an error event,
 and after each request every session the front opened is closed and no slot is held. The
-same for Anthropic's ``/v1/messages`` and ``count_tokens`` (in Anthropic's shapes) and OpenAI's
-``/v1/responses``."""
+same for Anthropic's ``/v1/messages`` and ``count_tokens`` (in Anthropic's shapes), OpenAI's
+``/v1/responses`` and ``/v1/embeddings``."""
 
 from __future__ import annotations
 
@@ -48,6 +48,14 @@ class FakeSession:
             self.trips += i > 0  # every token after the prefill's: one loop trip
             yield self._sampled(1 + (sum(ids) + i) % (N_VOCAB - 1), logits)
             await asyncio.sleep(0)
+
+    async def embed(self, ids):
+        if any(t == 7 for t in ids):  # as generate: the route fails
+            raise errors.WorkerUnavailable("stage 1 went away")
+        rows = np.zeros((len(ids), 4), dtype=np.float32)
+        for i, t in enumerate(ids):
+            rows[i] = [t, i + 1, sum(ids[:i + 1]), 1.0]
+        return rows
 
     async def close(self):
         self.route.closed += 1
@@ -322,4 +330,32 @@ def test_any_responses_body_is_answered_and_leaks_nothing(served, body):
     else:
         r = json.loads(raw)
         assert r["object"] == "response" and r["status"] in ("completed", "incomplete")
+    assert route.opened == route.closed, "a session was not closed"
+
+
+# -- /v1/embeddings ----------------------------------------------------------------------------
+
+e_inputs = (st.text(max_size=12) | st.lists(st.text(max_size=6), max_size=3)
+            | st.lists(st.integers(-5, 80), max_size=6)
+            | st.lists(st.lists(st.integers(-5, 80), max_size=4), max_size=3) | json_values)
+e_requests = st.dictionaries(
+    st.sampled_from(["input", "model", "encoding_format", "user", "dimensions", "extra"]),
+    e_inputs | st.sampled_from(["float", "base64", "m"]), max_size=5)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                 HealthCheck.too_slow])
+@given(body=e_requests)
+def test_any_embeddings_body_is_answered_and_leaks_nothing(served, body):
+    app, route, loop = served
+    status, headers, raw = loop.run_until_complete(
+        _call(app, "/v1/embeddings", json.dumps(body).encode()))
+    assert status in (200, 400, 404, 413, 429, 503), (status, raw[:300])
+    if status != 200:
+        err = json.loads(raw)["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    else:
+        d = json.loads(raw)
+        assert d["object"] == "list" and len(d["data"]) >= 1
     assert route.opened == route.closed, "a session was not closed"

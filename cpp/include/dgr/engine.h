@@ -152,6 +152,12 @@ public:
                         const float * boundary, int32_t n_tokens, const uint8_t * want, float * out,
                         size_t out_capacity, int32_t * n_out_rows);
 
+    // Forward on the last stage that returns every row's final normed hidden state (llama.cpp's
+    // embeddings, t_embd: n_embd floats a row, never pooled) instead of logits; the slot's
+    // cache grows as with Forward. out receives n_tokens * n_embd floats.
+    Status Embed(int32_t slot, const int32_t * pos, const int32_t * tokens, const float * boundary,
+                 int32_t n_tokens, float * out, size_t out_capacity, int32_t * n_out_rows);
+
     // Drop a slot's state; the next Forward on it must start at position 0.
     Status Release(int32_t slot);
 

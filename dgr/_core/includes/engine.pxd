@@ -104,6 +104,9 @@ cdef extern from "dgr/engine.h" namespace "dgr" nogil:
         CStatus ForwardBatch(const int32_t * slots, const int32_t * pos, const int32_t * tokens,
                              const float * boundary, int32_t n_tokens, const uint8_t * want,
                              float * out, size_t out_capacity, int32_t * n_out_rows) except +
+        CStatus Embed(int32_t slot, const int32_t * pos, const int32_t * tokens,
+                      const float * boundary, int32_t n_tokens, float * out, size_t out_capacity,
+                      int32_t * n_out_rows) except +
         CStatus Release(int32_t slot) except +
         CStatus Truncate(int32_t slot, int32_t pos) except +
         CStatus MtpDraft(int32_t slot, int32_t token, int32_t n_max, vector[int32_t] * out) except +
