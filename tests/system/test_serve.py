@@ -12,10 +12,8 @@ import time
 
 import pytest
 
-import dgr
 from dgr.driver.route import AsyncRoute, Route
 from dgr.testing.serving import Served
-from dgr.worker.process import ThreadedWorker
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -26,14 +24,6 @@ SETTINGS = dict(n_ctx=256, n_slots=2, n_threads=1, n_ubatch=32)
 NAME = "smollm2"
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def stages(smollm2):
-    ws = [ThreadedWorker(dgr.Engine(smollm2, layers=r, **SETTINGS)) for r in [(0, 15), (15, 30)]]
-    yield ws
-    for w in ws:
-        w.stop()
 
 
 @pytest.fixture(scope="module")

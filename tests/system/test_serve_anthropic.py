@@ -14,13 +14,15 @@ import pytest
 from dgr.driver.route import AsyncRoute
 from dgr.testing.serving import Served
 
-from test_serve_tools import NAME, stages  # noqa: F401  (the 2-stage SmolLM2 fixture)
 
 anthropic = pytest.importorskip("anthropic")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("dgr._chat._chat")
 
 pytestmark = pytest.mark.slow
+
+NAME = "smollm2"
+SETTINGS = dict(n_ctx=2048, n_slots=2, n_threads=1, n_ubatch=64)  # stages (conftest)
 
 WEATHER = {"name": "get_weather", "description": "Get the current weather in a city",
            "input_schema": {"type": "object", "properties": {
@@ -35,7 +37,7 @@ GREEDY = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def claude(stages, smollm2):  # noqa: F811
+def claude(stages, smollm2):
     from dgr.serve.app import create_app
     from dgr.serve.templates import ChatTemplate
 
@@ -138,7 +140,7 @@ def test_a_forced_tool_use_round_trip(claude):
 
 
 def test_count_tokens_is_the_prompts_token_count(claude):
-    client, template, stages = claude  # noqa: F811
+    client, template, stages = claude
     n = client.messages.count_tokens(model=NAME, system=SYSTEM, messages=ASK).input_tokens
     text, add_bos = template.render_prompt([{"role": "system", "content": SYSTEM}, *ASK],
                                            add_generation_prompt=True)

@@ -15,18 +15,20 @@ from dgr.driver.route import AsyncRoute
 from dgr.protocol.embeddings import pool
 from dgr.testing.serving import Served
 
-from test_serve_tools import NAME, SETTINGS, stages  # noqa: F401  (the 2-stage SmolLM2 fixture)
 
 openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.slow
+
+NAME = "smollm2"
+SETTINGS = dict(n_ctx=2048, n_slots=2, n_threads=1, n_ubatch=64)  # stages (conftest)
 
 TEXTS = ["The capital of France is Paris.", "Embeddings map text to vectors.",
          " ".join(["A prompt longer than one chunk of sixty-four tokens."] * 8)]
 
 
 @pytest.fixture(scope="module")
-def client(stages):  # noqa: F811
+def client(stages):
     from dgr.serve.app import create_app
 
     served = Served(create_app(AsyncRoute([w.address for w in stages]), model=NAME))

@@ -14,13 +14,15 @@ import pytest
 from dgr.driver.route import AsyncRoute
 from dgr.testing.serving import Served
 
-from test_serve_tools import NAME, stages  # noqa: F401  (the 2-stage SmolLM2 fixture)
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("dgr._chat._chat")
 
 pytestmark = pytest.mark.slow
+
+NAME = "smollm2"
+SETTINGS = dict(n_ctx=2048, n_slots=2, n_threads=1, n_ubatch=64)  # stages (conftest)
 
 WEATHER = {"type": "function", "name": "get_weather",
            "description": "Get the current weather in a city",
@@ -33,7 +35,7 @@ ASK = "What is the capital of France?"
 
 
 @pytest.fixture(scope="module")
-def client(stages, smollm2):  # noqa: F811
+def client(stages, smollm2):
     from dgr.serve.app import create_app
     from dgr.serve.templates import ChatTemplate
 

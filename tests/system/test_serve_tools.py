@@ -13,10 +13,8 @@ from pathlib import Path
 
 import pytest
 
-import dgr
 from dgr.driver.route import AsyncRoute
 from dgr.testing.serving import Served
-from dgr.worker.process import ThreadedWorker
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -39,14 +37,6 @@ TIME = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"tz": {"type": "string"}},
                    "required": ["tz"], "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
-
-
-@pytest.fixture(scope="module")
-def stages(smollm2):
-    ws = [ThreadedWorker(dgr.Engine(smollm2, layers=r, **SETTINGS)) for r in [(0, 15), (15, 30)]]
-    yield ws
-    for w in ws:
-        w.stop()
 
 
 def _client(stages, template):

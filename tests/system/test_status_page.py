@@ -20,10 +20,8 @@ import urllib.request
 
 import pytest
 
-import dgr
 from dgr.driver.route import AsyncRoute
 from dgr.testing.serving import Served
-from dgr.worker.process import ThreadedWorker
 
 pytestmark = pytest.mark.slow
 
@@ -65,14 +63,6 @@ def browser():
     d.set_script_timeout(60)
     yield d
     d.quit()
-
-
-@pytest.fixture(scope="module")
-def stages(smollm2):
-    ws = [ThreadedWorker(dgr.Engine(smollm2, layers=r, **SETTINGS)) for r in RANGES]
-    yield ws
-    for w in ws:
-        w.stop()
 
 
 @pytest.fixture(scope="module")
