@@ -779,6 +779,7 @@ struct Engine::Impl {
     // cleared after); on an M-RoPE model an embedding batch gets the sectioned positions.
     int32_t Decode(int32_t n);
     Status Release(int32_t slot);
+    Status CopySlot(int32_t src, int32_t dst);
     Status Truncate(int32_t slot, int32_t pos);
     Status MtpDraft(int32_t slot, int32_t token, int32_t n_max, std::vector<int32_t> * out);
     // Clear a slot in every cache (trunk, MTP) and its bookkeeping; never fails.
@@ -873,6 +874,11 @@ Status Engine::Embed(int32_t slot, const int32_t * pos, const int32_t * tokens, 
 
 Status Engine::Release(int32_t slot) {
     return guarded("release", [&] { return impl_->Release(slot); });
+}
+
+Status Engine::CopySlot(int32_t src, int32_t dst) {
+    if (impl_->lost) return impl_->Refuse();
+    return guarded("copy_slot", [&] { return impl_->CopySlot(src, dst); });
 }
 
 Status Engine::Truncate(int32_t slot, int32_t pos) {
@@ -1339,6 +1345,28 @@ Status Engine::Impl::Release(int32_t slot) {
                       std::to_string(m.cfg.n_slots - 1));
     }
     m.ClearSlot(slot);
+    return Status();
+}
+
+Status Engine::Impl::CopySlot(int32_t src, int32_t dst) {
+    Impl & m = *this;
+    for (const int32_t s : {src, dst}) {
+        if (s < 0 || (uint32_t) s >= m.cfg.n_slots) {
+            return Status(kUnknownSlot, "slot " + std::to_string(s) + " does not exist; this engine has slots 0.." +
+                          std::to_string(m.cfg.n_slots - 1));
+        }
+    }
+    if (src == dst) return Status(kInvalidArgument, "a slot is not copied onto itself");
+    if (m.mtp || m.info.arch == "deepseek4") {
+        return Status(kInvalidArgument, "this engine (" + m.info.arch + (m.mtp ? ", MTP" : "") +
+                      ") does not copy a slot's caches");
+    }
+    llama_memory_t mem = llama_get_memory(m.ctx);
+    m.ClearSlot(dst);
+    // one KV stream per slot (kv_unified=false): llama.cpp copies the whole stream's buffers
+    // at the start of the next decode (llama_kv_cache::seq_cp, update), the bytes as they are
+    llama_memory_seq_cp(mem, src, dst, -1, -1);
+    m.rs_tail[dst] = m.rs_tail[src];
     return Status();
 }
 

@@ -313,6 +313,16 @@ cdef class Engine:
                 st = self._e.get().Release(slot)
         check_status(st)
 
+    def copy_slot(self, int src, int dst):
+        """Make slot ``dst`` a copy of slot ``src``: its caches bit for bit and its next
+        position (a session forked after its prefill, ``n`` choices). ``UnknownSlot`` for a
+        slot out of range; ``InvalidArgument`` for ``src == dst``, with MTP and on deepseek4."""
+        cdef CStatus st
+        with self.lock:
+            with nogil:
+                st = self._e.get().CopySlot(src, dst)
+        check_status(st)
+
     def truncate(self, int slot, int pos):
         """Drop the slot's positions from ``pos`` on (rejected drafts); its next forward
         starts at ``pos``. ``pos`` at or past ``next_pos`` changes nothing. On an MTP engine

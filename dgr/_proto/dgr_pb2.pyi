@@ -148,6 +148,24 @@ class ReleaseReply(_message.Message):
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
+class ForkRequest(_message.Message):
+    __slots__ = ("session", "epoch", "into", "into_epoch")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    INTO_FIELD_NUMBER: _ClassVar[int]
+    INTO_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    epoch: int
+    into: _containers.RepeatedScalarFieldContainer[str]
+    into_epoch: int
+    def __init__(self, session: _Optional[str] = ..., epoch: _Optional[int] = ..., into: _Optional[_Iterable[str]] = ..., into_epoch: _Optional[int] = ...) -> None: ...
+
+class ForkReply(_message.Message):
+    __slots__ = ("next_pos",)
+    NEXT_POS_FIELD_NUMBER: _ClassVar[int]
+    next_pos: int
+    def __init__(self, next_pos: _Optional[int] = ...) -> None: ...
+
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "add_special", "parse_special")
     TEXT_FIELD_NUMBER: _ClassVar[int]

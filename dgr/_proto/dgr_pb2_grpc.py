@@ -58,6 +58,11 @@ class ShardStub:
                 request_serializer=dgr__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=dgr__pb2.ReleaseReply.FromString,
                 _registered_method=True)
+        self.Fork = channel.unary_unary(
+                '/dgr.v1.Shard/Fork',
+                request_serializer=dgr__pb2.ForkRequest.SerializeToString,
+                response_deserializer=dgr__pb2.ForkReply.FromString,
+                _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/dgr.v1.Shard/Tokenize',
                 request_serializer=dgr__pb2.TokenizeRequest.SerializeToString,
@@ -107,6 +112,14 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fork(self, request, context):
+        """Open new sessions as copies of one (its caches bit for bit, its next position, and on the
+        last stage its token record): a route's n choices share one prefill.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Tokenize(self, request, context):
         """The served model's tokenizer (every stage loads the vocabulary).
         """
@@ -141,6 +154,11 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=dgr__pb2.ReleaseRequest.FromString,
                     response_serializer=dgr__pb2.ReleaseReply.SerializeToString,
+            ),
+            'Fork': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fork,
+                    request_deserializer=dgr__pb2.ForkRequest.FromString,
+                    response_serializer=dgr__pb2.ForkReply.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
@@ -226,6 +244,33 @@ class Shard:
             '/dgr.v1.Shard/Release',
             dgr__pb2.ReleaseRequest.SerializeToString,
             dgr__pb2.ReleaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fork(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dgr.v1.Shard/Fork',
+            dgr__pb2.ForkRequest.SerializeToString,
+            dgr__pb2.ForkReply.FromString,
             options,
             channel_credentials,
             insecure,

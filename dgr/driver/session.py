@@ -12,7 +12,7 @@ import numpy as np
 from dgr import errors
 from dgr.driver.headers import wire_sampling
 from dgr.driver.paths import HopByHop, StepPath, path_for
-from dgr.driver.recovery import retryable
+from dgr.driver.recovery import release_quietly, retryable
 from dgr.driver.results import Generation, StageStats
 from dgr.driver.text import TextStream
 from dgr.protocol import wire
@@ -201,6 +201,47 @@ class AsyncRouteSession:
                     f"{f.header.kind} {None if f.array is None else list(f.array.shape)}")
             rows.append(np.array(f.array, dtype=np.float32))
         return np.concatenate(rows)
+
+    async def fork(self, n: int) -> list[AsyncRouteSession]:
+        """``n`` new sessions that continue from this one: every stage copies its caches into
+        a slot of each (``Worker.fork``, bit for bit, the last stage's token record too), and
+        each starts with this one's history, so ``generate(prompt, reuse=...)`` on it
+        prefills only the rest, as on a kept session. A session with nothing prefilled gives
+        ``n`` new sessions. This one is unchanged.
+
+        Raises
+        ------
+        dgr.errors.InvalidArgument
+            ``n`` below 1, drafts of a decode loop still in the caches (fork after a prefill),
+            or an engine that copies no slot.
+        dgr.errors.DgrError
+            A stage refused or failed (no slot, ...): the sessions opened are released.
+        """
+        if n < 1:
+            raise errors.InvalidArgument(f"a fork makes at least one session, got {n}")
+        r = self.route
+        forks = [r.session() for _ in range(n)]
+        if not self.history:
+            return forks
+        if self.rollback:
+            raise errors.InvalidArgument(
+                "the caches hold rejected drafts past this session's history: fork after a "
+                "prefill, not in the middle of a decode loop")
+        ids = [f.id for f in forks]
+        got = await asyncio.gather(*(c.fork(self.id, self.epoch, ids, 1) for c in r.clients),
+                                   return_exceptions=True)
+        bad = next((g for g in got if isinstance(g, BaseException)), None)
+        if bad is None and any(g != len(self.history) for g in got):
+            bad = errors.CacheMiss(f"a fork continues at positions {got}, not at "
+                                   f"{len(self.history)}: a stage lost this session")
+        if bad is not None:
+            await asyncio.gather(*(release_quietly(c, i, r.probe_timeout)
+                                   for c in r.clients for i in ids))
+            raise bad
+        for f in forks:
+            f.epoch = 1
+            f.history, f.steps, f.chunks = list(self.history), list(self.steps), list(self.chunks)
+        return forks
 
     def aligned(self) -> int:
         """How many of ``history``'s first tokens were prefilled in the chunks a fresh

@@ -58,7 +58,7 @@ from dgr.serve.admission import Admission, per_key_default
 from dgr.serve.api_errors import ApiError, from_dgr
 from dgr.serve.auth import KEY_SCOPE, ApiKeys
 from dgr.serve.chat import NativeChat, Rendered, Reply, ToolAsk, tool_ask
-from dgr.serve.generation import Generation, Stream, deltas, sse
+from dgr.serve.generation import Generation, Stream, close_all, deltas, sse, usage_of
 from dgr.serve.params import MAX_STOP_CHARS, Params
 from dgr.serve.prefix import PrefixPool
 
@@ -308,34 +308,77 @@ class _Front:
             headers={"Retry-After": "1"})
 
     async def _start(self, request: Request, body: dict, chat: bool, endpoint: str,
-                     rid: str, t0: float) -> tuple[Generation, Params]:
+                     rid: str, t0: float) -> tuple[list[Generation], Params]:
         """Admit the request of ``body`` (a completions or chat completions body) under its
-        API key's cap and start its generation, which holds a slot and the key's count until
-        it is closed; an ``ApiError`` (nothing held) otherwise."""
+        API key's cap and start its generations, one per choice, each holding a slot, and
+        together the key's count, until closed; an ``ApiError`` (nothing held) otherwise."""
         key = request.scope.get(KEY_SCOPE)
         if not self.admission.take_key(key):
             raise self._key_cap(rid)
-        gen = None
+        gens: list[Generation] = []
         try:
             try:
                 params, ids, text, max_tokens, reply, taken = await self._admit(
                     body, chat, rid, key)
             except errors.DgrError as e:
                 raise from_dgr(e, rid) from None
-            # from here on gen.close() gives back the slot and the key's count
-            gen = Generation(self.route, ids, max_tokens, params, metrics=self.m, t0=t0,
-                             admission=self.admission, vocab=self.vocab, rid=rid,
-                             endpoint=endpoint, traffic=self.traffic,
-                             on_close=lambda: self.admission.give_key(key),
-                             reply=reply, session=taken[0] if taken else None,
-                             reuse=taken[1] if taken else 0, pool=self.pool, key=key)
+            sessions, reuse = [taken[0] if taken else None], taken[1] if taken else 0
+            if params.n > 1:
+                sessions, reuse = await self._choices(ids, params, rid)
+            left = [len(sessions)]
+
+            def closed() -> None:  # the key's count goes back with the last choice
+                left[0] -= 1
+                if not left[0]:
+                    self.admission.give_key(key)
+
+            # from here on each gen.close() gives back its slot
+            for i, s in enumerate(sessions):
+                gens.append(Generation(
+                    self.route, ids, max_tokens, params.choice(i), metrics=self.m, t0=t0,
+                    admission=self.admission, vocab=self.vocab,
+                    rid=rid if len(sessions) == 1 else f"{rid}-{i}", endpoint=endpoint,
+                    traffic=self.traffic, on_close=closed, reply=reply() if reply else None,
+                    session=s, reuse=reuse, pool=self.pool, key=key))
             if params.echo:  # the prompt as sent, or its tokens' text
-                gen.echo = text or b"".join(self.vocab[t] for t in ids).decode("utf-8",
-                                                                               "replace")
+                echo = text or b"".join(self.vocab[t] for t in ids).decode("utf-8", "replace")
+                for g in gens:
+                    g.echo = echo
         finally:
-            if gen is None:  # refused, failed or cancelled before the generation: the count
+            if not gens:  # refused, failed or cancelled before the generations: the count
                 self.admission.give_key(key)
-        return gen, params
+        return gens, params
+
+    async def _choices(self, ids: list[int], params: Params, rid: str
+                       ) -> tuple[list, int]:
+        """``n`` sessions for ``n`` choices (their slots taken): the prompt prefilled once up
+        to where a fresh prefill's bits are kept (``AsyncRouteSession.reusable``'s rule:
+        whole chunks, and rows of partial chunks where every stage computes them alike),
+        then forked on every stage (``AsyncRouteSession.fork``); each choice prefills the
+        rest. With a grammar (its state is a session's) every choice prefills alone.
+        Returns the sessions and the positions they reuse."""
+        r, n = self.route, params.n
+        ub, size = r.n_ubatch, len(ids)
+        full = size - size % ub
+        rows = all(getattr(st, "prefix_rows_exact", False) for st in r.stages)
+        p = size - 2 if rows and size - 2 - full >= 2 else full if full < size else size - ub
+        if params.sampling.grammar or p <= 0:
+            return [r.session() for _ in range(n)], 0
+        src = r.session()
+        try:
+            await src.prefill(ids[:p], sample=False)
+            forks = await src.fork(n - 1)
+        except BaseException as e:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await src.close()
+                finally:
+                    for _ in range(n):
+                        self.admission.release()
+            if isinstance(e, errors.DgrError):
+                raise from_dgr(e, rid) from None
+            raise
+        return [src, *forks], p
 
     async def complete(self, request: Request, chat: bool) -> Response:
         endpoint = "chat" if chat else "completions"
@@ -349,27 +392,27 @@ class _Front:
             return e.response()
 
         try:
-            gen, params = await self._start(request, await self.body_of(request), chat,
-                                            endpoint, rid, t0)
+            gens, params = await self._start(request, await self.body_of(request), chat,
+                                             endpoint, rid, t0)
         except ApiError as e:
             return fail(e)
         if params.stream:
-            return Stream(sse(gen, rid, chat, self.model, self.created, params.include_usage,
+            return Stream(sse(gens, rid, chat, self.model, self.created, params.include_usage,
                               endpoint, self.m),
-                          gen, media_type="text/event-stream",
+                          gens, media_type="text/event-stream",
                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                    **ident})
         try:
-            return await self._respond(gen, chat, endpoint, ident)
+            return await self._respond(gens, chat, endpoint, ident)
         except errors.DgrError as e:
             return fail(from_dgr(e, rid))
 
     async def _admit(self, body: dict, chat: bool, rid: str, key: str | None):
-        """Parse and check the request's ``body``, then take a slot: ``(params, prompt ids,
-        prompt text, max tokens, the reply's parser or None, (kept session, positions it
-        reuses) or None)``; nothing raises once the slot is taken. A slot is a kept session
-        whose cache begins as the prompt does, or a free one, waited for (a kept session
-        closed when none is free)."""
+        """Parse and check the request's ``body``, then take a slot per choice: ``(params,
+        prompt ids, prompt text, max tokens, a maker of the reply's parser or None, (kept
+        session, positions it reuses) or None)``; nothing raises once the slots are taken. A
+        slot is a kept session whose cache begins as the prompt does, or a free one, waited
+        for (a kept session closed when none is free)."""
         params = Params(body, chat=chat)
         ask = tool_ask(body) if chat else None
         if ask is not None and ask.calls and params.sampling.grammar:
@@ -384,11 +427,24 @@ class _Front:
         if params.user:
             log.info("request %s from %s", rid, params.user)
         max_tokens = self.budget(ids, params)
-        reply = None if rendered is None else Reply(rendered, stream=params.stream)
-        # a grammar's state on the last stage is the session's (by epoch): not reused
-        taken = None if params.sampling.grammar else self.pool.take(key, ids)
+        reply = None if rendered is None else (
+            lambda: Reply(rendered, stream=params.stream))  # one parser per choice
+        if params.n > self.admission.capacity:
+            raise ApiError(400, f"'n' is {params.n} but this route has {self.admission.capacity} "
+                                "slot(s), one per choice", param="n")
+        # a grammar's state on the last stage is the session's (by epoch): not reused; n
+        # choices fork one prefill instead
+        taken = None if params.sampling.grammar or params.n > 1 else self.pool.take(key, ids)
         if taken is None:
-            await self._take_slot()
+            got = 0
+            try:
+                for _ in range(params.n):
+                    await self._take_slot()
+                    got += 1
+            except BaseException:
+                for _ in range(got):
+                    self.admission.release()
+                raise
         return params, ids, text, max_tokens, reply, taken
 
     async def _take_slot(self) -> None:
@@ -398,32 +454,38 @@ class _Front:
             await self._close_kept([s for s in [self.pool.evict()] if s is not None])
         await self.admission.acquire_slot()
 
-    async def _respond(self, gen: Generation, chat: bool, endpoint: str,
+    async def _respond(self, gens: list[Generation], chat: bool, endpoint: str,
                        ident: dict) -> Response:
-        """A whole (not streamed) completion's response."""
-        try:
+        """A whole (not streamed) completion's response, its choices made concurrently."""
+
+        async def text_of(g: Generation) -> str:
             text = ""
-            async for piece in gen.pieces():
+            async for piece in g.pieces():
                 text += piece
+            return text
+
+        try:
+            texts = await asyncio.gather(*(text_of(g) for g in gens))
         finally:
-            await gen.close()
+            await close_all(gens)
         self.m.request(endpoint, 200)
-        lp = await gen.take_logprobs(chat)
-        if chat:
-            message = {"role": "assistant", "content": text}
-            if gen.reply is not None:
-                gen.reply.feed(text, final=True)
-                message = gen.reply.openai_message()
-            choice = {"index": 0, "message": message, "logprobs": lp,
-                      "finish_reason": gen.finish}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": lp,
-                      "finish_reason": gen.finish_reason}
-            obj = "text_completion"
-        return JSONResponse({"id": ident["X-Request-Id"], "object": obj,
+        choices = []
+        for i, (gen, text) in enumerate(zip(gens, texts)):
+            lp = await gen.take_logprobs(chat)
+            if chat:
+                message = {"role": "assistant", "content": text}
+                if gen.reply is not None:
+                    gen.reply.feed(text, final=True)
+                    message = gen.reply.openai_message()
+                choices.append({"index": i, "message": message, "logprobs": lp,
+                                "finish_reason": gen.finish})
+            else:
+                choices.append({"index": i, "text": text, "logprobs": lp,
+                                "finish_reason": gen.finish_reason})
+        return JSONResponse({"id": ident["X-Request-Id"],
+                             "object": "chat.completion" if chat else "text_completion",
                              "created": self.created, "model": self.model,
-                             "choices": [choice], "usage": gen.usage(),
+                             "choices": choices, "usage": usage_of(gens),
                              "system_fingerprint": None}, headers=ident)
 
     # -- Anthropic's Messages API ------------------------------------------------------------
@@ -442,7 +504,7 @@ class _Front:
 
         try:
             body = anthropic.to_chat(await self.body_of(request))
-            gen, params = await self._start(request, body, True, endpoint, rid, t0)
+            (gen,), params = await self._start(request, body, True, endpoint, rid, t0)
         except ApiError as e:
             return fail(e)
         stops = list(body.get("stop") or [])
@@ -497,7 +559,7 @@ class _Front:
         try:
             body = await self.body_of(request)
             chat = oai_responses.to_chat(body)
-            gen, params = await self._start(request, chat, True, endpoint, rid, t0)
+            (gen,), params = await self._start(request, chat, True, endpoint, rid, t0)
         except ApiError as e:
             return fail(e)
         if params.stream:

@@ -3,6 +3,7 @@ probabilities, and the server-sent events of a streamed response."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -18,7 +19,7 @@ from dgr.serve.api_errors import ApiError, from_dgr
 from dgr.serve.logprobs import chat_logprobs, completion_logprobs, token_logprob
 from dgr.serve.params import Params
 
-__all__ = ["Generation", "Stream", "deltas", "sse"]
+__all__ = ["Generation", "Stream", "close_all", "deltas", "merged", "sse", "usage_of"]
 
 log = logging.getLogger("dgr.serve")
 
@@ -170,19 +171,31 @@ class Generation:
 
 
 class Stream(StreamingResponse):
-    """A streamed completion whose generation is closed when the ASGI call ends, however it
-    ends: a client gone before the first event never starts the event generator, whose own
-    ``finally`` would then never run."""
+    """A streamed completion whose generations (one per choice) are closed when the ASGI call
+    ends, however it ends: a client gone before the first event never starts the event
+    generator, whose own ``finally`` would then never run."""
 
-    def __init__(self, content, gen: Generation, **kw):
+    def __init__(self, content, gen: Generation | list[Generation], **kw):
         super().__init__(content, **kw)
-        self._gen = gen
+        self._gens = gen if isinstance(gen, list) else [gen]
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self._gen.close()
+            await close_all(self._gens)
+
+
+async def close_all(gens: list[Generation]) -> None:
+    """Close every generation, each once, whatever the others raise."""
+    err = None
+    for g in gens:
+        try:
+            await g.close()
+        except BaseException as e:  # noqa: BLE001 - the others still close
+            err = err or e
+    if err is not None:
+        raise err
 
 
 async def deltas(gen: Generation) -> AsyncIterator[tuple[str | None, dict | None]]:
@@ -200,9 +213,51 @@ async def deltas(gen: Generation) -> AsyncIterator[tuple[str | None, dict | None
         yield None, d
 
 
-async def sse(gen: Generation, rid: str, chat: bool, model: str, created: int,
-               include_usage: bool, endpoint: str, m) -> AsyncIterator[bytes]:
-    """Server-sent events of one streamed completion, ending in ``data: [DONE]``."""
+async def merged(gens: list[Generation]) -> AsyncIterator[tuple[int, str | None, dict | None]]:
+    """The ``deltas`` of several generations as they come, each as ``(its index, content,
+    delta)``; the first failure is raised once every generation stopped."""
+    if len(gens) == 1:
+        async for piece, delta in deltas(gens[0]):
+            yield 0, piece, delta
+        return
+    q: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def run(i: int, g: Generation) -> None:
+        try:
+            async for piece, delta in deltas(g):
+                await q.put((i, piece, delta))
+        except BaseException as e:  # noqa: BLE001 - raised by the consumer
+            await q.put((i, e, done))
+            return
+        await q.put((i, None, done))
+
+    tasks = [asyncio.create_task(run(i, g)) for i, g in enumerate(gens)]
+    err, left = None, len(gens)
+    try:
+        while left:
+            i, piece, delta = await q.get()
+            if delta is done:
+                left -= 1
+                err = err or piece
+                if piece is not None:  # a choice failed: stop the others
+                    for t in tasks:
+                        t.cancel()
+                continue
+            yield i, piece, delta
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    if err is not None and not isinstance(err, asyncio.CancelledError):
+        raise err
+
+
+async def sse(gen: Generation | list[Generation], rid: str, chat: bool, model: str,
+              created: int, include_usage: bool, endpoint: str, m) -> AsyncIterator[bytes]:
+    """Server-sent events of one streamed completion (one generation per choice, each
+    chunk naming its choice's ``index``), ending in ``data: [DONE]``."""
+    gens = gen if isinstance(gen, list) else [gen]
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def event(choices: list, **extra) -> bytes:
@@ -211,23 +266,24 @@ async def sse(gen: Generation, rid: str, chat: bool, model: str, created: int,
         return b"data: " + json.dumps(d, ensure_ascii=False).encode() + b"\n\n"
 
     def choice(piece: str | None, finish: str | None, role: bool = False,
-               lp: dict | None = None, delta: dict | None = None) -> dict:
+               lp: dict | None = None, delta: dict | None = None, index: int = 0) -> dict:
         if chat:
             d: dict = {"role": "assistant", "content": ""} if role else {}
             if piece is not None:
                 d["content"] = piece
             d.update(delta or {})
-            return {"index": 0, "delta": d, "logprobs": lp, "finish_reason": finish}
-        return {"index": 0, "text": piece or "", "logprobs": lp, "finish_reason": finish}
+            return {"index": index, "delta": d, "logprobs": lp, "finish_reason": finish}
+        return {"index": index, "text": piece or "", "logprobs": lp, "finish_reason": finish}
 
     status = 200
     try:
         if chat:
-            yield event([choice(None, None, role=True)])
+            for i in range(len(gens)):
+                yield event([choice(None, None, role=True, index=i)])
         try:
-            async for piece, delta in deltas(gen):
-                yield event([choice(piece, None, delta=delta,
-                                    lp=await gen.take_logprobs(chat, chunk=True))])
+            async for i, piece, delta in merged(gens):
+                yield event([choice(piece, None, delta=delta, index=i,
+                                    lp=await gens[i].take_logprobs(chat, chunk=True))])
         except Exception as e:  # noqa: BLE001 - whatever failed, the client gets an error event
             if isinstance(e, errors.DgrError):
                 err = from_dgr(e, rid)
@@ -240,11 +296,18 @@ async def sse(gen: Generation, rid: str, chat: bool, model: str, created: int,
                                                     "param": None, "code": err.code}}).encode() \
                 + b"\n\n"
             return
-        yield event([choice(None if chat else "", gen.finish,
-                            lp=await gen.take_logprobs(chat, chunk=True))])
+        for i, g in enumerate(gens):
+            yield event([choice(None if chat else "", g.finish, index=i,
+                                lp=await g.take_logprobs(chat, chunk=True))])
         if include_usage:
-            yield event([], usage=gen.usage())
+            yield event([], usage=usage_of(gens))
         yield b"data: [DONE]\n\n"
     finally:
-        await gen.close()
+        await close_all(gens)
         m.request(endpoint, status)
+
+
+def usage_of(gens: list[Generation]) -> dict:
+    """A request's ``usage``: its prompt once, every choice's completion tokens."""
+    prompt, out = len(gens[0].ids), sum(len(g.tokens) for g in gens)
+    return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out}

@@ -3,6 +3,8 @@ references honoured or refused (``dgr.serve.fields``), every bad value a 400 nam
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import uuid
 from typing import Any
 
@@ -13,11 +15,13 @@ from dgr.serve import fields
 from dgr.serve.api_errors import ApiError
 from dgr.serve.logprobs import MAX_TOP_CHAT, MAX_TOP_COMPLETIONS
 
-__all__ = ["Params", "MAX_STOP_CHARS", "PENALTY_LAST_N"]
+__all__ = ["Params", "MAX_STOP_CHARS", "MAX_CHOICES", "PENALTY_LAST_N"]
 
 #: the longest stop string (characters): each token's text is checked against every prefix
 #: of every stop string, so a longer one would hold the event loop of every request
 MAX_STOP_CHARS = 256
+#: the most choices (``n``) one request may ask for
+MAX_CHOICES = 16
 
 
 def _field(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
@@ -147,8 +151,11 @@ class Params:
             raise ApiError(400, "'stream_options.include_usage' needs 'stream': true",
                            param="stream_options")
         n = _field(body, "n", (int,), 1)
-        if n != 1:
-            raise ApiError(400, f"'n' must be 1 (one choice per request), got {n}", param="n")
+        if not 1 <= n <= MAX_CHOICES:
+            raise ApiError(400, f"'n' must be from 1 to {MAX_CHOICES}, got {n}", param="n")
+        #: choices: the prompt prefilled once, each choice on a fork of its session, choice
+        #: ``i`` sampled with ``seed + i`` (``choice``)
+        self.n = n
         self.max_tokens = _max_tokens(body, chat)
         self.sampling = _sampling(body)
         self.stop = _stop(body)
@@ -157,6 +164,17 @@ class Params:
             raise ApiError(400, "Unsupported parameter: 'echo' with 'logprobs' (the prompt's "
                                 "log probabilities) is not supported",
                            param="echo", code="unsupported_parameter")
+
+    def choice(self, i: int) -> Params:
+        """These parameters for choice ``i``: its own seed stream, ``seed + i`` (a request
+        with ``n`` choices and seed ``s`` gives choice ``i`` as a request with seed
+        ``s + i`` alone)."""
+        if not i:
+            return self
+        out = copy.copy(self)
+        out.sampling = dataclasses.replace(
+            self.sampling, seed=(int(self.sampling.seed) + i) & 0xFFFFFFFFFFFFFFFF)
+        return out
 
 
 def _max_tokens(body: dict, chat: bool) -> int | None:

@@ -29,6 +29,7 @@ DEFAULT_STREAM_TIMEOUT = 6 * 3600.0
 
 #: the full gRPC method of each control call (what a call's token is signed for)
 _METHODS = {"describe": f"/{SERVICE}/Describe", "release": f"/{SERVICE}/Release",
+            "fork": f"/{SERVICE}/Fork",
             "tokenize": f"/{SERVICE}/Tokenize", "detokenize": f"/{SERVICE}/Detokenize",
             "token_pieces": f"/{SERVICE}/TokenPieces",
             "health": "/grpc.health.v1.Health/Check"}
@@ -219,6 +220,14 @@ class ShardClient:
         r = await self._unary("release", self._stub.Release,
                               dgr_pb2.ReleaseRequest(session=session), timeout)
         return r.released
+
+    async def fork(self, session: str, epoch: int, into: Sequence[str], into_epoch: int,
+                   timeout: float | None = None) -> int:
+        """Open ``into`` as copies of ``session`` at ``epoch`` (``Worker.fork``); the
+        position they continue at."""
+        r = await self._unary("fork", self._stub.Fork, dgr_pb2.ForkRequest(
+            session=session, epoch=epoch, into=list(into), into_epoch=into_epoch), timeout)
+        return int(r.next_pos)
 
     async def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False,
                        timeout: float | None = None) -> np.ndarray:

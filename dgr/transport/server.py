@@ -36,6 +36,10 @@ class StageBackend(Protocol):
 
     def release(self, session: str) -> bool: ...
 
+    def fork(self, session: str, epoch: int, into: list[str], into_epoch: int) -> int:
+        """Open ``into`` as copies of ``session``; the position they continue at (run on a
+        thread: it may wait for the engine)."""
+
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> Sequence[int]: ...
 
     def detokenize(self, tokens: Sequence[int], remove_special: bool,
@@ -141,6 +145,15 @@ class _Servicer(dgr_pb2_grpc.ShardServicer):
     async def Release(self, request, context):
         try:
             return dgr_pb2.ReleaseReply(released=self.b.release(request.session))
+        except Exception as e:  # noqa: BLE001
+            await _abort(context, e)
+
+    async def Fork(self, request, context):
+        # under the engine's lock, which a forward holds: off the event loop
+        try:
+            pos = await asyncio.to_thread(self.b.fork, request.session, request.epoch,
+                                          list(request.into), request.into_epoch)
+            return dgr_pb2.ForkReply(next_pos=pos)
         except Exception as e:  # noqa: BLE001
             await _abort(context, e)
 

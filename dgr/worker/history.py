@@ -38,6 +38,14 @@ class Histories:
         with self._lock:
             self._seqs.pop(session, None)
 
+    def fork(self, session: str, epoch: int, into: str, into_epoch: int) -> None:
+        """``into`` (at ``into_epoch``) starts with ``session``'s record (a forked session);
+        nothing when ``session`` has none at ``epoch``."""
+        with self._lock:
+            got = self._seqs.get(session)
+            if got is not None and got[0] == epoch:
+                self._seqs[into] = (into_epoch, array.array("i", got[1]))
+
     def _seq(self, h) -> array.array | None:
         """The session's record, valid for step ``h`` (covering positions before
         ``h.first_pos``); a new one at position 0 of a new epoch; None: a gap."""

@@ -251,6 +251,54 @@ class SessionTable:
         self._emit("open", session, epoch, slot, "")
         return Lease(session, epoch, slot, 0, n_tokens, new=True, ticket=t)
 
+    def fork(self, session: str, epoch: int, into: str, into_epoch: int,
+             who=None) -> tuple[SessionInfo, SessionInfo]:
+        """Open session ``into`` (epoch ``into_epoch``) on a slot of its own, continuing at
+        ``session``'s next position: ``(the source's entry, the new one)``. The caller copies
+        the source slot's caches into the new one (``Engine.copy_slot``) before any step of
+        ``into`` runs, and drops the new entry (``release``) if it cannot.
+
+        Raises
+        ------
+        UnknownSession, StaleEpoch
+            The source is not here, or not at ``epoch``.
+        SessionForbidden
+            Another credential's source (peers may fork any).
+        SessionError
+            The source has a step in flight, ``into`` exists already, or the table is closed.
+        ResourceExhausted
+            No slot, or the tenant's cap.
+        """
+        s = self._sessions.get(session)
+        tenant = who is not None and not who.peer
+        if s is None:
+            raise UnknownSession(f"session {session!r} is unknown to this worker: nothing to "
+                                 "fork")
+        if tenant and s.owner != who.name:
+            raise SessionForbidden(f"session {session!r} was opened by another credential")
+        if s.epoch != epoch:
+            raise StaleEpoch(f"session {session!r} is at epoch {s.epoch} here, not {epoch}")
+        if s.busy:
+            raise SessionError(f"session {session!r} has a step in flight: fork it after the "
+                               "step's reply")
+        if into in self._sessions:
+            raise SessionError(f"session {into!r} exists already: a fork opens a new session")
+        if self.closed:
+            raise SessionError("this worker takes no new sessions or epochs (draining)")
+        if tenant:
+            self._check_cap(who)
+        now = self._clock()
+        slot = self._take_slot(now)
+        self.engine.release(slot)  # whatever a previous owner left there
+        owner = who.name if who is not None else ""
+        new = SessionInfo(into, into_epoch, slot, s.next_pos, now, now, owner=owner,
+                          by_peer=who is not None and who.peer)
+        self._sessions[into] = new
+        self._owned[owner] += 1
+        s.last_used = now
+        self._emit("fork", into, into_epoch, slot, f"from {session!r} at {s.next_pos}")
+        return s, new
+
     def holds(self, lease: Lease) -> bool:
         """Whether ``lease`` still owns its slot: the session was not released (and its slot
         perhaps handed to another session) since ``acquire``. A step whose lease no longer

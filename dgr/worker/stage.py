@@ -198,6 +198,43 @@ class Worker(StagePipeline):
         with self.lock:
             return self.table.release(session, CALLER.get())
 
+    def fork(self, session: str, epoch: int, into: list[str], into_epoch: int) -> int:
+        """Open each session of ``into`` (at ``into_epoch``) as a copy of ``session`` at
+        ``epoch`` (its caches, bit for bit, and on the last stage its token record): a route's
+        ``n`` choices share one prefill. Returns the position they continue at. Runs under
+        the engine's lock, after the slots the table released are cleared, so no step comes
+        between a new entry and its copy; a failure drops the new entries.
+
+        Raises
+        ------
+        dgr.errors.InvalidArgument
+            ``into`` is empty; an engine that copies no slot (MTP, deepseek4).
+        The table's refusals (``SessionTable.fork``).
+        """
+        if not into:
+            raise errors.InvalidArgument("a fork needs at least one new session")
+        who = CALLER.get()
+        made = []
+        with self.engine.lock:
+            try:
+                with self.lock:
+                    for name in into:
+                        src, new = self.table.fork(session, epoch, name, into_epoch, who)
+                        made.append(new)
+                    releases, self._releases = self._releases, []
+                for slot in releases:
+                    self.engine.release(slot)
+                for new in made:
+                    self.engine.copy_slot(src.slot, new.slot)
+                    if self.history is not None:
+                        self.history.fork(session, epoch, new.session, into_epoch)
+            except BaseException:
+                with self.lock:
+                    for new in made:
+                        self.table.release(new.session)
+                raise
+        return src.next_pos
+
     def tokenize(self, text: str, add_special: bool, parse_special: bool):
         return self.engine.tokenize(text, add_special, parse_special)
 

@@ -180,7 +180,7 @@ def test_seeded_sampling_is_reproducible(client):
 
 
 @pytest.mark.parametrize("kw, status, needle", [
-    (dict(n=2), 400, "'n' must be 1"),
+    (dict(n=3), 400, "'n' is 3 but this route has 2 slot(s)"),
     (dict(model="gpt-4"), 404, "does not exist"),
     (dict(max_tokens=100000), 400, "maximum context length is 256 tokens"),
     (dict(temperature=5), 400, "temperature"),

@@ -40,7 +40,7 @@ REFUSED = {
     "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "high",
     "verbosity": "low", "web_search_options": {}, "service_tier": "flex",
     "prompt_cache_key": "k", "prompt_cache_retention": "24h", "best_of": 3,
-    "suffix": "tail", "n": 2, "stream_options": {"include_obfuscation": True}}
+    "suffix": "tail", "n": 17, "stream_options": {"include_obfuscation": True}}
 # the value of each refused field that asks for nothing: accepted
 NEUTRAL = {
     "audio": None,

@@ -63,6 +63,7 @@ class FakeSession:
 
 class FakeRoute:
     relay, loop = True, True
+    n_ubatch = 64  # n choices of a prompt shorter than a chunk: each prefills alone
 
     def __init__(self):
         self.opened = self.closed = 0

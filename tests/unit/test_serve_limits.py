@@ -305,7 +305,7 @@ def test_the_default_cap_is_half_the_slots_and_zero_is_none():
     ("/v1/completions", {"prompt": [1, 64]}, "prompt", "invalid_token"),  # n_vocab is 64
     ("/v1/completions", {"prompt": [-1, 2]}, "prompt", "invalid_token"),
     ("/v1/completions", {"prompt": [1, 2 ** 70]}, "prompt", "invalid_token"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, "n", None),
+    ("/v1/completions", {"prompt": "hi", "n": 3}, "n", None),  # more choices than slots
     ("/v1/completions", {"prompt": "hi", "n": 0}, "n", None),
     ("/v1/completions", {"prompt": "hi", "n": -1}, "n", None),
     ("/v1/completions", {"prompt": "hi", "n": 10 ** 9}, "n", None),

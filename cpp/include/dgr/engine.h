@@ -161,6 +161,11 @@ public:
     // Drop a slot's state; the next Forward on it must start at position 0.
     Status Release(int32_t slot);
 
+    // Make slot dst a copy of slot src (its caches, bit for bit, and its next position): a
+    // session forked after its prefill continues in dst as src would. Refused with MTP and on
+    // deepseek4.
+    Status CopySlot(int32_t src, int32_t dst);
+
     // Drop a slot's positions from `pos` on (rejected speculative drafts), in every cache
     // the stage keeps (the MTP context's too, whose pending hidden state becomes the trunk's
     // row at pos-1); the next Forward on it starts at `pos`. pos >= NextPos is a no-op.

@@ -108,6 +108,7 @@ cdef extern from "dgr/engine.h" namespace "dgr" nogil:
                       const float * boundary, int32_t n_tokens, float * out, size_t out_capacity,
                       int32_t * n_out_rows) except +
         CStatus Release(int32_t slot) except +
+        CStatus CopySlot(int32_t src, int32_t dst) except +
         CStatus Truncate(int32_t slot, int32_t pos) except +
         CStatus MtpDraft(int32_t slot, int32_t token, int32_t n_max, vector[int32_t] * out) except +
         int32_t NextPos(int32_t slot) except +

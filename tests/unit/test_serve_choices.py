@@ -1,0 +1,79 @@
+"""``n`` choices on the front, over the fuzz test's fake route (a prompt shorter than a chunk:
+each choice on its own session): ``n`` choices with their ``index``, choice ``i`` sampled with
+``seed + i``, streamed interleaved with one finish per choice, usage counting the prompt once,
+every session and slot given back; more choices than slots a 400."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from dgr.serve.app import create_app
+
+from test_serve_fuzz import FakeRoute, FakeSession, Template, _call  # noqa: E402  (its fakes)
+
+
+class Seeds(FakeRoute):
+    """Sessions that record the seed they sample with."""
+
+    def __init__(self):
+        super().__init__()
+        self.seeds = []
+
+    def session(self):
+        route = self
+
+        class S(FakeSession):
+            def generate(self, ids, **kw):
+                route.seeds.append(kw["sampling"].seed)
+                return super().generate(ids, **{k: v for k, v in kw.items() if k != "reuse"})
+
+        return S(self)
+
+
+def _post(route, body):
+    app = create_app(route, model="m", template=Template(), queue_timeout=0.05)
+
+    async def go():
+        async with app.router.lifespan_context(app):
+            return await _call(app, "/v1/completions", json.dumps(body).encode())
+
+    return asyncio.run(go())
+
+
+def test_n_choices_each_with_its_seed():
+    route = Seeds()
+    status, _, raw = _post(route, {"prompt": [3, 4, 5], "n": 2, "max_tokens": 4, "seed": 41,
+                                   "temperature": 0.7})
+    assert status == 200, raw
+    d = json.loads(raw)
+    assert [c["index"] for c in d["choices"]] == [0, 1]
+    assert all(len(c["text"]) == 4 and c["finish_reason"] == "length" for c in d["choices"])
+    assert sorted(route.seeds) == [41, 42]
+    assert d["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}
+    assert route.opened == route.closed == 2
+
+
+def test_n_choices_streamed():
+    route = Seeds()
+    status, _, raw = _post(route, {"prompt": [3, 4, 5], "n": 2, "max_tokens": 3, "seed": 7,
+                                   "stream": True, "stream_options": {"include_usage": True}})
+    assert status == 200
+    events = [json.loads(e[6:]) for e in raw.decode().split("\n\n") if e.startswith("data: {")]
+    text = {0: "", 1: ""}
+    finish = {}
+    for ev in events:
+        for c in ev["choices"]:
+            text[c["index"]] += c["text"]
+            if c["finish_reason"]:
+                finish[c["index"]] = c["finish_reason"]
+    assert len(text[0]) == len(text[1]) == 3 and finish == {0: "length", 1: "length"}
+    assert events[-1]["usage"]["completion_tokens"] == 6
+    assert raw.decode().rstrip().endswith("data: [DONE]")
+    assert sorted(route.seeds) == [7, 8] and route.opened == route.closed == 2
+
+
+def test_a_choice_failing_ends_the_request_and_gives_everything_back():
+    route = Seeds()
+    status, _, raw = _post(route, {"prompt": [3, 7], "n": 2, "max_tokens": 3})
+    assert status == 503 and route.opened == route.closed == 2
