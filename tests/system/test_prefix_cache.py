@@ -85,3 +85,57 @@ def test_500_requests_with_shared_prefixes_equal_their_uncached_runs(fronts):
     with urllib.request.urlopen(served.base + "/metrics") as r:
         text = r.read().decode()
     assert f"dgr_serve_prompt_cache_hits_total {float(pc['hits'])}" in text
+
+
+KEYS = ["sk-dgr-tenant-a-0123", "sk-dgr-tenant-b-4567"]
+
+
+def _status(base: str, key: str) -> dict:
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(base + "/status", headers={"Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(req) as r:
+        return json.load(r)["prompt_cache"]
+
+
+def test_one_tenant_never_reuses_anothers_prefix_and_a_lost_stage_still_gives_the_tokens(
+        tiny_llama):
+    """Per API key: B's request with A's prompt is a miss, A's again a hit. Then the kept
+    session's middle stage dies: the next request that reuses it is repaired on a spare
+    (the route replays its history there) and gives the whole model's tokens."""
+    from dgr.serve.app import create_app
+
+    settings = dict(TINY, n_ubatch=8)
+    ws = [ThreadedWorker(dgr.Engine(tiny_llama, layers=r, **settings))
+          for r in [(0, 1), (1, 3), (3, 4), (1, 3)]]
+    whole = ThreadedWorker(dgr.Engine(tiny_llama, **settings))
+    cached = Served(create_app(AsyncRoute([w.address for w in ws[:3]],
+                                          spares=[ws[3].address]),
+                               model="tiny", api_keys=KEYS, prompt_cache=2,
+                               prompt_cache_ttl=600))
+    plain = Served(create_app(AsyncRoute([whole.address]), model="tiny"))
+    try:
+        a, b = (openai.OpenAI(base_url=cached.base + "/v1", api_key=k, max_retries=0,
+                              timeout=60) for k in KEYS)
+        ref = openai.OpenAI(base_url=plain.base + "/v1", api_key="x", max_retries=0,
+                            timeout=60)
+        prompt = list(range(3, 40))
+        req = dict(prompt=prompt, max_tokens=6, temperature=0, logprobs=2)
+        first = _ask(a, req)
+        assert _status(cached.base, KEYS[0])["hits"] == 0
+        assert _ask(b, req) == first                     # B: a miss, computed anew
+        assert _status(cached.base, KEYS[0])["hits"] == 0
+        grown = dict(req, prompt=prompt + [5, 6, 7])
+        assert _ask(a, grown) == _ask(ref, grown)        # A: its own prefix, a hit
+        pc = _status(cached.base, KEYS[0])
+        assert pc["hits"] == 1 and pc["tokens_reused"] >= 32
+        ws[1].stop()  # the kept sessions' middle stage dies
+        again = dict(req, prompt=prompt + [5, 6, 7, 8, 9])
+        assert _ask(a, again) == _ask(ref, again)        # repaired on the spare, exact
+        assert _status(cached.base, KEYS[0])["hits"] == 2
+    finally:
+        for s in (cached, plain):
+            s.stop()
+        for w in ws + [whole]:
+            w.stop()
