@@ -318,7 +318,7 @@ class _Front:
         gens: list[Generation] = []
         try:
             try:
-                params, ids, text, max_tokens, reply, taken = await self._admit(
+                params, ids, text, max_tokens, replies, taken = await self._admit(
                     body, chat, rid, key)
             except errors.DgrError as e:
                 raise from_dgr(e, rid) from None
@@ -338,7 +338,8 @@ class _Front:
                     self.route, ids, max_tokens, params.choice(i), metrics=self.m, t0=t0,
                     admission=self.admission, vocab=self.vocab,
                     rid=rid if len(sessions) == 1 else f"{rid}-{i}", endpoint=endpoint,
-                    traffic=self.traffic, on_close=closed, reply=reply() if reply else None,
+                    traffic=self.traffic, on_close=closed,
+                    reply=replies[i] if replies else None,
                     session=s, reuse=reuse, pool=self.pool, key=key))
             if params.echo:  # the prompt as sent, or its tokens' text
                 echo = text or b"".join(self.vocab[t] for t in ids).decode("utf-8", "replace")
@@ -409,7 +410,7 @@ class _Front:
 
     async def _admit(self, body: dict, chat: bool, rid: str, key: str | None):
         """Parse and check the request's ``body``, then take a slot per choice: ``(params,
-        prompt ids, prompt text, max tokens, a maker of the reply's parser or None, (kept
+        prompt ids, prompt text, max tokens, each choice's reply parser or None, (kept
         session, positions it reuses) or None)``; nothing raises once the slots are taken. A
         slot is a kept session whose cache begins as the prompt does, or a free one, waited
         for (a kept session closed when none is free)."""
@@ -427,11 +428,12 @@ class _Front:
         if params.user:
             log.info("request %s from %s", rid, params.user)
         max_tokens = self.budget(ids, params)
-        reply = None if rendered is None else (
-            lambda: Reply(rendered, stream=params.stream))  # one parser per choice
         if params.n > self.admission.capacity:
             raise ApiError(400, f"'n' is {params.n} but this route has {self.admission.capacity} "
                                 "slot(s), one per choice", param="n")
+        # one parser per choice, made before a slot is taken
+        replies = None if rendered is None else [Reply(rendered, stream=params.stream)
+                                                 for _ in range(params.n)]
         # a grammar's state on the last stage is the session's (by epoch): not reused; n
         # choices fork one prefill instead
         taken = None if params.sampling.grammar or params.n > 1 else self.pool.take(key, ids)
@@ -445,7 +447,7 @@ class _Front:
                 for _ in range(got):
                     self.admission.release()
                 raise
-        return params, ids, text, max_tokens, reply, taken
+        return params, ids, text, max_tokens, replies, taken
 
     async def _take_slot(self) -> None:
         """A free slot, waited for (a 429 after ``queue_timeout``); a kept session of the
