@@ -315,7 +315,8 @@ def response(gen: Generation, out: Output, rid: str, model: str, body: dict, cha
             "instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
             "model": model, "output": [_view(i) for i in out.items] if done else [],
             "parallel_tool_calls": bool(chat.get("parallel_tool_calls", True)),
-            "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+            # the values sampled with (the API's defaults where the request gave none)
+            "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
             "tool_choice": choice, "tools": body.get("tools") or [],
             "max_output_tokens": body.get("max_output_tokens"),
             "text": body.get("text") or {"format": {"type": "text"}},
