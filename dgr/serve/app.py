@@ -66,6 +66,8 @@ __all__ = ["create_app", "ApiError", "MAX_BODY", "MAX_STOP_CHARS", "per_key_defa
 
 log = logging.getLogger("dgr.serve")
 
+#: the most prompts one completions request may hold (each choice of each holds a slot)
+MAX_PROMPTS = 16
 #: the largest request body read (bytes); a larger one is a 413 before it is parsed
 MAX_BODY = 8 << 20
 #: the status page's files (``GET /``, ``/static/...``), packaged with dgr
@@ -245,7 +247,7 @@ class _Front:
                                    code=type(e).__name__) from None
             ids = await self.route.tokenize(text, add_bos, True)
         else:
-            text, ids = await self._completion_prompt(body.get("prompt"))
+            ids, text = (await self._completion_prompts(body.get("prompt")))[0]
         ids = [int(t) for t in ids]
         if not ids:
             raise ApiError(400, "the prompt has no tokens", param="prompt")
@@ -258,17 +260,34 @@ class _Front:
             params.sampling = dataclasses.replace(params.sampling, grammar=rendered.grammar)
         params.stop = params.stop + [s for s in rendered.stops if s not in params.stop]
 
-    async def _completion_prompt(self, p) -> tuple[str, list[int]]:
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
-            p = p[0]
-        if isinstance(p, str):
-            return p, await self.route.tokenize(p, True, True)
-        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
-                                             for t in p):
-            self._check_ids(p, "prompt")
-            return "", p
-        raise ApiError(400, "'prompt' must be a string or a list of token ids (one prompt "
-                            "per request)", param="prompt")
+    async def _completion_prompts(self, p) -> list[tuple[list[int], str]]:
+        """The prompts of a completions request, each ``(token ids, text)`` (text "" for
+        ids): a string, a list of token ids, or a list of either (a batch, at most
+        ``MAX_PROMPTS``)."""
+        def ids_(x) -> bool:
+            return isinstance(x, list) and bool(x) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        if isinstance(p, str) or ids_(p):
+            p = [p]
+        if not (isinstance(p, list) and p and all(isinstance(x, str) or ids_(x) for x in p)):
+            raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list of "
+                                "either", param="prompt")
+        if len(p) > MAX_PROMPTS:
+            raise ApiError(400, f"'prompt' holds {len(p)} prompts; at most {MAX_PROMPTS}",
+                           param="prompt")
+        out = []
+        for x in p:
+            if isinstance(x, str):
+                ids = [int(t) for t in await self.route.tokenize(x, True, True)]
+                text = x
+            else:
+                self._check_ids(x, "prompt")
+                ids, text = list(x), ""
+            if not ids:
+                raise ApiError(400, "the prompt has no tokens", param="prompt")
+            out.append((ids, text))
+        return out
 
     def _check_ids(self, ids, param: str) -> None:
         n_vocab = int(self.route.stages[0].n_vocab)
@@ -318,14 +337,27 @@ class _Front:
         gens: list[Generation] = []
         try:
             try:
-                params, ids, text, max_tokens, replies, taken = await self._admit(
-                    body, chat, rid, key)
+                params, prompts, replies, taken = await self._admit(body, chat, rid, key)
             except errors.DgrError as e:
                 raise from_dgr(e, rid) from None
-            sessions, reuse = [taken[0] if taken else None], taken[1] if taken else 0
-            if params.n > 1:
-                sessions, reuse = await self._choices(ids, params, rid)
-            left = [len(sessions)]
+            # each prompt's choices: (sessions, positions they reuse)
+            plan = [([taken[0] if taken else None], taken[1] if taken else 0)]
+            if params.n > 1 or len(prompts) > 1:
+                plan = []
+                try:
+                    for k, (ids, _, _) in enumerate(prompts):
+                        plan.append(await self._choices(ids, params, rid))
+                except BaseException:  # every choice's slot goes back, and what was opened
+                    with anyio.CancelScope(shield=True):
+                        try:
+                            for sessions, _ in plan:
+                                for s in sessions:
+                                    await s.close()
+                        finally:
+                            for _ in range(params.n * len(prompts)):
+                                self.admission.release()
+                    raise
+            left = [params.n * len(prompts)]
 
             def closed() -> None:  # the key's count goes back with the last choice
                 left[0] -= 1
@@ -333,18 +365,20 @@ class _Front:
                     self.admission.give_key(key)
 
             # from here on each gen.close() gives back its slot
-            for i, s in enumerate(sessions):
-                gens.append(Generation(
-                    self.route, ids, max_tokens, params.choice(i), metrics=self.m, t0=t0,
-                    admission=self.admission, vocab=self.vocab,
-                    rid=rid if len(sessions) == 1 else f"{rid}-{i}", endpoint=endpoint,
-                    traffic=self.traffic, on_close=closed,
-                    reply=replies[i] if replies else None,
-                    session=s, reuse=reuse, pool=self.pool, key=key))
-            if params.echo:  # the prompt as sent, or its tokens' text
-                echo = text or b"".join(self.vocab[t] for t in ids).decode("utf-8", "replace")
-                for g in gens:
-                    g.echo = echo
+            for (ids, text, max_tokens), (sessions, reuse) in zip(prompts, plan):
+                for i, s in enumerate(sessions):
+                    k = len(gens)
+                    gens.append(Generation(
+                        self.route, ids, max_tokens, params.choice(i), metrics=self.m, t0=t0,
+                        admission=self.admission, vocab=self.vocab,
+                        rid=rid if left[0] == 1 else f"{rid}-{k}", endpoint=endpoint,
+                        traffic=self.traffic, on_close=closed,
+                        reply=replies[i] if replies else None,
+                        session=s, reuse=reuse, pool=self.pool, key=key))
+                    gens[-1].counts_prompt = not i  # usage counts each prompt once
+                    if params.echo:  # the prompt as sent, or its tokens' text
+                        gens[-1].echo = text or b"".join(self.vocab[t] for t in ids).decode(
+                            "utf-8", "replace")
         finally:
             if not gens:  # refused, failed or cancelled before the generations: the count
                 self.admission.give_key(key)
@@ -352,13 +386,17 @@ class _Front:
 
     async def _choices(self, ids: list[int], params: Params, rid: str
                        ) -> tuple[list, int]:
-        """``n`` sessions for ``n`` choices (their slots taken): the prompt prefilled once up
-        to where a fresh prefill's bits are kept (``AsyncRouteSession.reusable``'s rule:
-        whole chunks, and rows of partial chunks where every stage computes them alike),
-        then forked on every stage (``AsyncRouteSession.fork``); each choice prefills the
-        rest. With a grammar (its state is a session's) every choice prefills alone.
-        Returns the sessions and the positions they reuse."""
+        """``n`` sessions for ``n`` choices of the prompt ``ids`` (their slots taken): the
+        prompt prefilled once up to where a fresh prefill's bits are kept
+        (``AsyncRouteSession.reusable``'s rule: whole chunks, and rows of partial chunks
+        where every stage computes them alike), then forked on every stage
+        (``AsyncRouteSession.fork``); each choice prefills the rest. With a grammar (its
+        state is a session's) every choice prefills alone. Returns the sessions and the
+        positions they reuse; on failure closes what it opened (the slots are the
+        caller's)."""
         r, n = self.route, params.n
+        if n == 1:
+            return [r.session()], 0
         ub, size = r.n_ubatch, len(ids)
         full = size - size % ub
         rows = all(getattr(st, "prefix_rows_exact", False) for st in r.stages)
@@ -371,11 +409,7 @@ class _Front:
             forks = await src.fork(n - 1)
         except BaseException as e:
             with anyio.CancelScope(shield=True):
-                try:
-                    await src.close()
-                finally:
-                    for _ in range(n):
-                        self.admission.release()
+                await src.close()
             if isinstance(e, errors.DgrError):
                 raise from_dgr(e, rid) from None
             raise
@@ -409,11 +443,12 @@ class _Front:
             return fail(from_dgr(e, rid))
 
     async def _admit(self, body: dict, chat: bool, rid: str, key: str | None):
-        """Parse and check the request's ``body``, then take a slot per choice: ``(params,
-        prompt ids, prompt text, max tokens, each choice's reply parser or None, (kept
-        session, positions it reuses) or None)``; nothing raises once the slots are taken. A
-        slot is a kept session whose cache begins as the prompt does, or a free one, waited
-        for (a kept session closed when none is free)."""
+        """Parse and check the request's ``body``, then take a slot per choice of each prompt
+        (completions may send several): ``(params, [(prompt ids, prompt text, max tokens)],
+        each choice's reply parser or None, (kept session, positions it reuses) or None)``;
+        nothing raises once the slots are taken. A slot is a kept session whose cache begins
+        as the prompt does, or a free one, waited for (a kept session closed when none is
+        free)."""
         params = Params(body, chat=chat)
         ask = tool_ask(body) if chat else None
         if ask is not None and ask.calls and params.sampling.grammar:
@@ -421,33 +456,40 @@ class _Front:
                            param="response_format" if body.get("response_format")
                            else "grammar" if body.get("grammar") else "json_schema",
                            code="unsupported_parameter")
-        ids, text, rendered = await self.prompt_tokens(body, chat, ask)
+        if chat:
+            ids, text, rendered = await self.prompt_tokens(body, chat, ask)
+            prompts = [(ids, text)]
+        else:
+            prompts, rendered = await self._completion_prompts(body.get("prompt")), None
         if rendered is not None:
             self._with_tools(params, rendered)
         self._check_ids([t for t, _ in params.sampling.logit_bias], "logit_bias")
         if params.user:
             log.info("request %s from %s", rid, params.user)
-        max_tokens = self.budget(ids, params)
-        if params.n > self.admission.capacity:
-            raise ApiError(400, f"'n' is {params.n} but this route has {self.admission.capacity} "
-                                "slot(s), one per choice", param="n")
+        prompts = [(ids, text, self.budget(ids, params)) for ids, text in prompts]
+        slots = params.n * len(prompts)
+        if slots > self.admission.capacity:
+            raise ApiError(400, f"{len(prompts)} prompt(s) of {params.n} choice(s) need "
+                                f"{slots} slots; this route has {self.admission.capacity}, one "
+                                "per choice", param="n" if len(prompts) == 1 else "prompt")
         # one parser per choice, made before a slot is taken
         replies = None if rendered is None else [Reply(rendered, stream=params.stream)
                                                  for _ in range(params.n)]
         # a grammar's state on the last stage is the session's (by epoch): not reused; n
         # choices fork one prefill instead
-        taken = None if params.sampling.grammar or params.n > 1 else self.pool.take(key, ids)
+        taken = None if params.sampling.grammar or slots > 1 else self.pool.take(
+            key, prompts[0][0])
         if taken is None:
             got = 0
             try:
-                for _ in range(params.n):
+                for _ in range(slots):
                     await self._take_slot()
                     got += 1
             except BaseException:
                 for _ in range(got):
                     self.admission.release()
                 raise
-        return params, ids, text, max_tokens, replies, taken
+        return params, prompts, replies, taken
 
     async def _take_slot(self) -> None:
         """A free slot, waited for (a 429 after ``queue_timeout``); a kept session of the

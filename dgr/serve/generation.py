@@ -59,6 +59,9 @@ class Generation:
         self._lp_offset = 0
         #: completions' ``echo``: the prompt's text, sent before the completion's
         self.echo = ""
+        #: whether this choice counts its prompt in the request's usage (the first choice of
+        #: each prompt)
+        self.counts_prompt = True
         #: chat with tools or a thinking template: the text parsed in the model's format
         #: (``dgr.serve.chat.Reply``; None: the text is the content)
         self.reply = reply
@@ -308,6 +311,8 @@ async def sse(gen: Generation | list[Generation], rid: str, chat: bool, model: s
 
 
 def usage_of(gens: list[Generation]) -> dict:
-    """A request's ``usage``: its prompt once, every choice's completion tokens."""
-    prompt, out = len(gens[0].ids), sum(len(g.tokens) for g in gens)
+    """A request's ``usage``: each prompt once (the first choice of each counts it), every
+    choice's completion tokens."""
+    prompt = sum(len(g.ids) for g in gens if g.counts_prompt)
+    out = sum(len(g.tokens) for g in gens)
     return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out}

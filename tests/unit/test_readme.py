@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import re
 from pathlib import Path
 
@@ -73,3 +74,10 @@ def test_a_hung_test_is_stopped_by_the_suites_timeout(tmp_path):
                         "-o", "timeout=1", str(tmp_path / "test_hang.py")],
                        capture_output=True, text=True, timeout=50, cwd=tmp_path)
     assert r.returncode == 1 and "Timeout" in r.stdout and "test_hangs" in r.stdout, r.stdout
+
+
+def test_test_module_names_are_unique_across_folders():
+    # the test folders are not packages: pytest imports each module by its base name, so two
+    # folders holding one name fail the README's single `python -m pytest` at collection
+    names = collections.Counter(p.name for p in (ROOT / "tests").rglob("test_*.py"))
+    assert [n for n, c in names.items() if c > 1] == []

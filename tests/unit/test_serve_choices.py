@@ -77,3 +77,20 @@ def test_a_choice_failing_ends_the_request_and_gives_everything_back():
     route = Seeds()
     status, _, raw = _post(route, {"prompt": [3, 7], "n": 2, "max_tokens": 3})
     assert status == 503 and route.opened == route.closed == 2
+
+
+def test_a_batch_of_prompts_gives_a_choice_each_and_counts_every_prompt():
+    route = Seeds()
+    status, _, raw = _post(route, {"prompt": ["ab", [5, 6, 8, 9]], "max_tokens": 2, "seed": 9,
+                                   "temperature": 0.7})
+    assert status == 200, raw
+    d = json.loads(raw)
+    assert [c["index"] for c in d["choices"]] == [0, 1]
+    assert d["usage"]["prompt_tokens"] == 3 + 4  # "ab" is BOS a b on the fake tokenizer
+    assert sorted(route.seeds) == [9, 9]  # choice 0 of each prompt
+    assert route.opened == route.closed == 2
+    status, _, raw = _post(Seeds(), {"prompt": ["a", "b"], "n": 2})  # 4 slots, 2 here
+    assert status == 400 and json.loads(raw)["error"]["param"] == "prompt"
+    for bad in ([], [[]], ["a", 1], [[1, "a"]], ["x"] * 17):
+        status, _, raw = _post(Seeds(), {"prompt": bad})
+        assert status == 400 and json.loads(raw)["error"]["param"] == "prompt", bad

@@ -2,7 +2,7 @@
 the tiny llama: the prompt is prefilled once and forked on every stage (the first stage
 computes far fewer tokens than ``n`` prefills), and choice ``i`` is, token for token and log
 probability for log probability, the single request with seed ``seed + i``, streamed and
-not."""
+not; a batch of prompts gives ``n`` choices of each."""
 
 from __future__ import annotations
 
@@ -71,3 +71,16 @@ def test_n_choices_fork_one_prefill_and_equal_single_requests(front):
         for c in chunk.choices:
             texts[c.index] += c.text
     assert [texts[i] for i in range(3)] == [c.text for c in r.choices]
+
+
+def test_a_batch_of_prompts_with_n_choices_each(front):
+    client, _ = front
+    other = list(range(40, 51))
+    ask = dict(model="tiny", max_tokens=5, temperature=0.9, seed=77)
+    r = client.completions.create(prompt=[PROMPT, other], n=2, **ask)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.usage.prompt_tokens == len(PROMPT) + len(other)
+    for k, c in enumerate(r.choices):
+        prompt, i = (PROMPT, other)[k // 2], k % 2
+        alone = client.completions.create(prompt=prompt, **dict(ask, seed=77 + i))
+        assert c.text == alone.choices[0].text
