@@ -406,7 +406,17 @@ class _Front:
         src = r.session()
         try:
             await src.prefill(ids[:p], sample=False)
-            forks = await src.fork(n - 1)
+            try:
+                forks = await src.fork(n - 1)
+            except (errors.SessionForbidden, errors.InvalidArgument) as e:
+                # a stage that may not copy this session (a tenant's session that a peer
+                # relayed, under cluster credentials) or cannot (an engine without copies):
+                # every choice prefills alone
+                log.info("request %s: no fork (%s: %s); each choice prefills alone", rid,
+                         type(e).__name__, e)
+                with anyio.CancelScope(shield=True):
+                    await src.close()
+                return [r.session() for _ in range(n)], 0
         except BaseException as e:
             with anyio.CancelScope(shield=True):
                 await src.close()

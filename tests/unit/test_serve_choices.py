@@ -94,3 +94,29 @@ def test_a_batch_of_prompts_gives_a_choice_each_and_counts_every_prompt():
     for bad in ([], [[]], ["a", 1], [[1, "a"]], ["x"] * 17):
         status, _, raw = _post(Seeds(), {"prompt": bad})
         assert status == 400 and json.loads(raw)["error"]["param"] == "prompt", bad
+
+
+def test_a_stage_that_may_not_fork_leaves_each_choice_to_prefill_alone():
+    from dgr import errors
+
+    class NoFork(Seeds):
+        n_ubatch = 2  # a prompt of whole chunks: its first ones are prefilled once, forked
+
+        def session(self):
+            s = super().session()
+
+            async def prefill(ids, sample=False):
+                self.prefilled = list(ids)
+
+            async def fork(n):
+                raise errors.SessionForbidden("a peer relayed this session")
+
+            s.prefill, s.fork = prefill, fork
+            return s
+
+    route = NoFork()
+    status, _, raw = _post(route, {"prompt": [3, 4, 5, 6, 8], "n": 2, "max_tokens": 2,
+                                   "seed": 1})
+    assert status == 200, raw
+    assert route.prefilled == [3, 4, 5, 6] and len(json.loads(raw)["choices"]) == 2
+    assert sorted(route.seeds) == [1, 2] and route.opened == route.closed == 3
