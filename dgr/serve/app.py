@@ -479,9 +479,12 @@ class _Front:
         prompts = [(ids, text, self.budget(ids, params)) for ids, text in prompts]
         slots = params.n * len(prompts)
         if slots > self.admission.capacity:
-            raise ApiError(400, f"{len(prompts)} prompt(s) of {params.n} choice(s) need "
-                                f"{slots} slots; this route has {self.admission.capacity}, one "
-                                "per choice", param="n" if len(prompts) == 1 else "prompt")
+            cap = self.admission.capacity
+            if len(prompts) == 1:
+                raise ApiError(400, f"'n' is {params.n} but this route has {cap} slot(s), one "
+                                    "per choice", param="n")
+            raise ApiError(400, f"{len(prompts)} prompts of {params.n} choice(s) need {slots} "
+                                f"slots; this route has {cap}, one per choice", param="prompt")
         # one parser per choice, made before a slot is taken
         replies = None if rendered is None else [Reply(rendered, stream=params.stream)
                                                  for _ in range(params.n)]
