@@ -314,6 +314,8 @@ class DataServer:
         self.frame_timeout = frame_timeout
         self.refused = 0
         self._per_address: collections.Counter[str] = collections.Counter()
+        #: refused connections being answered and closed without a reset (``_turn_away``)
+        self._refusing = threading.BoundedSemaphore(32)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -369,15 +371,31 @@ class DataServer:
                     self._per_address[addr] += 1
             if why:
                 self.refused += 1
-                try:
-                    conn.send(wire.encode(wire.ErrorReply.from_exception(
-                        errors.ResourceExhausted(why))))
-                except OSError:
-                    pass
-                conn.close()
+                exc = errors.ResourceExhausted(why)
+                if self._tls is not None:
+                    tunnels().linger(conn.sock)
+                # the answer, then a close without a reset (the peer may have sent its first
+                # frame already: closing with it unread would reset the connection and could
+                # cost the peer the answer), off the accept thread, a bounded few at a time
+                if self._refusing.acquire(blocking=False):
+                    threading.Thread(target=self._turn_away, args=(conn, exc),
+                                     name="dgr-data-refuse", daemon=True).start()
+                else:  # a flood of refusals: answer and close at once
+                    try:
+                        conn.send(wire.encode(wire.ErrorReply.from_exception(exc)))
+                    except OSError:
+                        pass
+                    conn.close()
                 continue
             threading.Thread(target=self._serve, args=(conn,), name="dgr-data-conn",
                              daemon=True).start()
+
+    def _turn_away(self, conn: FrameSocket, exc: BaseException) -> None:
+        try:
+            _refuse(conn, exc)
+        finally:
+            conn.close()
+            self._refusing.release()
 
     def _serve(self, conn: FrameSocket) -> None:
         try:

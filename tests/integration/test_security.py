@@ -480,3 +480,36 @@ def test_a_refused_data_connection_tells_the_driver_why(stages):
 
     asyncio.run(go())
     _idle(stages)
+
+
+def test_a_connection_over_the_cap_gets_its_answer_through_tls(certs):
+    """A TLS client sends as soon as it connects; a connection refused over the per-address
+    cap must still read the ResourceExhausted answer, not a reset (the tunnel lingers and the
+    refusal closes after reading what came)."""
+    frame = wire.encode(wire.Hello(route="r"))
+
+    def handler(conn):
+        while (v := conn.recv()) is not None:
+            conn.send(bytes(v))
+
+    srv = dataplane.DataServer(handler, "127.0.0.1", 0, max_per_address=1, security=Security(
+        None, None, _tls(certs, client=False))).start()
+    held = None
+    try:
+        sec = Security(None, None, _tls(certs))
+        held = dataplane.FrameSocket(dataplane.connect(srv.address, 5.0, sec))
+        held.sock.settimeout(10.0)
+        held.send(frame)
+        assert bytes(held.recv()) == frame
+        for _ in range(5):
+            c = dataplane.FrameSocket(dataplane.connect(srv.address, 5.0, sec))
+            c.sock.settimeout(10.0)
+            c.send(frame + frame)  # sent at once, before any answer
+            time.sleep(0.2)
+            err = wire.decode(bytes(c.recv())).header
+            assert err.code == errors.ResourceExhausted.code
+            c.close()
+    finally:
+        if held is not None:
+            held.close()
+        srv.stop()

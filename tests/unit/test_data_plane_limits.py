@@ -112,6 +112,29 @@ def test_an_idle_connection_is_not_cut_off(server):
         s.close()
 
 
+def test_a_refused_connection_that_already_sent_gets_the_answer_not_a_reset(server):
+    # a client sends its first frame (an auth frame, a Hello) as soon as it connects: a
+    # refusal that closed with those bytes unread would reset the connection, and the reset
+    # discards the answer on the client's side before it reads it (the soak's flood saw one)
+    held = [client(server), client(server)]
+    frame = wire.encode(wire.Hello(route="r"))
+    try:
+        for s in held:
+            s.sendall(LEN.pack(len(frame)) + frame)
+            assert read_frame(s) == frame
+        for _ in range(5):
+            c = client(server)
+            c.sendall(LEN.pack(len(frame)) + frame)
+            time.sleep(0.2)  # the refusal and its close are in before the client reads
+            err = wire.decode(read_frame(c)).header
+            assert err.code == errors.ResourceExhausted.code
+            assert read_frame(c) is None
+            c.close()
+    finally:
+        for s in held:
+            s.close()
+
+
 def test_connections_per_address_are_capped_and_freed(server):
     a, b = client(server), client(server)
     frame = wire.encode(wire.Hello(route="r"))
