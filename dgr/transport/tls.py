@@ -44,6 +44,7 @@ class _Pipe(asyncio.Protocol):
         #: the client reads the answer instead of a reset. 0: it closes at once
         self.linger = 0.0
         self._lingering = False
+        self._timed = False  # the other side's close is timed
         self._on_lost = on_lost
 
     def connection_made(self, transport) -> None:
@@ -51,24 +52,37 @@ class _Pipe(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         o = self.other
-        if o is None or o.transport is None:
+        if o is None or o.transport is None or self.held:  # in order: after what is held
             self.held.append(data)
         elif not o.closed:
             o.transport.write(data)
 
     def flush(self) -> None:
-        """The other side is up: send what was held for it."""
+        """The other side is up: send what was held for it, and when this side has ended
+        meanwhile, close the other now (after what was held) or after the linger."""
         o = self.other
         for data in self.held:
             o.transport.write(data)
         self.held.clear()
+        if self.closed:
+            if self._lingering:
+                self._close_other_later()
+            else:
+                o.transport.close()
 
     def eof_received(self):
-        o = self.other
-        if self.linger and o is not None and o.transport is not None and not o.closed:
-            self._lingering = True  # the other side closes later; it drops what it reads
-            asyncio.get_running_loop().call_later(self.linger, o.close)
+        if self.linger:
+            # the other side closes later (now if it is up, else once it is: ``flush``);
+            # it drops what it reads meanwhile
+            self._lingering = True
+            self._close_other_later()
         return False  # close this side; connection_lost closes the other (or the timer)
+
+    def _close_other_later(self) -> None:
+        o = self.other
+        if o is not None and o.transport is not None and not o.closed and not self._timed:
+            self._timed = True
+            asyncio.get_running_loop().call_later(self.linger, o.close)
 
     def pause_writing(self) -> None:
         if self.other is not None and self.other.transport is not None:
@@ -83,7 +97,8 @@ class _Pipe(asyncio.Protocol):
         if self._on_lost is not None:
             self._on_lost()
         o = self.other
-        if o is not None and o.transport is not None and not o.closed and not self._lingering:
+        if (o is not None and o.transport is not None and not o.closed and not self._lingering
+                and not self.held):  # held: ``flush`` sends it, then closes the other
             o.transport.close()
 
     def close(self) -> None:
