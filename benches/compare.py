@@ -741,16 +741,18 @@ class EmulatedCluster:
     connection to P_n) then crosses one emulator one way: RTT/2.
     """
 
-    def __init__(self, path: str, n: int, n_layer: int, rtt_ms: float, args=()):
+    def __init__(self, path: str, n: int, n_layer: int, rtt_ms: float, args=(),
+                 n_slots: int = 1):
         self.n, self.path, self.n_layer, self.rtt_ms = n, path, n_layer, rtt_ms
         self.args = list(args)  # extra arguments for every worker
+        self.n_slots = n_slots
         self.cluster = self.grpc = self.data = None
 
     def start(self) -> EmulatedCluster:
         ports = [(_free_port(), _free_port()) for _ in range(self.n)]
         try:
             self.cluster = start_cluster(
-                self.path, self.n, self.n_layer, args=self.args,
+                self.path, self.n, self.n_layer, args=self.args, n_slots=self.n_slots,
                 worker_args=[["--data-port", str(d), "--advertise-data-port", str(p)]
                              for d, p in ports])
             self.data = Emulated([f"127.0.0.1:{d}" for d, _ in ports], self.rtt_ms,

@@ -1,14 +1,22 @@
 """A growing chat, turn by turn: time to first token with the front's prompt cache, without it,
 and ``llama-server`` (its slot cache) on the whole model, side by side in one run.
 
-    python benches/prompt_cache.py [--turns 5] [--tokens 32] [--stages 3] [--json out.json]
+    python benches/prompt_cache.py [--turns 5] [--tokens 32] [--stages 3] [--rules 18]
+                                   [--ctx 1024] [--rtt MS] [--json out.json]
 
-Each server holds its own conversation: a system prompt of about 400 tokens, then per turn a
+Each server holds its own conversation: a system prompt of about 570 tokens, then per turn a
 short user message; the reply (greedy, ``--tokens`` at most) joins the history, and the next
 turn sends it all again, as chat clients and agent loops do. Settings as
 ``benches/serve_load.py`` (one thread per process, ``n_ubatch`` 64, flash attention, 1024
-context tokens per slot, 2 slots). dgr reuses only whole 64-token chunks (exact:
+context tokens per slot (``--ctx``), 2 slots). ``--rules`` sizes the system prompt (about
+32 tokens a rule), to grow a history to 2k tokens say. dgr reuses the common prefix to the row where every stage
+measured that a partial chunk gives a fresh prefill's bits, else to the whole chunk (exact:
 docs/serve.md "Prompt cache"); llama-server reuses its slot's common prefix to the token.
+
+``--rtt MS``: each dgr front gets its own stages behind the project's link emulator
+(``compare.EmulatedCluster``: every data-plane and gRPC link between the front and the stages
+and between stages delayed RTT/2 each way); the HTTP client sits next to every front, and
+llama-server (one process, no links) stays on loopback as the reference.
 """
 
 from __future__ import annotations
@@ -22,9 +30,15 @@ import time
 
 from serve_load import N_CTX, N_UBATCH, _free_port, _wait_healthy, llama_server, stream_chat
 
-SYSTEM = ("You are a careful assistant for a small bakery. " + " ".join(
-    f"Rule {i}: answer in plain words, mention the price of item {i} when asked, keep "
-    f"replies short, and never invent opening hours." for i in range(1, 19)))
+
+
+def system_prompt(rules: int = 18) -> str:
+    """The conversation's system prompt: about 32 tokens per rule (18: about 570 tokens)."""
+    return "You are a careful assistant for a small bakery. " + " ".join(
+        f"Rule {i}: answer in plain words, mention the price of item {i} when asked, keep "
+        f"replies short, and never invent opening hours." for i in range(1, rules + 1))
+
+
 QUESTIONS = ["What bread do you recommend for breakfast?", "How much is item 3?",
              "Do you have anything without sugar?", "Which rule says to keep replies short?",
              "Thank you. Summarise our talk in one line.", "And item 7?", "Goodbye."]
@@ -51,7 +65,14 @@ def main(argv=None) -> int:
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--rules", type=int, default=18,
+                    help="rules in the system prompt, about 32 tokens each (default 18)")
+    ap.add_argument("--ctx", type=int, default=N_CTX,
+                    help=f"context tokens per slot, every server (default {N_CTX})")
     ap.add_argument("--model", help="GGUF (default: the registry's default model)")
+    ap.add_argument("--rtt", type=float, default=0.0, metavar="MS",
+                    help="round-trip time of every link between a dgr front and its stages, "
+                         "and between stages (the link emulator); 0: loopback (default)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     from dgr.artifacts import models
@@ -59,7 +80,7 @@ def main(argv=None) -> int:
     model = args.model or str(models.path(models.DEFAULT_MODEL))
     name = "bench"
     ports = {k: _free_port() for k in ("dgr cache", "dgr no cache", "llama-server")}
-    common = ["--stages", str(args.stages), "--model-name", name, "--ctx", str(N_CTX),
+    common = ["--stages", str(args.stages), "--model-name", name, "--ctx", str(args.ctx),
               "--slots", "2", "--threads", "1", "--ubatch", str(N_UBATCH), "--flash-attn",
               "on"]
     cmds = {
@@ -69,8 +90,24 @@ def main(argv=None) -> int:
                          str(ports["dgr no cache"]), "--prompt-cache", "0", *common],
         "llama-server": [llama_server(), "-m", model, "--host", "127.0.0.1", "--port",
                          str(ports["llama-server"]), "-t", "1", "-tb", "1", "-c",
-                         str(N_CTX * 2), "-np", "2", "-b", str(N_UBATCH), "-ub",
+                         str(args.ctx * 2), "-np", "2", "-b", str(N_UBATCH), "-ub",
                          str(N_UBATCH), "-fa", "on", "--alias", name, "--no-webui"]}
+    from compare import EmulatedCluster, _worker_lines
+
+    clusters = []
+    if args.rtt > 0:  # the fronts use stages behind the link emulator (module docstring)
+        from dgr.artifacts.gguf import read_header
+
+        kv = read_header(model).kv
+        n_layer = int(kv[f"{kv['general.architecture']}.block_count"])
+        for k in ("dgr cache", "dgr no cache"):
+            c = EmulatedCluster(model, args.stages, n_layer, args.rtt,
+                                ["--ctx", str(args.ctx)], n_slots=2)
+            clusters.append(c)
+            c.start()
+            cmds[k] = [sys.executable, "-m", "dgr", "serve", "--model", model, "--route",
+                       ",".join(c.endpoints), "--port", str(ports[k]), "--model-name", name,
+                       "--prompt-cache", "2" if k == "dgr cache" else "0"]
     log = open(os.devnull, "w")
     procs = {}
     rows = []
@@ -79,7 +116,8 @@ def main(argv=None) -> int:
             procs[k] = subprocess.Popen(cmds[k], stdout=log, stderr=log)
         for k, p in procs.items():
             _wait_healthy(ports[k], p, k)
-        history = {k: [{"role": "system", "content": SYSTEM}] for k in cmds}
+        history = {k: [{"role": "system", "content": system_prompt(args.rules)}]
+                   for k in cmds}
         for t in range(args.turns):
             row = {"turn": t + 1}
             for k in cmds:
@@ -99,6 +137,8 @@ def main(argv=None) -> int:
                 p.wait(60)
             except subprocess.TimeoutExpired:
                 p.kill()
+        for c in clusters:
+            c.stop()
     print("\n| turn | prompt tokens | dgr cache ms | dgr no cache ms | llama-server ms | "
           "cache / no cache | cache / llama-server |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
@@ -108,7 +148,9 @@ def main(argv=None) -> int:
               f"{c:.0f} | {a / b:.2f} | {a / c:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": model, "commands": cmds, "rows": rows}, f, indent=1)
+            json.dump({"model": model, "rtt_ms": args.rtt, "commands": cmds,
+                       "workers": [w for c in clusters for w in _worker_lines(c)],
+                       "rows": rows}, f, indent=1)
     return 0
 
 
