@@ -27,7 +27,7 @@ import numpy as np
 from dgr.artifacts.storage import atomic_write
 from dgr.vendor import cache_root
 
-__all__ = ["rows_exact", "rows_exact_cached"]
+__all__ = ["rows_exact", "rows_exact_cached", "single_rows_exact", "single_rows_exact_cached"]
 
 _lock = threading.Lock()
 
@@ -74,6 +74,38 @@ def rows_exact(engine, *, slot: int = 0, seed: int = 7) -> bool:
         engine.release(slot)
 
 
+def single_rows_exact(engine, *, slot: int = 0, seed: int = 11) -> bool:
+    """Whether ``engine`` computes rows one per step (a decode step's row) as a partial chunk
+    computes them: ``n_ubatch - 1`` rows (at most 255) once as one chunk, then as single-row
+    steps from position 0 and from the middle (after a chunk of the first half), every row
+    compared bit for bit. Then a reply's decoded rows may serve a later prompt that holds the
+    reply, past its whole chunks (``Describe.prefix_single_rows_exact``). ``slot`` is
+    released before and after; False when ``n_ubatch`` is below 4."""
+    n = min(int(engine.settings["n_ubatch"]) - 1, 255, int(engine.settings["n_ctx"]))
+    if n < 3:
+        return False
+    rng = np.random.default_rng(seed)
+    tokens = boundary = None
+    if engine.is_first or engine.needs_token_ids:
+        lo = 100 if engine.n_vocab > 1000 else 0
+        tokens = rng.integers(lo, engine.n_vocab, size=n, dtype=np.int32)
+    if not engine.is_first:
+        boundary = rng.standard_normal((n, int(engine.n_embd_boundary)), dtype=np.float32)
+    try:
+        engine.release(slot)
+        whole = _out(engine, slot, 0, tokens, boundary, 0, n)
+        for start in (0, n // 2):
+            engine.release(slot)
+            parts = [_out(engine, slot, 0, tokens, boundary, 0, start)] if start else []
+            parts += [_out(engine, slot, 0, tokens, boundary, i, i + 1) for i in range(start, n)]
+            got = np.concatenate(parts)
+            if got.shape != whole.shape or got.tobytes() != whole.tobytes():
+                return False
+        return True
+    finally:
+        engine.release(slot)
+
+
 def _key(engine) -> str:
     from dgr.control.capability import build_info, cpu_features
 
@@ -87,9 +119,18 @@ def rows_exact_cached(engine, *, slot: int = 0) -> bool:
     """``rows_exact``, remembered under ``$DGR_CACHE/prefix-rows.json`` by everything that
     decides it (the build, the model, the range, the settings, the device kind, the CPU's
     kernel-selecting ISA flags): a worker measures once per stage it serves, not per start."""
+    return _cached(engine, "", rows_exact, slot)
+
+
+def single_rows_exact_cached(engine, *, slot: int = 0) -> bool:
+    """``single_rows_exact``, remembered as ``rows_exact_cached`` is."""
+    return _cached(engine, ":single", single_rows_exact, slot)
+
+
+def _cached(engine, suffix: str, measure, slot: int) -> bool:
     path = cache_root() / "prefix-rows.json"
     try:
-        key = _key(engine)
+        key = _key(engine) + suffix
     except Exception:  # noqa: BLE001 - an engine without a build or identity: not measured
         return False
     with _lock:
@@ -102,7 +143,7 @@ def rows_exact_cached(engine, *, slot: int = 0) -> bool:
         if isinstance(table.get(key), bool):
             return table[key]
     try:
-        exact = rows_exact(engine, slot=slot)
+        exact = measure(engine, slot=slot)
     except Exception:  # noqa: BLE001 - an engine that cannot run the check reuses whole chunks
         return False
     with _lock:

@@ -266,7 +266,10 @@ class AsyncRouteSession:
         every stage computes such rows as any partial chunk does (``prefix_rows_exact``,
         measured by each worker): then the prompt's rest is prefilled as a partial chunk of
         at least two rows, and a kept chunk cut short keeps at least two rows (a single row
-        may take another kernel). Decode steps' rows are never kept past whole chunks."""
+        may take another kernel). When every stage also computes rows one per step as a
+        partial chunk does (``prefix_single_rows_exact``), the kept rows may be any steps'
+        (a reply's decode steps included: a chat's next turn holds them), and the rest may be
+        one row; else decode steps' rows are never kept past whole chunks."""
         ub, n = self.route.n_ubatch, len(prompt)
         common = 0
         for a, b in zip(self.history, prompt):
@@ -278,21 +281,27 @@ class AsyncRouteSession:
         base = max(0, min(common, aligned))
         base -= base % ub
         full = n - n % ub  # where a fresh prefill of ``prompt`` ends its whole chunks
-        if common <= full or aligned < full or \
-                not all(st.prefix_rows_exact for st in self.route.stages):
+        stages = self.route.stages
+        if common <= full or aligned < full or not all(st.prefix_rows_exact for st in stages):
             return base
-        end = full  # the end of the run of partial prompt chunks from ``full``
-        for first, count in self.chunks:
+        r = self.route
+        # a decode loop's verify step (a drafted token and its drafts) must also be a partial
+        # chunk: one of ``n_ubatch`` rows or more may take other kernels
+        single = (all(getattr(st, "prefix_single_rows_exact", False) for st in stages)
+                  and (not getattr(r, "speculate", "") or getattr(r, "max_draft", 0) + 1 < ub))
+        least = 1 if single else 2  # rows a kept step, or the prompt's rest, may have
+        end = full  # the end of the run of partial steps (prompt chunks) from ``full``
+        for first, count in self.steps if single else self.chunks:
             if first + count <= full:
                 continue
-            if first != end or not 2 <= count < ub:
+            if first != end or not least <= count < ub:
                 break
             end = first + count
-        # the prompt's rest: a partial chunk of two rows or more
-        p = min(common, end, n - 2)
-        for first, count in self.chunks:
-            if p - first == 1 and count > 1:  # a kept chunk cut to one row: drop it
-                p = first
+        p = min(common, end, n - least)  # the prompt's rest: a partial chunk of ``least`` rows
+        if not single:
+            for first, count in self.chunks:
+                if p - first == 1 and count > 1:  # a kept chunk cut to one row: drop it
+                    p = first
         return p if p > full else base
 
     def _keep(self, n: int) -> None:

@@ -66,6 +66,9 @@ class StageInfo:
     #: whether the stage computes a partial prefill chunk's rows as any partial chunk does
     #: (measured when it started; False from a worker older than the field)
     prefix_rows_exact: bool = False
+    #: whether the stage computes rows one per step (decode steps) as a partial chunk does
+    #: (measured when it started; False from a worker older than the field)
+    prefix_single_rows_exact: bool = False
     extra: dict = field(default_factory=dict)
 
     @functools.cached_property
@@ -108,6 +111,8 @@ class StageInfo:
             uptime_s=r.uptime_s, data_port=r.data_port, drafters=tuple(r.drafters),
             device=_device_dict(r.device) if r.HasField("device") else {},
             prefix_rows_exact=r.HasField("prefix_rows_exact") and r.prefix_rows_exact,
+            prefix_single_rows_exact=(r.HasField("prefix_single_rows_exact")
+                                      and r.prefix_single_rows_exact),
             **{k: getattr(r, k) if r.HasField(k) else None for k in COUNTERS})
 
     def to_dict(self) -> dict:

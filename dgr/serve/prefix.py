@@ -7,8 +7,10 @@ cache past the common prefix and prefills the rest (``AsyncRouteSession.generate
 ``reuse``). Only positions whose rows a fresh prefill of the new prompt would compute to the
 same bits are reused (``AsyncRouteSession.reusable``): whole ``n_ubatch`` chunks prefilled
 from position 0 and, where every stage measured that partial chunks compute rows alike
-(``prefix_rows_exact``), the prompt rows after them, token by token
-(tests/system/test_prefix_cache.py compares every output with an uncached front's).
+(``prefix_rows_exact``), the prompt rows after them, token by token, and where every stage
+also measured that rows computed one per step are alike (``prefix_single_rows_exact``), the
+reply's decoded rows a chat's next turn holds (tests/system/test_prefix_cache.py compares every
+output with an uncached front's; tests/integration/test_prefix_rows.py a next turn's).
 
 A kept session holds one of the route's slots: a request that finds no free slot closes the
 least recently used kept session first, and a kept session idle ``ttl`` seconds is closed

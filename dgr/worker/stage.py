@@ -18,6 +18,7 @@ from typing import Any
 
 from dgr import __version__, errors
 from dgr.control.prefix import rows_exact_cached as prefix_rows_exact
+from dgr.control.prefix import single_rows_exact_cached as prefix_single_rows_exact
 from dgr.protocol import wire
 from dgr.protocol.settings import NUMERIC_SETTINGS
 from dgr.transport.common import MAX_MESSAGE
@@ -90,6 +91,9 @@ class Worker(StagePipeline):
         #: before the stage serves (``Describe.prefix_rows_exact``: routes reuse kept prompt
         #: rows past whole chunks only where every stage says so)
         self.prefix_rows_exact = prefix_rows_exact(engine)
+        #: and rows computed one per step (``Describe.prefix_single_rows_exact``: routes reuse
+        #: a reply's decoded rows only where every stage says so)
+        self.prefix_single_rows_exact = prefix_single_rows_exact(engine)
         #: the stage's scheduler: every step of both planes computes through it
         self.loop = StageLoop(self, max_tokens=int(self.settings["n_ubatch"]),
                               batching=batching, burst=self._burst,
@@ -138,6 +142,7 @@ class Worker(StagePipeline):
             drafters=self.drafters,
             device=self.device_facts(),
             prefix_rows_exact=self.prefix_rows_exact,
+            prefix_single_rows_exact=self.prefix_single_rows_exact,
         )
 
     def _slot_of(self, session: str) -> int | None:

@@ -1,5 +1,6 @@
-"""Whether a stage computes a partial prefill chunk's rows as any partial chunk does
-(dgr.control.prefix): measured on every range of a split, refused where the kernels differ
+"""Whether a stage computes a partial prefill chunk's rows as any partial chunk does, and rows
+one per step (decode steps) as a partial chunk does (dgr.control.prefix): measured on every
+range of a split, refused where the kernels differ
 (ggml's CPU flash attention tiles a chunk of 64 rows or more), remembered per build and stage,
 and served in Describe, where a route reads it before reusing kept rows."""
 
@@ -12,6 +13,8 @@ import pytest
 
 import dgr
 from dgr.control import prefix
+from dgr.driver.route import AsyncRoute
+from dgr.testing.fixtures import TinyLlama, write_tiny_llama
 from dgr.transport.client import ShardClient
 from dgr.worker.process import ThreadedWorker
 
@@ -28,6 +31,64 @@ def test_partial_chunks_compute_rows_alike_on_every_range(tiny_llama, layers):
                      ).shape[0] in (1, 3)
 
 
+@pytest.fixture(scope="module")
+def tiny_q8(tmp_path_factory):
+    """The tiny llama with q8_0 matrices: its one-row products take the many-row kernel's
+    path (as SmolLM2's Q4_1 ones do), where f32 matrices take another."""
+    return write_tiny_llama(tmp_path_factory.mktemp("q8") / "tiny-q8.gguf",
+                            TinyLlama(weight_type="q8_0"))
+
+
+@pytest.mark.parametrize("layers", [None, (0, 1), (1, 3), (3, 4)])
+def test_rows_one_per_step_are_a_partial_chunks_rows_on_every_range(tiny_q8, tiny_llama, layers):
+    assert prefix.single_rows_exact(dgr.Engine(tiny_q8, layers=layers, n_ubatch=32, **SMALL))
+    # f32 matrices: a one-row product takes another kernel than a chunk's, so not claimed
+    assert not prefix.single_rows_exact(dgr.Engine(tiny_llama, layers=layers, n_ubatch=32,
+                                                   **SMALL))
+
+
+def test_single_rows_against_a_tiled_chunk_are_not_alike(tiny_q8):
+    # 127 rows as one chunk take the tiled flash attention; one row per step does not
+    e = dgr.Engine(tiny_q8, n_ubatch=128, **SMALL)
+    assert not prefix.single_rows_exact(e)
+    assert not prefix.single_rows_exact(dgr.Engine(tiny_q8, n_ubatch=3, **SMALL))
+
+
+@pytest.mark.parametrize("weights", ["q8_0", "f32"])
+def test_a_next_turn_keeps_the_replys_decoded_rows_with_a_fresh_prefills_bits(
+        tiny_q8, tiny_llama, weights):
+    """A chat's next turn holds the previous reply: where every stage computes single rows
+    as a partial chunk does, the reply's decoded rows are kept too, and the next reply's
+    tokens and logits are a fresh prefill's, bit for bit; elsewhere only the prompt's rows."""
+    model = tiny_q8 if weights == "q8_0" else tiny_llama
+    ws = [ThreadedWorker(dgr.Engine(model, layers=r, n_ubatch=32, **SMALL))
+          for r in [(0, 1), (1, 3), (3, 4)]]
+
+    async def go():
+        async with AsyncRoute([w.address for w in ws]) as r:
+            assert all(st.prefix_single_rows_exact is (weights == "q8_0") for st in r.stages)
+            s = r.session("kept")
+            prompt = list(range(3, 43))  # a whole chunk of 32 and a partial one of 8
+            reply = [t async for t in s.generate(prompt, max_tokens=12, stop_on_eog=False)]
+            nxt = prompt + reply + [5, 6, 7]
+            keep = s.reusable(nxt)
+            # every row but the last reply token's (sampled, never forwarded); or the prompt's
+            assert keep == (len(prompt) + len(reply) - 1 if weights == "q8_0" else len(prompt))
+            got = [t async for t in s.generate(nxt, max_tokens=8, stop_on_eog=False,
+                                               logits=True, reuse=keep)]
+            fresh = r.session("fresh")
+            want = [t async for t in fresh.generate(nxt, max_tokens=8, stop_on_eog=False,
+                                                    logits=True)]
+            assert got == want and len(s.logits) == len(fresh.logits) == 8
+            assert all(a.tobytes() == b.tobytes() for a, b in zip(s.logits, fresh.logits))
+
+    try:
+        asyncio.run(go())
+    finally:
+        for w in ws:
+            w.stop()
+
+
 def test_chunks_past_the_tiling_threshold_are_not_alike(tiny_llama):
     # 127 rows as one chunk take the tiled flash attention; 125 + 2 do not, all of them
     e = dgr.Engine(tiny_llama, n_ubatch=128, **SMALL)
@@ -36,9 +97,9 @@ def test_chunks_past_the_tiling_threshold_are_not_alike(tiny_llama):
     assert not prefix.rows_exact(dgr.Engine(tiny_llama, n_ubatch=3, **SMALL))
 
 
-def test_the_measurement_is_remembered_per_stage(tiny_llama, tmp_path, monkeypatch):
+def test_the_measurement_is_remembered_per_stage(tiny_q8, tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setenv("DGR_CACHE", str(tmp_path))
-    e = dgr.Engine(tiny_llama, layers=(1, 3), n_ubatch=16, **SMALL)
+    e = dgr.Engine(tiny_q8, layers=(1, 3), n_ubatch=16, **SMALL)
     assert prefix.rows_exact_cached(e) is True
     assert (tmp_path / "prefix-rows.json").exists()
 
@@ -47,14 +108,18 @@ def test_the_measurement_is_remembered_per_stage(tiny_llama, tmp_path, monkeypat
 
     monkeypatch.setattr(prefix, "rows_exact", measured_again)
     assert prefix.rows_exact_cached(e) is True
+    # the single-row measurement is its own entry: measured once, then remembered too
+    assert prefix.single_rows_exact_cached(e) is True
+    monkeypatch.setattr(prefix, "single_rows_exact", measured_again)
+    assert prefix.single_rows_exact_cached(e) is True
     # another range is another stage: measured (here: the check fails, so not claimed)
     assert prefix.rows_exact_cached(dgr.Engine(tiny_llama, layers=(0, 1), n_ubatch=16,
                                                **SMALL)) is False
 
 
 @pytest.mark.parametrize("ub,exact", [(16, True), (128, False)])
-def test_a_worker_serves_its_measurement_in_describe(tiny_llama, ub, exact):
-    w = ThreadedWorker(dgr.Engine(tiny_llama, layers=(0, 2), n_ubatch=ub, **SMALL))
+def test_a_worker_serves_its_measurement_in_describe(tiny_q8, ub, exact):
+    w = ThreadedWorker(dgr.Engine(tiny_q8, layers=(0, 2), n_ubatch=ub, **SMALL))
 
     async def go():
         c = ShardClient(w.address)
@@ -69,3 +134,5 @@ def test_a_worker_serves_its_measurement_in_describe(tiny_llama, ub, exact):
         w.stop()
     assert info.prefix_rows_exact is exact
     assert info.to_dict()["prefix_rows_exact"] is exact
+    assert info.prefix_single_rows_exact is exact
+    assert info.to_dict()["prefix_single_rows_exact"] is exact

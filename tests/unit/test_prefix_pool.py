@@ -11,17 +11,19 @@ import pytest
 from dgr.serve.prefix import PrefixPool
 
 
-def _session(history, steps, ub=4, chunks=None, rows_exact=(False,)):
+def _session(history, steps, ub=4, chunks=None, rows_exact=(False,), single=None, **route):
     """An ``AsyncRouteSession``'s reuse state: ``chunks`` are the prompt chunks among
     ``steps`` (default: every step of more than one token), each stage's
-    ``prefix_rows_exact`` from ``rows_exact``."""
+    ``prefix_rows_exact`` from ``rows_exact`` and ``prefix_single_rows_exact`` from ``single``
+    (default: False everywhere); ``route``: the route's ``speculate`` and ``max_draft``."""
     from dgr.driver.session import AsyncRouteSession
 
-    stages = [SimpleNamespace(prefix_rows_exact=r) for r in rows_exact]
+    stages = [SimpleNamespace(prefix_rows_exact=r, prefix_single_rows_exact=o)
+              for r, o in zip(rows_exact, single or [False] * len(rows_exact))]
     s = SimpleNamespace(history=list(history), steps=list(steps), rollback=0, logits=[],
                         chunks=list(chunks if chunks is not None
                                     else [st for st in steps if st[1] > 1]),
-                        route=SimpleNamespace(n_ubatch=ub, stages=stages))
+                        route=SimpleNamespace(n_ubatch=ub, stages=stages, **route))
     for name in ("aligned", "reusable", "_keep"):
         setattr(s, name, getattr(AsyncRouteSession, name).__get__(s))
     return s
@@ -64,6 +66,36 @@ def test_partial_chunk_rows_are_reused_where_every_stage_computes_them_alike():
     s._keep(5)
     assert s.history == [0, 1, 2, 3, 4] and s.steps == [(0, 5)] and s.chunks == [(0, 5)]
     assert s.rollback == 4
+
+
+def test_decoded_rows_are_reused_where_every_stage_computes_single_rows_alike():
+    # prefilled 7 tokens (n_ubatch 16), then decoded rows 7, 8 and 9; token 10 was sampled
+    # last and never forwarded (no stage holds its row)
+    steps = [(0, 7), (7, 1), (8, 1), (9, 1)]
+    both = dict(ub=16, rows_exact=(True, True))
+    s = _session(range(11), steps, single=(True, True), **both)
+    assert s.reusable(list(range(11)) + [99]) == 10  # the reply's rows, not the last token's
+    assert s.reusable(list(range(9)) + [99]) == 9    # the rest may be one row
+    assert s.reusable([0, 99, 98]) == 1              # and a chunk may be cut to one row
+    # one stage computes single rows otherwise: the prompt's rows only, a rest of two rows
+    for other in (_session(range(11), steps, single=(True, False), **both),
+                  # a decode loop whose verify steps may be a whole chunk wide
+                  _session(range(11), steps, single=(True, True), speculate="ngram",
+                           max_draft=15, **both)):
+        assert other.reusable(list(range(11)) + [99]) == 7
+        assert other.reusable([0, 99, 98]) == 0
+    assert _session(range(11), steps, single=(True, True), speculate="ngram", max_draft=14,
+                    **both).reusable(list(range(11)) + [99]) == 10
+    # single rows alike but partial chunks not: whole chunks only
+    assert _session(range(11), steps, ub=16, rows_exact=(True, False), single=(True, True)
+                    ).reusable(list(range(11)) + [99]) == 0
+    # past whole chunks only: a decoded row inside the prompt's whole chunks is never kept
+    long = _session(range(20), [(0, 16), (16, 1), (17, 1), (18, 1)], single=(True, True),
+                    **both)
+    assert long.reusable(list(range(19)) + [99]) == 19
+    short = _session(range(12), [(0, 7), *[(i, 1) for i in range(7, 11)]],
+                     single=(True, True), ub=8, rows_exact=(True, True))
+    assert short.reusable(list(range(12)) + [99] * 5) == 0  # rows 0-7 are one whole chunk now
 
 
 def test_tenants_eviction_and_age():
