@@ -34,6 +34,7 @@ import numpy as np
 from dgr.control.certificates import (
     Batching,
     Certification,
+    PrefixCache,
     Failover,
     Lane,
     Parity,
@@ -124,6 +125,8 @@ def certify(model: str | os.PathLike, ranges: Sequence[tuple[int, int]], *,
                                 max(len(got) - 1, 0), dec_s)
             rss = [_rss_bytes(w.proc.pid) for w in cluster.workers[:n_stages]]
             session.close()
+            prefix = _prefix_cache(route, tokens, n_ctx=int(settings["n_ctx"]),
+                                   max_tokens=max_tokens, say=say)
         if failover:
             fo = _failover(cluster, primaries, mid, whole, codec, relay, tokens, max_tokens,
                            ref, ref_rows, say)
@@ -160,7 +163,7 @@ def certify(model: str | os.PathLike, ranges: Sequence[tuple[int, int]], *,
         cpu_model=cpu_model, cpu_isa=list(isa), cpu_flags=list(flags), parity=par,
         certified_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         dgr_version=__version__, seconds=round(time.monotonic() - t0, 3), arch=whole.arch,
-        scenario=scenario, batching=batching, speculation=speculation)
+        scenario=scenario, batching=batching, speculation=speculation, prefix_cache=prefix)
     ok = passed and (fo is None or fo.passed)
     return rec, (write(rec, store) if ok else None)
 
@@ -198,6 +201,62 @@ def _speculation(whole, settings: dict, say, max_draft: int = 4) -> Speculation:
     return Speculation(max_draft=m.max_draft, trips=m.trips, rows=m.rows,
                        bit_identical=m.bit_identical, max_abs_diff=m.max_abs_diff,
                        top1_agreement=m.top1_agreement)
+
+
+def _prefix_cache(route, tokens: list[int], *, n_ctx: int, max_tokens: int,
+                  say) -> PrefixCache:
+    """A chat's two turns through ``route`` (the lane's workers): a first prompt of a whole
+    prefill chunk and a half (the parity prompt repeated, where the context allows), a short
+    reply, then a next turn (that history plus the parity prompt) on the same session keeping
+    what ``reusable`` allows, against the next turn prefilled by a fresh session; every
+    sampled token and logits row compared. One session at a time (a lane of one slot)."""
+    ub = int(route.settings["n_ubatch"])
+    g = max(1, min(8, int(max_tokens)))
+    room = n_ctx - 2 * g - len(tokens)  # the first turn's most tokens
+    n1 = max(1, min(max(len(tokens), ub + ub // 2), room))
+    first = (list(tokens) * (n1 // max(1, len(tokens)) + 1))[:n1]
+    kept = route.session()
+    try:
+        list(kept.generate(first, max_tokens=g))
+        nxt = list(kept.history) + list(tokens)[:max(1, n_ctx - g - len(kept.history))]
+        keep = kept.reusable(nxt)
+        got = list(kept.generate(nxt, max_tokens=g, logits=True, reuse=keep))
+        rows = list(kept.logits)
+    finally:
+        kept.close()
+    fresh = route.session()
+    try:
+        ref = list(fresh.generate(nxt, max_tokens=g, logits=True))
+        ref_rows = list(fresh.logits)
+    finally:
+        fresh.close()
+    same, n, bits, diff, _ = _compare(got, rows, ref, ref_rows)
+    rec = PrefixCache(prompt_tokens=len(nxt), kept_positions=keep, generated_tokens=len(got),
+                      tokens_match=same, logits_rows=n, bit_identical=same and bits,
+                      max_abs_diff=diff,
+                      partial_rows_exact=[bool(st.prefix_rows_exact) for st in route.stages],
+                      decoded_rows_exact=[bool(st.prefix_single_rows_exact)
+                                          for st in route.stages])
+    say(f"prompt cache: {prefix_cache_line(rec)}")
+    return rec
+
+
+def prefix_cache_line(p: PrefixCache | None) -> str:
+    """A record's prompt-cache figure in one line."""
+    if p is None:
+        return "not measured (a record from before the prompt cache was measured)"
+    rule = ("whole chunks, partial-chunk and decoded rows" if all(p.decoded_rows_exact)
+            else "whole chunks and partial-chunk rows" if all(p.partial_rows_exact)
+            else "whole chunks only")
+    head = (f"a next turn keeping {p.kept_positions} of its {p.prompt_tokens} prompt "
+            f"positions (the stages may keep {rule}) ")
+    if p.bit_identical:
+        return head + (f"bit-identical to a fresh prefill ({p.logits_rows} rows, "
+                       f"{p.generated_tokens} tokens): the prompt cache keeps the whole "
+                       "model's tokens")
+    return head + (f"NOT bit-identical to a fresh prefill ({p.logits_rows} rows): "
+                   f"max |diff| {p.max_abs_diff:.3g}, tokens "
+                   + ("match" if p.tokens_match else "differ"))
 
 
 def speculation_line(s: Speculation | None) -> str:
@@ -430,6 +489,7 @@ def _cmd_lanes(args) -> int:
         print(f"  scenario: {scenario_line(rec.scenario)}")
         print(f"  batching: {batching_line(rec.batching)}")
         print(f"  speculation: {speculation_line(rec.speculation)}")
+        print(f"  prompt cache: {prefix_cache_line(rec.prefix_cache)}")
     return 0
 
 

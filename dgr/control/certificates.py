@@ -21,7 +21,8 @@ import msgspec
 
 from dgr.protocol.capability import LaneRef, Uncertified
 
-__all__ = ["Lane", "Parity", "StageCost", "Failover", "Scenario", "Batching", "Certification",
+__all__ = ["Lane", "Parity", "StageCost", "Failover", "Scenario", "Batching", "Speculation",
+           "PrefixCache", "Certification",
            "store_path",
            "lane_id", "load_store", "write", "mismatches", "match"]
 
@@ -118,6 +119,25 @@ class Speculation(msgspec.Struct, kw_only=True):
     top1_agreement: float
 
 
+class PrefixCache(msgspec.Struct, kw_only=True):
+    """Whether a prompt served from a kept session (the front's prompt cache: a chat's next
+    turn, ``RouteSession.reusable`` positions kept, the rest prefilled) gives the rows and
+    tokens the same prompt gives prefilled fresh, through the lane's own workers. Each
+    stage's own measurements decide how much a route keeps (``partial_rows_exact``: rows of
+    a partial prefill chunk; ``decoded_rows_exact``: rows computed one per step, a reply's;
+    with neither, whole chunks only): this is the route-level check that the rule holds."""
+
+    prompt_tokens: int                # the next turn's prompt
+    kept_positions: int               # of them served from the kept session's caches
+    generated_tokens: int
+    tokens_match: bool
+    logits_rows: int
+    bit_identical: bool
+    max_abs_diff: float
+    partial_rows_exact: list[bool]    # per stage (Describe.prefix_rows_exact)
+    decoded_rows_exact: list[bool]    # per stage (Describe.prefix_single_rows_exact)
+
+
 class Scenario(msgspec.Struct, kw_only=True):
     """How a lane was certified, and what its certified generation cost per stage and seam."""
 
@@ -156,6 +176,9 @@ class Certification(msgspec.Struct, kw_only=True):
     #: speculative trips against single-token steps (None: a record from before it was
     #: measured)
     speculation: Speculation | None = None
+    #: a kept session's next turn against a fresh prefill (None: a record from before it was
+    #: measured)
+    prefix_cache: PrefixCache | None = None
 
 
 def store_path(path: str | os.PathLike | None = None) -> Path:

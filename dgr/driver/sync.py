@@ -204,6 +204,11 @@ class RouteSession:
     def complete(self, prompt: str | Sequence[int], **kw) -> Generation:
         return self.route._loop.run(self.inner.complete(prompt, **kw))
 
+    def reusable(self, prompt: Sequence[int]) -> int:
+        """Positions of this session a later ``prompt`` may keep (``generate``'s ``reuse``)
+        and still get a fresh prefill's bits; see ``AsyncRouteSession.reusable``."""
+        return self.inner.reusable(prompt)
+
     def prefill(self, tokens: Sequence[int], **kw) -> int | None:
         return self.route._loop.run(self.inner.prefill(tokens, **kw))
 

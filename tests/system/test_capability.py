@@ -403,9 +403,18 @@ def test_failover_certification_records_its_scenario(tiny_llama, tmp_path):
     sl, = [ln for ln in ls.stdout.splitlines() if ln.startswith("  speculation: ")]
     assert ("bit-identical to single steps" if sp.bit_identical
             else "NOT bit-identical") in sl, sl
+    # a chat's next turn on a kept session through the lane's workers: a fresh prefill's bits
+    pc = rec.prefix_cache
+    assert pc.bit_identical and pc.tokens_match and pc.max_abs_diff == 0.0, pc
+    assert 0 < pc.kept_positions < pc.prompt_tokens and pc.generated_tokens == 8
+    assert pc.logits_rows == 8 and len(pc.partial_rows_exact) == len(pc.decoded_rows_exact) == 4
+    pl, = [ln for ln in ls.stdout.splitlines() if ln.startswith("  prompt cache: ")]
+    assert (f"keeping {pc.kept_positions} of its {pc.prompt_tokens} prompt positions" in pl
+            and "bit-identical to a fresh prefill" in pl), pl
+    assert "prompt cache: a next turn keeping" in r.stderr
     # a record written before scenarios were kept still decodes, and is listed as such
     old = msgspec.json.decode((d / name).read_bytes())
-    del old["scenario"], old["batching"], old["speculation"]
+    del old["scenario"], old["batching"], old["speculation"], old["prefix_cache"]
     other = tmp_path / "old"
     other.mkdir()
     (other / name).write_bytes(msgspec.json.encode(old))
@@ -416,12 +425,13 @@ def test_failover_certification_records_its_scenario(tiny_llama, tmp_path):
     assert "  scenario: not recorded" in ls.stdout, ls.stdout
     assert "  batching: not measured" in ls.stdout, ls.stdout
     assert "  speculation: not measured" in ls.stdout, ls.stdout
+    assert "  prompt cache: not measured" in ls.stdout, ls.stdout
 
 
 def test_a_failover_whose_tokens_differ_is_not_written(tiny_llama, tmp_path, monkeypatch):
-    """The plain generation passes, the failover generation (the second generate) yields a
-    wrong first token: the lane fails, nothing is written, the record says why. Hop by hop,
-    each stage's hop cost (round trip minus compute) is recorded."""
+    """The plain generation passes, the failover generation (the last generate, on a route of
+    its own) yields a wrong first token: the lane fails, nothing is written, the record says
+    why. Hop by hop, each stage's hop cost (round trip minus compute) is recorded."""
     from dgr.driver.sync import RouteSession
 
     real = RouteSession.generate
@@ -430,14 +440,14 @@ def test_a_failover_whose_tokens_differ_is_not_written(tiny_llama, tmp_path, mon
     def generate(self, *a, **kw):
         calls.append(self)
         toks = real(self, *a, **kw)
-        if len(calls) == 1:
+        if self.route is calls[0].route:  # the parity generation and the prompt-cache turns
             return toks
         return (t + (i == 0) for i, t in enumerate(toks))
 
     monkeypatch.setattr(RouteSession, "generate", generate)
     rec, path = certify.certify(tiny_llama, [(0, 2), (2, 3), (3, 4)], settings=CERT_SETTINGS,
                                 max_tokens=6, store=tmp_path, failover=True, relay=False)
-    assert len(calls) == 2
+    assert len(calls) == 5 and calls[-1].route is not calls[0].route
     assert path is None and certify.load_store(tmp_path) == []
     assert rec.parity.passed and rec.parity.tokens_match
     fo = rec.scenario.failover

@@ -131,7 +131,11 @@ def test_deepseek4_batches_and_rolls_back_speculative_drafts_on_the_device(vk, f
     assert rec["parity"]["passed"] and rec["parity"]["logits_bit_identical"]
     sp, ba = rec["speculation"], rec["batching"]
     assert sp["trips"] > 0 and sp["rows"] > 0 and ba["rows"] > 0
-    print(f"deepseek4 on {vk['name']}: speculation {sp}, batching {ba}")
+    # a chat's next turn on a kept session (those caches cut back to the kept positions)
+    # gives a fresh prefill's bits
+    pc = rec["prefix_cache"]
+    assert pc["bit_identical"] and pc["tokens_match"] and pc["kept_positions"] > 0, pc
+    print(f"deepseek4 on {vk['name']}: speculation {sp}, batching {ba}, prompt cache {pc}")
 
 
 _WHOLE_LOGITS = textwrap.dedent("""
