@@ -2,7 +2,7 @@
 and ``llama-server`` (its slot cache) on the whole model, side by side in one run.
 
     python benches/prompt_cache.py [--turns 5] [--tokens 32] [--stages 3] [--rules 18]
-                                   [--ctx 1024] [--rtt MS] [--json out.json]
+                                   [--ctx 1024] [--rtt MS] [--agent] [--json out.json]
 
 Each server holds its own conversation: a system prompt of about 570 tokens, then per turn a
 short user message; the reply (greedy, ``--tokens`` at most) joins the history, and the next
@@ -17,6 +17,14 @@ docs/serve.md "Prompt cache"); llama-server reuses its slot's common prefix to t
 (``compare.EmulatedCluster``: every data-plane and gRPC link between the front and the stages
 and between stages delayed RTT/2 each way); the HTTP client sits next to every front, and
 llama-server (one process, no links) stays on loopback as the reference.
+
+``--agent``: an agent loop instead of a chat: every request carries three function tools
+(``tool_choice`` auto; each server's chat template renders them), and each turn's message is a
+short observation, as a tool-using loop sends many short turns over a fixed prefix.
+
+After each turn the dgr front with the cache reports what its kept sessions hold (``/status``
+``prompt_cache.bytes``: one KV cell per kept position on every stage), the memory an entry
+holds.
 """
 
 from __future__ import annotations
@@ -44,20 +52,45 @@ QUESTIONS = ["What bread do you recommend for breakfast?", "How much is item 3?"
              "Thank you. Summarise our talk in one line.", "And item 7?", "Goodbye."]
 
 
-def turn(port: int, name: str, messages: list, max_tokens: int) -> tuple[float, str, int]:
-    """One streamed chat request: (TTFT s, the reply, prompt tokens)."""
+OBSERVATIONS = ["The oven reads 180 degrees.", "Flour stock: 12 kg.", "Order 41 is ready.",
+                "The card reader is offline.", "Two loaves of rye are left.",
+                "A customer asks for gluten-free bread.", "The delivery van is late."]
+
+TOOLS = [{"type": "function", "function": {
+    "name": name, "description": doc,
+    "parameters": {"type": "object", "properties": props, "required": list(props)}}}
+    for name, doc, props in (
+        ("check_stock", "How much of an item is left.", {"item": {"type": "string"}}),
+        ("set_oven", "Set the oven's temperature.", {"degrees": {"type": "integer"}}),
+        ("notify", "Send a short message to the staff.", {"text": {"type": "string"}}))]
+
+
+def turn(port: int, name: str, messages: list, max_tokens: int,
+         extra: dict | None = None) -> tuple[float, str, int]:
+    """One streamed chat request: (TTFT s: the first content or tool-call delta, the reply's
+    text, prompt tokens)."""
     t0, first, text, usage = None, None, "", {}
-    for t, ev in stream_chat(port, name, messages, max_tokens):
+    for t, ev in stream_chat(port, name, messages, max_tokens, extra):
         if ev is None:
             t0 = t
             continue
         usage = ev.get("usage") or usage
         for ch in ev.get("choices") or []:
-            piece = (ch.get("delta") or {}).get("content")
-            if piece:
+            delta = ch.get("delta") or {}
+            if delta.get("content") or delta.get("tool_calls"):
                 first = first or t
-                text += piece
+            text += delta.get("content") or ""
+            for call in delta.get("tool_calls") or []:
+                text += (call.get("function") or {}).get("arguments") or ""
     return (first or time.perf_counter()) - t0, text, usage.get("prompt_tokens", 0)
+
+
+def _held(port: int) -> dict:
+    """The dgr front's prompt cache now (``/status``)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=60) as r:
+        return json.load(r)["prompt_cache"]
 
 
 def main(argv=None) -> int:
@@ -73,6 +106,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rtt", type=float, default=0.0, metavar="MS",
                     help="round-trip time of every link between a dgr front and its stages, "
                          "and between stages (the link emulator); 0: loopback (default)")
+    ap.add_argument("--agent", action="store_true",
+                    help="an agent loop: three function tools in every request, short "
+                         "observations as turns (module docstring)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     from dgr.artifacts import models
@@ -118,17 +154,22 @@ def main(argv=None) -> int:
             _wait_healthy(ports[k], p, k)
         history = {k: [{"role": "system", "content": system_prompt(args.rules)}]
                    for k in cmds}
+        extra = {"tools": TOOLS, "tool_choice": "auto"} if args.agent else None
+        said = OBSERVATIONS if args.agent else QUESTIONS
         for t in range(args.turns):
             row = {"turn": t + 1}
             for k in cmds:
-                history[k].append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)]})
-                ttft, reply, n = turn(ports[k], name, history[k], args.tokens)
+                history[k].append({"role": "user", "content": said[t % len(said)]})
+                ttft, reply, n = turn(ports[k], name, history[k], args.tokens, extra)
                 history[k].append({"role": "assistant", "content": reply})
                 row[k] = {"ttft_ms": 1e3 * ttft, "prompt_tokens": n}
+            pc = _held(ports["dgr cache"])
+            row["cache_held"] = {"kept": pc["kept"], "bytes": pc["bytes"]}
             rows.append(row)
             print(f"turn {t + 1}: " + "  ".join(
                 f"{k} {row[k]['ttft_ms']:7.0f} ms ({row[k]['prompt_tokens']} tokens)"
-                for k in cmds), flush=True)
+                for k in cmds) + f"  cache holds {pc['kept']} session(s), "
+                f"{pc['bytes'] / 2**20:.1f} MiB", flush=True)
     finally:
         for p in procs.values():
             p.send_signal(2)
@@ -140,15 +181,17 @@ def main(argv=None) -> int:
         for c in clusters:
             c.stop()
     print("\n| turn | prompt tokens | dgr cache ms | dgr no cache ms | llama-server ms | "
-          "cache / no cache | cache / llama-server |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+          "cache / no cache | cache / llama-server | cache holds MiB |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         a, b, c = (r[k]["ttft_ms"] for k in cmds)
         print(f"| {r['turn']} | {r['dgr cache']['prompt_tokens']} | {a:.0f} | {b:.0f} | "
-              f"{c:.0f} | {a / b:.2f} | {a / c:.2f} |")
+              f"{c:.0f} | {a / b:.2f} | {a / c:.2f} | "
+              f"{r['cache_held']['bytes'] / 2**20:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": model, "rtt_ms": args.rtt, "commands": cmds,
+            json.dump({"model": model, "rtt_ms": args.rtt, "agent": args.agent,
+                       "commands": cmds,
                        "workers": [w for c in clusters for w in _worker_lines(c)],
                        "rows": rows}, f, indent=1)
     return 0

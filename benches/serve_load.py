@@ -90,12 +90,14 @@ def _wait_healthy(port: int, proc: subprocess.Popen, what: str, timeout: float =
         time.sleep(0.25)
 
 
-def stream_chat(port: int, model: str, messages: list, max_tokens: int):
-    """A streamed greedy chat completion: yields ``(time received, event)`` for each
-    server-sent event, the first with ``event`` None at the time the request was sent."""
+def stream_chat(port: int, model: str, messages: list, max_tokens: int,
+                extra: dict | None = None):
+    """A streamed greedy chat completion (``extra``: more request fields, tools say):
+    yields ``(time received, event)`` for each server-sent event, the first with ``event``
+    None at the time the request was sent."""
     body = json.dumps({"model": model, "stream": True, "max_tokens": max_tokens,
                        "temperature": 0, "stream_options": {"include_usage": True},
-                       "messages": messages})
+                       "messages": messages, **(extra or {})})
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     yield time.perf_counter(), None
     c.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})

@@ -108,3 +108,6 @@ class _PrefixCollector:
         yield GaugeMetricFamily("dgr_serve_prompt_cache_sessions",
                                 "Sessions the prompt cache keeps now (each holds a slot)",
                                 value=len(p))
+        yield GaugeMetricFamily("dgr_serve_prompt_cache_bytes",
+                                "KV cache the kept sessions' positions fill, over every stage",
+                                value=p.bytes_held())

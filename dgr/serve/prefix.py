@@ -15,7 +15,8 @@ output with an uncached front's; tests/integration/test_prefix_rows.py a next tu
 A kept session holds one of the route's slots: a request that finds no free slot closes the
 least recently used kept session first, and a kept session idle ``ttl`` seconds is closed
 (so a draining worker is not held). One tenant never reuses another's prefix: entries are
-per API key.
+per API key. What the kept sessions hold is counted (``bytes_held``): each position a kept
+session computed fills one KV cell on every stage.
 """
 
 from __future__ import annotations
@@ -25,7 +26,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PrefixPool"]
+__all__ = ["PrefixPool", "session_bytes"]
+
+
+def session_bytes(session) -> int:
+    """The KV cache a session's computed positions fill over its route's stages: on each
+    stage, ``kv_bytes / (n_ctx * n_slots)`` (its whole KV cache over its cells) per position
+    (the positions its steps forwarded; the last sampled token was never forwarded)."""
+    positions = max((first + count for first, count in session.steps), default=0)
+    per = 0.0
+    for st in session.route.stages:
+        cells = int(st.settings.get("n_ctx", 0)) * int(st.settings.get("n_slots", 0))
+        if cells > 0:
+            per += int(st.kv_bytes) / cells
+    return int(round(positions * per))
 
 
 @dataclass
@@ -107,7 +121,12 @@ class PrefixPool:
         self._kept.clear()
         return out
 
+    def bytes_held(self) -> int:
+        """The KV cache the kept sessions' positions fill, over every stage."""
+        return sum(session_bytes(k.session) for k in self._kept.values())
+
     def snapshot(self) -> dict:
         return {"size": self.size, "kept": len(self._kept), "hits": self.hits,
                 "misses": self.misses, "evictions": self.evictions,
-                "tokens_reused": self.tokens_reused, "rows_reused": self.rows_reused}
+                "tokens_reused": self.tokens_reused, "rows_reused": self.rows_reused,
+                "bytes": self.bytes_held()}

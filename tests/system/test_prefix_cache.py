@@ -85,6 +85,9 @@ def test_500_requests_with_shared_prefixes_equal_their_uncached_runs(fronts):
     with urllib.request.urlopen(served.base + "/metrics") as r:
         text = r.read().decode()
     assert f"dgr_serve_prompt_cache_hits_total {float(pc['hits'])}" in text
+    # what the kept sessions hold: one KV cell per position on every stage
+    assert (pc["bytes"] > 0) == (pc["kept"] > 0), pc
+    assert "dgr_serve_prompt_cache_bytes " in text
 
 
 KEYS = ["sk-dgr-tenant-a-0123", "sk-dgr-tenant-b-4567"]

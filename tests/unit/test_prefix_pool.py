@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dgr.serve.prefix import PrefixPool
+from dgr.serve.prefix import PrefixPool, session_bytes
 
 
 def _session(history, steps, ub=4, chunks=None, rows_exact=(False,), single=None, **route):
@@ -116,3 +116,21 @@ def test_tenants_eviction_and_age():
     assert off.put(None, a) == [a] and off.take(None, [1]) is None and off.misses == 0
     with pytest.raises(ValueError):
         PrefixPool(-1)
+
+
+def test_what_the_kept_sessions_hold():
+    """Each position a kept session forwarded fills one KV cell on every stage: the stage's
+    KV cache over its ``n_ctx * n_slots`` cells, summed over the stages."""
+    s = _session(range(11), [(0, 4), (4, 4), (8, 2), (10, 1)], rows_exact=(False, False))
+    t = _session(range(5), [(0, 4)], rows_exact=(False, False))  # token 4 never forwarded
+    for x in (s, t):
+        for st, kv in zip(x.route.stages, (32 * 1024, 32 * 512)):
+            st.settings, st.kv_bytes = {"n_ctx": 16, "n_slots": 2}, kv
+    assert session_bytes(s) == 11 * (1024 + 512) and session_bytes(t) == 4 * 1536
+    p = PrefixPool(2)
+    assert p.bytes_held() == 0 and p.snapshot()["bytes"] == 0
+    p.put(None, s)
+    p.put("k", t)
+    assert p.bytes_held() == p.snapshot()["bytes"] == 15 * 1536
+    p.take(None, list(range(11)))
+    assert p.bytes_held() == 4 * 1536
