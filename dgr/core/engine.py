@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import re
 from typing import Any, Sequence
 
 import numpy as np
 
 from dgr import errors
 from dgr._core import Engine as _CoreEngine
+from dgr._core import arch_supports_layer_range
 from dgr.artifacts.identity import model_identity
 from dgr.core.refusals import refusal_reason
 from dgr.protocol.settings import NUMERIC_SETTINGS, compute_kind, is_software_device
@@ -30,6 +30,16 @@ def _load_path(model, layers, a: int, b: int):
         return precheck(model, None if layers is None else (a, b))["load_path"]
     except (errors.ModelNotFound, errors.InvalidModel, OSError):
         return model
+
+
+def _architecture(path: str) -> str:
+    """The GGUF's ``general.architecture``, read from its header ("" where unreadable)."""
+    from dgr.artifacts.gguf import read_header
+
+    try:
+        return str(read_header(path, decode_arrays=False).kv.get("general.architecture", ""))
+    except Exception:  # noqa: BLE001 - the engine's own error then stands as it is
+        return ""
 
 
 class Engine(_CoreEngine):
@@ -125,15 +135,16 @@ class Engine(_CoreEngine):
         for name in ("n_ctx", "n_slots", "n_threads", "n_ubatch"):
             if name in kw and (not isinstance(kw[name], (int, np.integer)) or kw[name] < 1):
                 raise errors.InvalidArgument(f"{name} must be a positive integer, got {kw[name]!r}")
+        path = os.fspath(_load_path(model, layers, a, b))
         try:
-            return super().__new__(cls, os.fspath(_load_path(model, layers, a, b)), a, b, **kw)
+            return super().__new__(cls, path, a, b, **kw)
         except errors.UnsupportedArchitecture as e:
-            m = re.search(r"architecture '([^']+)'", str(e))
-            if m is None:
-                raise
-            # the engine names the architecture; say what stands in the way of a split
+            arch = _architecture(path)
+            if not arch or arch_supports_layer_range(arch):
+                raise  # not this architecture's refusal (a build without layer ranges)
+            # say what stands in the way of a split
             raise errors.UnsupportedArchitecture(
-                f"{e}; {m.group(1)} is refused because {refusal_reason(m.group(1))} "
+                f"{e}; {arch} is refused because {refusal_reason(arch)} "
                 "(docs/architectures.md)") from None
 
     def compute_facts(self) -> dict[str, Any]:
