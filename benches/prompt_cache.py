@@ -9,9 +9,10 @@ short user message; the reply (greedy, ``--tokens`` at most) joins the history, 
 turn sends it all again, as chat clients and agent loops do. Settings as
 ``benches/serve_load.py`` (one thread per process, ``n_ubatch`` 64, flash attention, 1024
 context tokens per slot (``--ctx``), 2 slots). ``--rules`` sizes the system prompt (about
-32 tokens a rule), to grow a history to 2k tokens say. dgr reuses the common prefix to the row where every stage
-measured that a partial chunk gives a fresh prefill's bits, else to the whole chunk (exact:
-docs/serve.md "Prompt cache"); llama-server reuses its slot's common prefix to the token.
+32 tokens a rule), to grow a history to 2k tokens say. dgr reuses the common prefix to the
+row where every stage measured that a partial chunk gives a fresh prefill's bits, else to the
+whole chunk (exact: docs/serve.md "Prompt cache"); llama-server reuses its slot's common
+prefix to the token.
 
 ``--rtt MS``: each dgr front gets its own stages behind the project's link emulator
 (``compare.EmulatedCluster``: every data-plane and gRPC link between the front and the stages

@@ -488,10 +488,10 @@ class _Front:
         # one parser per choice, made before a slot is taken
         replies = None if rendered is None else [Reply(rendered, stream=params.stream)
                                                  for _ in range(params.n)]
-        # a grammar's state on the last stage is the session's (by epoch): not reused; n
-        # choices fork one prefill instead
-        taken = None if params.sampling.grammar or slots > 1 else self.pool.take(
-            key, prompts[0][0])
+        # n choices fork one prefill instead. A grammar's state on the last stage starts
+        # again with each request's reply (dgr.worker.grammar), so a constrained request (a
+        # schema, tools) reuses a kept session as any other does
+        taken = None if slots > 1 else self.pool.take(key, prompts[0][0])
         if taken is None:
             got = 0
             try:

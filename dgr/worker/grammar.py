@@ -51,7 +51,10 @@ class Grammars:
         key = (h.epoch, gid, s.grammar_from)
         with self._lock:
             got = self._states.get(h.session)
-            if got is not None and got[0] == key:
+            # a step from before the grammar's start is a prompt's (a new request on a kept
+            # session, the prompt cache's): its reply starts a state of its own, never rolled
+            # back from an earlier reply's
+            if got is not None and got[0] == key and h.first_pos >= s.grammar_from:
                 return got[1]
             text = s.grammar or self._texts.get(gid)
         if not text:

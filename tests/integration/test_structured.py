@@ -109,3 +109,32 @@ def test_constrained_sessions_batched_make_their_own_tokens(stages, whole):
         jsonschema.validate(json.loads(g.text), schema)
         ref, _ = generate_local(whole, i, max_tokens=60, sampling=sp)
         assert g.tokens == ref
+
+
+def test_a_kept_session_serves_constrained_requests_again(stages, whole):
+    """A session kept after a constrained reply (the front's prompt cache) serves the next
+    constrained prompt with what it may keep (``generate``'s ``reuse``) and gives the whole
+    model's tokens under the grammar: the last stage's grammar state starts again where the
+    new reply starts, also where the last one started (the same prompt again: the same
+    epoch, grammar and start)."""
+    sp = SamplingParams(grammar=compile_grammar("json_schema", SCHEMA))
+    with Route([w.address for w in stages]) as r:
+        # over one whole chunk (n_ubatch 32): the next turn keeps it
+        ids = _prompt(r, "Describe a person called Ann, who is 30 years old and has a cat "
+                         "called Tom and a fish, as a JSON object with her details.")
+        s = r.session()
+        try:
+            first = list(s.generate(ids, max_tokens=80, sampling=sp))
+            keep = s.reusable(ids)
+            again = list(s.generate(ids, max_tokens=80, sampling=sp, reuse=keep))
+            nxt = list(s.history) + _prompt(r, "Now Bob, 40, with a dog.")
+            keep2 = s.reusable(nxt)
+            third = list(s.generate(nxt, max_tokens=80, sampling=sp, reuse=keep2))
+        finally:
+            s.close()
+        text = r.detokenize([t for t in third if t not in r.eog_tokens])
+    ref, _ = generate_local(whole, ids, max_tokens=80, sampling=sp)
+    assert keep > 0 and first == ref and again == ref
+    ref3, _ = generate_local(whole, nxt, max_tokens=80, sampling=sp)
+    assert len(ids) > 32 and keep2 >= 32 and third == ref3
+    jsonschema.validate(json.loads(text), SCHEMA)

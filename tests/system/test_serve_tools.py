@@ -188,3 +188,44 @@ def test_a_thinking_templates_reasoning_comes_apart_streamed_and_not(thinking):
     im = inline.choices[0].message
     assert not (im.model_extra or {}).get("reasoning_content")
     assert reasoning.strip() in im.content
+
+
+def test_an_agent_loops_turns_reuse_the_prompt_cache_under_the_tools_grammar(stages, smollm2,
+                                                                            smol):
+    """SmolLM2's template knows no tools: llama.cpp's generic format constrains every reply
+    with a grammar, ``tool_choice`` auto included. An agent loop's turns (tools in every
+    request, the history growing) through a front with the prompt cache take over the kept
+    session (hits, tokens not prefilled again) and give the replies of the front without it."""
+    import json as _json
+    import urllib.request
+
+    from dgr.serve.app import create_app
+    from dgr.serve.templates import ChatTemplate
+
+    served = Served(create_app(AsyncRoute([w.address for w in stages]), model=NAME,
+                               template=ChatTemplate.from_gguf(smollm2), prompt_cache=1,
+                               prompt_cache_ttl=600))
+    cached = openai.OpenAI(base_url=served.base + "/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+
+    def said(r):
+        c = r.choices[0]
+        return (c.finish_reason, c.message.content, r.usage.completion_tokens,
+                [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []])
+
+    try:
+        history = list(ASK)
+        kw = dict(model=NAME, tools=[WEATHER, TIME], tool_choice="auto", temperature=0,
+                  max_tokens=40)
+        for obs in ("The weather service is slow today.", "Paris: 18 degrees, sunny.",
+                    "Thank you."):
+            a = cached.chat.completions.create(messages=history, **kw)
+            b = smol.chat.completions.create(messages=history, **kw)
+            assert said(a) == said(b)
+            history += [{"role": "assistant", "content": a.choices[0].message.content or ""},
+                        {"role": "user", "content": obs}]
+        with urllib.request.urlopen(served.base + "/status") as r:
+            pc = _json.load(r)["prompt_cache"]
+        assert pc["hits"] >= 2 and pc["tokens_reused"] > 64, pc
+    finally:
+        served.stop()
