@@ -381,6 +381,55 @@ def _delta(d: dict) -> dict:
     return out
 
 
+#: the generic format's reply that is content: its string starts after this
+_RESPONSE = re.compile(r'\s*\{\s*"response"\s*:\s*"')
+
+_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r",
+            "t": "\t"}
+
+
+def _string_prefix(text: str) -> str:
+    """What a JSON string's body ``text`` (after its opening quote) says so far: up to its
+    closing quote, or its end less an escape not yet whole (a high surrogate waits for its
+    pair)."""
+    out, i, n = [], 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == '"':
+            break
+        if c != "\\":
+            out.append(c)
+            i += 1
+            continue
+        if i + 1 >= n:
+            break
+        e = text[i + 1]
+        if e != "u":
+            out.append(_ESCAPES.get(e, e))
+            i += 2
+            continue
+        if i + 6 > n:
+            break
+        try:
+            u = int(text[i + 2:i + 6], 16)
+        except ValueError:
+            break
+        if 0xD800 <= u < 0xDC00:  # a high surrogate: its low half follows
+            if i + 12 > n:
+                break
+            try:
+                lo = int(text[i + 8:i + 12], 16) if text[i + 6:i + 8] == "\\u" else -1
+            except ValueError:
+                lo = -1
+            if 0xDC00 <= lo < 0xE000:
+                out.append(chr(0x10000 + ((u - 0xD800) << 10) + (lo - 0xDC00)))
+                i += 12
+                continue
+        out.append(chr(u))
+        i += 6
+    return "".join(out)
+
+
 class Reply:
     """One reply's text parsed as it grows: content, reasoning and tool calls."""
 
@@ -401,20 +450,29 @@ class Reply:
         p["reasoning_in_content"] = stream and p["reasoning_format"] == "deepseek-legacy"
         self._p = ChatParser(p)
 
+    def _content(self, content: str) -> list[dict]:
+        """The message's content set to ``content``, which extends what was sent: the delta."""
+        done = self.message["content"]
+        self.message = {**self.message, "content": content}
+        return [{"content": content[len(done):]}] if len(content) > len(done) else []
+
     def _feed_generic(self, final: bool) -> list[dict]:
-        """The generic format: plain content, or (with tools) one JSON reply parsed once
-        whole; text that is not such JSON comes back as content."""
+        """The generic format: plain content, or (with tools) one JSON reply: a
+        ``{"response": "..."}`` streams its string as it is written (as llama.cpp heals a
+        partial reply), calls come whole; text that is not such JSON comes back as
+        content."""
         if not self._generic:  # tools given but tool_choice none: the text is the content
-            done = self.message["content"]
-            self.message = {**self.message, "content": self._text}
-            return [{"content": self._text[len(done):]}] if len(self._text) > len(done) \
-                else []
+            return self._content(self._text)
+        head = _RESPONSE.match(self._text)
         if not final:
-            return []
+            return self._content(_string_prefix(self._text[head.end():])) if head else []
         try:
             body = json.loads(self._text)
         except json.JSONDecodeError:
             body = None
+        if head and not (isinstance(body, dict) and isinstance(body.get("response"), str)):
+            # cut short (max_tokens): the string written so far
+            return self._content(_string_prefix(self._text[head.end():]))
         calls = body.get("tool_calls") if isinstance(body, dict) else None
         if isinstance(body, dict) and isinstance(body.get("tool_call"), dict):
             calls = [body["tool_call"]]
@@ -429,8 +487,7 @@ class Reply:
                     for i, c in enumerate(tc)]
         content = body["response"] if isinstance(body, dict) and \
             isinstance(body.get("response"), str) else self._text
-        self.message = {**self.message, "content": content}
-        return [{"content": content}] if content else []
+        return self._content(content)
 
     def feed(self, text: str, *, final: bool = False) -> list[dict]:
         """Append ``text`` (``final``: the reply is whole) and return the OpenAI deltas of

@@ -252,6 +252,37 @@ def test_the_generic_formats_history_and_a_schema_it_cannot_follow():
     assert e.value.status == 400 and e.value.param == "tools"
 
 
+def test_the_generic_formats_response_streams_as_it_is_written():
+    """The generic format's ``{"response": "..."}`` streams its string as the model writes it
+    (llama.cpp heals the partial JSON the same way), an escape only once whole; the deltas
+    add up to the whole reply's content; a reply cut by max_tokens keeps the string written
+    so far; calls still come whole, and text that is no such JSON is content."""
+    native = NativeChat(ChatTemplate(source=CHATML, name="chatml"))
+    ask = ToolAsk(tools=(SPECIAL,), choice="auto")
+    body = '{"response": "Hi \\"you\\",\\n caf\\u00e9 \\ud83d\\ude00 \\\\ done"}'
+    want = json.loads(body)["response"]
+    for step in (1, 2, 5):
+        r = Reply(native.render(USER, ask), stream=True)
+        deltas, at = [], []
+        for i in range(0, len(body), step):
+            got = r.feed(body[i:i + step])
+            deltas += got
+            at += [i] * len(got)
+        deltas += r.feed("", final=True)
+        assert "".join(d.get("content", "") for d in deltas) == want, step
+        assert at and at[0] < 20 and r.openai_message()["content"] == want
+    cut = Reply(native.render(USER, ask), stream=True)
+    parts = cut.feed('{"response": "Hello wor') + cut.feed('ld\\', final=True)
+    assert "".join(d["content"] for d in parts) == "Hello world"
+    assert cut.openai_message()["content"] == "Hello world"
+    call = '{"tool_calls": [{"name": "special_function", "arguments": {"arg1": 1}}]}'
+    r = Reply(native.render(USER, ask), stream=True)
+    assert [r.feed(c) for c in call] == [[]] * len(call)
+    (d,) = r.feed("", final=True)
+    assert d["tool_calls"][0]["function"]["name"] == "special_function"
+    assert _parse(native, "plain words", ask)["content"] == "plain words"
+
+
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
