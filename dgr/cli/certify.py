@@ -34,10 +34,10 @@ import numpy as np
 from dgr.control.certificates import (
     Batching,
     Certification,
-    PrefixCache,
     Failover,
     Lane,
     Parity,
+    PrefixCache,
     Scenario,
     Speculation,
     StageCost,
