@@ -7,12 +7,12 @@ every missing, truncated or different file, header or tensor named; the worker's
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from dgr.artifacts import gguf as gguf_io
 from dgr.artifacts.journal import Journal, default_journal_path, stat_sig
@@ -31,9 +31,10 @@ from dgr.errors import (
 
 __all__ = ["Problem", "VerifyReport", "verify", "raise_for", "verify_for_worker", "precheck"]
 
-# fault injection for tests: SIGKILL this process right after the journal records the N-th
-# verified chunk (or tensor)
-_KILL_ENV = "DGR_ARTIFACTS_KILL_AFTER"
+#: called with the journal each time it records a verified chunk (or tensor); None: nothing.
+#: A seam for fault injection: ``python -m dgr.testing.kill_after`` stops the process there,
+#: as a crash would, to test that a rerun resumes
+on_unit_done: Callable[[Journal], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -109,21 +110,6 @@ class _Reader:
         with self.lock:
             self.bytes += n
         return h.hexdigest()
-
-
-class _Killer:
-    """Counts completed units; SIGKILLs the process at the configured count (tests)."""
-
-    def __init__(self):
-        v = os.environ.get(_KILL_ENV, "")
-        self.after = int(v) if v.strip().isdigit() else None
-        self.done = 0
-
-    def unit_done(self, journal: Journal) -> None:
-        self.done += 1
-        if self.after is not None and self.done >= self.after:
-            journal.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def verify(manifest: "str | os.PathLike | Manifest", *, dir: str | os.PathLike | None = None,
@@ -233,7 +219,6 @@ def _verify_files(m: Manifest, base: Path, layers, jr: Journal, rep: VerifyRepor
     cs = m.chunk_size
     plan = _planned_chunks(m, layers)
     reader = _Reader()
-    killer = _Killer()
 
     def chunk_len(f: dict, k: int) -> int:
         return min(cs, f["size"] - k * cs)
@@ -316,7 +301,8 @@ def _verify_files(m: Manifest, base: Path, layers, jr: Journal, rep: VerifyRepor
                     if pending >= flush_bytes:
                         jr.flush()
                         pending = 0
-                    killer.unit_done(jr)
+                    if on_unit_done is not None:
+                        on_unit_done(jr)
                 else:
                     bad.setdefault(f["name"], []).append(k)
         finally:
@@ -430,7 +416,7 @@ def _verify_slice(m: Manifest, path: Path, head: gguf_io.GGUFHeader, layers,
     entry = jr.entry(path, sig)
     todo = [(t, ref) for t, ref in check if t.name not in entry["tensors"]]
     rep.bytes_journal = rep.bytes_planned - sum(t.nbytes for t, _ in todo)
-    reader, killer = _Reader(), _Killer()
+    reader = _Reader()
     alg = m.data["hashes"]["tensor"]
     bar = Progress(sum(t.nbytes for t, _ in todo), "verify", progress)
     pending = 0
@@ -449,7 +435,8 @@ def _verify_slice(m: Manifest, path: Path, head: gguf_io.GGUFHeader, layers,
             if pending >= flush_bytes:
                 jr.flush()
                 pending = 0
-            killer.unit_done(jr)
+            if on_unit_done is not None:
+                on_unit_done(jr)
     finally:
         os.close(fd)
         bar.close()

@@ -22,7 +22,7 @@ from dgr.artifacts import identity
 from dgr.artifacts import journal as artifact_journal
 from dgr.artifacts.manifest import Manifest, build_manifest, write_manifest
 from dgr.artifacts.slice import slice_model
-from dgr.artifacts.verify import _KILL_ENV, precheck, verify, verify_for_worker
+from dgr.artifacts.verify import precheck, verify, verify_for_worker
 from dgr.core.local import generate_local
 from dgr.protocol.ranges import split_layers
 
@@ -221,10 +221,10 @@ def test_smollm2_manifest_verify_resume(smollm2, tmp_path):
     assert r.ok and r.bytes_read < 0.45 * size
     # killed after 12 of 24 chunks, the rerun hashes the other 12
     j = tmp_path / "j.json"
-    env = {**os.environ, "DGR_CACHE": str(tmp_path / "cache"), _KILL_ENV: "12"}
-    proc = subprocess.run([sys.executable, "-m", "dgr.artifacts", "verify", str(mpath), "--dir",
-                           str(smollm2.parent), "--journal", str(j), "--threads", "1",
-                           "--quiet"], env=env, capture_output=True)
+    env = {**os.environ, "DGR_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "dgr.testing.kill_after", "12", "verify",
+                           str(mpath), "--dir", str(smollm2.parent), "--journal", str(j),
+                           "--threads", "1", "--quiet"], env=env, capture_output=True)
     assert proc.returncode == -signal.SIGKILL
     r = verify(mpath, dir=smollm2.parent, journal=j, threads=1)
     assert r.ok and r.bytes_journal == 12 * cs and r.bytes_read == size - 12 * cs

@@ -31,7 +31,7 @@ from dgr.artifacts.manifest import (
 )
 from dgr.artifacts.slice import slice_model
 from dgr.artifacts.storage import COUNTERS
-from dgr.artifacts.verify import _KILL_ENV, precheck, verify, verify_for_worker
+from dgr.artifacts.verify import precheck, verify, verify_for_worker
 from dgr.testing.fixtures import TinyLlama, write_tiny_llama
 from dgr.testing.waits import read_until
 
@@ -445,16 +445,21 @@ def test_corrupt_journal_is_ignored(tiny, tiny_manifest, tmp_path):
     assert json.loads(j.read_text())["schema"] == JOURNAL_SCHEMA
 
 
-def _verify_cmd(manifest, journal, *extra):
-    return [sys.executable, "-m", "dgr.artifacts", "verify", str(manifest), "--journal",
-            str(journal), "--threads", "1", "--quiet", *extra]
+def _verify_cmd(manifest, journal, *extra, kill_after: int | None = None):
+    """A child verifier; ``kill_after``: one that SIGKILLs itself right after its journal
+    records that many chunks (or tensors), through ``dgr.testing.kill_after``."""
+    head = ([sys.executable, "-m", "dgr.artifacts"] if kill_after is None else
+            [sys.executable, "-m", "dgr.testing.kill_after", str(kill_after)])
+    return head + ["verify", str(manifest), "--journal", str(journal), "--threads", "1",
+                   "--quiet", *extra]
 
 
 def test_killed_verification_resumes_with_what_is_left(tiny, tiny_manifest, tmp_path):
     j = tmp_path / "j.json"
-    env = _env(DGR_CACHE=str(tmp_path / "cache"), **{_KILL_ENV: "7"})
+    env = _env(DGR_CACHE=str(tmp_path / "cache"))
     # the child SIGKILLs itself right after chunk 7 is journaled
-    proc = subprocess.run(_verify_cmd(tiny_manifest, j), env=env, capture_output=True)
+    proc = subprocess.run(_verify_cmd(tiny_manifest, j, kill_after=7), env=env,
+                          capture_output=True)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
     entry = next(iter(json.loads(j.read_text())["files"].values()))
     assert entry["chunks"] == "0-6"
@@ -464,6 +469,11 @@ def test_killed_verification_resumes_with_what_is_left(tiny, tiny_manifest, tmp_
     assert r.ok
     assert r.bytes_journal == 7 * CS
     assert r.bytes_read == size - 7 * CS == COUNTERS["bytes_read"] - before
+    # the fault injector wants a count of units first
+    from dgr.testing.kill_after import main as kill_after
+
+    assert kill_after([]) == 2 and kill_after(["seven", "verify"]) == 2
+    assert kill_after(["0", "verify"]) == 2
 
 
 # A verifier (``python -m dgr.artifacts verify ...``) that stops in the hashing of the chunk
@@ -738,8 +748,8 @@ def test_verify_a_slice(tiny, tiny_manifest, tmp_path):
 def test_killed_slice_verification_resumes_per_tensor(tiny, tiny_manifest, tmp_path):
     s = slice_model(tiny, (0, 2), tmp_path / "s.gguf")["path"]
     j = tmp_path / "j.json"
-    env = _env(DGR_CACHE=str(tmp_path / "cache"), **{_KILL_ENV: "4"})
-    proc = subprocess.run(_verify_cmd(tiny_manifest, j, "--model", s), env=env,
+    env = _env(DGR_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.run(_verify_cmd(tiny_manifest, j, "--model", s, kill_after=4), env=env,
                           capture_output=True)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
     r = verify(tiny_manifest, model=s, journal=j)
