@@ -127,6 +127,16 @@ class Patch:
 EXTRA_TOOLS = ("llama-batched-bench",)
 
 
+def _lost_programs(cache: Path) -> bool:
+    """Whether a CMakeCache.txt names a make program or cmake that no longer exists."""
+    text = cache.read_text(errors="replace")
+    for var in ("CMAKE_MAKE_PROGRAM", "CMAKE_COMMAND"):
+        m = re.search(rf"^{var}:\w+=(.*)$", text, re.M)
+        if m and m.group(1).strip() and not Path(m.group(1).strip()).exists():
+            return True
+    return False
+
+
 class Vendor:
     """One manifest's workspace: paths, key, and the fetch/patch/build steps.
 
@@ -465,6 +475,7 @@ class Vendor:
                                   cache.read_text(errors="replace"), re.M) is not None
             if was_ninja != bool(ninja):
                 shutil.rmtree(self.build_dir)  # the generator changed: start the build dir over
+        self._drop_stale_subbuilds()
         cmd = [cmake, "-S", str(self.src), "-B", str(self.build_dir), *gen,
                *self.cmake_options, *self.extra_cmake_args]
         _say("configuring: " + " ".join(shlex.quote(c) for c in cmd[1:]))
@@ -527,12 +538,22 @@ class Vendor:
             return False
         if not any((self.build_dir / f).exists() for f in ("build.ninja", "Makefile")):
             return False  # an interrupted configure: no build file was generated
-        text = cache.read_text(errors="replace")
-        for var in ("CMAKE_MAKE_PROGRAM", "CMAKE_COMMAND"):
-            m = re.search(rf"^{var}:\w+=(.*)$", text, re.M)
-            if m and m.group(1).strip() and not Path(m.group(1).strip()).exists():
-                return False
-        return True
+        return not _lost_programs(cache) and not self._stale_subbuilds()
+
+    def _stale_subbuilds(self) -> list[Path]:
+        """The build folders of external projects inside the build (the Vulkan backend's
+        ``vulkan-shaders-gen``, configured by cmake at build time with a cache of its own)
+        whose cache names a cmake or ninja that is gone, as ``pip install``'s leaves them."""
+        return [c.parent for c in self.build_dir.glob("**/*-build/CMakeCache.txt")
+                if _lost_programs(c)]
+
+    def _drop_stale_subbuilds(self) -> None:
+        """Remove each stale external project's build folder and its stamps, so the next build
+        configures and builds it again with the programs on PATH (a few seconds)."""
+        for b in self._stale_subbuilds():
+            _say(f"{b.name}: configured with programs that are gone, building it again")
+            shutil.rmtree(b, ignore_errors=True)
+            shutil.rmtree(b.with_name(b.name[:-len("-build")] + "-stamp"), ignore_errors=True)
 
     def _run(self, cmd: list[str], what: str) -> None:
         """Run a build step, echoing ninja/make progress lines; keep the tail for errors."""

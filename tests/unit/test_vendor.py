@@ -348,3 +348,42 @@ def test_a_cuda_build_links_the_libraries_its_cmake_cache_found(fake, tmp_path):
     args = v.link_args()
     assert f"{lib}/libcublas.so" in args and f"{lib}/stubs/libcuda.so" in args
     assert f"-Wl,-rpath,{lib}" in args and f"-Wl,-rpath,{lib}/stubs" not in args
+
+
+def test_an_external_projects_build_left_by_pip_is_configured_again(fake, monkeypatch, tmp_path):
+    """pip install configures in a build environment whose cmake and ninja vanish; the Vulkan
+    backend's vulkan-shaders-gen is an external project with a cache of its own, naming them.
+    A later build (say of --tools) must not run that project's configure with the lost ninja
+    (it failed: "ninja --version ... no such file or directory"): the stale project's build
+    folder and stamps are dropped, so it is configured and built again."""
+    root, cache = fake
+    v = Vendor(root, cache, backend="vulkan")
+    here = tmp_path / "programs"
+    here.mkdir()
+    for p in ("cmake", "ninja"):
+        (here / p).write_text("")
+
+    def cache_text(programs):
+        return (f"CMAKE_GENERATOR:INTERNAL=Ninja\nCMAKE_MAKE_PROGRAM:FILEPATH={programs}/ninja\n"
+                f"CMAKE_COMMAND:INTERNAL={programs}/cmake\n")
+
+    v.build_dir.mkdir(parents=True)
+    (v.build_dir / "CMakeCache.txt").write_text(cache_text(here))
+    (v.build_dir / "build.ninja").write_text("")
+    prefix = v.build_dir / "ggml/src/ggml-vulkan/vulkan-shaders-gen-prefix/src"
+    sub, stamp = prefix / "vulkan-shaders-gen-build", prefix / "vulkan-shaders-gen-stamp"
+    sub.mkdir(parents=True)
+    stamp.mkdir()
+    (sub / "CMakeCache.txt").write_text(cache_text(here))
+    assert v._configured()
+    (sub / "CMakeCache.txt").write_text(cache_text(tmp_path / "pip-build-env-gone"))
+    assert not v._configured()
+
+    ran = []
+    monkeypatch.setattr(Vendor, "_cmake", lambda self: str(here / "cmake"))
+    monkeypatch.setattr(Vendor, "_run", lambda self, cmd, what: ran.append(what))
+    v.configure()
+    assert ran == ["cmake configure"]
+    assert not sub.exists() and not stamp.exists()
+    assert (v.build_dir / "CMakeCache.txt").exists()  # the top build keeps what it built
+    assert v._configured()
