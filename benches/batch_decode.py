@@ -14,18 +14,16 @@ session. ``--json`` also writes them.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from benchmarks.common import prompt_tokens, smollm2_path
+from harness import cli
+from harness.common import prompt_tokens, smollm2_path
 
 N_SLOTS = 16
 N_PROMPT = 16
@@ -64,12 +62,10 @@ def _batch(eng, k: int, steps: int, stride: int = 1) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = cli.parser(__doc__, rounds=3, json=True)
     ap.add_argument("--sessions", default="1,4,16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json", default=None, help="write the figures to this path")
     args = ap.parse_args(argv)
     import dgr
 

@@ -35,7 +35,6 @@ import tempfile
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 N_SLOTS = 16
 N_CTX = 512
@@ -160,7 +159,7 @@ def main(argv=None) -> int:
     threads = [int(x) for x in args.threads.split(",")]
     assert max(ks) <= N_SLOTS
 
-    from benchmarks.common import smollm2_path
+    from harness.common import smollm2_path
 
     import dgr
     from dgr.testing.fixtures import TinyLlama, write_tiny_llama

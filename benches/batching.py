@@ -57,18 +57,14 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-import compare  # noqa: E402
-from benchmarks.common import smollm2_path  # noqa: E402
-from compare import N_PROMPT_DECODE as N_PROMPT  # noqa: E402
-from compare import session_prompt  # noqa: E402  (benches/compare.py's --sessions prompts)
+from harness import cli, clusters, fresh
+from harness import llama as llama_tools
+from harness.common import N_PROMPT_DECODE as N_PROMPT
+from harness.common import session_prompt, smollm2_path  # benches/compare.py's --sessions
 
 #: engine settings of every worker and of the reference (n_slots: the most sessions)
 SETTINGS = dict(n_ctx=256, n_threads=1, n_ubatch=64, flash_attn=True)
@@ -194,34 +190,30 @@ def plan_ranges(path: str, n_layer: int, n_stages: int, split: str):
 def whole_refs(path: str, k: int, n: int) -> list[list[int]]:
     """Greedy tokens of the whole model for each session's prompt, each computed alone, in a
     fresh process (the workers' settings, ``k`` slots)."""
-    code = (
-        "import json, sys; import dgr; from dgr.core.local import generate_local; "
-        f"e = dgr.Engine({path!r}, **{ {**SETTINGS, 'n_slots': k} !r}); out = []\n"
-        f"for i in range({k}):\n"
-        f"    sys.path.insert(0, {HERE!r}); import batching\n"
-        f"    t, _ = generate_local(e, batching.session_prompt(i), max_tokens={n}, "
-        "stop_on_eog=False); out.append([int(x) for x in t]); e.release(0)\n"
-        "print(json.dumps(out))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=1200).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return fresh.call("batching", "_whole_refs_here", path, k, n, timeout=1200)
+
+
+def _whole_refs_here(path: str, k: int, n: int) -> list[list[int]]:
+    import dgr
+    from dgr.core.local import generate_local
+
+    e, out = dgr.Engine(path, **{**SETTINGS, "n_slots": k}), []
+    for i in range(k):
+        t, _ = generate_local(e, session_prompt(i), max_tokens=n, stop_on_eog=False)
+        out.append([int(x) for x in t])
+        e.release(0)
+    return out
 
 
 def batched_bench(path: str, sessions: list[int], n: int, threads: int) -> dict[int, dict]:
-    """``llama-batched-bench`` at ``threads`` with these settings (benches/compare.py's
+    """``llama-batched-bench`` at ``threads`` with these settings (harness.llama's
     ``batched_bench_command``, checked by its ``parse_batched_bench``): {npl: its jsonl
     record, with the command line}."""
-    from dgr.vendor import Vendor
-
-    v = Vendor()
-    exe = v.tool_path("llama-batched-bench")
-    if not exe.exists():
-        log("building llama-batched-bench (the pinned tree's) ...")
-        v.build(["llama-batched-bench"])
+    exe = llama_tools.tool("llama-batched-bench", build=True)
     settings = {**SETTINGS, "n_slots": max(sessions)}
-    cmd = compare.batched_bench_command(settings, sessions, n, threads, path, exe=str(exe),
-                                        n_prompt=N_PROMPT)
-    res = compare.batched_bench(cmd, settings, sessions, n, threads, N_PROMPT)
+    cmd = llama_tools.batched_bench_command(settings, sessions, n, threads, path,
+                                            exe=str(exe), n_prompt=N_PROMPT)
+    res = llama_tools.batched_bench(cmd, settings, sessions, n, threads, N_PROMPT)
     return {k: m["record"] | {"command": cmd} for k, m in res.items()}
 
 
@@ -253,7 +245,7 @@ def run(path: str, sessions: list[int], n: int, n_stages: int, threads: list[int
     log(f"starting {n_stages} workers with {k_max} slots, ranges {ranges} ...")
     def cluster_of(args):
         c = LocalCluster(path, ranges, settings={**SETTINGS, "n_slots": k_max}, args=args)
-        ports[id(c)] = [compare._free_port() for _ in ranges]
+        ports[id(c)] = [clusters.free_port() for _ in ranges]
         for w, port in zip(c.workers, ports[id(c)]):
             w.args += ["--metrics-port", str(port)]
         return c
@@ -304,6 +296,14 @@ EXTRA_MODES = ("ungrouped", "busypoll")
 def _mode(m: dict) -> str:
     """A measurement's mode; results from before ``--ungrouped`` have none: by its flag."""
     return m.get("mode") or ("batched" if m["batching"] else "solo")
+
+
+def measure(sessions: list[int], tokens: int, stages: int, threads: list[int],
+            rounds: int) -> list[dict]:
+    """``summarize`` of one ``run`` on SmolLM2 (asv's bench_batching runs it in a fresh
+    process)."""
+    res = run(smollm2_path(), sessions, tokens, stages, threads, rounds)
+    return summarize(res, sessions, threads)
 
 
 def summarize(res: dict, sessions: list[int], threads: list[int]) -> list[dict]:
@@ -410,17 +410,15 @@ def table(rows: list[dict], threads: list[int], n_stages: int) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, stages=3, rounds=1, json=True)
     ap.add_argument("--sessions", default="1,16,32")
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens per session")
-    ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--split", default="cost",
                     help="the stages' ranges: cost (balance the weights multiplied per token, "
                          "the output head's included), even (by layer count), or interior "
                          "split points A,B")
     ap.add_argument("--threads", default="1,2", help="llama-batched-bench thread counts")
-    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--model", help="GGUF (default: SmolLM2-135M from the registry)")
     ap.add_argument("--ungrouped", action="store_true",
                     help="also run workers started --no-ring-groups (batched, no ring groups)")
@@ -428,7 +426,6 @@ def main(argv=None) -> int:
                     help="also run workers started --busy-poll-us US (batched)")
     ap.add_argument("--name", default="batching",
                     help="results go to benches/results/<name>-<date>.{json,txt}")
-    ap.add_argument("--json", help="also write the results here")
     a = ap.parse_args(argv)
     sessions = sorted({int(x) for x in a.sessions.split(",")})
     threads = [int(x) for x in a.threads.split(",")]
@@ -441,8 +438,8 @@ def main(argv=None) -> int:
             + "\n\nWhere each stage's time went, ms per output token:\n\n" + breakdown(res))
     print(text)
     day = datetime.date.today().isoformat()
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    base = os.path.join(HERE, "results", f"{a.name}-{day}")
+    os.makedirs(os.path.join(fresh.BENCHES, "results"), exist_ok=True)
+    base = os.path.join(fresh.BENCHES, "results", f"{a.name}-{day}")
     with open(base + ".json", "w") as f:
         json.dump(res, f, indent=1)
     with open(base + ".txt", "w") as f:

@@ -6,7 +6,7 @@ hop by hop and direct relay) and llama.cpp RPC, all with dgr's settings.
                               [--session-stages 3] [--only-sessions] [--no-batched-bench]]
                               [--no-relay] [--no-rpc] [--no-llama-bench]
 
-Every row runs ``benchmarks.common.SETTINGS`` (n_ctx 1024, one thread, n_ubatch = n_batch =
+Every row runs ``harness.common.SETTINGS`` (n_ctx 1024, one thread, n_ubatch = n_batch =
 64, flash attention on, KV f16, one slot) and the same lengths: decode = ``--tokens`` N
 single-token steps after a 16-token prompt (positions 16 .. 16 + N - 1), prefill = a 128- and
 a 512-token prompt from an empty cache. Each round runs every configuration once,
@@ -87,31 +87,27 @@ it; ``--only-sessions`` runs these rows alone.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import math
 import os
 import re
 import shlex
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-from benchmarks.bench_route import start_cluster  # noqa: E402
-from benchmarks.common import SEED, SETTINGS, prompt_tokens, smollm2_path  # noqa: E402
+from harness import cli, fresh
+from harness.clusters import (LOOP_WINDOW, Emulated, EmulatedCluster, seams_model,
+                              start_cluster, worker_lines)
+from harness.common import (N_PROMPT_DECODE, N_VOCAB, SETTINGS, prompt_tokens, session_prompt,
+                            smollm2_path)
+from harness.llama import (RpcServers, batched_bench, batched_bench_command,
+                           batched_bench_threads, llama_bench, llama_bench_commands, tool)
 
 N_DECODE = 64
-N_PROMPT_DECODE = 16
 PREFILLS = (128, 512)
-N_VOCAB = 49152
-LOOP_WINDOW = 32  # AsyncRoute's loop_window for relay<k>, passed explicitly
 MODEL: str | None = None  # --model: another GGUF than SmolLM2 (e.g. benches/qwen2_7b.py's)
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -134,19 +130,13 @@ def cpu_of(pids) -> float:
     return sum(cpu_seconds(p) for p in pids)
 
 
+def _port(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
+
+
 def _prompts():
     return {n: [int(t) for t in prompt_tokens(n, N_VOCAB)]
             for n in (N_PROMPT_DECODE, *PREFILLS)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _port(endpoint: str) -> int:
-    return int(endpoint.rsplit(":", 1)[1])
 
 
 # --- bytes on the wire, from the kernel (ss -tinp) -------------------------------------------
@@ -233,12 +223,8 @@ def timed_decode(eng, prompt, n_decode: int) -> dict:
 
 
 def whole_in_own_process(n_decode: int = N_DECODE, prefills=PREFILLS) -> dict:
-    code = (f"import sys, json; sys.path.insert(0, {HERE!r}); import compare; "
-            f"compare.MODEL = {MODEL!r}; "
-            f"print(json.dumps(compare.whole_measure({n_decode}, {tuple(prefills)!r})))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=600).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return fresh.call("compare", "whole_measure", n_decode, list(prefills),
+                      set={"MODEL": MODEL})
 
 
 # --- dgr routes ------------------------------------------------------------------------------
@@ -367,11 +353,6 @@ def route_measure(cluster, n_decode: int = N_DECODE, prefills=PREFILLS, relay: b
                                       width, dict(zip(eps, workers)) if seam_bytes else None))
 
 
-def session_prompt(i: int) -> list[int]:
-    """The 16-token prompt of concurrent session ``i`` (a different seed per session)."""
-    return [int(t) for t in prompt_tokens(N_PROMPT_DECODE, N_VOCAB, seed=SEED + 1 + i)]
-
-
 def session_tpot_ms(gens) -> list[float]:
     """Each session's time per output token (ms): its ``decode_s`` (from its first token to
     its last) over the tokens after the first; a session of one token has none (raises)."""
@@ -432,356 +413,13 @@ def whole_tokens(prompts, n: int, n_slots: int = 1) -> list[list[int]]:
 
 
 def whole_tokens_in_own_process(prompts, n: int, n_slots: int = 1) -> list[list[int]]:
-    code = (f"import sys, json; sys.path.insert(0, {HERE!r}); import compare; "
-            f"print(json.dumps(compare.whole_tokens({[list(p) for p in prompts]!r}, {n}, "
-            f"{n_slots})))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=600).stdout
-    return json.loads(out.strip().splitlines()[-1])
-
-
-# --- llama.cpp: llama-bench and ggml-rpc-server ----------------------------------------------
-
-def tool(name: str) -> str:
-    from dgr.vendor import Vendor
-
-    p = Vendor().tool_path(name)
-    if p is None or not os.path.exists(str(p)):
-        raise FileNotFoundError(f"{name} is not built: python -m dgr.vendor build "
-                                f"--tools llama-bench,ggml-rpc-server,llama-batched-bench")
-    return str(p)
-
-
-#: the engine settings llama-bench can mirror, and dgr.Engine's defaults for those not given
-_BENCH_DEFAULTS = {"n_ctx": 1024, "n_slots": 1, "n_threads": 1, "n_ubatch": 64,
-                   "flash_attn": True, "type_k": "f16", "type_v": "f16", "use_mmap": True}
-
-
-def llama_bench_commands(settings: dict, n_decode: int, prefills, model: str, *,
-                         n_prompt_decode: int = N_PROMPT_DECODE, exe: str = "llama-bench",
-                         rpc=None, extra=()) -> dict[str, list[str]]:
-    """The llama-bench command lines that run dgr's engine ``settings`` at dgr's lengths:
-    {"prefill": ``-p <prefills> -n 0 -d 0``, "decode": ``-p 0 -n <n_decode> -d
-    <n_prompt_decode>``} (no "prefill" when ``prefills`` is empty).
-
-    Both: ``-t n_threads``, ``-b n_ubatch -ub n_ubatch`` (dgr's n_batch is its n_ubatch,
-    engine.cpp), ``-fa 1|0``, ``-ctk/-ctv``, ``-lm auto|none`` (use_mmap), ``-r 1 -o json``;
-    ``-ngl 0`` (dgr keeps every layer on the CPU) or, with ``rpc`` endpoints, ``-ngl 99
-    --rpc ...``; then ``extra``. llama-bench sizes its context to prompt + generation + depth,
-    which gives the same n_kv at every step as dgr's n_ctx only while that length fits in
-    n_ctx: longer raises ValueError, as does a setting llama-bench cannot mirror (n_slots > 1,
-    an unknown key)."""
-    unknown = set(settings) - set(_BENCH_DEFAULTS)
-    if unknown:
-        raise ValueError(f"llama-bench cannot mirror the settings {sorted(unknown)}")
-    s = {**_BENCH_DEFAULTS, **settings}
-    if s["n_slots"] != 1:
-        raise ValueError(f"llama-bench runs one sequence; n_slots={s['n_slots']}")
-    longest = max([*prefills, n_prompt_decode + n_decode])
-    if longest > s["n_ctx"]:
-        raise ValueError(f"{longest} tokens do not fit n_ctx={s['n_ctx']}: llama-bench's "
-                         f"context would be larger than dgr's")
-    ub = str(s["n_ubatch"])
-    common = [exe, "-m", model, "-t", str(s["n_threads"]), "-b", ub, "-ub", ub,
-              "-fa", "1" if s["flash_attn"] else "0", "-ctk", s["type_k"], "-ctv", s["type_v"],
-              "-lm", "auto" if s["use_mmap"] else "none", "-ngl", "99" if rpc else "0",
-              *(["--rpc", ",".join(rpc)] if rpc else []), "-r", "1", "-o", "json", *extra]
-    out = {}
-    if prefills:
-        out["prefill"] = [*common, "-p", ",".join(str(n) for n in prefills), "-n", "0",
-                          "-d", "0"]
-    out["decode"] = [*common, "-p", "0", "-n", str(n_decode), "-d", str(n_prompt_decode)]
-    return out
-
-
-def check_bench_record(rec: dict, settings: dict, n_depth: int, rpc: bool = False) -> None:
-    """Raise RuntimeError unless llama-bench's JSON record ``rec`` ran ``settings`` (its own
-    echo of n_threads, n_batch, n_ubatch, flash_attn, type_k/type_v, n_gpu_layers) at depth
-    ``n_depth``."""
-    s = {**_BENCH_DEFAULTS, **settings}
-    want = {"n_threads": s["n_threads"], "n_batch": s["n_ubatch"], "n_ubatch": s["n_ubatch"],
-            "flash_attn": 1 if s["flash_attn"] else 0, "type_k": s["type_k"],
-            "type_v": s["type_v"], "n_gpu_layers": 99 if rpc else 0, "n_depth": n_depth}
-    got = {k: rec.get(k) for k in want}
-    if isinstance(got["flash_attn"], bool):
-        got["flash_attn"] = int(got["flash_attn"])
-    if got != want:
-        raise RuntimeError(f"llama-bench ran {got}, not {want}")
-
-
-def parse_bench(records: list[dict], settings: dict, n_depth: int, rpc: bool = False) -> dict:
-    """{prefill<n>_tps, decode_tps} of llama-bench's JSON ``records`` (each checked: prefill
-    at depth 0, decode at ``n_depth``)."""
-    res = {}
-    for rec in records:
-        if rec.get("n_gen", 0) == 0:
-            check_bench_record(rec, settings, 0, rpc)
-            res[f"prefill{rec['n_prompt']}_tps"] = float(rec["avg_ts"])
-        elif rec.get("n_prompt", 0) == 0:
-            check_bench_record(rec, settings, n_depth, rpc)
-            res["decode_tps"] = float(rec["avg_ts"])
-        else:
-            raise RuntimeError(f"unexpected llama-bench record {rec}")
-    return res
-
-
-def llama_bench(cmds: dict[str, list[str]], settings: dict, rpc: bool = False,
-                n_prompt_decode: int = N_PROMPT_DECODE) -> dict:
-    """Run ``llama_bench_commands``' command lines; {prefill<n>_tps, decode_tps}."""
-    res = {}
-    for cmd in cmds.values():
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if out.returncode != 0:
-            raise RuntimeError(f"{shlex.join(cmd)} failed ({out.returncode}):\n"
-                               f"{out.stderr[-2000:]}")
-        res.update(parse_bench(json.loads(out.stdout), settings, n_prompt_decode, rpc))
-    return res
-
-
-# --- llama.cpp: llama-batched-bench (many sequences in one forward, the whole model) ---------
-
-def batched_bench_threads(n_stages: int, n_threads: int, cpu_count: int) -> tuple[int, int]:
-    """(one stage's thread count, the "same total threads" of an ``n_stages`` route): every
-    worker runs ``n_threads``, so the route runs ``n_stages * n_threads`` on this machine,
-    capped at its ``cpu_count`` cores (more threads than cores in one process only contend)."""
-    if n_stages < 1 or n_threads < 1 or cpu_count < 1:
-        raise ValueError(f"n_stages={n_stages}, n_threads={n_threads}, cpu_count={cpu_count}")
-    return n_threads, min(n_stages * n_threads, cpu_count)
-
-
-def batched_bench_command(settings: dict, sessions, n_decode: int, threads: int, model: str,
-                          *, n_prompt: int = N_PROMPT_DECODE,
-                          exe: str = "llama-batched-bench") -> list[str]:
-    """The ``llama-batched-bench`` command line that runs ``sessions`` sequences on the whole
-    model with dgr's engine ``settings`` (those of the session clusters): ``-c n_ctx *
-    max(sessions)`` with ``-no-kvu`` (one KV stream per sequence, as dgr's slots:
-    ``kv_unified=false`` and ``n_ctx`` per slot, engine.cpp), ``-b -ub n_ubatch``, ``-fa
-    on|off``, ``-ctk/-ctv``, ``-lm auto|none`` (use_mmap), ``-ngl 0``, ``-t threads``;
-    ``-npp n_prompt -ntg n_decode -npl <sessions>`` (a prompt per sequence, not shared),
-    ``--output-format jsonl``. Raises ValueError for a setting it cannot mirror (an unknown
-    key, fewer slots than sequences) or a sequence longer than ``n_ctx``."""
-    unknown = set(settings) - set(_BENCH_DEFAULTS)
-    if unknown:
-        raise ValueError(f"llama-batched-bench cannot mirror the settings {sorted(unknown)}")
-    s = {**_BENCH_DEFAULTS, **settings}
-    sessions = sorted(set(int(k) for k in sessions))
-    if not sessions or sessions[0] < 1:
-        raise ValueError(f"sessions must be >= 1, got {sessions}")
-    if s["n_slots"] < sessions[-1]:
-        raise ValueError(f"{sessions[-1]} sequences need {sessions[-1]} slots; "
-                         f"n_slots={s['n_slots']}")
-    if n_prompt + n_decode > s["n_ctx"]:
-        raise ValueError(f"{n_prompt} + {n_decode} tokens do not fit n_ctx={s['n_ctx']}")
-    ub = str(s["n_ubatch"])
-    return [exe, "-m", model, "-c", str(s["n_ctx"] * sessions[-1]), "-no-kvu", "-b", ub,
-            "-ub", ub, "-t", str(threads), "-fa", "on" if s["flash_attn"] else "off",
-            "-ctk", s["type_k"], "-ctv", s["type_v"], "-lm", "auto" if s["use_mmap"] else "none",
-            "-ngl", "0", "-npp", str(n_prompt), "-ntg", str(n_decode),
-            "-npl", ",".join(str(k) for k in sessions), "--output-format", "jsonl"]
-
-
-def parse_batched_bench(text: str, settings: dict, sessions, n_decode: int, threads: int,
-                        n_prompt: int = N_PROMPT_DECODE) -> dict[int, dict]:
-    """{sequences: {aggregate_tps, tpot_ms, prefill_tps, record}} of ``llama-batched-bench
-    --output-format jsonl`` output ``text``. aggregate_tps: its ``speed_tg`` (sequences *
-    generated tokens / the generation phase's time); tpot_ms: that time per step (every
-    sequence gets one token a step). Each record must echo ``settings``, ``threads`` and the
-    lengths (RuntimeError otherwise), and every one of ``sessions`` must have one
-    (batched-bench skips a count whose KV does not fit, silently)."""
-    s = {**_BENCH_DEFAULTS, **settings}
-    want = {"n_batch": s["n_ubatch"], "n_ubatch": s["n_ubatch"],
-            "flash_attn": 1 if s["flash_attn"] else 0, "is_pp_shared": 0, "n_gpu_layers": 0,
-            "n_threads": threads, "n_threads_batch": threads, "pp": n_prompt, "tg": n_decode}
-    out: dict[int, dict] = {}
-    for line in text.splitlines():
-        if not line.startswith("{"):
-            continue
-        rec = json.loads(line)
-        got = {k: rec.get(k) for k in want}
-        if got != want:
-            raise RuntimeError(f"llama-batched-bench ran {got}, not {want}")
-        if int(rec.get("n_kv_max", 0)) < s["n_ctx"] * max(sessions):
-            raise RuntimeError(f"llama-batched-bench's context {rec.get('n_kv_max')} is "
-                               f"smaller than n_ctx={s['n_ctx']} x {max(sessions)} sequences")
-        out[int(rec["pl"])] = {"aggregate_tps": float(rec["speed_tg"]),
-                               "tpot_ms": 1e3 * float(rec["t_tg"]) / n_decode,
-                               "prefill_tps": float(rec["speed_pp"]), "record": rec}
-    missing = sorted(set(int(k) for k in sessions) - set(out))
-    if missing:
-        raise RuntimeError(f"llama-batched-bench reported no record for {missing} sequences")
-    return out
-
-
-def batched_bench(cmd: list[str], settings: dict, sessions, n_decode: int, threads: int,
-                  n_prompt: int = N_PROMPT_DECODE) -> dict[int, dict]:
-    """Run ``batched_bench_command``'s command line; ``parse_batched_bench`` of its output."""
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if out.returncode != 0:
-        raise RuntimeError(f"{shlex.join(cmd)} failed ({out.returncode}):\n"
-                           f"{out.stderr[-2000:]}")
-    return parse_batched_bench(out.stdout, settings, sessions, n_decode, threads, n_prompt)
-
-
-class RpcServers:
-    """``n`` ``ggml-rpc-server -t 1 -H 127.0.0.1 -p PORT`` processes; stop() reaps them."""
-
-    def __init__(self, n: int, n_threads: int = 1):
-        self.n, self.n_threads = n, n_threads
-        self.procs: list[subprocess.Popen] = []
-        self.endpoints: list[str] = []
-        self.commands: list[list[str]] = []
-
-    def start(self, timeout: float = 30.0) -> list[str]:
-        exe = tool("ggml-rpc-server")
-        try:
-            for _ in range(self.n):
-                port = _free_port()
-                cmd = [exe, "-t", str(self.n_threads), "-H", "127.0.0.1", "-p", str(port)]
-                self.commands.append(cmd)
-                self.procs.append(subprocess.Popen(
-                    cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL, start_new_session=True))
-                self.endpoints.append(f"127.0.0.1:{port}")
-            deadline = time.monotonic() + timeout
-            for ep, p in zip(self.endpoints, self.procs):
-                host, port = ep.split(":")
-                while True:
-                    if p.poll() is not None:
-                        raise RuntimeError(f"ggml-rpc-server on {ep} exited ({p.returncode})")
-                    try:
-                        socket.create_connection((host, int(port)), timeout=1).close()
-                        break
-                    except OSError:
-                        if time.monotonic() > deadline:
-                            raise RuntimeError(f"ggml-rpc-server on {ep} did not listen")
-                        time.sleep(0.1)
-        except BaseException:
-            self.stop()
-            raise
-        return self.endpoints
-
-    def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        self.procs = []
+    return fresh.call("compare", "whole_tokens", [[int(t) for t in p] for p in prompts], n,
+                      n_slots)
 
 
 # --- the comparison --------------------------------------------------------------------------
 
 METRICS = ["decode_tps", *(f"prefill{n}_tps" for n in PREFILLS), "ttft_ms"]
-
-
-class Emulated:
-    """A ``dgr.testing.linkemu`` process (delay RTT/2 each way, as benches/wan.py) in front
-    of each endpoint; ``endpoints`` are the proxies. ``listens``: the ``host:port`` each
-    proxy listens on (default: any free port)."""
-
-    def __init__(self, targets, rtt_ms: float, listens=None):
-        self.targets, self.rtt_ms = list(targets), rtt_ms
-        self.listens = list(listens) if listens else ["127.0.0.1:0"] * len(self.targets)
-        self.procs, self.endpoints = [], []
-
-    def start(self, timeout: float = 30.0) -> list[str]:
-        try:
-            for ep, ls in zip(self.targets, self.listens):  # as wan._emulators, quieter
-                p = subprocess.Popen([sys.executable, "-m", "dgr.testing.linkemu", "--target",
-                                      ep, "--listen", ls, "--delay-ms", str(self.rtt_ms / 2)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True)
-                self.procs.append(p)
-                line = p.stdout.readline().split()
-                if not line or line[0] != "LISTENING":
-                    raise RuntimeError(f"link emulator for {ep} did not start")
-                self.endpoints.append(line[1])
-        except BaseException:
-            self.stop()
-            raise
-        return self.endpoints
-
-    def set_rtt(self, rtt_ms: float) -> None:
-        """Change every proxy's delay to RTT/2 each way (waits for each one's OK)."""
-        for p in self.procs:
-            p.stdin.write(f"delay {rtt_ms / 2}\n")
-            p.stdin.flush()
-        for p in self.procs:
-            if not p.stdout.readline().startswith("OK"):
-                raise RuntimeError("link emulator did not take the new delay")
-        self.rtt_ms = rtt_ms
-
-    def stop(self) -> None:
-        from wan import _stop
-
-        _stop(self.procs)
-        for p in self.procs:
-            p.stdout.close()
-        self.procs = []
-
-
-class _Proxied:
-    """A cluster seen through emulators (route_measure needs endpoints and workers)."""
-
-    def __init__(self, cluster, emu: Emulated):
-        self.workers, self.endpoints = cluster.workers, emu.endpoints
-
-
-class EmulatedCluster:
-    """``n`` workers behind link emulators on both planes, for relay=False and relay=True.
-
-    Worker i binds its data plane on a chosen port D_i and advertises P_i
-    (``--data-port D_i --advertise-data-port P_i``); a linkemu listens on P_i and forwards to
-    D_i, another fronts its gRPC port. Every data-plane link (driver -> stage 1, stage k ->
-    stage k+1, and the last stage's reply to the driver, which goes back over the driver's
-    connection to P_n) then crosses one emulator one way: RTT/2.
-    """
-
-    def __init__(self, path: str, n: int, n_layer: int, rtt_ms: float, args=(),
-                 n_slots: int = 1):
-        self.n, self.path, self.n_layer, self.rtt_ms = n, path, n_layer, rtt_ms
-        self.args = list(args)  # extra arguments for every worker
-        self.n_slots = n_slots
-        self.cluster = self.grpc = self.data = None
-
-    def start(self) -> EmulatedCluster:
-        ports = [(_free_port(), _free_port()) for _ in range(self.n)]
-        try:
-            self.cluster = start_cluster(
-                self.path, self.n, self.n_layer, args=self.args, n_slots=self.n_slots,
-                worker_args=[["--data-port", str(d), "--advertise-data-port", str(p)]
-                             for d, p in ports])
-            self.data = Emulated([f"127.0.0.1:{d}" for d, _ in ports], self.rtt_ms,
-                                 listens=[f"127.0.0.1:{p}" for _, p in ports])
-            self.data.start()
-            self.grpc = Emulated(self.cluster.endpoints, self.rtt_ms)
-            self.grpc.start()
-        except BaseException:
-            self.stop()
-            raise
-        self.workers, self.endpoints = self.cluster.workers, self.grpc.endpoints
-        return self
-
-    def set_rtt(self, rtt_ms: float) -> None:
-        self.grpc.set_rtt(rtt_ms)
-        self.data.set_rtt(rtt_ms)
-        self.rtt_ms = rtt_ms
-
-    def stop(self) -> None:
-        for e in (self.grpc, self.data):
-            if e is not None:
-                e.stop()
-        if self.cluster is not None:
-            self.cluster.stop()
-
-
-def _worker_lines(cluster) -> list[str]:
-    workers = getattr(cluster, "cluster", cluster).workers  # EmulatedCluster wraps one
-    return [shlex.join(w.command()) for w in workers]
 
 
 def run_compare(stages=(2, 3, 4), rounds: int = 3, n_decode: int = N_DECODE,
@@ -838,7 +476,7 @@ def run_compare(stages=(2, 3, 4), rounds: int = 3, n_decode: int = N_DECODE,
         for n in sorted(set(stages)):
             log(f"starting {n} dgr workers ...")
             clusters[n] = start_cluster(path, n, n_layer)
-            ran[f"workers of dgr{n}/relay{n}"] = _worker_lines(clusters[n])
+            ran[f"workers of dgr{n}/relay{n}"] = worker_lines(clusters[n])
         for n in sorted(set(stages) | (set(rtt_stages) if rtts else set())):
             if rpc:
                 log(f"starting {n} ggml-rpc-servers ...")
@@ -853,7 +491,7 @@ def run_compare(stages=(2, 3, 4), rounds: int = 3, n_decode: int = N_DECODE,
                 log(f"starting {n} dgr workers behind link emulators (gRPC + data plane) ...")
                 emu_clusters[n] = EmulatedCluster(path, n, n_layer, rtts[0]).start()
                 ran[f"workers of dgr{n}@R/relay{n}@R (behind linkemu, RTT/2 each way, both "
-                    f"planes)"] = _worker_lines(emu_clusters[n])
+                    f"planes)"] = worker_lines(emu_clusters[n])
         for rtt in rtts:
             for n in rtt_stages:
                 if rpc:
@@ -889,7 +527,7 @@ def run_compare(stages=(2, 3, 4), rounds: int = 3, n_decode: int = N_DECODE,
             for n in session_stages:
                 log(f"starting {n} dgr workers with {n_slots} slots ...")
                 sess_clusters[n] = start_cluster(path, n, n_layer, n_slots=n_slots)
-                ran[f"workers of sessions dgr{n}/relay{n}"] = _worker_lines(sess_clusters[n])
+                ran[f"workers of sessions dgr{n}/relay{n}"] = worker_lines(sess_clusters[n])
             # parity references of every session, with the clusters' settings (n_slots)
             log(f"parity references of {n_slots} sessions ({n_slots} slots) ...")
             session_refs[n_slots] = whole_tokens_in_own_process(
@@ -969,23 +607,6 @@ def parse_config(name: str):
         return name, None, None
     kind, n, rtt = m.groups()
     return kind, (int(n) if n else None), (float(rtt) if rtt else None)
-
-
-def seams_model(kind: str, n: int, steps: int, window: int = LOOP_WINDOW) -> float:
-    """S in TPOT = C + S * RTT: round trips a decode token pays for ``n`` stages, averaged
-    over ``steps`` decode steps timed from the first token (the prompt's).
-
-    relay (``route_kwargs(True)``: the decode loop, ``window`` tokens a window): a token
-    crosses n one-way links of RTT/2 (1 -> 2 -> ... -> n -> 1; the driver only reads), and
-    every window, the first included, starts from the driver: the token before it reaches the
-    driver (n -> driver), which sends it to stage 1 (driver -> 1), one link more than n -> 1:
-    n/2 + ceil(steps / window) / (2 * steps).
-    dgr (gRPC hop by hop, the driver relays): one driver round trip per stage: n."""
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    if kind != "relay":
-        return float(n)
-    return n / 2 + math.ceil(steps / window) / (2 * steps)
 
 
 #: the whole-model row each family's ratios and added ms are taken against (the same tool)
@@ -1242,10 +863,8 @@ def sessions_table(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap = cli.parser(__doc__, stages="2,3,4", rounds=3, json=True)
     ap.add_argument("--tokens", type=int, default=N_DECODE, help="greedy decode steps")
-    ap.add_argument("--stages", default="2,3,4")
     ap.add_argument("--quick", action="store_true",
                     help="1 round, 3 stages only (dgr3, relay3, rpc3), 32 decode steps, "
                          "128-token prefill")
@@ -1271,7 +890,6 @@ def main(argv=None) -> int:
                          "dgr<k>, relay<k>, rpc<k>, llama-bench or --rtt-ms rows")
     ap.add_argument("--model", help="run every row on this GGUF instead of SmolLM2 (e.g. the "
                                     "7B-shaped qwen2 of benches/qwen2_7b.py)")
-    ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     global MODEL
     MODEL = args.model

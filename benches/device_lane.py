@@ -42,7 +42,8 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from harness import cli
+from harness.llama import tool
 
 #: every engine's settings (n_slots: the most sessions); llama.cpp's programs mirror them
 SETTINGS = dict(n_ctx=512, n_threads=1, n_ubatch=64, flash_attn=True)
@@ -59,8 +60,7 @@ def model_path(name: str, tmp: str) -> str:
 
         return str(models.path(models.DEFAULT_MODEL))
     if name == "qwen2-7b":
-        sys.path.insert(0, HERE)
-        import qwen2_7b
+        import qwen2_7b  # benches/qwen2_7b.py, beside this script
 
         return str(qwen2_7b.write())
     if name == "tiny":
@@ -181,13 +181,7 @@ def route_runs(model: str, device: str, stages: int, tokens: int, sessions: list
 
 
 def _tool(name: str) -> str:
-    from dgr.vendor import Vendor
-
-    v = Vendor()
-    if not v.tool_path(name).exists():
-        log(f"building {name} (the pinned tree's, this backend's build) ...")
-        v.build([name])
-    return str(v.tool_path(name))
+    return tool(name, build=True)  # this backend's build
 
 
 #: runs of llama-batched-bench for one count before its record is given up as lost
@@ -243,8 +237,8 @@ def llama_bench_pp(model: str, n: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python benches/device_lane.py", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(__doc__, json=True, prog="python benches/device_lane.py", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", required=True, help="the device, as --device takes it")
     ap.add_argument("--models", default="smollm2,qwen2-7b",
                     help="comma-separated: smollm2, qwen2-7b, tiny, or GGUF paths")
@@ -258,7 +252,6 @@ def main(argv: list[str] | None = None) -> int:
                          "1,4, pp 64, flash attention off (lavapipe of Mesa 22.3 crashes in a "
                          "flash-attention decode of several sequences whose slots were "
                          "released and filled again)")
-    ap.add_argument("--json", help="write every figure here")
     args = ap.parse_args(argv)
     if args.tiny:
         args.models, args.tokens, args.sessions, args.pp = "tiny", 8, "1,4", 64

@@ -21,11 +21,9 @@ from __future__ import annotations
 import statistics
 import sys
 import timeit
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
 from dgr._core import _frame
 from dgr.protocol import wire

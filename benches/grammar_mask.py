@@ -28,9 +28,10 @@ import subprocess
 import sys
 import time
 
+from harness import cli
+
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
@@ -103,11 +104,10 @@ def llama_cpp_cost(path: str, tokens: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, json=True)
     ap.add_argument("--tokens", type=int, default=64,
                     help="tokens llama-completion generates per run (default 64)")
-    ap.add_argument("--json", help="also write the results here")
     a = ap.parse_args()
     from dgr.artifacts import models
 

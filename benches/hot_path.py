@@ -26,9 +26,8 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from benchmarks.common import SETTINGS, smollm2_path  # noqa: E402
+from harness.common import SETTINGS, smollm2_path
 
 
 class _Sink:

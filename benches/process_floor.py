@@ -4,7 +4,7 @@
                                     [--no-python-frames]
 
 Three ways to decode with the same SmolLM2 ranges (``dgr.protocol.ranges.split_layers``, the
-settings of ``benchmarks.common.SETTINGS``: one thread, n_ctx 1024, ubatch 64, flash attention; one
+settings of ``harness.common.SETTINGS``: one thread, n_ctx 1024, ubatch 64, flash attention; one
 slot), all doing the same work: the same 16-token prompt, then ``--tokens`` greedy decode
 steps, each token the argmax of the last range's logits, fed back to the first range:
 
@@ -50,8 +50,7 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+from harness import cli
 
 # to a range: first position, rows, decode steps still to run after these rows, compute
 # times carried (f32 ms, one per range run so far this step); then rows i32 token ids,
@@ -98,7 +97,7 @@ def serve(ranges: list[tuple[int, int]], ring_fd: int | None) -> int:
     token to stdout (the driver); with steps left feed it back to the first range, over
     ``ring_fd`` (pipes) or in process (``ring_fd`` None: alone)."""
     import numpy as np
-    from benchmarks.common import SETTINGS, smollm2_path
+    from harness.common import SETTINGS, smollm2_path
 
     import dgr
 
@@ -292,11 +291,8 @@ def summarize(rounds: list[dict], n_stages: int, reference: list[int] | None = N
 # --- the run ---------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--stages", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap = cli.parser(__doc__, stages=3, rounds=5, json=True)
     ap.add_argument("--tokens", type=int, default=128, help="decode steps per measurement")
-    ap.add_argument("--json", help="write the rounds and the summary here")
     ap.add_argument("--no-python-frames", action="store_true",
                     help="skip relay-py (the same workers with --frames python)")
     ap.add_argument("--serve", help=argparse.SUPPRESS)  # internal: a process serving ranges
@@ -306,8 +302,8 @@ def main(argv=None) -> int:
         return serve([tuple(int(x) for x in g.split(":")) for g in args.serve.split(",")],
                      args.ring_fd)
 
-    from benchmarks.bench_route import start_cluster
-    from benchmarks.common import SETTINGS, prompt_tokens, smollm2_path
+    from harness.clusters import start_cluster
+    from harness.common import SETTINGS, prompt_tokens, smollm2_path
 
     import dgr
     from dgr.core.local import generate_local

@@ -15,7 +15,7 @@ whole chunk (exact: docs/serve.md "Prompt cache"); llama-server reuses its slot'
 prefix to the token.
 
 ``--rtt MS``: each dgr front gets its own stages behind the project's link emulator
-(``compare.EmulatedCluster``: every data-plane and gRPC link between the front and the stages
+(``harness.clusters.EmulatedCluster``: every data-plane and gRPC link between the front and the stages
 and between stages delayed RTT/2 each way); the HTTP client sits next to every front, and
 llama-server (one process, no links) stays on loopback as the reference.
 
@@ -30,15 +30,16 @@ holds.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import time
 
-from serve_load import N_CTX, N_UBATCH, _free_port, _wait_healthy, llama_server, stream_chat
-
+from harness import cli
+from harness.clusters import free_port
+from harness.llama import llama_server
+from serve_load import N_CTX, N_UBATCH, _wait_healthy, stream_chat
 
 
 def system_prompt(rules: int = 18) -> str:
@@ -95,10 +96,9 @@ def _held(port: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = cli.parser(__doc__, stages=3, json=True)
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--rules", type=int, default=18,
                     help="rules in the system prompt, about 32 tokens each (default 18)")
     ap.add_argument("--ctx", type=int, default=N_CTX,
@@ -110,13 +110,12 @@ def main(argv=None) -> int:
     ap.add_argument("--agent", action="store_true",
                     help="an agent loop: three function tools in every request, short "
                          "observations as turns (module docstring)")
-    ap.add_argument("--json")
     args = ap.parse_args(argv)
     from dgr.artifacts import models
 
     model = args.model or str(models.path(models.DEFAULT_MODEL))
     name = "bench"
-    ports = {k: _free_port() for k in ("dgr cache", "dgr no cache", "llama-server")}
+    ports = {k: free_port() for k in ("dgr cache", "dgr no cache", "llama-server")}
     common = ["--stages", str(args.stages), "--model-name", name, "--ctx", str(args.ctx),
               "--slots", "2", "--threads", "1", "--ubatch", str(N_UBATCH), "--flash-attn",
               "on"]
@@ -129,7 +128,7 @@ def main(argv=None) -> int:
                          str(ports["llama-server"]), "-t", "1", "-tb", "1", "-c",
                          str(args.ctx * 2), "-np", "2", "-b", str(N_UBATCH), "-ub",
                          str(N_UBATCH), "-fa", "on", "--alias", name, "--no-webui"]}
-    from compare import EmulatedCluster, _worker_lines
+    from harness.clusters import EmulatedCluster, worker_lines
 
     clusters = []
     if args.rtt > 0:  # the fronts use stages behind the link emulator (module docstring)
@@ -193,7 +192,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"model": model, "rtt_ms": args.rtt, "agent": args.agent,
                        "commands": cmds,
-                       "workers": [w for c in clusters for w in _worker_lines(c)],
+                       "workers": [w for c in clusters for w in worker_lines(c)],
                        "rows": rows}, f, indent=1)
     return 0
 

@@ -19,7 +19,6 @@ then reads the traces (docs/dataplane.md, "Tracing"):
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import json
@@ -28,13 +27,10 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-from batching import SETTINGS  # noqa: E402
-from benchmarks.bench_route import route_ranges  # noqa: E402
-from benchmarks.common import smollm2_path  # noqa: E402
-from compare import session_prompt  # noqa: E402
+from batching import SETTINGS
+from harness import cli
+from harness.clusters import route_ranges
+from harness.common import session_prompt, smollm2_path
 
 
 def batch_sizes(spans: list[dict], stage: int, since: float) -> dict[int, int]:
@@ -70,10 +66,9 @@ def concurrency(spans: list[dict], since: float) -> dict[int, float]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = cli.parser(__doc__, stages=3)
     ap.add_argument("--sessions", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--no-ring-groups", action="store_true")
     a = ap.parse_args(argv)
 

@@ -15,14 +15,14 @@ a test; the suite checks the same sampler chain against ``llama-completion``.
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import pathlib
 import subprocess
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from harness import cli
+
 
 PROMPT = ("The history of the printing press begins in the fifteenth century, when Johannes "
           "Gutenberg")
@@ -36,19 +36,20 @@ def cases(plain: list[int]) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = cli.parser(__doc__, json=True)
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--json", help="also write the results here")
     a = ap.parse_args(argv)
     import dgr
     from dgr.core.local import generate_local
     from dgr.protocol.sampling import SamplingParams
-    from serve_load import _free_port, _wait_healthy, llama_server
+    from harness.clusters import free_port
+    from harness.llama import llama_server
+    from serve_load import _wait_healthy
 
-    from benchmarks.common import smollm2_path
+    from harness.common import smollm2_path
 
     path = smollm2_path()
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([llama_server(), "-m", path, "--host", "127.0.0.1", "--port",
                              str(port), "-t", "1", "-c", "512", "-np", "1", "-b", "64", "-ub",
                              "64", "-fa", "on", "-ngl", "0", "--no-webui"],

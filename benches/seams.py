@@ -14,34 +14,31 @@ round trip to a stage minus that stage's own compute, averaged over stages.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from benchmarks.bench_route import route_decode, route_decode_sync, start_cluster  # noqa: E402
-from benchmarks.common import SETTINGS, smollm2_path  # noqa: E402
+from harness.bench_route import route_decode, route_decode_sync
+from harness.clusters import start_cluster
+from harness import cli, fresh
+from harness.common import SETTINGS, decode_tps, smollm2_path
 
 
 def _whole_in_own_process(n_tokens: int) -> float:
-    import subprocess
+    return fresh.call("seams", "whole_decode_tps", n_tokens)
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = (f"import sys; sys.path.insert(0, {here!r}); import dgr; "
-            "from benchmarks.common import SETTINGS, decode_tps, smollm2_path; "
-            f"print(decode_tps(dgr.Engine(smollm2_path(), **SETTINGS), {n_tokens}))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout
-    return float(out.strip().splitlines()[-1])
+
+def whole_decode_tps(n_tokens: int) -> float:
+    """The whole model's decode tokens/s with the benchmarks' settings."""
+    import dgr
+
+    return decode_tps(dgr.Engine(smollm2_path(), **SETTINGS), n_tokens)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=5)
+    ap = cli.parser(__doc__, stages="1,2,3", rounds=5)
     ap.add_argument("--tokens", type=int, default=64, help="decode steps per round")
-    ap.add_argument("--stages", default="1,2,3")
     ap.add_argument("--inline-compute", action="store_true",
                     help="workers compute decode steps on their event loop thread "
                          "(--inline-below-ms 50: no thread handoff)")

@@ -24,50 +24,20 @@ into one decode.
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import os
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from harness import cli
+from harness.clusters import free_port
+from harness.llama import llama_server
+
 N_CTX, N_UBATCH = 1024, 64
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def llama_server() -> str:
-    """The pinned tree's llama-server, built once into the cache (a few minutes cold)."""
-    from dgr.vendor import Vendor
-
-    v = Vendor()
-    exe = v.cache / f"llama-server-{v.key()}" / "bin" / "llama-server"
-    if exe.exists():
-        return str(exe)
-    v.build()  # fetches and patches the tree if needed
-    b = exe.parent.parent
-    cmake = shutil.which("cmake") or "cmake"
-    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
-    subprocess.run([cmake, "-S", str(v.src), "-B", str(b), *gen, "-DCMAKE_BUILD_TYPE=Release",
-                    "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_SERVER=ON",
-                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                    "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF",
-                    "-DLLAMA_USE_PREBUILT_UI=OFF", "-DGGML_RPC=OFF"], check=True,
-                   stdout=subprocess.DEVNULL)
-    print(f"building llama-server into {b} ...", file=sys.stderr, flush=True)
-    subprocess.run([cmake, "--build", str(b), "--target", "llama-server", "-j",
-                    str(v.jobs())], check=True, stdout=subprocess.DEVNULL)
-    return str(exe)
 
 
 def _wait_healthy(port: int, proc: subprocess.Popen, what: str, timeout: float = 300) -> None:
@@ -177,13 +147,11 @@ def run_load(port: int, model: str, k: int, n_requests: int, max_tokens: int) ->
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = cli.parser(__doc__, stages=3, json=True)
     ap.add_argument("--clients", default="1,4,16")
     ap.add_argument("--tokens", type=int, default=64, help="max_tokens of each request")
     ap.add_argument("--requests", type=int, default=2, help="requests per client, in a row")
-    ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--model", help="GGUF (default: the registry's default model)")
-    ap.add_argument("--json")
     args = ap.parse_args(argv)
     from dgr.artifacts import models
 
@@ -192,7 +160,7 @@ def main(argv=None) -> int:
     slots = max(ks)
     name = "bench"
     exe = llama_server()
-    dgr_port, ls_port = _free_port(), _free_port()
+    dgr_port, ls_port = free_port(), free_port()
     dgr_cmd = [sys.executable, "-m", "dgr", "serve", "--model", model, "--stages",
                str(args.stages), "--port", str(dgr_port), "--model-name", name,
                "--ctx", str(N_CTX), "--slots", str(slots), "--threads", "1", "--ubatch",

@@ -97,6 +97,8 @@ import uuid
 
 import msgspec
 
+from harness import cli
+
 #: Numeric settings of every worker and of the reference (docs/batching.md: one thread per
 #: stage and chunks under 64 rows keep batched rows bit-identical on SmolLM2's quant). No more
 #: slots than ``n_ubatch``: an engine with more aborts in llama.cpp (``n_outputs_max``).
@@ -1009,10 +1011,9 @@ def rss_figures(mon: Monitor, cluster, steady_after: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = cli.parser(__doc__, stages=3, json=True)
     ap.add_argument("--duration", type=float, default=120.0, help="seconds of load (default 120)")
     ap.add_argument("--sessions", type=int, default=24, help="concurrent session lanes")
-    ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=16, help="distinct prompts (references)")
     ap.add_argument("--early", type=float, default=0.2,
                     help="fraction of sessions released before max_tokens")
@@ -1028,7 +1029,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample-every", type=float, default=5.0, help="RSS sampling period (s)")
     ap.add_argument("--model", help="GGUF (default: the registry's default model)")
     ap.add_argument("--start-timeout", type=float, default=180.0)
-    ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--secure", action="store_true",
                     help="workers with cluster credentials and mutual TLS on both planes "
                          "(a throwaway CA, random secrets); every client presents the "

@@ -3,9 +3,9 @@
     python benches/speculative.py [--rtts 0,20] [--stages 3] [--rounds 3] [--tokens 96]
                                   [--max-draft 8] [--json out.json]
 
-n SmolLM2 workers (``benchmarks.common.SETTINGS``: one thread each, n_ctx 1024, ubatch 64,
+n SmolLM2 workers (``harness.common.SETTINGS``: one thread each, n_ctx 1024, ubatch 64,
 flash attention; one slot) on loopback, and n more behind ``dgr.testing.linkemu`` processes
-on both planes (``compare.EmulatedCluster``, RTT/2 each way; the same as benches/wan.py).
+on both planes (``harness.clusters.EmulatedCluster``, RTT/2 each way; the same as benches/wan.py).
 RTT 0 is the plain loopback workers (no emulator). Each configuration runs the decode loop
 (``AsyncRoute(relay=True, loop=True)``) with ``speculate=""`` (off) and ``speculate="ngram"``,
 side by side within each round (off first in even rounds, on first in odd ones), on each
@@ -22,7 +22,7 @@ prompt:
 Reported per prompt and RTT (medians over ``--rounds``): tokens/s off and on and their ratio,
 the acceptance (drafts accepted / sent), tokens per ring trip, TPOT on, and the per-trip
 model: a trip costs about ``C + S * RTT`` (C: the loopback TPOT with speculation off in the
-same round; S: the seams a token crosses, ``compare.seams_model``), so TPOT on should be
+same round; S: the seams a token crosses, ``harness.clusters.seams_model``), so TPOT on should be
 about ``(C + S * RTT) / tokens_per_trip`` plus the extra compute of the drafts' rows. The
 tokens of every run are checked against speculation off (the same tokens: the exactness
 contract). Goals (issue 20): at RTT 20 ms, >= 2x tokens/s on a repetition-heavy prompt and
@@ -31,7 +31,6 @@ contract). Goals (issue 20): at RTT 20 ms, >= 2x tokens/s on a repetition-heavy 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -40,10 +39,10 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from benchmarks.bench_route import route_ranges, start_cluster  # noqa: E402
-from benchmarks.common import SETTINGS, smollm2_path  # noqa: E402
+from harness import cli
+from harness.clusters import route_ranges, start_cluster
+from harness.common import SETTINGS, smollm2_path
 
 CODE = ('def parse(line):\n    key, _, value = line.partition("=")\n'
         '    return key.strip(), value.strip()\n\n\n'
@@ -99,14 +98,11 @@ async def _run(endpoints, prompt: str, n: int, speculate: str, max_draft: int,
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = cli.parser(__doc__, stages=3, rounds=3, json=True)
     ap.add_argument("--rtts", default="0,20", help="RTTs per link, ms (0: plain loopback)")
-    ap.add_argument("--stages", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=96, help="decode steps of one run")
     ap.add_argument("--max-draft", type=int, default=8)
     ap.add_argument("--prompts", default=",".join(PROMPTS))
-    ap.add_argument("--json", help="write every run and the summary here")
     args = ap.parse_args(argv)
 
     from dgr._core import HAS_LAYER_RANGES
@@ -114,8 +110,7 @@ def main(argv=None) -> int:
     if args.stages > 1 and not HAS_LAYER_RANGES:
         print("benches/speculative.py: this build has no layer ranges")
         return 0
-    import compare
-    from compare import seams_model
+    from harness.clusters import EmulatedCluster, seams_model
 
     n = args.stages
     rtts = [float(x) for x in args.rtts.split(",") if x]
@@ -130,7 +125,7 @@ def main(argv=None) -> int:
     direct = emu = None
     try:
         direct = start_cluster(path, n, n_layer)
-        emu = compare.EmulatedCluster(path, n, n_layer, max(rtts)).start()
+        emu = EmulatedCluster(path, n, n_layer, max(rtts)).start()
         for i in range(args.rounds):
             for rtt in rtts:
                 if rtt > 0:

@@ -11,15 +11,14 @@ Python around each step).
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from benchmarks.common import SETTINGS, smollm2_path  # noqa: E402
+from harness import cli
+from harness.common import SETTINGS, smollm2_path
 
 
 def _decode_ms(step, n_tokens: int) -> float:
@@ -32,9 +31,7 @@ def _decode_ms(step, n_tokens: int) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--stages", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=9)
+    ap = cli.parser(__doc__, stages=3, rounds=9)
     ap.add_argument("--tokens", type=int, default=64, help="decode steps per round")
     args = ap.parse_args(argv)
 

@@ -8,48 +8,49 @@ about its share of the file, not the whole file.
 
 from __future__ import annotations
 
-import argparse
-import json
-import subprocess
 import sys
 
-CHILD = r"""
-import json, sys
-import dgr
-path, a, b = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-def rss():
+from harness import cli, fresh
+def _rss() -> dict:
     out = {}
-    for line in open("/proc/self/status"):
-        k, _, v = line.partition(":")
-        if k in ("VmRSS", "RssAnon", "RssFile"):
-            out[k] = int(v.split()[0]) * 1024
+    with open("/proc/self/status") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            if k in ("VmRSS", "RssAnon", "RssFile"):
+                out[k] = int(v.split()[0]) * 1024
     return out
-before = rss()
-e = dgr.Engine(path, layers=None if b < 0 else (a, b), n_ctx=1024, n_threads=1, n_ubatch=64)
-d = e.describe()
-after = rss()
-# touch every owned weight: a 64-token prefill and 4 decode steps
-import numpy as np
-x = np.arange(64, dtype=np.int32) + 100
-if e.is_first:
-    y = e.forward(0, 0, x)
-else:
-    y = e.forward(0, 0, boundary=np.zeros((64, e.n_embd_boundary), np.float32))
-for k in range(4):
+
+
+def stage_rss(path: str, a: int, b: int) -> dict:
+    """In this process: RSS before and after loading layers [a, b) (b < 0: the whole model),
+    and after a 64-token prefill and 4 decode steps (every owned weight touched)."""
+    import numpy as np
+
+    import dgr
+
+    before = _rss()
+    e = dgr.Engine(path, layers=None if b < 0 else (a, b), n_ctx=1024, n_threads=1,
+                   n_ubatch=64)
+    d = e.describe()
+    after = _rss()
+    x = np.arange(64, dtype=np.int32) + 100
     if e.is_first:
-        e.forward(0, 64 + k, x[:1])
+        e.forward(0, 0, x)
     else:
-        e.forward(0, 64 + k, boundary=np.zeros((1, e.n_embd_boundary), np.float32))
-used = rss()
-print(json.dumps({"layers": d["layers"], "weight_bytes": d["weight_bytes"], "kv_bytes": d["kv_bytes"],
-                  "rss_before": before, "rss_after": after, "rss_used": used}))
-"""
+        e.forward(0, 0, boundary=np.zeros((64, e.n_embd_boundary), np.float32))
+    for k in range(4):
+        if e.is_first:
+            e.forward(0, 64 + k, x[:1])
+        else:
+            e.forward(0, 64 + k, boundary=np.zeros((1, e.n_embd_boundary), np.float32))
+    return {"layers": d["layers"], "weight_bytes": d["weight_bytes"],
+            "kv_bytes": d["kv_bytes"], "rss_before": before, "rss_after": after,
+            "rss_used": _rss()}
 
 
 def measure(path: str, a: int, b: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, path, str(a), str(b)], capture_output=True,
-                         text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    """``stage_rss`` in a process of its own."""
+    return fresh.call("stage_memory", "stage_rss", path, a, b)
 
 
 def run(path: str, n_stages: int) -> list[dict]:
@@ -63,10 +64,8 @@ def run(path: str, n_stages: int) -> list[dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.parser(__doc__, stages=3, json=True)
     ap.add_argument("--model")
-    ap.add_argument("--stages", type=int, default=3)
-    ap.add_argument("--json")
     args = ap.parse_args()
     from dgr.artifacts import models
 
@@ -87,9 +86,7 @@ def main() -> int:
               f"{load * mib:>9.1f} {used * mib:>9.1f} {fil * mib:>13.1f} {used / w_used:>11.2f}")
     print("RSS deltas are measured from just before the engine loads; 'used' is after a 64-token "
           "prefill and 4 decode steps (every owned weight touched).")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    cli.write_json(args.json, rows, indent=2)
     return 0
 
 

@@ -37,7 +37,6 @@ pure, see tests/unit/test_benches.py.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -45,8 +44,7 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+from harness import cli
 
 
 # --- pure functions --------------------------------------------------------------------------
@@ -193,7 +191,7 @@ def range_compute_ms(n_stages: int, n_tokens: int = 64) -> list[float]:
     this process (the workers' settings; no transport)."""
     import statistics
 
-    from benchmarks.common import SETTINGS, smollm2_path
+    from harness.common import SETTINGS, smollm2_path
 
     import dgr
     from dgr.protocol.ranges import split_layers
@@ -216,13 +214,9 @@ def range_compute_ms(n_stages: int, n_tokens: int = 64) -> list[float]:
 
 
 def _range_compute_own_process(n_stages: int) -> list[float]:
-    import subprocess
+    from harness import fresh
 
-    code = (f"import sys, json; sys.path.insert(0, {HERE!r}); import timeline; "
-            f"print(json.dumps(timeline.range_compute_ms({n_stages})))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=600).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return fresh.call("timeline", "range_compute_ms", n_stages)
 
 
 # --- the run ---------------------------------------------------------------------------------
@@ -268,8 +262,8 @@ async def _decode(endpoints, prompt, n: int) -> dict:
 def _traced(n_stages: int, log, go):
     """Start traced workers, ``go(endpoints)`` (a coroutine function), stop them (which
     flushes the traces) and return (go's result, the spans of its session)."""
-    from benchmarks.bench_route import start_cluster
-    from benchmarks.common import SETTINGS, smollm2_path
+    from harness.clusters import start_cluster
+    from harness.common import SETTINGS, smollm2_path
 
     import dgr
 
@@ -296,9 +290,9 @@ def run_decode(n_stages: int, n_tokens: int, log=print) -> dict:
     """Trace a relayed decode loop; the same ranges' compute alone before and after."""
     import statistics
 
-    import compare
+    from harness.common import N_VOCAB, prompt_tokens
 
-    prompt = [int(t) for t in compare.prompt_tokens(32, compare.N_VOCAB)]
+    prompt = [int(t) for t in prompt_tokens(32, N_VOCAB)]
     log("the ranges alone, in a process of their own ...")
     before = _range_compute_own_process(n_stages)
     res, spans = _traced(n_stages, log, lambda eps: _decode(eps, prompt, n_tokens))
@@ -333,9 +327,9 @@ def report_decode(out: dict, file=sys.stdout) -> None:
 
 def run(n_stages: int, n_prompt: int, whole: bool = True, log=print) -> dict:
     import compare
-    from benchmarks.common import SETTINGS
+    from harness.common import N_VOCAB, SETTINGS, prompt_tokens
 
-    prompt = [int(t) for t in compare.prompt_tokens(n_prompt, compare.N_VOCAB)]
+    prompt = [int(t) for t in prompt_tokens(n_prompt, N_VOCAB)]
     res, spans = _traced(n_stages, log, lambda eps: _prefill(eps, prompt))
     stats = overlap_stats(spans)
     stats["wall_s"] = res["t1"] - res["t0"]
@@ -375,15 +369,13 @@ def report(out: dict, width: int = 100, file=sys.stdout) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--stages", type=int, default=3)
+    ap = cli.parser(__doc__, stages=3, json=True)
     ap.add_argument("--prompt", type=int, default=512, help="prompt tokens")
     ap.add_argument("--width", type=int, default=100, help="timeline columns")
     ap.add_argument("--no-whole", action="store_true", help="skip the whole-model run")
     ap.add_argument("--decode", type=int, metavar="N",
                     help="trace a relayed decode loop of N tokens instead: where a token's "
                          "time goes, stage by stage")
-    ap.add_argument("--json", help="write spans and statistics here")
     args = ap.parse_args(argv)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     if args.decode:

@@ -4,7 +4,7 @@
                                 [--micro-n 400] [--no-decode] [--no-micro]
 
 Modes (docs/security.md), each a route of three ``python -m dgr.worker`` processes on
-loopback (SmolLM2-135M, benches/benchmarks/common.SETTINGS: one thread per stage):
+loopback (SmolLM2-135M, benches/harness/common.SETTINGS: one thread per stage):
 
 - ``plain``: no credential, no TLS;
 - ``keys``: ``--cluster-keys`` (a token on every gRPC call and as the first frame of every
@@ -19,7 +19,7 @@ directory per run. All four routes run at once; each round decodes ``--tokens`` 
 every (mode, path), in an order rotated from round to round, so a busy machine skews them
 alike; medians of the rounds are reported.
 
-**Decode** (``benches/benchmarks/bench_route.route_decode``: tokens/s after the first
+**Decode** (``benches/harness/bench_route.route_decode``: tokens/s after the first
 token): over the direct-relay data plane (``relay=True``, the default path; the data plane's
 TLS is the tunnel of ``dgr.transport.tls``) and over gRPC (``relay=False``; gRPC's own TLS).
 "added ms/seam" is ``(ms/token of the mode - ms/token of plain) / links`` of the medians
@@ -61,8 +61,8 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from harness import cli
+
 
 MODES = ("plain", "keys", "tls", "mtls")
 PATHS = ("relay", "grpc")
@@ -451,8 +451,9 @@ def summarize_decode(samples: dict, links=LINKS) -> dict:
 def run_decode(pki: dict[str, str], modes, rounds: int, tokens: int, log=None) -> dict:
     """Start one 3-stage route per mode, decode ``tokens`` tokens per (mode, path) per round
     (rotated order); returns ``summarize_decode`` of the rounds."""
-    from benchmarks.bench_route import route_decode, start_cluster
-    from benchmarks.common import SETTINGS, smollm2_path
+    from harness.bench_route import route_decode
+    from harness.clusters import start_cluster
+    from harness.common import SETTINGS, smollm2_path
 
     import dgr
 
@@ -536,8 +537,7 @@ def table(res: dict) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=5)
+    ap = cli.parser(__doc__, rounds=5, json=True)
     ap.add_argument("--tokens", type=int, default=64, help="decode steps per route_decode")
     ap.add_argument("--modes", default=",".join(MODES),
                     help=f"comma-separated, of {', '.join(MODES)} (plain is always run)")
@@ -545,7 +545,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="link round trips per block (one block per cell per round)")
     ap.add_argument("--no-decode", action="store_true", help="only the link micro")
     ap.add_argument("--no-micro", action="store_true", help="only the decode")
-    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in modes if m not in MODES]

@@ -4,12 +4,12 @@ delay model of each path.
     python benches/wan.py [--rtts 0,5,20,100] [--stages 3] [--budget-s 20] [--rounds 3]
                           [--paths relay,grpc] [--json out.json]
 
-n SmolLM2 workers (``benchmarks.common.SETTINGS``: one thread, n_ctx 1024, ubatch 64, flash
+n SmolLM2 workers (``harness.common.SETTINGS``: one thread, n_ctx 1024, ubatch 64, flash
 attention; one slot) on loopback, started twice:
 
 * ``direct``: plain workers, no emulator;
 * ``emulated``: every port of every worker behind a ``python -m dgr.testing.linkemu`` process
-  (delay RTT/2 each way), on both planes (``compare.EmulatedCluster``): the gRPC port, and the
+  (delay RTT/2 each way), on both planes (``harness.clusters.EmulatedCluster``): the gRPC port, and the
   data plane (worker i binds D_i and advertises P_i, ``--data-port D_i --advertise-data-port
   P_i``; the emulator listens on P_i and forwards to D_i). The driver's data link to stage 1,
   every stage-to-stage link and the last stage's reply to the driver each cross one emulator
@@ -51,7 +51,6 @@ P <= 1 ms. Each path and RTT decodes at most about ``--budget-s`` seconds in all
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -59,10 +58,10 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from benchmarks.bench_route import route_ranges, start_cluster  # noqa: E402
-from benchmarks.common import SETTINGS, prompt_tokens, smollm2_path  # noqa: E402
+from harness import cli
+from harness.clusters import route_ranges, start_cluster
+from harness.common import SETTINGS, prompt_tokens, smollm2_path
 
 N_PROMPT = 16
 MAX_TOKENS = 64  # decode steps of one run, at most
@@ -74,14 +73,14 @@ PATHS = ("relay", "grpc")
 
 def seams(n_stages: int, relay: bool, steps: int, window: int = WINDOW) -> float:
     """S in TPOT = C + S * RTT: emulated round trips a decode token pays, averaged over
-    ``steps`` timed steps (timed from the prompt's token); ``compare.seams_model``, one
+    ``steps`` timed steps (timed from the prompt's token); ``harness.clusters.seams_model``, one
     definition for both benchmarks.
 
     relay (decode loop): every token crosses n one-way links of RTT/2 (1 -> 2 -> ... -> n
     -> 1): n/2. Every loop window, the first included, starts from the driver: the token
     before it goes n -> driver -> 1 (two one-way links instead of one): + 1/2 per window.
     grpc: one driver round trip per stage: n."""
-    from compare import seams_model
+    from harness.clusters import seams_model
 
     return seams_model("relay" if relay else "dgr", n_stages, steps, window)
 
@@ -189,11 +188,11 @@ def _stop(procs):
 
 
 def _emulated_cluster(path: str, n: int, n_layer: int, rtt_ms: float, args=()):
-    """``compare.EmulatedCluster`` (both planes behind emulators), its workers started with
+    """``harness.clusters.EmulatedCluster`` (both planes behind emulators), its workers started with
     ``args`` as well."""
-    import compare
+    from harness.clusters import EmulatedCluster
 
-    return compare.EmulatedCluster(path, n, n_layer, rtt_ms, args).start()
+    return EmulatedCluster(path, n, n_layer, rtt_ms, args).start()
 
 
 def n_tokens(budget_s: float, rounds: int, s: float, rtt_ms: float) -> int:
@@ -210,13 +209,11 @@ def fit(rows) -> tuple[float, float] | None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = cli.parser(__doc__, stages=3, rounds=3, json=True)
     ap.add_argument("--rtts", default="0,5,20,100", help="RTT per link, ms (emulated)")
-    ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=20.0,
                     help="about how long each path and RTT decodes in all (tokens per run "
                          "scale down with RTT)")
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--paths", default=",".join(PATHS),
                     help="relay (AsyncRoute relay=True, decode loop) and/or grpc (relay=False)")
     ap.add_argument("--model", default=None,
@@ -224,7 +221,6 @@ def main(argv=None) -> int:
                          "transport's share)")
     ap.add_argument("--inline-compute", action="store_true",
                     help="workers compute on their event loop thread (no thread handoff)")
-    ap.add_argument("--json", help="write every run and the summary here")
     args = ap.parse_args(argv)
 
     from dgr._core import HAS_LAYER_RANGES

@@ -5,13 +5,11 @@ from __future__ import annotations
 import statistics
 import sys
 import timeit
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from dgr.protocol import wire  # noqa: E402
+from dgr.protocol import wire
 
 GOAL_US = 20.0
 

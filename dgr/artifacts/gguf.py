@@ -9,6 +9,7 @@ infers nested array types), which could change the metadata a slice is meant to 
 
 from __future__ import annotations
 
+import importlib.util
 import mmap
 import os
 import re
@@ -68,10 +69,18 @@ def gguf_module():
         from dgr.errors import VendorError
 
         raise VendorError(f"{path} is missing; run `python -m dgr.vendor fetch`")
-    if path not in sys.path:
-        sys.path.insert(0, path)
-    import gguf  # noqa: E402
-
+    gguf = sys.modules.get("gguf")
+    if gguf is None:  # the package loaded from its folder: sys.path is left as it is
+        init = Path(path) / "gguf" / "__init__.py"
+        spec = importlib.util.spec_from_file_location(
+            "gguf", init, submodule_search_locations=[str(init.parent)])
+        gguf = importlib.util.module_from_spec(spec)
+        sys.modules["gguf"] = gguf
+        try:
+            spec.loader.exec_module(gguf)
+        except BaseException:
+            del sys.modules["gguf"]
+            raise
     _gguf = gguf
     return gguf
 

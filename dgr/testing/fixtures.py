@@ -6,29 +6,14 @@ metadata keys and tensor names always match the loader that reads them.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from dgr.artifacts.gguf import gguf_module
+
 __all__ = ["gguf_module", "TinyLlama", "write_tiny_llama", "TinyDeepseek4", "write_tiny_deepseek4"]
-
-
-def gguf_module():
-    """Import ``gguf`` from the pinned llama.cpp tree in the vendor cache."""
-    from dgr.vendor import Vendor
-
-    path = str(Vendor().gguf_py())
-    if not Path(path).exists():
-        from dgr.errors import VendorError
-
-        raise VendorError(f"{path} is missing; run `python -m dgr.vendor fetch`")
-    if path not in sys.path:
-        sys.path.insert(0, path)
-    import gguf  # noqa: E402
-
-    return gguf
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,6 @@ split bit-exact (the 7B run in docs/performance.md relies on all of it)."""
 from __future__ import annotations
 
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -14,9 +13,8 @@ import dgr
 from dgr.control.parity import compare
 
 BENCHES = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "benches"))
-sys.path.insert(0, BENCHES)
 
-import qwen2_7b  # noqa: E402
+import qwen2_7b
 
 TINY = dict(n_ctx=128, n_threads=1, n_ubatch=8)
 

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benches"))
 batching = pytest.importorskip("batching")
 
 

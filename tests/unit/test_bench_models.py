@@ -4,15 +4,13 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
 BENCHES = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "benches"))
-sys.path.insert(0, BENCHES)
 
-import process_floor  # noqa: E402
-import wan  # noqa: E402
+import process_floor
+import wan
 
 # --- wan: S and P per path -------------------------------------------------------------------
 

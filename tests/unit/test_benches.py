@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 
 BENCHES = os.path.join(os.path.dirname(__file__), "..", "..", "benches")
-sys.path.insert(0, os.path.abspath(BENCHES))
 
 compare = pytest.importorskip("compare")
+clusters = pytest.importorskip("harness.clusters")
+common = pytest.importorskip("harness.common")
+llama_tools = pytest.importorskip("harness.llama")
 timeline = pytest.importorskip("timeline")
 process_floor = pytest.importorskip("process_floor")
 
@@ -34,12 +35,12 @@ def test_parse_config():
 def test_seams_model():
     # relay: n/2 a token, plus one link (half a round trip) per loop window, the first one
     # included: 64 steps in windows of 32 -> 2 windows
-    assert compare.seams_model("relay", 3, 64, 32) == pytest.approx(1.5 + 2 / 128)
-    assert compare.seams_model("relay", 3, 32, 32) == pytest.approx(1.5 + 1 / 64)
-    assert compare.seams_model("relay", 4, 1, 32) == pytest.approx(2.5)
-    assert compare.seams_model("dgr", 3, 64) == 3.0
+    assert clusters.seams_model("relay", 3, 64, 32) == pytest.approx(1.5 + 2 / 128)
+    assert clusters.seams_model("relay", 3, 32, 32) == pytest.approx(1.5 + 1 / 64)
+    assert clusters.seams_model("relay", 4, 1, 32) == pytest.approx(2.5)
+    assert clusters.seams_model("dgr", 3, 64) == 3.0
     with pytest.raises(ValueError):
-        compare.seams_model("relay", 3, 0)
+        clusters.seams_model("relay", 3, 0)
 
 
 def _row(tps, **kw):
@@ -104,8 +105,8 @@ def _flag(cmd, name):
 
 
 def test_llama_bench_commands_run_dgrs_settings():
-    s = compare.SETTINGS
-    cmds = compare.llama_bench_commands(s, 64, (128, 512), "m.gguf", exe="lb")
+    s = common.SETTINGS
+    cmds = llama_tools.llama_bench_commands(s, 64, (128, 512), "m.gguf", exe="lb")
     assert sorted(cmds) == ["decode", "prefill"]
     for cmd in cmds.values():
         assert cmd[0] == "lb" and _flag(cmd, "-m") == "m.gguf"
@@ -120,14 +121,14 @@ def test_llama_bench_commands_run_dgrs_settings():
     assert (_flag(pre, "-p"), _flag(pre, "-n"), _flag(pre, "-d")) == ("128,512", "0", "0")
     # decode at the same depth after the same prompt length as dgr
     assert (_flag(dec, "-p"), _flag(dec, "-n"), _flag(dec, "-d")) == (
-        "0", "64", str(compare.N_PROMPT_DECODE))
-    assert compare.N_PROMPT_DECODE == 16
+        "0", "64", str(common.N_PROMPT_DECODE))
+    assert common.N_PROMPT_DECODE == 16
 
 
 def test_llama_bench_commands_follow_the_settings_and_rpc():
-    s = {**compare.SETTINGS, "n_ubatch": 32, "flash_attn": False, "n_threads": 2,
+    s = {**common.SETTINGS, "n_ubatch": 32, "flash_attn": False, "n_threads": 2,
          "type_k": "q8_0"}
-    cmds = compare.llama_bench_commands(s, 8, (), "m.gguf", rpc=["127.0.0.1:1", "127.0.0.1:2"],
+    cmds = llama_tools.llama_bench_commands(s, 8, (), "m.gguf", rpc=["127.0.0.1:1", "127.0.0.1:2"],
                                         extra=["--repack", "0"])
     assert list(cmds) == ["decode"]  # no prefill lengths: no prefill run
     dec = cmds["decode"]
@@ -138,16 +139,16 @@ def test_llama_bench_commands_follow_the_settings_and_rpc():
 
 
 def test_llama_bench_commands_refuse_what_they_cannot_mirror():
-    s = compare.SETTINGS
+    s = common.SETTINGS
     with pytest.raises(ValueError, match="n_ctx"):  # llama-bench's context would be larger
-        compare.llama_bench_commands({**s, "n_ctx": 256}, 250, (), "m.gguf")
+        llama_tools.llama_bench_commands({**s, "n_ctx": 256}, 250, (), "m.gguf")
     with pytest.raises(ValueError, match="n_ctx"):
-        compare.llama_bench_commands({**s, "n_ctx": 256}, 8, (512,), "m.gguf")
-    compare.llama_bench_commands({**s, "n_ctx": 256}, 240, (256,), "m.gguf")  # fits exactly
+        llama_tools.llama_bench_commands({**s, "n_ctx": 256}, 8, (512,), "m.gguf")
+    llama_tools.llama_bench_commands({**s, "n_ctx": 256}, 240, (256,), "m.gguf")  # fits exactly
     with pytest.raises(ValueError, match="n_slots"):
-        compare.llama_bench_commands({**s, "n_slots": 4}, 8, (), "m.gguf")
+        llama_tools.llama_bench_commands({**s, "n_slots": 4}, 8, (), "m.gguf")
     with pytest.raises(ValueError, match="mirror"):
-        compare.llama_bench_commands({**s, "mtp": True}, 8, (), "m.gguf")
+        llama_tools.llama_bench_commands({**s, "mtp": True}, 8, (), "m.gguf")
 
 
 def _bench_rec(n_prompt, n_gen, n_depth, ts, **kw):
@@ -157,10 +158,10 @@ def _bench_rec(n_prompt, n_gen, n_depth, ts, **kw):
 
 
 def test_parse_bench_checks_every_record():
-    s = compare.SETTINGS
+    s = common.SETTINGS
     recs = [_bench_rec(128, 0, 0, 300.0), _bench_rec(512, 0, 0, 250.0),
             _bench_rec(0, 64, 16, 60.0)]
-    assert compare.parse_bench(recs, s, 16) == {"prefill128_tps": 300.0,
+    assert llama_tools.parse_bench(recs, s, 16) == {"prefill128_tps": 300.0,
                                                 "prefill512_tps": 250.0, "decode_tps": 60.0}
     for bad in (_bench_rec(0, 64, 0, 60.0),                   # decoded from an empty cache
                 _bench_rec(128, 0, 0, 1.0, n_ubatch=512),     # llama-bench's default ubatch
@@ -168,9 +169,9 @@ def test_parse_bench_checks_every_record():
                 _bench_rec(128, 0, 0, 1.0, flash_attn=-1),    # auto
                 _bench_rec(128, 0, 0, 1.0, n_gpu_layers=99)):
         with pytest.raises(RuntimeError, match="llama-bench ran"):
-            compare.parse_bench([bad], s, 16)
+            llama_tools.parse_bench([bad], s, 16)
     rpc = _bench_rec(0, 64, 16, 60.0, n_gpu_layers=99)
-    assert compare.parse_bench([rpc], s, 16, rpc=True) == {"decode_tps": 60.0}
+    assert llama_tools.parse_bench([rpc], s, 16, rpc=True) == {"decode_tps": 60.0}
 
 
 SS = "\n".join([  # ss -tinpH state established: an address line, then its tcp_info line

@@ -1,20 +1,17 @@
 """The pure parts of benches/compare.py's concurrent-session rows and llama-batched-bench
-reference, and of benches/benchmarks/bench_batching.py (no workers, no model)."""
+reference, and of benches/harness/bench_batching.py (no workers, no model)."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import sys
 from types import SimpleNamespace
 
 import pytest
 
-BENCHES = os.path.join(os.path.dirname(__file__), "..", "..", "benches")
-sys.path.insert(0, os.path.abspath(BENCHES))
-
 compare = pytest.importorskip("compare")
+common = pytest.importorskip("harness.common")
+llama_tools = pytest.importorskip("harness.llama")
 
 SETTINGS = {"n_ctx": 1024, "n_slots": 32, "n_threads": 1, "n_ubatch": 64, "flash_attn": True,
             "type_k": "f16", "type_v": "f16"}
@@ -25,16 +22,16 @@ def _flag(cmd, name):
 
 
 def test_batched_bench_threads_is_the_routes_total_capped_at_the_cores():
-    assert compare.batched_bench_threads(3, 1, 2) == (1, 2)
-    assert compare.batched_bench_threads(3, 1, 16) == (1, 3)
-    assert compare.batched_bench_threads(2, 2, 16) == (2, 4)
-    assert compare.batched_bench_threads(1, 1, 8) == (1, 1)
+    assert llama_tools.batched_bench_threads(3, 1, 2) == (1, 2)
+    assert llama_tools.batched_bench_threads(3, 1, 16) == (1, 3)
+    assert llama_tools.batched_bench_threads(2, 2, 16) == (2, 4)
+    assert llama_tools.batched_bench_threads(1, 1, 8) == (1, 1)
     with pytest.raises(ValueError):
-        compare.batched_bench_threads(0, 1, 2)
+        llama_tools.batched_bench_threads(0, 1, 2)
 
 
 def test_batched_bench_command_mirrors_the_session_clusters_settings():
-    cmd = compare.batched_bench_command(SETTINGS, [16, 1, 4, 32, 4], 64, 2, "m.gguf", exe="bb")
+    cmd = llama_tools.batched_bench_command(SETTINGS, [16, 1, 4, 32, 4], 64, 2, "m.gguf", exe="bb")
     assert cmd[0] == "bb" and _flag(cmd, "-m") == "m.gguf"
     assert _flag(cmd, "-c") == str(1024 * 32)  # n_ctx per sequence x the most sequences
     assert "-no-kvu" in cmd  # one KV stream per sequence, as dgr's slots
@@ -42,7 +39,7 @@ def test_batched_bench_command_mirrors_the_session_clusters_settings():
     assert _flag(cmd, "-t") == "2" and _flag(cmd, "-fa") == "on"
     assert _flag(cmd, "-ctk") == "f16" and _flag(cmd, "-ctv") == "f16"
     assert _flag(cmd, "-lm") == "auto" and _flag(cmd, "-ngl") == "0"
-    assert _flag(cmd, "-npp") == str(compare.N_PROMPT_DECODE) and _flag(cmd, "-ntg") == "64"
+    assert _flag(cmd, "-npp") == str(common.N_PROMPT_DECODE) and _flag(cmd, "-ntg") == "64"
     assert _flag(cmd, "-npl") == "1,4,16,32"  # sorted, once each
     assert _flag(cmd, "--output-format") == "jsonl"
 
@@ -50,7 +47,7 @@ def test_batched_bench_command_mirrors_the_session_clusters_settings():
 def test_batched_bench_command_follows_other_settings():
     s = {**SETTINGS, "n_ctx": 256, "n_slots": 8, "n_ubatch": 32, "flash_attn": False,
          "type_k": "q8_0", "use_mmap": False}
-    cmd = compare.batched_bench_command(s, [2, 8], 16, 1, "m.gguf", n_prompt=8)
+    cmd = llama_tools.batched_bench_command(s, [2, 8], 16, 1, "m.gguf", n_prompt=8)
     assert cmd[0] == "llama-batched-bench"
     assert _flag(cmd, "-c") == str(256 * 8) and _flag(cmd, "-b") == "32"
     assert _flag(cmd, "-ub") == "32" and _flag(cmd, "-fa") == "off"
@@ -60,14 +57,14 @@ def test_batched_bench_command_follows_other_settings():
 
 def test_batched_bench_command_refuses_what_it_cannot_mirror():
     with pytest.raises(ValueError, match="mtp"):
-        compare.batched_bench_command({**SETTINGS, "mtp": True}, [4], 8, 1, "m.gguf")
+        llama_tools.batched_bench_command({**SETTINGS, "mtp": True}, [4], 8, 1, "m.gguf")
     with pytest.raises(ValueError, match="slots"):
-        compare.batched_bench_command({**SETTINGS, "n_slots": 16}, [4, 32], 8, 1, "m.gguf")
+        llama_tools.batched_bench_command({**SETTINGS, "n_slots": 16}, [4, 32], 8, 1, "m.gguf")
     with pytest.raises(ValueError, match="n_ctx"):
-        compare.batched_bench_command({**SETTINGS, "n_ctx": 64}, [4], 49, 1, "m.gguf")
-    compare.batched_bench_command({**SETTINGS, "n_ctx": 64}, [4], 48, 1, "m.gguf")  # fits
+        llama_tools.batched_bench_command({**SETTINGS, "n_ctx": 64}, [4], 49, 1, "m.gguf")
+    llama_tools.batched_bench_command({**SETTINGS, "n_ctx": 64}, [4], 48, 1, "m.gguf")  # fits
     with pytest.raises(ValueError):
-        compare.batched_bench_command(SETTINGS, [], 8, 1, "m.gguf")
+        llama_tools.batched_bench_command(SETTINGS, [], 8, 1, "m.gguf")
 
 
 def _record(pl, threads=2, tg=64, **over):
@@ -85,7 +82,7 @@ def _jsonl(*recs):
 
 def test_parse_batched_bench_reads_s_tg_and_the_time_per_step():
     text = _jsonl(_record(1), _record(4), _record(16), _record(32))
-    out = compare.parse_batched_bench(text, SETTINGS, [1, 4, 16, 32], 64, 2)
+    out = llama_tools.parse_batched_bench(text, SETTINGS, [1, 4, 16, 32], 64, 2)
     assert sorted(out) == [1, 4, 16, 32]
     assert out[16]["aggregate_tps"] == pytest.approx(16 * 64 / (0.64 * 3))
     assert out[16]["tpot_ms"] == pytest.approx(1e3 * 0.64 * 3 / 64)  # one token a sequence
@@ -94,16 +91,16 @@ def test_parse_batched_bench_reads_s_tg_and_the_time_per_step():
 
 def test_parse_batched_bench_refuses_other_settings_and_missing_counts():
     ok = [_record(1), _record(4)]
-    compare.parse_batched_bench(_jsonl(*ok), SETTINGS, [1, 4], 64, 2)
+    llama_tools.parse_batched_bench(_jsonl(*ok), SETTINGS, [1, 4], 64, 2)
     for bad in (_record(4, threads=1), _record(4, tg=32), _record(4, n_ubatch=32),
                 _record(4, flash_attn=0), _record(4, is_pp_shared=1),
                 _record(4, n_gpu_layers=99)):
         with pytest.raises(RuntimeError, match="ran"):
-            compare.parse_batched_bench(_jsonl(ok[0], bad), SETTINGS, [1, 4], 64, 2)
+            llama_tools.parse_batched_bench(_jsonl(ok[0], bad), SETTINGS, [1, 4], 64, 2)
     with pytest.raises(RuntimeError, match=r"\[16\]"):  # batched-bench skipped a count
-        compare.parse_batched_bench(_jsonl(*ok), SETTINGS, [1, 4, 16], 64, 2)
+        llama_tools.parse_batched_bench(_jsonl(*ok), SETTINGS, [1, 4, 16], 64, 2)
     with pytest.raises(RuntimeError, match="context"):  # a smaller KV than dgr's slots
-        compare.parse_batched_bench(_jsonl(_record(1, n_kv_max=1024), ok[1]), SETTINGS,
+        llama_tools.parse_batched_bench(_jsonl(_record(1, n_kv_max=1024), ok[1]), SETTINGS,
                                     [1, 4], 64, 2)
 
 
@@ -211,10 +208,10 @@ def test_main_only_sessions_runs_the_session_rows_and_batched_bench(monkeypatch)
         compare.main(["--only-sessions"])
 
 
-# --- benches/benchmarks/bench_batching.py ---------------------------------------------------
+# --- benches/harness/bench_batching.py ---------------------------------------------------
 
 def test_bench_batching_tracks_read_the_summary_rows():
-    from benchmarks import bench_batching as bb
+    from harness import bench_batching as bb
 
     cache = {4: {"sessions": 4, "batched": {"aggregate_tps": 120.0, "parity": True,
                                             "tpot_ms_p50": 30.0, "tpot_ms_max": 33.0},

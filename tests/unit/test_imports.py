@@ -66,3 +66,95 @@ def test_the_driver_imports_without_the_compiled_core():
     r = subprocess.run([sys.executable, "-c", _HIDE_CORE], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "OK", r.stdout + r.stderr
+
+
+# --- benches/: the scripts and their harness -------------------------------------------------
+
+def bench_import_graph(benches: Path) -> dict[str, set[str]]:
+    """{module: the benches modules it imports}, anywhere in its code (function-level imports
+    too): the scripts are top-level modules (``compare``), the harness is ``harness.*``."""
+    import ast
+
+    files = {p.stem: p for p in benches.glob("*.py")}
+    files |= {("harness" if p.stem == "__init__" else f"harness.{p.stem}"): p
+              for p in (benches / "harness").glob("*.py")}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        edges = graph.setdefault(mod, set())
+        package = mod if path.stem == "__init__" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(filter(None, [package, base]))
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base
+                         for a in node.names]
+            else:
+                continue
+            edges |= {t for t in map(resolve, names) if t and t != mod and t != "harness"}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` as a path (first == last), or None."""
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(graph.get(m, ())):
+            if state.get(t) == 1:
+                return stack[stack.index(t):] + [t]
+            if t not in state and (found := visit(t)):
+                return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_benches_have_no_import_cycle():
+    """No benchmark script imports one that imports it back (``compare`` and ``wan`` did,
+    through function-level imports), and the harness imports no script."""
+    graph = bench_import_graph(ROOT / "benches")
+    assert {"compare", "wan", "harness.clusters", "harness.fresh"} <= set(graph)
+    assert find_cycle(graph) is None, find_cycle(graph)
+    for mod, targets in graph.items():
+        if mod.startswith("harness"):
+            assert all(t.startswith("harness") for t in targets), (mod, targets)
+
+
+def test_the_bench_cycle_check_finds_a_function_level_cycle(tmp_path):
+    shutil.copytree(ROOT / "benches", tmp_path / "benches",
+                    ignore=shutil.ignore_patterns("results", "__pycache__", ".asv"))
+    compare = tmp_path / "benches" / "compare.py"
+    compare.write_text(compare.read_text() + "\n\ndef _back():\n    import timeline\n")
+    cycle = find_cycle(bench_import_graph(tmp_path / "benches"))
+    assert cycle is not None and {"compare", "timeline"} <= set(cycle), cycle
+
+
+def test_no_file_edits_sys_path():
+    """Tests find benches/ through pytest's ``pythonpath``, scripts their own folder, the
+    harness's fresh processes run in benches/, and gguf-py is loaded from its folder."""
+    offenders = []
+    for folder in ("dgr", "benches", "tests"):
+        for p in (ROOT / folder).rglob("*.py"):
+            if "results" in p.parts or p == Path(__file__):
+                continue
+            for i, line in enumerate(p.read_text().splitlines(), 1):
+                if "sys.path." in line or "sys.path[" in line:
+                    offenders.append(f"{p.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)

@@ -4,16 +4,12 @@ measures per request (TTFT, time per output token, output tokens from usage) and
 from __future__ import annotations
 
 import json
-import os
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..",
-                                                "benches")))
 serve_load = pytest.importorskip("serve_load")
 
 GAP = 0.05  # seconds between the stub's content events

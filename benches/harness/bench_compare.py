@@ -1,7 +1,7 @@
 """dgr routes of 2-4 loopback stages vs the whole model and vs llama.cpp RPC (SmolLM2).
 
 The numbers of ``benches/compare.py`` (the same functions, so the same settings on every
-row: ``benchmarks.common.SETTINGS``, llama-bench and RPC included), one interleaved round
+row: ``harness.common.SETTINGS``, llama-bench and RPC included), one interleaved round
 measured once in ``setup_cache``: every ``track_`` reads a ratio or a value out of it. Each
 family is taken against the whole model of its own tool:
 ``track_dgr<k>_over_whole_<metric>_ratio`` is dgr with k stages over ``dgr.Engine`` in one
@@ -19,8 +19,9 @@ The RPC ones are NaN when llama-bench / ggml-rpc-server are not built
 from __future__ import annotations
 
 import math
-import os
-import sys
+
+from . import fresh
+from .llama import tool
 
 STAGES = (2, 3, 4)
 ROUNDS = 1
@@ -28,20 +29,10 @@ METRICS = {"decode": "decode_tps", "prefill128": "prefill128_tps",
            "prefill512": "prefill512_tps"}
 
 
-def _compare():
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    import compare
-
-    return compare
-
-
 def _have_llama_tools() -> bool:
     try:
-        c = _compare()
-        c.tool("llama-bench")
-        c.tool("ggml-rpc-server")
+        tool("llama-bench")
+        tool("ggml-rpc-server")
         return True
     except Exception:
         return False
@@ -60,7 +51,8 @@ class CompareSmolLM2:
         if not HAS_LAYER_RANGES:
             raise NotImplementedError("partial layer ranges are not in this build")
         llama = _have_llama_tools()
-        return _compare().run_compare(STAGES, ROUNDS, rpc=llama, llama=llama)
+        return fresh.call("compare", "run_compare", list(STAGES), ROUNDS, rpc=llama,
+                          llama=llama, timeout=1200)
 
     setup_cache.timeout = 1200
 

@@ -24,8 +24,9 @@ reads that one run:
 from __future__ import annotations
 
 import math
-import os
-import sys
+
+from . import fresh
+from .llama import tool
 
 SESSIONS = (1, 4, 16)
 TOKENS = 32
@@ -34,18 +35,9 @@ THREADS = (1, 2)  # llama-batched-bench -t: one stage's, and the route's 3 cappe
 ROUNDS = 1
 
 
-def _batching():
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    import batching
-
-    return batching
-
-
 def _have_batched_bench() -> bool:
     try:
-        _batching().compare.tool("llama-batched-bench")
+        tool("llama-batched-bench")
         return True
     except Exception:
         return False
@@ -59,10 +51,10 @@ def measure(sessions=SESSIONS, tokens: int = TOKENS, stages: int = STAGES,
 
     if not HAS_LAYER_RANGES:
         raise NotImplementedError("partial layer ranges are not in this build")
-    b = _batching()
     threads = list(threads) if _have_batched_bench() else []
-    res = b.run(b.smollm2_path(), list(sessions), tokens, stages, threads, rounds)
-    return {row["sessions"]: row for row in b.summarize(res, list(sessions), threads)}
+    rows = fresh.call("batching", "measure", list(sessions), tokens, stages, threads, rounds,
+                      timeout=900)
+    return {row["sessions"]: row for row in rows}
 
 
 class BatchingSmolLM2:

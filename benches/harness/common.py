@@ -9,6 +9,10 @@ import numpy as np
 # One thread per process, as in the project's reference measurements.
 SETTINGS = dict(n_ctx=1024, n_threads=1, n_ubatch=64, flash_attn=True)
 SEED = 1234
+#: the decode benchmarks' prompt length (llama-bench's ``-d``, llama-batched-bench's ``-npp``)
+N_PROMPT_DECODE = 16
+#: SmolLM2's vocabulary: the seeded prompts draw from it
+N_VOCAB = 49152
 
 
 def smollm2_path() -> str:
@@ -49,3 +53,8 @@ def decode_tps(model, n_decode: int, n_prompt: int = 16, slot: int = 0) -> float
     dt = time.perf_counter() - t0
     model.release(slot)
     return n_decode / dt
+
+
+def session_prompt(i: int) -> list[int]:
+    """The 16-token prompt of concurrent session ``i`` (a different seed per session)."""
+    return [int(t) for t in prompt_tokens(N_PROMPT_DECODE, N_VOCAB, seed=SEED + 1 + i)]

@@ -11,39 +11,12 @@ import asyncio
 import statistics
 import time
 
+from .clusters import start_cluster
 from .common import SETTINGS, decode_tps, prompt_tokens, smollm2_path
 
 STAGES = [1, 2, 3]
 N_DECODE = 64
 N_PROMPT = 16
-
-
-def route_ranges(n_layer: int, n: int):
-    from dgr.protocol.ranges import split_layers
-
-    return [None] if n == 1 else split_layers(n_layer, n)
-
-
-def start_cluster(path: str, n_stages: int, n_layer: int = 30, args=(), n_slots: int = 1,
-                  worker_args=None):
-    """A LocalCluster of ``n_stages`` workers, started (raise NotImplementedError when the
-    build cannot serve partial ranges: asv then skips the benchmark).
-
-    ``n_slots``: sessions per worker (1 by default, as the in-process whole model);
-    ``worker_args``: optional per-worker extra arguments (a list of ``n_stages`` lists, e.g.
-    ``--data-port D --advertise-data-port P``), after ``args``."""
-    from dgr._core import HAS_LAYER_RANGES
-    from dgr.worker.process import LocalCluster
-
-    if n_stages > 1 and not HAS_LAYER_RANGES:
-        raise NotImplementedError("partial layer ranges are not in this build")
-    # the engine's default n_slots (1), as the in-process whole model: same settings everywhere
-    settings = {**SETTINGS, "n_slots": n_slots}
-    c = LocalCluster(path, route_ranges(n_layer, n_stages), settings=settings, args=list(args))
-    for w, extra in zip(c.workers, worker_args or ()):
-        w.args = [*w.args, *extra]
-    c.start(timeout=180)
-    return c
 
 
 async def _route_decode(endpoints, n_decode: int, rounds: int, **route_kw) -> dict:
