@@ -43,22 +43,31 @@ def _out(engine, slot: int, first: int, tokens, boundary, a: int, b: int) -> np.
     return np.array(engine.forward(slot, first + a, **kw), copy=True)
 
 
+def _probe(engine, seed: int):
+    """The checks' input: ``n = n_ubatch - 1`` rows (at most 255, at most n_ctx), seeded
+    token ids where the range takes them and a random boundary where it does not start the
+    model; (n, tokens, boundary)."""
+    n = min(int(engine.settings["n_ubatch"]) - 1, 255, int(engine.settings["n_ctx"]))
+    rng = np.random.default_rng(seed)
+    tokens = boundary = None
+    if engine.is_first or engine.needs_token_ids:
+        lo = 100 if engine.n_vocab > 1000 else 0
+        tokens = rng.integers(lo, engine.n_vocab, size=max(n, 0), dtype=np.int32)
+    if not engine.is_first:
+        boundary = rng.standard_normal((max(n, 0), int(engine.n_embd_boundary)),
+                                       dtype=np.float32)
+    return n, tokens, boundary
+
+
 def rows_exact(engine, *, slot: int = 0, seed: int = 7) -> bool:
     """Whether ``engine`` (any layer range) computes a partial chunk's rows as another
     partial chunk does: ``n_ubatch - 1`` rows (at most 255) once as one chunk and as two
     chunks split in the middle and two rows before the end, every row compared
     bit for bit. ``slot`` is released before and after. False when ``n_ubatch`` is below 4
     (no two partial chunks of two rows or more) or the engine cannot run the check."""
-    n = min(int(engine.settings["n_ubatch"]) - 1, 255, int(engine.settings["n_ctx"]))
+    n, tokens, boundary = _probe(engine, seed)
     if n < 3:
         return False
-    rng = np.random.default_rng(seed)
-    tokens = boundary = None
-    if engine.is_first or engine.needs_token_ids:
-        lo = 100 if engine.n_vocab > 1000 else 0
-        tokens = rng.integers(lo, engine.n_vocab, size=n, dtype=np.int32)
-    if not engine.is_first:
-        boundary = rng.standard_normal((n, int(engine.n_embd_boundary)), dtype=np.float32)
     splits = sorted({max(2, n // 2), n - 2} - {0, n})
     try:
         engine.release(slot)
@@ -81,16 +90,9 @@ def single_rows_exact(engine, *, slot: int = 0, seed: int = 11) -> bool:
     compared bit for bit. Then a reply's decoded rows may serve a later prompt that holds the
     reply, past its whole chunks (``Describe.prefix_single_rows_exact``). ``slot`` is
     released before and after; False when ``n_ubatch`` is below 4."""
-    n = min(int(engine.settings["n_ubatch"]) - 1, 255, int(engine.settings["n_ctx"]))
+    n, tokens, boundary = _probe(engine, seed)
     if n < 3:
         return False
-    rng = np.random.default_rng(seed)
-    tokens = boundary = None
-    if engine.is_first or engine.needs_token_ids:
-        lo = 100 if engine.n_vocab > 1000 else 0
-        tokens = rng.integers(lo, engine.n_vocab, size=n, dtype=np.int32)
-    if not engine.is_first:
-        boundary = rng.standard_normal((n, int(engine.n_embd_boundary)), dtype=np.float32)
     try:
         engine.release(slot)
         whole = _out(engine, slot, 0, tokens, boundary, 0, n)
