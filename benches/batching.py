@@ -410,8 +410,8 @@ def table(rows: list[dict], threads: list[int], n_stages: int) -> str:
 
 
 def main(argv=None) -> int:
-    ap = cli.parser(__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, stages=3, rounds=1, json=True)
+    ap = cli.parser(__doc__, stages=3, rounds=1, json=True,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sessions", default="1,16,32")
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens per session")
     ap.add_argument("--split", default="cost",

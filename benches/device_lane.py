@@ -237,8 +237,8 @@ def llama_bench_pp(model: str, n: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = cli.parser(__doc__, json=True, prog="python benches/device_lane.py", description=__doc__,
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(__doc__, json=True, prog="python benches/device_lane.py",
+                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", required=True, help="the device, as --device takes it")
     ap.add_argument("--models", default="smollm2,qwen2-7b",
                     help="comma-separated: smollm2, qwen2-7b, tiny, or GGUF paths")

@@ -104,8 +104,7 @@ def llama_cpp_cost(path: str, tokens: int) -> dict:
 
 
 def main() -> None:
-    ap = cli.parser(__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, json=True)
+    ap = cli.parser(__doc__, json=True, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=64,
                     help="tokens llama-completion generates per run (default 64)")
     a = ap.parse_args()

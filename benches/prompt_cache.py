@@ -15,8 +15,8 @@ whole chunk (exact: docs/serve.md "Prompt cache"); llama-server reuses its slot'
 prefix to the token.
 
 ``--rtt MS``: each dgr front gets its own stages behind the project's link emulator
-(``harness.clusters.EmulatedCluster``: every data-plane and gRPC link between the front and the stages
-and between stages delayed RTT/2 each way); the HTTP client sits next to every front, and
+(``harness.clusters.EmulatedCluster``: every data-plane and gRPC link between the front and
+the stages and between stages delayed RTT/2 each way); the HTTP client sits next to every front, and
 llama-server (one process, no links) stays on loopback as the reference.
 
 ``--agent``: an agent loop instead of a chat: every request carries three function tools

@@ -9,12 +9,12 @@ attention; one slot) on loopback, started twice:
 
 * ``direct``: plain workers, no emulator;
 * ``emulated``: every port of every worker behind a ``python -m dgr.testing.linkemu`` process
-  (delay RTT/2 each way), on both planes (``harness.clusters.EmulatedCluster``): the gRPC port, and the
-  data plane (worker i binds D_i and advertises P_i, ``--data-port D_i --advertise-data-port
-  P_i``; the emulator listens on P_i and forwards to D_i). The driver's data link to stage 1,
-  every stage-to-stage link and the last stage's reply to the driver each cross one emulator
-  one way (RTT/2); a gRPC round trip crosses one twice (RTT). The delay changes per RTT
-  through the emulators' ``delay`` command.
+  (delay RTT/2 each way), on both planes (``harness.clusters.EmulatedCluster``): the gRPC port,
+  and the data plane (worker i binds D_i and advertises P_i, ``--data-port D_i
+  --advertise-data-port P_i``; the emulator listens on P_i and forwards to D_i). The driver's
+  data link to stage 1, every stage-to-stage link and the last stage's reply to the driver each
+  cross one emulator one way (RTT/2); a gRPC round trip crosses one twice (RTT). The delay
+  changes per RTT through the emulators' ``delay`` command.
 
 Each configuration is driven on two paths (``--paths``):
 

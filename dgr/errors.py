@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 __all__ = [
     "DgrError",
     "ModelNotFound",
@@ -444,3 +446,10 @@ def public_message(exc: BaseException) -> str:
 def from_code(code: int, message: str) -> DgrError:
     """Build the error class registered for ``code`` (``DgrError`` when unknown)."""
     return BY_CODE.get(code, DgrError)(message)
+
+
+def report(e: DgrError) -> int:
+    """What every command does with a DgrError it stops on: one line on stderr naming the
+    error's class and message; returns the exit status, 2."""
+    print(f"error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    return 2

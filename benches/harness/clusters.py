@@ -171,11 +171,11 @@ def seams_model(kind: str, n: int, steps: int, window: int = LOOP_WINDOW) -> flo
     """S in TPOT = C + S * RTT: round trips a decode token pays for ``n`` stages, averaged
     over ``steps`` decode steps timed from the first token (the prompt's).
 
-    relay (benches/compare.py's ``route_kwargs(True)``: the decode loop, ``window`` tokens a window): a token
-    crosses n one-way links of RTT/2 (1 -> 2 -> ... -> n -> 1; the driver only reads), and
-    every window, the first included, starts from the driver: the token before it reaches the
-    driver (n -> driver), which sends it to stage 1 (driver -> 1), one link more than n -> 1:
-    n/2 + ceil(steps / window) / (2 * steps).
+    relay (benches/compare.py's ``route_kwargs(True)``: the decode loop, ``window`` tokens a
+    window): a token crosses n one-way links of RTT/2 (1 -> 2 -> ... -> n -> 1; the driver only
+    reads), and every window, the first included, starts from the driver: the token before it
+    reaches the driver (n -> driver), which sends it to stage 1 (driver -> 1), one link more
+    than n -> 1: n/2 + ceil(steps / window) / (2 * steps).
     dgr (gRPC hop by hop, the driver relays): one driver round trip per stage: n."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")

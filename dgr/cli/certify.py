@@ -407,15 +407,12 @@ def add_certify_parser(sub) -> None:
 
 
 def _cmd_certify(args) -> int:
-    import sys
-
     from dgr import errors
     from dgr.artifacts import models
     from dgr.core.engine import Engine
     from dgr.protocol.ranges import ranges_for
 
-    def say(msg):
-        print(f"[dgr] {msg}", file=sys.stderr, flush=True)
+    from dgr.cli.console import say
 
     try:
         model = args.model or str(models.path(models.DEFAULT_MODEL))
@@ -431,8 +428,7 @@ def _cmd_certify(args) -> int:
         say("interrupted")
         return 130
     except errors.DgrError as e:
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+        return errors.report(e)
     p = rec.parity
     say(f"lane {rec.lane_id}: {p.generated_tokens} tokens, tokens match {p.tokens_match}, "
         f"logits bit-identical {p.logits_bit_identical} over {p.logits_rows} rows, "

@@ -8,16 +8,13 @@ import sys
 import time
 
 from dgr.cli.interrupts import install_interrupts
+from dgr.cli.console import say
 from dgr.cli.speculate import add_speculate_arguments, speculate_of
 from dgr.protocol import settings as engine_settings
 
 __all__ = ["main"]
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
-
-
-def _say(msg: str) -> None:
-    print(f"[dgr] {msg}", file=sys.stderr, flush=True)
 
 
 
@@ -116,12 +113,12 @@ def _report(route, session, args, prompt, tokens, t0, t_first, t1, whole, before
     n_dec = len(tokens) - 1
     dec_s = t1 - t_first
     route_tps = n_dec / dec_s if n_dec > 0 and dec_s > 0 else 0.0
-    _say(f"{len(tokens)} tokens ({session.stop_reason}); time to first token {t_first - t0:.3f} s; "
+    say(f"{len(tokens)} tokens ({session.stop_reason}); time to first token {t_first - t0:.3f} s; "
          f"decode {route_tps:.1f} tokens/s over {len(route.stages)} stage(s)"
          + (f"; {session.recoveries} recoveries" if session.recoveries else ""))
     trips, drafted, accepted = session.speculation
     if trips and route.aroute.speculate:
-        _say(f"speculation ({route.aroute.speculate}): {trips} ring trips, "
+        say(f"speculation ({route.aroute.speculate}): {trips} ring trips, "
              f"{(trips + accepted) / trips:.2f} tokens per trip; {accepted} of {drafted} drafts "
              f"accepted ({accepted / drafted if drafted else 0:.0%})")
     rc = 0
@@ -141,7 +138,7 @@ def _report(route, session, args, prompt, tokens, t0, t_first, t1, whole, before
                                           for a, b in zip(rows, session.logits[:n]))
             line += f"; logits bit-identical over {n} steps: {'yes' if bits else 'NO'}"
             same = same and bits
-        _say(line)
+        say(line)
         if not same:
             rc = 1
         if timing.get("decode_steps"):
@@ -149,38 +146,38 @@ def _report(route, session, args, prompt, tokens, t0, t_first, t1, whole, before
     costs = route_costs(route, session, before, route.describe(), n_dec, dec_s)
     if route.aroute.relay:
         # direct relay: the driver sees whole-route steps; transport = TPOT - compute
-        _say("stage  layers      endpoint               data port  steps  compute ms")
+        say("stage  layers      endpoint               data port  steps  compute ms")
         for i, sc in enumerate(costs.stages):
             a, b = sc.layers
             fig = (f"{sc.decode_steps:5d}  {sc.compute_ms:10.3f}" if sc.compute_ms is not None
                    else f"{'-':>5}  {'-':>10}")
-            _say(f"{i:>5}  [{a:>2}, {b:>2})  {sc.endpoint:<21} {sc.data_port:9d}  {fig}")
-        _say(f"compute ms: mean over the single-token steps each worker computed during the "
+            say(f"{i:>5}  [{a:>2}, {b:>2})  {sc.endpoint:<21} {sc.data_port:9d}  {fig}")
+        say(f"compute ms: mean over the single-token steps each worker computed during the "
              f"generation (steps; {n_dec} decode token(s) timed)")
         for w in costs.notes:
-            _say(w)
+            say(w)
         if costs.transport_ms is not None:
-            _say(f"direct relay{' with decode loop' if route.aroute.loop else ''}: "
+            say(f"direct relay{' with decode loop' if route.aroute.loop else ''}: "
                  f"{costs.ms_per_token:.3f} ms/token = {costs.compute_ms:.3f} ms compute + "
                  f"{costs.transport_ms:.3f} ms transport over {costs.links} links "
                  f"({costs.seam_ms:.3f} ms per link)")
     else:
-        _say("stage  layers      endpoint               rtt ms  compute ms  hop ms  bytes/step")
+        say("stage  layers      endpoint               rtt ms  compute ms  hop ms  bytes/step")
         for i, sc in enumerate(costs.stages):
             a, b = sc.layers
             cf = f"{sc.compute_ms:10.3f}" if sc.compute_ms is not None else f"{'-':>10}"
             hf = f"{sc.hop_ms:6.3f}" if sc.hop_ms is not None else f"{'-':>6}"
-            _say(f"{i:>5}  [{a:>2}, {b:>2})  {sc.endpoint:<21} {sc.rtt_ms:7.3f}  {cf}  "
+            say(f"{i:>5}  [{a:>2}, {b:>2})  {sc.endpoint:<21} {sc.rtt_ms:7.3f}  {cf}  "
                  f"{hf}  {sc.bytes_per_step:10.0f}")
         for w in costs.notes:
-            _say(w)
+            say(w)
         if costs.transport_ms is not None:
             msg = f"transport per token: {costs.transport_ms:.3f} ms over {costs.links} hop(s)"
             if costs.links > 1:
                 msg += f"; per seam (a seam adds one hop): {costs.seam_ms:.3f} ms"
-            _say(msg)
+            say(msg)
     if whole_tps:
-        _say(f"whole model in this process: decode {whole_tps:.1f} tokens/s; "
+        say(f"whole model in this process: decode {whole_tps:.1f} tokens/s; "
              f"route/whole = {route_tps / whole_tps:.2f}")
     return rc
 
@@ -199,11 +196,11 @@ def _cmd_run(args) -> int:
     try:
         model = args.model or str(models.path(models.DEFAULT_MODEL))
         settings = engine_settings.from_args(args)
-        _say(f"model {model}")
+        say(f"model {model}")
         whole = Engine(model, **settings)
         n_layer = whole.n_layer
         ranges = ranges_for(args.splits, args.stages, n_layer)
-        _say(f"{len(ranges)} stage(s) over {n_layer} layers: "
+        say(f"{len(ranges)} stage(s) over {n_layer} layers: "
              + " ".join(f"[{a},{b})" for a, b in ranges))
         from dgr._core import HAS_LAYER_RANGES
 
@@ -217,28 +214,27 @@ def _cmd_run(args) -> int:
                                settings=settings, args=args.worker_arg)
 
         def progress(i, n, msg):
-            _say(f"{msg} ({time.monotonic() - t0:.1f} s)")
+            say(f"{msg} ({time.monotonic() - t0:.1f} s)")
 
-        _say(f"starting {len(ranges)} worker process(es) on loopback ...")
+        say(f"starting {len(ranges)} worker process(es) on loopback ...")
         endpoints = cluster.start(timeout=args.start_timeout, progress=progress)
         route = Route(endpoints, tokenizer=whole, codec=args.codec, relay=_relay(args),
                       **speculate_of(args))
         prompt = whole.tokenize(_chat(args, args.prompt), True, True)
-        _say(f"route {','.join(endpoints)}")
-        _say(f"prompt: {args.prompt!r} ({len(prompt)} tokens)\n")
+        say(f"route {','.join(endpoints)}")
+        say(f"prompt: {args.prompt!r} ({len(prompt)} tokens)\n")
         return _generate(route, args, prompt, whole.detokenize, whole if args.check else None)
     except KeyboardInterrupt:
-        _say("interrupted")
+        say("interrupted")
         return 130
     except errors.DgrError as e:
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+        return errors.report(e)
     finally:
         if route is not None:
             route.close()
         if cluster is not None:
             codes = cluster.stop()
-            _say(f"workers stopped (exit status {', '.join(map(str, codes))}); logs: "
+            say(f"workers stopped (exit status {', '.join(map(str, codes))}); logs: "
                  + " ".join(w.log_path for w in cluster.workers))
 
 
@@ -266,20 +262,19 @@ def _cmd_generate(args) -> int:
         route = Route(args.route, codec=args.codec, timeout=args.timeout,
                       relay=_relay(args), mixed_devices=args.mixed_devices,
                       **speculate_of(args))
-        _say("route: " + " -> ".join(f"{s.endpoint} [{s.layers[0]},{s.layers[1]})"
+        say("route: " + " -> ".join(f"{s.endpoint} [{s.layers[0]},{s.layers[1]})"
                                      for s in route.stages))
         whole = None
         if args.check:
             whole = _local_reference(args, route)
         prompt = route.tokenize(_chat(args, args.prompt), True, True)
-        _say(f"prompt: {args.prompt!r} ({len(prompt)} tokens)\n")
+        say(f"prompt: {args.prompt!r} ({len(prompt)} tokens)\n")
         return _generate(route, args, prompt, route.detokenize, whole)
     except KeyboardInterrupt:
-        _say("interrupted")
+        say("interrupted")
         return 130
     except errors.DgrError as e:
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+        return errors.report(e)
     finally:
         if route is not None:
             route.close()
@@ -298,15 +293,15 @@ def _local_reference(args, route):
         except Exception:  # noqa: BLE001 - no local copy: nothing to compare with
             path = None
     if path is None or not os.path.exists(path):
-        _say("no local copy of the model (--model PATH): not comparing with the whole model")
+        say("no local copy of the model (--model PATH): not comparing with the whole model")
         return None
     if model_identity(path) != route.stages[0].model_identity:
-        _say(f"{path} is not the route's model: not comparing with the whole model")
+        say(f"{path} is not the route's model: not comparing with the whole model")
         return None
     ref = Engine(path, **route.settings, device=args.device)
     kinds = sorted({s.compute for s in route.stages})
     if kinds != [ref.compute]:
-        _say(f"the whole model here computes on {ref.compute}, the route on "
+        say(f"the whole model here computes on {ref.compute}, the route on "
              f"{', '.join(kinds)}: other kernels, so the bits may differ (--device)")
     return ref
 
@@ -324,8 +319,7 @@ def _cmd_devices(args) -> int:
         from dgr.core import backends, devices
         devs, regs = devices(), backends()
     except errors.DgrError as e:
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+        return errors.report(e)
     if args.json:
         print(json.dumps({"backends": regs, "devices": devs}, indent=2))
         return 0

@@ -15,15 +15,12 @@ import os
 import sys
 import time
 
+from dgr.cli.console import say
 from dgr.cli.speculate import add_speculate_arguments, speculate_of
 from dgr.protocol import settings as engine_settings
 from dgr.transport.security import is_loopback
 
 __all__ = ["add_serve_parser"]
-
-
-def _say(msg: str) -> None:
-    print(f"[dgr] {msg}", file=sys.stderr, flush=True)
 
 
 def add_serve_parser(sub) -> None:
@@ -152,21 +149,21 @@ def _cmd_serve(args) -> int:
             settings = engine_settings.from_args(args)
             n_layer = Engine(model, n_ctx=64).n_layer
             ranges = ranges_for(args.splits, args.stages, n_layer)
-            _say(f"model {model}; {len(ranges)} stage(s): "
+            say(f"model {model}; {len(ranges)} stage(s): "
                  + " ".join(f"[{a},{b})" for a, b in ranges))
             cluster = LocalCluster(model, [None if r == (0, n_layer) else r for r in ranges],
                                    settings=settings)
             t0 = time.monotonic()
             endpoints = cluster.start(
                 timeout=args.start_timeout,
-                progress=lambda i, n, msg: _say(f"{msg} ({time.monotonic() - t0:.1f} s)"))
+                progress=lambda i, n, msg: say(f"{msg} ({time.monotonic() - t0:.1f} s)"))
         template = None
         if model:
             from dgr.serve.templates import ChatTemplate
 
             template = ChatTemplate.from_gguf(model)
             if not template.available:
-                _say(f"{os.path.basename(model)} has no chat template: /v1/chat/completions "
+                say(f"{os.path.basename(model)} has no chat template: /v1/chat/completions "
                      "answers 400; /v1/completions works")
         name = args.model_name or (os.path.basename(model).removesuffix(".gguf") if model
                                    else "dgr")
@@ -182,21 +179,20 @@ def _cmd_serve(args) -> int:
         cap = args.max_requests_per_key
         cap_text = ("half the route's slots" if cap is None else "no cap" if cap == 0
                     else str(cap))
-        _say(f"API keys: {len(api_keys)} ({', '.join(k.name for k in api_keys)}; "
+        say(f"API keys: {len(api_keys)} ({', '.join(k.name for k in api_keys)}; "
              f"Authorization: Bearer); requests in flight per key: {cap_text}" if api_keys
              else "API keys: none; anyone who can reach the port may use it")
-        _say(f"serving '{name}' over {len(endpoints)} stage(s) on "
+        say(f"serving '{name}' over {len(endpoints)} stage(s) on "
              f"http://{args.host}:{args.port}/v1; status page http://{args.host}:{args.port}/ "
              "(Ctrl-C stops)")
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
         return 0
     except KeyboardInterrupt:
-        _say("interrupted")
+        say("interrupted")
         return 130
     except errors.DgrError as e:
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+        return errors.report(e)
     finally:
         if cluster is not None:
             codes = cluster.stop()
-            _say(f"workers stopped (exit status {', '.join(map(str, codes))})")
+            say(f"workers stopped (exit status {', '.join(map(str, codes))})")

@@ -319,5 +319,4 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return asyncio.run(_serve(args))
     except errors.DgrError as e:
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return 2
+        return errors.report(e)
