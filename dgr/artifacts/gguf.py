@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable, Sequence
 
+from dgr.artifacts.storage import atomic_file
 from dgr.errors import ArtifactTruncated, InvalidModel, ModelNotFound
 
 __all__ = [
@@ -418,10 +419,9 @@ def write_gguf(out: str | os.PathLike, *, version: int, kv_pairs: Iterable[bytes
         head += _tensor_info(t, rel)
         rel = _pad(rel + t.nbytes, alignment)
     head += b"\0" * (_pad(len(head), alignment) - len(head))
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     handles: dict[str, BinaryIO] = {}
     try:
-        with open(tmp, "wb") as f:
+        with atomic_file(out) as f:
             f.write(head)
             buf = bytearray(block)
             for t, src in tensors:
@@ -443,16 +443,7 @@ def write_gguf(out: str | os.PathLike, *, version: int, kv_pairs: Iterable[bytes
                         on_bytes(t, chunk)
                     left -= got
                 f.write(b"\0" * (_pad(t.nbytes, alignment) - t.nbytes))
-            f.flush()
-            os.fsync(f.fileno())
             size = f.tell()
-        os.replace(tmp, out)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
     finally:
         for h in handles.values():
             h.close()

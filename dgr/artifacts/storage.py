@@ -3,14 +3,17 @@ the hash algorithms, the read block size, the count of bytes read, and atomic fi
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
 from pathlib import Path
+from typing import BinaryIO, Iterator
 
 from dgr.errors import InvalidManifest
 
-__all__ = ["TENSOR_HASHES", "BLOCK", "COUNTERS", "count_read", "hasher", "atomic_write"]
+__all__ = ["TENSOR_HASHES", "BLOCK", "COUNTERS", "count_read", "hasher", "atomic_write",
+           "atomic_file"]
 
 TENSOR_HASHES = ("sha256", "xxh3_128")
 BLOCK = 4 << 20          # read size inside a chunk
@@ -38,13 +41,24 @@ def hasher(alg: str):
 
 
 def atomic_write(path: Path, raw: bytes) -> None:
-    """Write ``raw`` to ``path`` atomically: a temporary file, fsync, rename, fsync of the
-    directory (a reader sees the old bytes or the new, never a part)."""
+    """Write ``raw`` to ``path`` atomically (``atomic_file``)."""
+    with atomic_file(path) as f:
+        f.write(raw)
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[BinaryIO]:
+    """A binary file to write ``path``'s new bytes into, atomically: they go to a temporary
+    name beside it (``.<name>.<pid>.<thread>.tmp``); when the block ends they are flushed,
+    fsynced and renamed over ``path``, then the directory is fsynced. A reader sees the old
+    bytes or the new, never a part. If the block raises, the temporary file is removed and
+    ``path`` is untouched."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(raw)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

