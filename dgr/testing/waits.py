@@ -4,26 +4,41 @@ used as synchronisation)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import selectors
 import threading
 import time
-from typing import Callable
+from typing import Awaitable, Callable
 
-__all__ = ["WAIT_S", "wait_until", "read_until"]
+__all__ = ["WAIT_S", "wait_until", "poll_until", "read_until"]
 
 #: the default deadline of a wait on a condition (generous: a loaded CI machine)
 WAIT_S = 60.0
 
 
-def wait_until(cond: Callable[[], object], what: str, timeout: float = WAIT_S) -> None:
-    """Poll ``cond()`` until it holds; raise AssertionError naming ``what`` if it does not
-    within ``timeout`` seconds."""
+def wait_until(cond: Callable[[], object], what: str, timeout: float = WAIT_S,
+               every: float = 0.005):
+    """Poll ``cond()`` every ``every`` seconds until it holds and return what it gave; raise
+    AssertionError naming ``what`` if it does not within ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
-    while not cond():
+    while not (got := cond()):
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout} s: {what}")
-        threading.Event().wait(0.005)
+        threading.Event().wait(every)
+    return got
+
+
+async def poll_until(probe: Callable[[], Awaitable[object]], what: str,
+                     timeout: float = WAIT_S, every: float = 0.02):
+    """``wait_until`` on an event loop: await ``probe()`` until it gives something true and
+    return it; raise AssertionError naming ``what`` (and the last answer) after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not (got := await probe()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:g} s (last: {got!r})")
+        await asyncio.sleep(every)
+    return got
 
 
 def read_until(stream, done: Callable[[bytes], bool], timeout: float, what: str) -> bytes:

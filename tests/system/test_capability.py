@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 
 import msgspec
@@ -28,6 +27,7 @@ from dgr.protocol import capability as schema
 from dgr.protocol import wire
 from dgr.protocol.settings import stage_identity
 from dgr.transport.client import ShardClient
+from dgr.testing.waits import poll_until
 from dgr.worker.process import ThreadedWorker
 
 # six CLI runs (dgr certify, python -m dgr.worker) and worker processes
@@ -73,16 +73,6 @@ class Gated:
 
     def __getattr__(self, name):
         return getattr(self._e, name)
-
-
-def wait_for(pred, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.01)
-    raise AssertionError("condition not reached")
 
 
 @pytest.fixture(scope="module")
@@ -153,13 +143,14 @@ def test_queue_depth_under_load(last_stage):
             streams = [cl.stream() for _ in range(3)]
             steps = [asyncio.ensure_future(s.step(fwd(w, f"q{i}", 0, 2)))
                      for i, s in enumerate(streams)]
-            deadline = time.monotonic() + 10
-            rec = await cl.capability()
-            while ((rec.load.in_flight_steps, rec.load.queue_depth) != (3, 2)
-                   and time.monotonic() < deadline):
-                await asyncio.sleep(0.01)
+            async def loaded():
                 rec = await cl.capability()
-            gated.gate.set()
+                return rec if (rec.load.in_flight_steps, rec.load.queue_depth) == (3, 2) else None
+
+            try:
+                rec = await poll_until(loaded, "3 steps in flight, 2 of them queued", 10, 0.01)
+            finally:
+                gated.gate.set()
             for f in steps:
                 assert type(wire.decode(await f).header) is wire.Result
             after = await cl.capability()

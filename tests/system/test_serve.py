@@ -14,6 +14,7 @@ import pytest
 
 from dgr.driver.route import AsyncRoute, Route
 from dgr.testing.serving import Served
+from dgr.testing.waits import wait_until
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -321,10 +322,7 @@ def test_every_slot_busy_is_429_with_retry_after(served, stages):
 
 
 def test_a_client_that_disconnects_mid_stream_releases_its_sessions(served, stages):
-    deadline = time.monotonic() + 10
-    while any(_sessions(stages)) and time.monotonic() < deadline:
-        time.sleep(0.05)  # earlier tests' sessions are gone
-    assert _sessions(stages) == [0, 0]
+    wait_until(lambda: not any(_sessions(stages)), "earlier tests' sessions gone", 10, 0.05)
     conn, resp = _open_stream(served)
     assert _sessions(stages) == [1, 1]
     conn.close()  # mid-stream: 200 tokens asked, one event read
@@ -443,10 +441,8 @@ def test_one_key_at_its_cap_cannot_take_another_keys_slot(stages, template, rout
         assert r.choices[0].finish_reason in ("length", "stop")
         for stream in held:
             stream.close()  # the client goes: the server cancels the generation
-        deadline = time.monotonic() + 10
-        while _key_in_flight(s, keys[0].secret, "team-a") and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _key_in_flight(s, keys[0].secret, "team-a") == 0
+        wait_until(lambda: _key_in_flight(s, keys[0].secret, "team-a") == 0,
+                   "the gone client's requests no longer count against its key", 10, 0.05)
         again = a.completions.create(model=NAME, prompt=PROMPT, max_tokens=2, temperature=0)
         assert again.usage.completion_tokens >= 1
     finally:

@@ -15,13 +15,13 @@ import json
 import os
 import pathlib
 import shutil
-import time
 import urllib.request
 
 import pytest
 
 from dgr.driver.route import AsyncRoute
 from dgr.testing.serving import Served
+from dgr.testing.waits import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -206,14 +206,12 @@ def test_the_status_json_after_a_completion(served, stages):
     assert st["prompt_cache"]["size"] == 0 and st["prompt_cache"]["kept"] == 0
     # the trends' samples: one per 2 s of polls at most (a page may be polling too), so a
     # sample after the completion comes within a few polls
-    deadline = time.monotonic() + 30
-    while True:
+    def history():
         with urllib.request.urlopen(served.base + "/status", timeout=30) as r:
             h = json.load(r)["history"]
-        if h["tokens_per_s"] and h["tokens_per_s"][-1] > 0:
-            break
-        assert time.monotonic() < deadline, "no trend sample with the completion's tokens"
-        time.sleep(0.5)
+        return h if h["tokens_per_s"] and h["tokens_per_s"][-1] > 0 else None
+
+    h = wait_until(history, "a trend sample with the completion's tokens", 30, every=0.5)
     assert h["span_s"] == 300 and len(h["age_s"]) == len(h["tokens_per_s"]) >= 1
     assert [len(c) for c in h["compute_ms"]] == [len(RANGES)] * len(h["age_s"])
     for name in ("status.js", "status.css"):

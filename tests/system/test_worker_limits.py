@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
-import time
 import uuid
 
 import numpy as np
@@ -21,6 +20,7 @@ from dgr import errors
 from dgr.driver.route import Route
 from dgr.protocol import wire
 from dgr.testing.fixtures import TinyLlama, write_tiny_llama
+from dgr.testing.waits import poll_until
 from dgr.transport import dataplane
 from dgr.transport.client import ShardClient
 from dgr.transport.common import HEALTH_SERVICE
@@ -171,18 +171,6 @@ class DataConn:
         self.conn.close()
 
 
-async def poll(what: str, probe, timeout: float = WAIT, every: float = 0.02):
-    """Await ``probe()`` until it returns something true; fail after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = await probe()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout:g} s (last: {got!r})")
-        await asyncio.sleep(every)
-
-
 @pytest.fixture(scope="module")
 def medium(tmp_path_factory):
     return write_tiny_llama(tmp_path_factory.mktemp("models") / "medium-llama.gguf", MEDIUM)
@@ -220,11 +208,11 @@ def test_sigterm_drains_sessions_in_flight_refuses_new_work_and_exits_zero(mediu
                      "idle", 1, 0, 8)
             long = [asyncio.create_task(st.step(forward(info, s, 1, 18, big), STEP_TIMEOUT))
                     for s, st, big in zip(sessions, streams, bigs)]
-            await poll("the three long steps admitted",
-                       lambda: _admitted(c, long, len(sessions)))
+            await poll_until(lambda: _admitted(c, long, len(sessions)),
+                             "the three long steps admitted")
             w.proc.send_signal(signal.SIGTERM)
-            seen = {name: await poll(f"health({name!r}) NOT_SERVING",
-                                     lambda: _health_is(c, name, "NOT_SERVING"))
+            seen = {name: await poll_until(lambda: _health_is(c, name, "NOT_SERVING"),
+                                           f"health({name!r}) NOT_SERVING")
                     for name in ("", HEALTH_SERVICE)}
             draining = (await c.describe()).draining
             late = c.stream()
@@ -323,7 +311,7 @@ def test_drain_timeout_stops_waiting_for_steps_and_held_sessions(medium, reaper,
                     q.send(f)
                 long = [asyncio.create_task(asyncio.to_thread(q.recv)) for q in qs]
             # one computing past the timeout, one queued behind it at least
-            await poll("the long steps admitted", lambda: _admitted(c, long, n - 1, 2))
+            await poll_until(lambda: _admitted(c, long, n - 1, 2), "the long steps admitted")
             w.proc.send_signal(signal.SIGTERM)
             code = await asyncio.to_thread(w.proc.wait, WAIT)
             done = await asyncio.wait_for(asyncio.gather(*long, return_exceptions=True), WAIT)
@@ -397,7 +385,7 @@ def test_idle_sessions_expire_after_the_ttl_and_the_route_re_prefills(tiny_llama
         try:
             async def empty():
                 return (await c.describe()).sessions == 0
-            await poll("both idle sessions expired", empty)
+            await poll_until(empty, "both idle sessions expired")
             st = c.stream()
             miss = refusal(await st.step(forward(info, "raw", 1, 12, [p0[0]])))
             await st.close()
@@ -534,7 +522,7 @@ def test_max_data_connections(tiny_llama, reaper):
         r = conns[1].ask(forward(info, "k", 1, 0, tokens(9, 6), reply_to="r1"))
         assert type(r) is wire.Result, r  # the served ones still work
         conns[0].close()
-        fresh = asyncio.run(poll("a new connection served", _served_connection(ep)))
+        fresh = asyncio.run(poll_until(_served_connection(ep), "a new connection served"))
         try:
             r = fresh.ask(forward(info, "k", 1, 6, [r.tokens[0]], reply_to="fresh"))
             assert type(r) is wire.Result and r.first_pos == 6, r
@@ -591,7 +579,7 @@ def test_max_streams(tiny_llama, reaper):
                     return await c.describe()
                 except errors.ResourceExhausted:
                     return None
-            await poll("an RPC served after a stream closed", served)
+            await poll_until(served, "an RPC served after a stream closed")
             fourth = c.stream()  # session b goes on, on a new stream
             token_of(await fourth.step(forward(info, "b", 1, 6, [tb])), "b", 1, 6, 1)
             await fourth.close()
