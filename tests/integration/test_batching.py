@@ -18,7 +18,7 @@ from dgr._core import HAS_LAYER_RANGES
 from dgr.core.local import generate_local
 from dgr.driver.route import AsyncRoute
 from dgr.protocol.sampling import SamplingParams
-from dgr.worker.process import ThreadedWorker
+from dgr.testing.stages import threaded_stages
 
 pytestmark = [pytest.mark.skipif(not HAS_LAYER_RANGES, reason="needs the patched llama.cpp"),
               pytest.mark.slow]
@@ -57,10 +57,8 @@ def exact(smollm2):
 
 @pytest.fixture(scope="module")
 def stages(smollm2):
-    ws = [ThreadedWorker(dgr.Engine(smollm2, layers=r, **SETTINGS)) for r in RANGES]
-    yield ws
-    for w in ws:
-        w.stop()
+    with threaded_stages(smollm2, RANGES, SETTINGS) as ws:
+        yield ws
 
 
 def _reset(stages):

@@ -14,7 +14,7 @@ import dgr
 from dgr._core import HAS_LAYER_RANGES
 from dgr.control.metrics import MetricsServer
 from dgr.driver.route import Route
-from dgr.worker.process import ThreadedWorker
+from dgr.testing.stages import threaded_stages
 
 pytestmark = pytest.mark.skipif(not HAS_LAYER_RANGES, reason="needs the patched llama.cpp")
 
@@ -26,11 +26,8 @@ N = 6  # decode steps of a generation
 
 @pytest.fixture(scope="module")
 def stages(tiny_llama):
-    ws = [ThreadedWorker(dgr.Engine(tiny_llama, layers=r, **SETTINGS), evict_after=3600.0)
-          for r in RANGES]
-    yield ws
-    for w in ws:
-        w.stop()
+    with threaded_stages(tiny_llama, RANGES, SETTINGS, evict_after=3600.0) as ws:
+        yield ws
 
 
 def generate(stages, relay: bool, n_decode: int):

@@ -17,6 +17,7 @@ from dgr.driver.route import AsyncRoute, Route
 from dgr.protocol import wire
 from dgr.protocol.sampling import SamplingParams
 from dgr.testing.waits import WAIT_S
+from dgr.testing.stages import threaded_stages
 from dgr.testing.waits import wait_until as _wait_until
 from dgr.transport import dataplane
 from dgr.worker.frames import Frames
@@ -63,11 +64,8 @@ def reference(tiny_llama):
 
 @pytest.fixture(scope="module")
 def stages(tiny_llama):
-    ws = [ThreadedWorker(dgr.Engine(tiny_llama, layers=r, **SETTINGS), evict_after=3600.0)
-          for r in RANGES]
-    yield ws
-    for w in ws:
-        w.stop()
+    with threaded_stages(tiny_llama, RANGES, SETTINGS, evict_after=3600.0) as ws:
+        yield ws
 
 
 def test_relay_matches_the_whole_model_bit_for_bit(stages, reference):
