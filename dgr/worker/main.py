@@ -107,14 +107,8 @@ async def _serve(args) -> int:
     engine = await asyncio.get_running_loop().run_in_executor(None, lambda: Engine(
         model, layers=_parse_layers(args.layers), mtp=args.mtp,
         **engine_settings.from_args(args)))
-    worker = Worker(engine, ttl=args.ttl, evict_after=args.evict_after,
-                    inline=args.inline_compute, cert_store=args.cert_store,
-                    inline_below_ms=args.inline_below_ms, batching=args.batching,
-                    native_frames=args.frames == "native", ring_groups=args.ring_groups,
-                    relay_allow=relay_allow, security=security,
-                    max_sessions_per_credential=args.max_sessions_per_credential or None,
-                    max_queued_per_credential=args.max_queued_per_credential or None,
-                    busy_poll_s=args.busy_poll_us * 1e-6)
+    worker = Worker(engine, relay_allow=relay_allow, security=security,
+                    **worker_options(args))
     if args.trace:
         worker.trace = open(args.trace, "a", buffering=1 << 16)
     worker.advertise_data_port = args.advertise_data_port
@@ -182,6 +176,28 @@ async def _watch_parent(pid: int, on_signal) -> None:
     while os.getppid() == pid:
         await asyncio.sleep(0.5)
     on_signal("parent exit")
+
+
+#: ``Worker``'s keyword arguments from the parsed flags, one line each; the flags' defaults
+#: give ``Worker``'s own (tests/unit/test_worker_options.py checks every one)
+WORKER_OPTIONS = {
+    "ttl": lambda a: a.ttl,
+    "evict_after": lambda a: a.evict_after,
+    "inline": lambda a: a.inline_compute,
+    "inline_below_ms": lambda a: a.inline_below_ms,
+    "cert_store": lambda a: a.cert_store,
+    "batching": lambda a: a.batching,
+    "native_frames": lambda a: a.frames == "native",
+    "ring_groups": lambda a: a.ring_groups,
+    "max_sessions_per_credential": lambda a: a.max_sessions_per_credential or None,
+    "max_queued_per_credential": lambda a: a.max_queued_per_credential or None,
+    "busy_poll_s": lambda a: a.busy_poll_us * 1e-6,
+}
+
+
+def worker_options(args: argparse.Namespace) -> dict:
+    """``Worker``'s keyword arguments the command line sets (``WORKER_OPTIONS``)."""
+    return {name: get(args) for name, get in WORKER_OPTIONS.items()}
 
 
 def build_parser() -> argparse.ArgumentParser:
