@@ -130,7 +130,7 @@ def main(argv=None) -> int:
         w.engine = _CopyEngine()
         epoch += 1
         warm = _run(w, _frames(w, x, n, epoch), conn, b)
-        w.loop.stop()
+        w.stage_loop.stop()
         w.engine = eng
         with eng.lock:
             eng.release(0)

@@ -27,8 +27,8 @@ class ThreadedWorker:
                  **worker_kw):
         import threading
 
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="dgr-worker",
+        self.event_loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.event_loop.run_forever, name="dgr-worker",
                                         daemon=True)
         self._thread.start()
         self.worker = Worker(engine, **worker_kw)
@@ -49,25 +49,25 @@ class ThreadedWorker:
             self.worker.serve_data(self.address.rsplit(":", 1)[0], data_port)
 
     def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        return asyncio.run_coroutine_threadsafe(coro, self.event_loop).result()
 
     def drain(self, timeout: float = 10.0) -> None:
         """What SIGTERM does to a worker process: refuse new work, finish, stop serving."""
         self._run(self.worker.drain(self.server, timeout))
 
     def stop(self) -> None:
-        if self.loop.is_running():
+        if self.event_loop.is_running():
             self._run(self.server.stop(None))  # a no-op after drain()
             self.worker.stop_data()
-            self.worker.loop.stop()
+            self.worker.stage_loop.stop()
         self._close_loop()
 
     def _close_loop(self) -> None:
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
+        if self.event_loop.is_running():
+            self.event_loop.call_soon_threadsafe(self.event_loop.stop)
             self._thread.join(5)
-        if not self.loop.is_running() and not self.loop.is_closed():
-            self.loop.close()
+        if not self.event_loop.is_running() and not self.event_loop.is_closed():
+            self.event_loop.close()
 
     def __enter__(self) -> ThreadedWorker:
         return self

@@ -112,10 +112,10 @@ class Forwarder:
             # stage 1 too, the next step runs here on another thread and its reply must
             # not overtake this one: reply first then
             if loop and not self.is_first:
-                self.loop(h, toks, drafts, left, on_error)
+                self.next_lap(h, toks, drafts, left, on_error)
             self.send_back(conn, h.reply_to, *reply(step, buf))
             if loop and self.is_first:
-                self.loop(h, toks, drafts, left, on_error)
+                self.next_lap(h, toks, drafts, left, on_error)
 
     def relay(self, step: Step, buf: bytearray, on_error=None) -> None:
         """Forward this stage's boundary to the next stage named by ``Forward.relay``."""
@@ -128,8 +128,8 @@ class Forwarder:
                                           buf)
         self.links.send(h.relay[0].endpoint, head, payload, on_error)
 
-    def loop(self, h: wire.Forward, emitted: list[int], drafts: list[int], left: int,
-             on_error=None) -> None:
+    def next_lap(self, h: wire.Forward, emitted: list[int], drafts: list[int], left: int,
+                 on_error=None) -> None:
         """Decode loop (``Forward.steps``): feed the last token ``h``'s step made to the
         first stage (``loop[0]``) as the next step, without a round trip to the driver, with
         ``drafts`` after it; it drops the drafts of ``h`` that were rejected (``rollback``).

@@ -95,7 +95,7 @@ class Worker(StagePipeline):
         #: a reply's decoded rows only where every stage says so)
         self.prefix_single_rows_exact = prefix_single_rows_exact(engine)
         #: the stage's scheduler: every step of both planes computes through it
-        self.loop = StageLoop(self, max_tokens=int(self.settings["n_ubatch"]),
+        self.stage_loop = StageLoop(self, max_tokens=int(self.settings["n_ubatch"]),
                               batching=batching, burst=self._burst,
                               ring_groups=ring_groups, profile=self.profile,
                               slot_of=self._slot_of)
@@ -160,11 +160,11 @@ class Worker(StagePipeline):
         ``batches`` and ``steps_batched``, the stage loop's forwards and the steps in them;
         ``tokens``, tokens computed."""
         counters = getattr(self.engine, "counters", None)
-        sizes = self.loop.batch_sizes.copy()
+        sizes = self.stage_loop.batch_sizes.copy()
         return {"parts": self.profile.totals(),
                 "engine": dict(counters) if counters is not None else {},
                 "cpu_s": time.process_time(),
-                "batches": self.loop.batches,
+                "batches": self.stage_loop.batches,
                 "steps_batched": sum(k * v for k, v in sizes.items()),
                 "tokens": self.window.tokens_computed_total}
 
@@ -285,7 +285,7 @@ class Worker(StagePipeline):
 
         inline = self.inline or (h.n_tokens == 1 and self.inline_below_ms > 0
                                  and 0 < self.window.decode_ms < self.inline_below_ms)
-        if self.loop.submit(step, done, inline=inline):
+        if self.stage_loop.submit(step, done, inline=inline):
             self.inline_steps += 1
         reply, failure = await fut
         if failure is not None:
@@ -357,7 +357,7 @@ class Worker(StagePipeline):
             return
         more = conn.pending()  # a burst: queue it with the rest, as one batch
         self.profile.add("frame_in", time.perf_counter() - t_arrive)
-        self.loop.submit(step, functools.partial(self._data_done, conn), inline=not more,
+        self.stage_loop.submit(step, functools.partial(self._data_done, conn), inline=not more,
                          hold=more)
 
     def _data_done(self, conn, step: Step, failure: BaseException | None) -> None:
@@ -437,7 +437,7 @@ class Worker(StagePipeline):
         self.stop_data()
         with self.lock:
             self.table.clear()
-        await asyncio.to_thread(self.loop.stop)
+        await asyncio.to_thread(self.stage_loop.stop)
         # a step computing on a data connection's thread cannot be interrupted: wait for it,
         # the process must not exit (and tear the engine down) under it
         with self.engine.lock:

@@ -93,7 +93,7 @@ def _samples(text: str) -> dict[str, float]:
 def test_metrics_expose_the_describe_totals(stages):
     generate(stages, False, 2)  # something counted
     tw = stages[0]
-    text = MetricsServer(tw.worker, port=0, loop=tw.loop).render()  # one scrape, not serving
+    text = MetricsServer(tw.worker, port=0, loop=tw.event_loop).render()  # one scrape, not serving
     with Route([w.address for w in stages], relay=False) as route:
         info = route.describe()[0]
     for name in ("dgr_worker_decode_steps_total", "dgr_worker_decode_compute_seconds_total",
@@ -121,7 +121,7 @@ def test_metrics_say_where_each_stages_time_went(stages):
     assert eng["forwards"] == N + 1 == eng["decodes"] == eng["ubatches"]  # one session
     assert 0 < eng["decode_s"] <= eng["forward_s"] <= d["engine"]
     assert after["cpu_s"] > before["cpu_s"] and after["batches"] - before["batches"] == N + 1
-    got = _samples(MetricsServer(tw.worker, port=0, loop=tw.loop).render())
+    got = _samples(MetricsServer(tw.worker, port=0, loop=tw.event_loop).render())
     for p in PARTS:
         assert got[f'dgr_worker_stage_seconds_total{{part="{p}"}}'] >= after["parts"][p]
     assert got["dgr_engine_forwards_total"] >= after["engine"]["forwards"]

@@ -73,7 +73,7 @@ class WatchedTable:
 def worker(tiny_llama):
     w = Worker(dgr.Engine(tiny_llama, n_ctx=64, n_slots=2, n_threads=1, n_ubatch=8))
     yield w
-    w.loop.stop()
+    w.stage_loop.stop()
 
 
 def test_describe_reads_the_table_under_its_lock(worker):

@@ -152,7 +152,7 @@ def test_decode_loop_matches_and_survives_a_broken_loop(stages, reference, monke
         # the last stage cannot reach the first once: the driver hears it from the last
         # stage, repairs the route and finishes step by step with the same tokens
         calls = []
-        real = type(last.forwarder).loop
+        real = type(last.forwarder).next_lap
 
         def flaky(self, h, *rest):
             calls.append(h.first_pos)
@@ -160,7 +160,7 @@ def test_decode_loop_matches_and_survives_a_broken_loop(stages, reference, monke
                 raise errors.WorkerUnavailable("next stage: injected loop failure")
             return real(self, h, *rest)
 
-        monkeypatch.setattr(type(last.forwarder), "loop", flaky)
+        monkeypatch.setattr(type(last.forwarder), "next_lap", flaky)
         g = s.complete(PROMPT, max_tokens=12, stop_on_eog=False)
         assert g.tokens == ref and s.recoveries == 1 and len(calls) == 3
         monkeypatch.undo()
@@ -177,8 +177,8 @@ def test_decode_loop_stops_at_max_tokens_and_stop_tokens(stages, reference):
     ref, _ = generate_local(reference, PROMPT[:5], max_tokens=10, stop_on_eog=False)
     one = ThreadedWorker(dgr.Engine(reference.model_path, **SETTINGS))
     loops: list[int] = []  # positions after which the worker fed the loop's next step
-    real_loop = one.worker.forwarder.loop
-    one.worker.forwarder.loop = lambda h, *rest: (
+    real_loop = one.worker.forwarder.next_lap
+    one.worker.forwarder.next_lap = lambda h, *rest: (
         loops.append(h.first_pos), real_loop(h, *rest))[1]
     handled = _Positions(one.worker, "_data_done")
     try:
@@ -427,7 +427,7 @@ def test_a_one_stage_decode_loop_delivers_tokens_in_order(tiny_llama, reference)
     ref, _ = generate_local(reference, PROMPT[:5], max_tokens=6, stop_on_eog=False)
     one = ThreadedWorker(dgr.Engine(tiny_llama, **SETTINGS))
     w = one.worker
-    real_loop = w.forwarder.loop
+    real_loop = w.forwarder.next_lap
     handled = _Positions(w, "_data_done")
     computed = _Positions(w, "finish")
     waited = []
@@ -439,7 +439,7 @@ def test_a_one_stage_decode_loop_delivers_tokens_in_order(tiny_llama, reference)
         if h.first_pos == 5:
             waited.append(computed.wait(6))
 
-    w.forwarder.loop = slow_after_loop
+    w.forwarder.next_lap = slow_after_loop
     try:
         ep = f"127.0.0.1:{w.data_server.port}"
         c = _conn(ep)
@@ -501,8 +501,8 @@ def test_decode_loop_runs_at_most_a_window_ahead_of_the_reader(stages, reference
         s = r.session()
         assert s.complete(PROMPT[:9], max_tokens=20, stop_on_eog=False).tokens == ref  # 5 windows
         loops: list[int] = []  # positions after which the last stage fed the next step
-        real_loop = last.forwarder.loop
-        monkeypatch.setattr(last.forwarder, "loop", lambda h, *rest: (
+        real_loop = last.forwarder.next_lap
+        monkeypatch.setattr(last.forwarder, "next_lap", lambda h, *rest: (
             loops.append(h.first_pos), real_loop(h, *rest))[1])
         it = s.generate(PROMPT[:9], max_tokens=20, stop_on_eog=False)
         before = last.steps_total

@@ -736,7 +736,7 @@ def test_a_step_released_while_it_waited_does_not_run_on_the_reused_slot():
         w.table.commit(sy.lease)
         assert y0 is not None and w.table.get("y").next_pos == 4
     finally:
-        w.loop.stop()
+        w.stage_loop.stop()
 
 
 class WatchedLock:
@@ -796,7 +796,7 @@ def test_the_worker_computes_in_one_hold_of_the_engines_lock():
             assert type(r) is wire.Result, r
             assert w.release(session)
     finally:
-        w.loop.stop()
+        w.stage_loop.stop()
     names = [n for n, _ in seen]
     assert names == ["holds", "release", "forward", "holds", "release", "release", "forward"]
     held = [h for _, h in seen]

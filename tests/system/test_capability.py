@@ -174,7 +174,7 @@ def test_queue_depth_under_load(last_stage):
 def test_metrics_exposition(last_stage):
     from dgr.control.metrics import MetricsServer
 
-    ms = MetricsServer(last_stage.worker, port=0, loop=last_stage.loop).start()
+    ms = MetricsServer(last_stage.worker, port=0, loop=last_stage.event_loop).start()
     try:
         with urllib.request.urlopen(f"http://{ms.address}/metrics", timeout=10) as r:
             assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")

@@ -50,7 +50,7 @@ class StandIn:
 def worker():
     w = Worker(StandIn())
     yield w
-    w.loop.stop()
+    w.stage_loop.stop()
 
 
 def test_worker_describe_fills_exactly_the_proto_fields(worker):
