@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -160,31 +159,6 @@ def route_decode(endpoints, n_decode: int, prompt: list[int], relay: bool, **rou
     import asyncio
 
     return asyncio.run(_decode(endpoints, n_decode, prompt, relay, **route_kw))
-
-
-def _emulators(endpoints, delay_ms):
-    procs, eps = [], []
-    for ep in endpoints:
-        p = subprocess.Popen([sys.executable, "-m", "dgr.testing.linkemu", "--target", ep,
-                              "--delay-ms", str(delay_ms)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
-        procs.append(p)
-        line = p.stdout.readline().split()
-        if not line or line[0] != "LISTENING":
-            raise RuntimeError(f"link emulator for {ep} did not start")
-        eps.append(line[1])
-    return procs, eps
-
-
-def _stop(procs):
-    """Stop link emulator processes (closing stdin ends them); also used by compare.py."""
-    for p in procs:
-        try:
-            p.stdin.close()
-            p.wait(5)
-        except Exception:  # noqa: BLE001
-            p.kill()
-            p.wait()
 
 
 def _emulated_cluster(path: str, n: int, n_layer: int, rtt_ms: float, args=()):

@@ -12,19 +12,16 @@ reference has and dgr does not honour is refused by name, never ignored.
 from __future__ import annotations
 
 import json
-import logging
 import uuid
 from typing import AsyncIterator
 
 from starlette.responses import JSONResponse
 
-from dgr import errors
-from dgr.serve.api_errors import ApiError, from_dgr
+from dgr.serve.api_errors import ApiError, mid_stream
 from dgr.serve.generation import Generation, deltas
 
 __all__ = ["to_chat", "message", "events", "error_body", "error_response", "HONOURED"]
 
-log = logging.getLogger("dgr.serve")
 
 #: the request fields dgr honours (anything else is a 400 naming it)
 HONOURED = frozenset({"model", "max_tokens", "messages", "system", "stop_sequences", "stream",
@@ -348,11 +345,7 @@ async def events(gen: Generation, mid: str, model: str, stops: list[str], endpoi
                 for ev in blocks.feed(piece, delta):
                     yield ev
         except Exception as e:  # noqa: BLE001 - whatever failed, the client gets an error event
-            if isinstance(e, errors.DgrError):
-                err = from_dgr(e, mid)
-            else:
-                log.exception("request %s failed mid-stream: %s: %s", mid, type(e).__name__, e)
-                err = ApiError(500, f"internal error (request {mid})", type="server_error")
+            err = mid_stream(e, mid)
             status = err.status
             yield _event("error", {"error": error_body(err)["error"]})
             return

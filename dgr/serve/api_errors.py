@@ -8,7 +8,7 @@ from starlette.responses import JSONResponse
 
 from dgr import errors
 
-__all__ = ["ApiError", "from_dgr"]
+__all__ = ["ApiError", "from_dgr", "mid_stream"]
 
 log = logging.getLogger("dgr.serve")
 
@@ -47,5 +47,16 @@ def from_dgr(e: errors.DgrError, rid: str) -> ApiError:
                       errors.InvalidPosition)) or isinstance(e, ValueError):
         return ApiError(400, f"the route refused this request: {name} (request {rid})",
                         code=name)
+    return ApiError(500, f"internal error (request {rid})", type="server_error",
+                    code="internal_error")
+
+
+def mid_stream(e: Exception, rid: str) -> ApiError:
+    """The error a stream ends with when request ``rid`` fails after its first event (call it
+    in the ``except`` block): a dgr error as ``from_dgr`` says, anything else logged with its
+    traceback and a 500 that names only the request."""
+    if isinstance(e, errors.DgrError):
+        return from_dgr(e, rid)
+    log.exception("request %s failed mid-stream: %s: %s", rid, type(e).__name__, e)
     return ApiError(500, f"internal error (request {rid})", type="server_error",
                     code="internal_error")

@@ -5,23 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 from typing import AsyncIterator
 
 import anyio
 from starlette.responses import StreamingResponse
 
-from dgr import errors
 from dgr.driver.text import TextStream
 from dgr.serve.admission import Admission
-from dgr.serve.api_errors import ApiError, from_dgr
+from dgr.serve.api_errors import mid_stream
 from dgr.serve.logprobs import chat_logprobs, completion_logprobs, token_logprob
 from dgr.serve.params import Params
 
 __all__ = ["Generation", "Stream", "close_all", "deltas", "merged", "sse", "usage_of"]
-
-log = logging.getLogger("dgr.serve")
 
 
 class Generation:
@@ -288,12 +284,7 @@ async def sse(gen: Generation | list[Generation], rid: str, chat: bool, model: s
                 yield event([choice(piece, None, delta=delta, index=i,
                                     lp=await gens[i].take_logprobs(chat, chunk=True))])
         except Exception as e:  # noqa: BLE001 - whatever failed, the client gets an error event
-            if isinstance(e, errors.DgrError):
-                err = from_dgr(e, rid)
-            else:
-                log.exception("request %s failed mid-stream: %s: %s", rid, type(e).__name__, e)
-                err = ApiError(500, f"internal error (request {rid})", type="server_error",
-                               code="internal_error")
+            err = mid_stream(e, rid)
             status = err.status
             yield b"data: " + json.dumps({"error": {"message": err.message, "type": err.type,
                                                     "param": None, "code": err.code}}).encode() \

@@ -12,18 +12,15 @@ a 400 that says so, as is every other field dgr does not honour.
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
 from typing import AsyncIterator
 
-from dgr import errors
-from dgr.serve.api_errors import ApiError, from_dgr
+from dgr.serve.api_errors import ApiError, mid_stream
 from dgr.serve.generation import Generation, deltas
 
 __all__ = ["to_chat", "Output", "response", "events", "HONOURED"]
 
-log = logging.getLogger("dgr.serve")
 
 #: the request fields dgr honours (anything else is a 400 naming it)
 HONOURED = frozenset({"model", "input", "instructions", "tools", "tool_choice",
@@ -348,12 +345,7 @@ async def events(gen: Generation, rid: str, model: str, body: dict, chat: dict,
                     yield _event(kind, n, data)
                     n += 1
         except Exception as e:  # noqa: BLE001 - whatever failed, the client gets an error event
-            if isinstance(e, errors.DgrError):
-                err = from_dgr(e, rid)
-            else:
-                log.exception("request %s failed mid-stream: %s: %s", rid, type(e).__name__, e)
-                err = ApiError(500, f"internal error (request {rid})", type="server_error",
-                               code="internal_error")
+            err = mid_stream(e, rid)
             status = err.status
             yield _event("error", n, {"code": err.code, "message": err.message, "param": None})
             return
