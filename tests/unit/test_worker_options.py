@@ -1,7 +1,8 @@
-"""The worker's command line and ``Worker``'s keyword arguments are one set of options: every
-flag that sets one maps to it in one place (``dgr.worker.main.WORKER_OPTIONS``), and a flag's
-default is the keyword's own default, so a worker started from the command line and one built
-in code (``ThreadedWorker``, the SDK, tests) behave alike."""
+"""The command lines and the classes they configure are one set of options: every worker
+flag that sets a ``Worker`` keyword maps to it in one place (``dgr.worker.main.WORKER_OPTIONS``),
+and a flag's default is the keyword's own default, so a worker started from the command line
+and one built in code (``ThreadedWorker``, the SDK, tests) behave alike; the same for the
+route options of ``run``, ``generate`` and ``serve``."""
 
 from __future__ import annotations
 
@@ -41,3 +42,18 @@ def test_flags_reach_the_keywords():
         "native_frames": False, "busy_poll_s": 5e-4, "inline": True, "inline_below_ms": 1.5,
         "max_sessions_per_credential": 3, "max_queued_per_credential": 4,
         "cert_store": "/tmp/certs"}
+
+
+def test_the_route_flags_defaults_are_the_routes_own():
+    """``run``, ``generate`` and ``serve`` give ``AsyncRoute`` its speculation keywords
+    (``dgr.cli.speculate``); left at their defaults they are the route's own."""
+    import argparse
+
+    from dgr.cli.speculate import add_speculate_arguments, speculate_of
+    from dgr.driver.async_route import AsyncRoute
+
+    p = argparse.ArgumentParser()
+    add_speculate_arguments(p)
+    params = inspect.signature(AsyncRoute.__init__).parameters
+    for name, value in speculate_of(p.parse_args([])).items():
+        assert value == params[name].default, (name, value, params[name].default)
