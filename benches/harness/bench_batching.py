@@ -1,8 +1,9 @@
 """Many sessions through one 3-stage route: dgr's batching stage loop against itself unbatched
 and against llama.cpp's ``llama-batched-bench`` on the whole model (SmolLM2).
 
-One run of ``benches/batching.py`` (``run`` then ``summarize``: the same functions, so the same
-settings, ``batching.SETTINGS``) in ``setup_cache``: a ``LocalCluster`` of 3 workers (one
+One run of ``benches/batching.py`` (its ``measure``: ``run`` then ``summarize``, the same
+functions, so the same settings, ``batching.SETTINGS``), in a process of its own
+(``harness.fresh``) from ``setup_cache``: a ``LocalCluster`` of 3 workers (one
 thread each, 16 slots) on loopback, direct relay with the decode loop, k = 1, 4, 16 sessions
 at once of ``TOKENS`` greedy tokens each, ``batched`` (the stage loop computes several
 sessions' ready steps as one forward) and ``solo`` (``AsyncRoute(batching=False)``: one step a

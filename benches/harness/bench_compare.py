@@ -2,7 +2,7 @@
 
 The numbers of ``benches/compare.py`` (the same functions, so the same settings on every
 row: ``harness.common.SETTINGS``, llama-bench and RPC included), one interleaved round
-measured once in ``setup_cache``: every ``track_`` reads a ratio or a value out of it. Each
+measured once, in a process of its own (``harness.fresh``), from ``setup_cache``: every ``track_`` reads a ratio or a value out of it. Each
 family is taken against the whole model of its own tool:
 ``track_dgr<k>_over_whole_<metric>_ratio`` is dgr with k stages over ``dgr.Engine`` in one
 process, ``track_rpc<k>_over_llama_bench_<metric>_ratio`` llama.cpp RPC with k servers over
