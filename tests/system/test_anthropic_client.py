@@ -44,8 +44,7 @@ def claude(stages, smollm2):
     template = ChatTemplate.from_gguf(smollm2)
     served = Served(create_app(AsyncRoute([w.address for w in stages]), model=NAME,
                                template=template))
-    client = anthropic.Anthropic(base_url=served.base, api_key="unused", max_retries=0,
-                                 timeout=120)
+    client = served.anthropic(timeout=120)
     yield client, template, stages
     served.stop()
 

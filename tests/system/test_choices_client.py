@@ -31,8 +31,7 @@ def front(tiny_llama):
     ws = [ThreadedWorker(dgr.Engine(tiny_llama, layers=r, **TINY))
           for r in [(0, 1), (1, 3), (3, 4)]]
     served = Served(create_app(AsyncRoute([w.address for w in ws]), model="tiny"))
-    yield openai.OpenAI(base_url=served.base + "/v1", api_key="x", max_retries=0,
-                        timeout=60), ws
+    yield served.openai(api_key="x"), ws
     served.stop()
     for w in ws:
         w.stop()

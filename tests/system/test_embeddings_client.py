@@ -32,8 +32,7 @@ def client(stages):
     from dgr.serve.app import create_app
 
     served = Served(create_app(AsyncRoute([w.address for w in stages]), model=NAME))
-    yield openai.OpenAI(base_url=served.base + "/v1", api_key="unused", max_retries=0,
-                        timeout=120)
+    yield served.openai(timeout=120)
     served.stop()
 
 

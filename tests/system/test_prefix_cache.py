@@ -36,8 +36,7 @@ def fronts(tiny_llama, request):
     cached = Served(create_app(AsyncRoute(addrs), model="tiny", prompt_cache=2,
                                prompt_cache_ttl=600))
     plain = Served(create_app(AsyncRoute(addrs), model="tiny"))
-    clients = [openai.OpenAI(base_url=s.base + "/v1", api_key="x", max_retries=0, timeout=60)
-               for s in (cached, plain)]
+    clients = [s.openai(api_key="x") for s in (cached, plain)]
     yield clients, cached, request.param
     for s in (cached, plain):
         s.stop()
@@ -119,10 +118,8 @@ def test_one_tenant_never_reuses_anothers_prefix_and_a_lost_stage_still_gives_th
                                prompt_cache_ttl=600))
     plain = Served(create_app(AsyncRoute([whole.address]), model="tiny"))
     try:
-        a, b = (openai.OpenAI(base_url=cached.base + "/v1", api_key=k, max_retries=0,
-                              timeout=60) for k in KEYS)
-        ref = openai.OpenAI(base_url=plain.base + "/v1", api_key="x", max_retries=0,
-                            timeout=60)
+        a, b = (cached.openai(api_key=k) for k in KEYS)
+        ref = plain.openai(api_key="x")
         prompt = list(range(3, 40))
         req = dict(prompt=prompt, max_tokens=6, temperature=0, logprobs=2)
         first = _ask(a, req)

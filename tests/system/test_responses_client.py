@@ -41,8 +41,7 @@ def client(stages, smollm2):
 
     served = Served(create_app(AsyncRoute([w.address for w in stages]), model=NAME,
                                template=ChatTemplate.from_gguf(smollm2)))
-    yield openai.OpenAI(base_url=served.base + "/v1", api_key="unused", max_retries=0,
-                        timeout=120)
+    yield served.openai(timeout=120)
     served.stop()
 
 

@@ -51,8 +51,7 @@ def served(stages, template):
 
 @pytest.fixture(scope="module")
 def client(served):
-    return openai.OpenAI(base_url=served.base + "/v1", api_key="unused", max_retries=0,
-                         timeout=60)
+    return served.openai()
 
 
 @pytest.fixture(scope="module")
@@ -361,10 +360,11 @@ def test_the_serve_command_starts_a_cluster_serves_it_and_stops_it(smollm2):
                 assert time.monotonic() < deadline, "dgr serve did not come up"
                 time.sleep(0.2)
         assert len(health["stages"]) == 2 and health["status"] == "ok"
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
-        assert [m.id for m in c.models.list().data] == ["tiny-route"]
-        r = c.chat.completions.create(model="tiny-route", messages=MESSAGES, max_tokens=4,
-                                      temperature=0)
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-",
+                           max_retries=0) as c:
+            assert [m.id for m in c.models.list().data] == ["tiny-route"]
+            r = c.chat.completions.create(model="tiny-route", messages=MESSAGES, max_tokens=4,
+                                          temperature=0)
         assert r.choices[0].message.content and r.usage.completion_tokens >= 1
     finally:
         p.send_signal(signal.SIGINT)
@@ -379,14 +379,12 @@ def test_api_keys_with_the_openai_client(stages, template, route):
     keys = ["sk-dgr-test-key-0123456789"]
     s = _serve(stages, template, api_keys=keys)
     try:
-        good = openai.OpenAI(base_url=s.base + "/v1", api_key=keys[0], max_retries=0,
-                             timeout=60)
+        good = s.openai(api_key=keys[0])
         r = good.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, temperature=0)
         ids = route.tokenize(PROMPT, True, True)
         assert r.choices[0].text == _greedy_text(route, ids, 4)[0]
         for key in ("sk-dgr-some-other-key-000", ""):
-            bad = openai.OpenAI(base_url=s.base + "/v1", api_key=key or "x", max_retries=0,
-                                timeout=60)
+            bad = s.openai(api_key=key or "x")
             with pytest.raises(openai.AuthenticationError) as e:
                 bad.models.list()
             assert e.value.status_code == 401 and keys[0] not in str(e.value)
@@ -422,8 +420,7 @@ def test_one_key_at_its_cap_cannot_take_another_keys_slot(stages, template, rout
             ApiKey("team-b", "sk-dgr-team-b-0123456789")]
     s = _serve(stages, template, api_keys=keys, queue_timeout=0.5)
     try:
-        a, b = (openai.OpenAI(base_url=s.base + "/v1", api_key=k.secret, max_retries=0,
-                              timeout=60) for k in keys)
+        a, b = (s.openai(api_key=k.secret) for k in keys)
         cap = per_key_default(SETTINGS["n_slots"])
         held = []
         for _ in range(cap):
@@ -483,10 +480,8 @@ def test_a_speculating_front_gives_the_plain_routes_text_and_counts_its_drafts(
                      template=template)
     s = Served(app)
     try:
-        c = openai.OpenAI(base_url=s.base + "/v1", api_key="unused", max_retries=0,
-                          timeout=60)
-        r = c.completions.create(model=NAME, prompt=prompt, max_tokens=n, temperature=0)
-        c.close()
+        r = s.openai().completions.create(model=NAME, prompt=prompt, max_tokens=n,
+                                          temperature=0)
         assert r.choices[0].text == text and r.usage.completion_tokens == n
         conn = http.client.HTTPConnection(s.host, s.port, timeout=30)
         conn.request("GET", "/metrics")

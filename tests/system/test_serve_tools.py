@@ -44,8 +44,7 @@ def _client(stages, template):
 
     served = Served(create_app(AsyncRoute([w.address for w in stages]), model=NAME,
                                template=template))
-    return served, openai.OpenAI(base_url=served.base + "/v1", api_key="unused",
-                                 max_retries=0, timeout=120)
+    return served, served.openai(timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -205,8 +204,7 @@ def test_an_agent_loops_turns_reuse_the_prompt_cache_under_the_tools_grammar(sta
     served = Served(create_app(AsyncRoute([w.address for w in stages]), model=NAME,
                                template=ChatTemplate.from_gguf(smollm2), prompt_cache=1,
                                prompt_cache_ttl=600))
-    cached = openai.OpenAI(base_url=served.base + "/v1", api_key="unused", max_retries=0,
-                           timeout=120)
+    cached = served.openai(timeout=120)
 
     def said(r):
         c = r.choices[0]
