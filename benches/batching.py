@@ -62,6 +62,7 @@ import time
 import urllib.request
 
 from harness import cli, clusters, fresh
+from harness.measure import decode_tps, end_to_end_tps
 from harness import llama as llama_tools
 from harness.common import N_PROMPT_DECODE as N_PROMPT
 from harness.common import session_prompt, smollm2_path  # benches/compare.py's --sessions
@@ -120,6 +121,7 @@ async def _sessions(endpoints, k: int, n: int, batching: bool, ports=()) -> dict
     tpot = [1e3 * g.decode_s / max(len(g.tokens) - 1, 1) for g in gens]
     return {"sessions": k, "batching": batching, "wall_s": wall,
             "tokens": tokens, "aggregate_tps": tokens / wall,
+            "decode_tps": decode_tps([g.token_times for g in gens]),
             "tpot_ms_p50": statistics.median(tpot), "tpot_ms_max": max(tpot),
             "ttft_ms_p50": 1e3 * statistics.median(g.time_to_first_token_s for g in gens),
             "driver_cpu_ms_per_token": 1e3 * cpu / tokens,
@@ -315,33 +317,40 @@ def summarize(res: dict, sessions: list[int], threads: list[int]) -> list[dict]:
             if not ms:
                 continue
             row[name] = {key: statistics.median(m[key] for m in ms)
-                         for key in ("aggregate_tps", "tpot_ms_p50", "tpot_ms_max",
-                                     "ttft_ms_p50")}
+                         for key in ("aggregate_tps", "decode_tps", "tpot_ms_p50",
+                                     "tpot_ms_max", "ttft_ms_p50")
+                         if all(m.get(key) is not None for m in ms)}
             row[name]["parity"] = all(m["parity"] for m in ms)
             if all("stages" in m for m in ms):  # each stage's CPU per output token
                 row[name]["stage_cpu_ms_per_token"] = {
                     str(i): statistics.median(m["stages"][i]["cpu_ms_per_token"] for m in ms)
                     for i in range(len(ms[0]["stages"]))}
+        # dgr's rates: the decode phase's where the results have it, like for like with
+        # batched-bench's S_TG and the stages' engines alone (decode steps); otherwise (a
+        # results file from before token times) output tokens over the wall time
+        rate = {name: row[name].get("decode_tps", row[name]["aggregate_tps"])
+                for name in ("batched", "solo", *EXTRA_MODES) if name in row}
         for t in threads:
-            runs = res["llama_batched_bench"].get(str(t), [])
-            vals = [r[k]["speed_tg"] for r in runs if k in r]
-            row[f"bb_t{t}"] = statistics.median(vals) if vals else None
+            runs = [r[k] for r in res["llama_batched_bench"].get(str(t), []) if k in r]
+            row[f"bb_t{t}"] = statistics.median(r["speed_tg"] for r in runs) if runs else None
+            e2e = [end_to_end_tps(r) for r in runs if "t_pp" in r]
+            row[f"bb_e2e_t{t}"] = statistics.median(e2e) if e2e else None
+            if row[f"bb_t{t}"]:
+                row[f"batched_over_bb_t{t}"] = rate["batched"] / row[f"bb_t{t}"]
+            if row[f"bb_e2e_t{t}"]:
+                row[f"batched_e2e_over_bb_t{t}"] = (row["batched"]["aggregate_tps"]
+                                                   / row[f"bb_e2e_t{t}"])
         bounds = res.get("stage_bounds")
         if bounds:
             b = -(-k // res["meta"]["stages"])
             row["bound_tps"] = bound_tps([st[str(b)] for st in bounds],
                                          res["meta"]["cpu_count"])
-            row["batched_over_bound"] = row["batched"]["aggregate_tps"] / row["bound_tps"]
-        row["batched_over_solo"] = row["batched"]["aggregate_tps"] / row["solo"]["aggregate_tps"]
+            row["batched_over_bound"] = rate["batched"] / row["bound_tps"]
+        row["batched_over_solo"] = rate["batched"] / rate["solo"]
         if "ungrouped" in row:
-            row["batched_over_ungrouped"] = (row["batched"]["aggregate_tps"]
-                                             / row["ungrouped"]["aggregate_tps"])
+            row["batched_over_ungrouped"] = rate["batched"] / rate["ungrouped"]
         if "busypoll" in row:
-            row["busypoll_over_batched"] = (row["busypoll"]["aggregate_tps"]
-                                            / row["batched"]["aggregate_tps"])
-        for t in threads:
-            if row[f"bb_t{t}"]:
-                row[f"batched_over_bb_t{t}"] = row["batched"]["aggregate_tps"] / row[f"bb_t{t}"]
+            row["busypoll_over_batched"] = rate["busypoll"] / rate["batched"]
         rows.append(row)
     return rows
 
@@ -375,32 +384,48 @@ def breakdown(res: dict) -> str:
     return "\n".join(out)
 
 
+def _rate(r: dict, name: str) -> float:
+    """A mode's rate in a summary row: its decode phase's (output tokens over the wall time
+    in results from before token times)."""
+    return r[name].get("decode_tps", r[name]["aggregate_tps"])
+
+
 def table(rows: list[dict], threads: list[int], n_stages: int) -> str:
+    """Decode-phase rates (tok/s) against llama-batched-bench's S_TG and the stages alone;
+    output tokens over the wall time (prefills included) against batched-bench's
+    end-to-end figure."""
     ung = all("ungrouped" in r for r in rows)
     bp = all("busypoll" in r for r in rows)
     bnd = all("bound_tps" in r for r in rows)
-    head = ["sessions", f"dgr{n_stages} batched tok/s", f"dgr{n_stages} solo tok/s",
-            *([f"dgr{n_stages} ungrouped tok/s"] if ung else []),
-            *([f"dgr{n_stages} busy-poll tok/s"] if bp else []),
+    e2e = [t for t in threads if all(r.get(f"bb_e2e_t{t}") for r in rows)]
+    d = f"dgr{n_stages}"
+    head = ["sessions", f"{d} batched tok/s", f"{d} solo tok/s",
+            *([f"{d} ungrouped tok/s"] if ung else []),
+            *([f"{d} busy-poll tok/s"] if bp else []),
             "batched/solo", *(["batched/ungrouped"] if ung else []),
             *(["busy-poll/batched"] if bp else []),
             *(["stages alone bound tok/s", "batched/bound"] if bnd else []),
-            *[f"batched-bench -t{t} tok/s" for t in threads],
-            *[f"batched/bb-t{t}" for t in threads], "TPOT p50 batched ms", "TPOT p50 solo ms",
+            *[f"batched-bench -t{t} S_TG tok/s" for t in threads],
+            *[f"batched/bb-t{t}" for t in threads],
+            f"{d} batched wall tok/s", *[f"bb -t{t} end-to-end tok/s" for t in e2e],
+            *[f"wall/bb-t{t} end-to-end" for t in e2e],
+            "TPOT p50 batched ms", "TPOT p50 solo ms",
             "parity batched", "parity solo", *(["parity ungrouped"] if ung else []),
             *(["parity busy-poll"] if bp else [])]
     out = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for r in rows:
-        cells = [str(r["sessions"]), f"{r['batched']['aggregate_tps']:.1f}",
-                 f"{r['solo']['aggregate_tps']:.1f}",
-                 *([f"{r['ungrouped']['aggregate_tps']:.1f}"] if ung else []),
-                 *([f"{r['busypoll']['aggregate_tps']:.1f}"] if bp else []),
+        cells = [str(r["sessions"]), f"{_rate(r, 'batched'):.1f}", f"{_rate(r, 'solo'):.1f}",
+                 *([f"{_rate(r, 'ungrouped'):.1f}"] if ung else []),
+                 *([f"{_rate(r, 'busypoll'):.1f}"] if bp else []),
                  f"{r['batched_over_solo']:.2f}",
                  *([f"{r['batched_over_ungrouped']:.2f}"] if ung else []),
                  *([f"{r['busypoll_over_batched']:.2f}"] if bp else []),
                  *([f"{r['bound_tps']:.1f}", f"{r['batched_over_bound']:.2f}"] if bnd else []),
                  *[f"{r[f'bb_t{t}']:.1f}" if r[f"bb_t{t}"] else "-" for t in threads],
                  *[f"{r.get(f'batched_over_bb_t{t}', 0):.2f}" for t in threads],
+                 f"{r['batched']['aggregate_tps']:.1f}",
+                 *[f"{r[f'bb_e2e_t{t}']:.1f}" for t in e2e],
+                 *[f"{r[f'batched_e2e_over_bb_t{t}']:.2f}" for t in e2e],
                  f"{r['batched']['tpot_ms_p50']:.1f}", f"{r['solo']['tpot_ms_p50']:.1f}",
                  str(r["batched"]["parity"]), str(r["solo"]["parity"]),
                  *([str(r["ungrouped"]["parity"])] if ung else []),

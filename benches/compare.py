@@ -105,6 +105,7 @@ from harness.common import (N_PROMPT_DECODE, N_VOCAB, SETTINGS, prompt_tokens, s
                             smollm2_path)
 from harness.llama import (RpcServers, batched_bench, batched_bench_command,
                            batched_bench_threads, llama_bench, llama_bench_commands, tool)
+from harness.measure import decode_tps
 
 N_DECODE = 64
 PREFILLS = (128, 512)
@@ -379,6 +380,7 @@ async def _sessions_measure(endpoints, k: int, n_decode: int, relay: bool) -> di
     tpot = session_tpot_ms(gens)
     return {"sessions": k, "wall_s": wall, "tokens": total,
             "aggregate_tps": total / wall,
+            "decode_tps": decode_tps([g.token_times for g in gens]),
             "per_session_tps": statistics.median(per),
             "per_session_tps_min": min(per),
             "tpot_ms_p50": statistics.median(tpot), "tpot_ms_max": max(tpot),
@@ -678,8 +680,10 @@ def summarize_sessions(sess: dict) -> dict:
         for k, rows in sorted(by_k.items()):
             out.setdefault(name, {})[k] = {
                 key: statistics.median(x[key] for x in rows)
-                for key in ("aggregate_tps", "per_session_tps", "per_session_tps_min",
-                            "tpot_ms_p50", "tpot_ms_max", "ttft_ms", "wall_s")} | {
+                for key in ("aggregate_tps", "decode_tps", "per_session_tps",
+                            "per_session_tps_min", "tpot_ms_p50", "tpot_ms_max", "ttft_ms",
+                            "wall_s")
+                if all(x.get(key) is not None for x in rows)} | {
                 "parity": all(x["parity"] for x in rows),
                 "parity_checked": min(x["parity_checked"] for x in rows),
                 "tokens": rows[0]["tokens"]}
@@ -700,8 +704,10 @@ def summarize_batched_bench(runs: dict[int, list[dict]]) -> dict[str, dict[int, 
 
 
 def session_ratios(sessions: dict, bb: dict) -> dict[str, dict[int, float]]:
-    """{"<config>/batched-bench-t<T>": {k: aggregate tokens/s of config with k sessions over
-    llama-batched-bench's at k sequences, -t T}} for every config, k and T measured."""
+    """{"<config>/batched-bench-t<T>": {k: the decode-phase tokens/s of config with k
+    sessions (``harness.measure.decode_tps``; output tokens over the wall time in results
+    from before token times) over llama-batched-bench's S_TG at k sequences, -t T}} for
+    every config, k and T measured."""
     out: dict[str, dict[int, float]] = {}
     for name, by_k in sessions.items():
         for t, by_pl in bb.items():
@@ -709,7 +715,7 @@ def session_ratios(sessions: dict, bb: dict) -> dict[str, dict[int, float]]:
                 ref = by_pl.get(k, {}).get("aggregate_tps")
                 if ref:
                     out.setdefault(f"{name}/batched-bench-{t}", {})[k] = (
-                        m["aggregate_tps"] / ref)
+                        m.get("decode_tps", m["aggregate_tps"]) / ref)
     return out
 
 
@@ -754,7 +760,7 @@ def print_table(res: dict, file=sys.stdout) -> None:
     print(f"\n{os.path.basename(res['model'])}, {res['n_decode']} decode steps, "
           f"median of {res['rounds']} rounds; load average {la[0]:.2f} {la[1]:.2f} "
           f"{la[2]:.2f}", file=file)
-    hdr = (f"{'configuration':<22} {'decode t/s':>10} " +
+    hdr = (f"{'configuration':<22} {'S_TG-like':>10} " +
            " ".join(f"{'pp' + str(n) + ' t/s':>10}" for n in p) +
            f" {'TTFT ms':>8} {'CPU ms/tok':>10} {'seam B/tok':>11} {'parity':>6}")
     print(hdr, file=file)
@@ -821,8 +827,9 @@ def sessions_table(res: dict) -> str:
     same_ts = {f"t{t}" for t in same.values()}
     cols = [f"/bb-{t}" + (" same-thr" if t in same_ts else "") for t in ts]
     lines = ["concurrent sessions (k x r.complete(16-token prompt, max_tokens=N), asyncio.gather;"
-             " aggr = all generated tokens / wall time; TPOT = a session's decode time / its "
-             "tokens after the first, median and slowest session)"]
+             " aggr = all generated tokens / wall time (prefills included); S_TG-like = tokens/s "
+             "while every session decoded; TPOT = a session's decode "
+             "time / its tokens after the first, median and slowest session)"]
     if bb:
         lines.append("batched-bench-t<T>: llama-batched-bench on the whole model, the clusters' "
                      "settings (-c n_ctx x max(k) -no-kvu, -b -ub n_ubatch, -fa, f16 KV, -ngl 0),"
@@ -835,7 +842,8 @@ def sessions_table(res: dict) -> str:
         lines.append("same-thr: the same total thread count as the route (one thread per stage,"
                      " capped at this machine's cores): " + "; ".join(
                          f"-t{t} for {', '.join(names)}" for t, names in sorted(by_t.items())))
-    hdr = (f"  {'configuration':<17} {'k':>3} {'aggr t/s':>9} {'TPOT p50 ms':>11} "
+    hdr = (f"  {'configuration':<17} {'k':>3} {'aggr t/s':>9} {'S_TG-like':>10} "
+           f"{'TPOT p50 ms':>11} "
            f"{'TPOT max ms':>11} {'TTFT ms':>8} " + " ".join(f"{c:>{max(len(c), 7)}}"
                                                             for c in cols) + f" {'parity':>10}")
     lines.append(hdr)
@@ -846,19 +854,20 @@ def sessions_table(res: dict) -> str:
             rts = [ratios.get(f"{name}/batched-bench-{t}", {}).get(k) for t in ts]
             lines.append(
                 f"  {name:<17} {k:>3} {m['aggregate_tps']:9.1f} "
-                f"{_f(m.get('tpot_ms_p50'), '11.1f')} {_f(m.get('tpot_ms_max'), '11.1f')} "
+                f"{_f(m.get('decode_tps'), '10.1f')} {_f(m.get('tpot_ms_p50'), '11.1f')} {_f(m.get('tpot_ms_max'), '11.1f')} "
                 f"{m['ttft_ms']:8.1f} " + " ".join(_f(r, f"{max(len(c), 7)}.2f")
                                                    for r, c in zip(rts, cols)) + f" {par:>10}")
     for t, by_pl in bb.items():
         for k, m in by_pl.items():
             lines.append(
-                f"  {'batched-bench-' + t:<17} {k:>3} {m['aggregate_tps']:9.1f} "
+                f"  {'batched-bench-' + t:<17} {k:>3} {'-':>9} {m['aggregate_tps']:10.1f} "
                 f"{m['tpot_ms']:11.1f} {m['tpot_ms']:11.1f} {'-':>8} " +
                 " ".join(f"{'-':>{max(len(c), 7)}}" for c in cols) + f" {'-':>10}")
     if res.get("sessions"):
         lines.append("  (parity (n): all n sessions checked against the whole model's greedy "
                      "tokens for their prompts, computed with the clusters' settings, n_slots "
-                     "included; /bb-tT: aggr over batched-bench-tT's at the same k)")
+                     "included; /bb-tT: S_TG-like (aggr in results without it) over "
+                     "batched-bench-tT's S_TG at the same k)")
     return "\n".join(lines)
 
 

@@ -11,10 +11,15 @@ forward); then ``llama-batched-bench -npl 1,4,16 -ntg TOKENS`` on the whole mode
 (one stage's threads) and ``-t 2`` (the route's 3 threads on a 2-core machine). Every track
 reads that one run:
 
+- ``track_batched<k>_decode_tokens_per_s`` / ``track_solo<k>_decode_tokens_per_s``: output
+  tokens/s while every session decoded (``harness.measure.decode_tps``: llama-batched-bench's
+  S_TG counterpart);
 - ``track_batched<k>_tokens_per_s`` / ``track_solo<k>_tokens_per_s``: aggregate output
-  tokens/s (all sessions' tokens / wall time);
-- ``track_batched<k>_over_solo_ratio``; ``track_batched<k>_over_bb_t<T>_ratio``: over
-  llama-batched-bench's S_TG at k sequences, ``-t T`` (NaN when it is not built:
+  tokens/s (all sessions' tokens / wall time, their prefills included);
+- ``track_batched<k>_over_solo_ratio`` (decode phase); ``track_batched<k>_over_bb_t<T>_ratio``:
+  the decode phase over llama-batched-bench's S_TG at k sequences, ``-t T``, and
+  ``track_batched<k>_wall_over_bb_e2e_t<T>_ratio``: the wall-time rate over batched-bench's
+  tokens over its prompt and generation phases (NaN when it is not built:
   ``python -m dgr.vendor build --tools llama-batched-bench``);
 - ``track_batched<k>_tpot_ms_p50`` / ``_tpot_ms_max``: the median and slowest session's time
   per output token;
@@ -92,6 +97,8 @@ for _k in SESSIONS:
     for _name in ("batched", "solo"):
         setattr(BatchingSmolLM2, f"track_{_name}{_k}_tokens_per_s",
                 _track(_k, (_name, "aggregate_tps"), "tokens/s"))
+        setattr(BatchingSmolLM2, f"track_{_name}{_k}_decode_tokens_per_s",
+                _track(_k, (_name, "decode_tps"), "tokens/s"))
         setattr(BatchingSmolLM2, f"track_{_name}{_k}_parity",
                 _track(_k, (_name, "parity"), "bool"))
     for _key in ("tpot_ms_p50", "tpot_ms_max"):
@@ -102,6 +109,8 @@ for _k in SESSIONS:
     for _t in THREADS:
         setattr(BatchingSmolLM2, f"track_batched{_k}_over_bb_t{_t}_ratio",
                 _track(_k, (f"batched_over_bb_t{_t}",), "ratio"))
+        setattr(BatchingSmolLM2, f"track_batched{_k}_wall_over_bb_e2e_t{_t}_ratio",
+                _track(_k, (f"batched_e2e_over_bb_t{_t}",), "ratio"))
     setattr(BatchingSmolLM2, f"track_batched{_k}_over_bound_ratio",
             _track(_k, ("batched_over_bound",), "ratio"))
     for _i in range(STAGES):  # each stage's CPU per output token, batched

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -43,6 +43,9 @@ class Generation:
     trips: int = 0
     drafted: int = 0
     accepted: int = 0
+    #: each token's arrival at the driver (``time.perf_counter()`` seconds): the gaps are
+    #: the inter-token latencies, and several sessions' times show when they decoded at once
+    token_times: list[float] = field(default_factory=list)
 
     @property
     def acceptance(self) -> float:

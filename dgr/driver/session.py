@@ -397,12 +397,14 @@ class AsyncRouteSession:
         t0 = time.perf_counter()
         t_first = None
         toks: list[int] = []
+        times: list[float] = []
         rec0 = self.recoveries
         spec0 = (self.trips, self.drafted, self.accepted)
         async for t in self.generate(prompt, max_tokens=max_tokens, sampling=sampling,
                                      stop=stop, stop_on_eog=stop_on_eog, logits=logits):
+            times.append(time.perf_counter())
             if t_first is None:
-                t_first = time.perf_counter()
+                t_first = times[0]
             toks.append(t)
         t1 = time.perf_counter()
         text = ""
@@ -417,7 +419,7 @@ class AsyncRouteSession:
                           decode_s=t1 - (t_first or t1), recoveries=self.recoveries - rec0,
                           logits=list(self.logits) if logits else None,
                           trips=self.trips - spec0[0], drafted=self.drafted - spec0[1],
-                          accepted=self.accepted - spec0[2])
+                          accepted=self.accepted - spec0[2], token_times=times)
 
     async def release(self) -> None:
         """Free this session's slot on every stage now (ignores stages that are gone)."""

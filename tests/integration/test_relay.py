@@ -77,6 +77,9 @@ def test_relay_matches_the_whole_model_bit_for_bit(stages, reference):
         assert g.tokens == ref
         assert len(g.logits) == len(rows) == 12
         assert all(x.tobytes() == y.tobytes() for x, y in zip(g.logits, rows))
+        # each token's arrival, in order, within the generation's decode time
+        ts = g.token_times
+        assert len(ts) == 12 and ts == sorted(ts) and 0 < ts[-1] - ts[0] <= g.decode_s
         # 5 prompt chunks (pipelined, one reply each) + 11 decode steps, all relayed
         assert s.inner.steps[:5] == [(0, 8), (8, 8), (16, 8), (24, 8), (32, 5)]
         assert r.aroute.relay_steps == 5 + 11

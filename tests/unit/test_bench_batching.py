@@ -8,10 +8,32 @@ import pytest
 batching = pytest.importorskip("batching")
 
 
-def m(k, mode, batching_, tps, parity=True):
+def m(k, mode, batching_, tps, parity=True, decode=None):
     return {"sessions": k, "mode": mode, "batching": batching_, "aggregate_tps": tps,
             "tpot_ms_p50": 1000 / tps, "tpot_ms_max": 2000 / tps, "ttft_ms_p50": 5.0,
-            "parity": parity}
+            "parity": parity, **({} if decode is None else {"decode_tps": decode})}
+
+
+def test_the_decode_phase_against_s_tg_and_the_wall_against_end_to_end():
+    """Like for like: dgr's decode-phase rate over batched-bench's S_TG (its generation
+    phase), dgr's output tokens over the wall time (prefills included) over batched-bench's
+    tokens over its prompt and generation phases; batched/solo by the decode phase."""
+    res = {"dgr": [m(16, "batched", True, 100.0, decode=150.0),
+                   m(16, "solo", False, 80.0, decode=100.0)],
+           "llama_batched_bench": {"2": [{16: {"speed_tg": 160.0, "pl": 16, "tg": 64,
+                                               "t_pp": 1.0, "t_tg": 16 * 64 / 160.0}}]}}
+    (row,) = batching.summarize(res, [16], [2])
+    assert row["batched_over_bb_t2"] == pytest.approx(150 / 160)
+    e2e = 16 * 64 / (1.0 + 16 * 64 / 160.0)
+    assert row["bb_e2e_t2"] == pytest.approx(e2e)
+    assert row["batched_e2e_over_bb_t2"] == pytest.approx(100 / e2e)
+    assert row["batched_over_solo"] == pytest.approx(1.5)
+    head, _, cells = batching.table([row], [2], 2).splitlines()
+    cols = dict(zip([c.strip() for c in head.strip("|").split("|")],
+                    [c.strip() for c in cells.strip("|").split("|")]))
+    assert cols["dgr2 batched tok/s"] == "150.0" and cols["dgr2 batched wall tok/s"] == "100.0"
+    assert cols["batched/bb-t2"] == "0.94" and cols["batched-bench -t2 S_TG tok/s"] == "160.0"
+    assert cols["wall/bb-t2 end-to-end"] == f"{100 / e2e:.2f}"
 
 
 def test_summary_and_table_with_the_ungrouped_workers():

@@ -420,3 +420,26 @@ def test_tls_seams_link_micro_through_tls(tmp_path):
     text = tls_seams.table({"args": {"micro_n": 3, "rounds": 1}, "micro": out,
                             "load_average": 1.0})
     assert "mtls   sslsock" in text
+
+
+def test_decode_tps_counts_the_window_where_every_session_decodes():
+    measure = pytest.importorskip("harness.measure")
+    # one session: its tokens after the first over its decode time
+    assert measure.decode_tps([[1.0, 1.5, 2.0, 3.0]]) == pytest.approx(3 / 2.0)
+    # two sessions: b prefills until 2.0 and a finishes at 4.0; inside (2, 4]: a's 3.0 and
+    # 4.0, b's 3.0 and 4.0 (b's first token at 2.0 and its 5.0 lie outside)
+    a, b = [1.0, 2.0, 3.0, 4.0], [2.0, 3.0, 4.0, 5.0]
+    assert measure.decode_tps([a, b]) == pytest.approx(4 / 2.0)
+    # the prefill before the window does not count, as batched-bench's S_TG leaves its
+    # prompt phase out: a slow first token changes nothing
+    assert measure.decode_tps([[0.0, *a[1:]], b]) == pytest.approx(4 / 2.0)
+    # no window: a session of one token, or sessions one after the other
+    assert measure.decode_tps([[1.0]]) is None
+    assert measure.decode_tps([[1.0, 2.0], [3.0, 4.0]]) is None
+    assert measure.decode_tps([]) is None
+
+
+def test_end_to_end_tps_of_a_batched_bench_record():
+    measure = pytest.importorskip("harness.measure")
+    rec = {"pl": 16, "tg": 64, "t_pp": 1.0, "t_tg": 7.0, "speed_tg": 16 * 64 / 7.0}
+    assert measure.end_to_end_tps(rec) == pytest.approx(16 * 64 / 8.0)

@@ -136,8 +136,10 @@ def test_session_ratios_over_batched_bench_at_each_k():
 
 
 def _res():
+    # k=16 has the decode phase's rate (the ratios take it), k=1 not (older results: aggr)
     sess = {"relay3": {k: {"aggregate_tps": 10.0 * k, "tpot_ms_p50": 20.0, "tpot_ms_max": 25.5,
-                           "ttft_ms": 30.0, "parity": k != 16, "parity_checked": k}
+                           "ttft_ms": 30.0, "parity": k != 16, "parity_checked": k,
+                           **({"decode_tps": 180.0} if k == 16 else {})}
                        for k in (1, 16)}}
     bb = {"t1": {1: {"aggregate_tps": 40.0, "tpot_ms": 25.0}},
           "t2": {1: {"aggregate_tps": 50.0, "tpot_ms": 20.0},
@@ -155,12 +157,13 @@ def test_sessions_table():
     assert any("-t2 for relay3" in line for line in lines)
     row = {tuple(line.split()[:2]): line.split() for line in lines
            if line.startswith("  ") and len(line.split()) > 2}
-    assert row[("relay3", "1")][2:8] == ["10.0", "20.0", "25.5", "30.0", "0.25", "0.20"]
-    assert row[("relay3", "1")][8:] == ["yes", "(1)"]
-    assert row[("relay3", "16")][2:8] == ["160.0", "20.0", "25.5", "30.0", "-", "0.80"]
-    assert row[("relay3", "16")][8:] == ["NO", "(16)"]  # no t1 record at k=16: no ratio
-    assert row[("batched-bench-t2", "16")][2:5] == ["200.0", "80.0", "80.0"]
-    assert row[("batched-bench-t1", "1")][2:5] == ["40.0", "25.0", "25.0"]
+    assert "S_TG-like" in hdr
+    assert row[("relay3", "1")][2:9] == ["10.0", "-", "20.0", "25.5", "30.0", "0.25", "0.20"]
+    assert row[("relay3", "1")][9:] == ["yes", "(1)"]
+    assert row[("relay3", "16")][2:9] == ["160.0", "180.0", "20.0", "25.5", "30.0", "-", "0.90"]
+    assert row[("relay3", "16")][9:] == ["NO", "(16)"]  # no t1 record at k=16: no ratio
+    assert row[("batched-bench-t2", "16")][2:6] == ["-", "200.0", "80.0", "80.0"]
+    assert row[("batched-bench-t1", "1")][2:6] == ["-", "40.0", "25.0", "25.0"]
     assert ("batched-bench-t1", "16") not in row
 
 

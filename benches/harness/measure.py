@@ -1,0 +1,41 @@
+"""Measuring concurrent sessions the way ``llama-batched-bench`` measures its sequences.
+
+``llama-batched-bench`` reports ``S_TG``: its sequences' generated tokens over the time of the
+generation phase alone, every sequence decoding in lockstep after one prompt batch. Output
+tokens over a concurrent run's wall time counts, besides, every session's prefill and the
+ramp up and down, so the two are not the same figure. ``decode_tps`` is the like-for-like
+one: the tokens the sessions made while all of them were decoding, over that time.
+``end_to_end_tps`` of a batched-bench record is the like-for-like figure of the other kind:
+its generated tokens over its prompt and generation phases together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["decode_tps", "end_to_end_tps"]
+
+
+def decode_tps(token_times: Sequence[Sequence[float]]) -> float | None:
+    """Output tokens/s while every session decoded (``S_TG``'s counterpart).
+
+    ``token_times``: per session, its tokens' arrival times (``Generation.token_times``).
+    The window runs from the last session's first token (every session has prefilled) to
+    the first session's last token (none has finished); the tokens that arrived inside it
+    (after its start, up to its end) count. One session: its tokens after the first over its
+    decode time. None when there is no such window (a session of one token, or sessions
+    that never decoded at the same time)."""
+    runs = [list(t) for t in token_times]
+    if not runs or any(len(t) < 2 for t in runs):
+        return None
+    start, end = max(t[0] for t in runs), min(t[-1] for t in runs)
+    if end <= start:
+        return None
+    n = sum(1 for t in runs for x in t if start < x <= end)
+    return n / (end - start)
+
+
+def end_to_end_tps(record: dict) -> float:
+    """A ``llama-batched-bench`` jsonl record's generated tokens over its prompt and
+    generation phases together (dgr's output tokens over the wall time, counterpart)."""
+    return int(record["pl"]) * int(record["tg"]) / (float(record["t_pp"]) + float(record["t_tg"]))
