@@ -5,6 +5,8 @@
 - ``clusters``: local worker clusters, the same behind link emulators, the seams model;
 - ``llama``: the pinned tree's reference programs (llama-bench, RPC, llama-batched-bench,
   llama-server), each mirroring dgr's settings;
+- ``measure``: concurrent sessions measured as llama-batched-bench measures its sequences
+  (the decode phase's rate, and batched-bench's end-to-end rate);
 - ``fresh``: a function of a script or of the harness run in a process of its own;
 - ``bench_*``: asv's benchmarks (the long ones run their script through ``fresh``).
 
