@@ -91,14 +91,21 @@ def scrape(port: int) -> dict[str, float]:
 
 def stage_profile(before: dict, after: dict, tokens: int) -> dict:
     """One stage's share of a measurement, from two scrapes: per output token, its CPU and
-    its wall time by part (ms); per forward, steps, llama.cpp ubatches, graphs reused."""
+    its wall time by part (ms; the window also holds every session's prompt); per decode
+    step, the engine's share of its forward (ms: what the stage's engine alone at that batch
+    measures; None without decode steps); per forward, steps, llama.cpp ubatches, graphs
+    reused."""
     d = {k: after[k] - before.get(k, 0.0) for k in after}
     fw = max(d.get("dgr_engine_forwards_total", 0.0), 1.0)
+    steps = d.get("dgr_worker_decode_steps_total", 0.0)
     parts = {k.split("part=")[1].rstrip("}"): v for k, v in d.items()
              if k.startswith("dgr_worker_stage_seconds_total{")}
     return {"cpu_ms_per_token": 1e3 * d["process_cpu_seconds_total"] / tokens,
             "ms_per_token": {p: 1e3 * v / tokens for p, v in parts.items()},
             "engine_decode_ms_per_token": 1e3 * d["dgr_engine_decode_seconds_total"] / tokens,
+            "engine_ms_per_decode_step":
+            1e3 * d.get("dgr_worker_decode_compute_seconds_total", 0.0) / steps
+            if steps else None,
             "forwards": d.get("dgr_engine_forwards_total", 0.0),
             "steps_per_forward": d["dgr_worker_batched_steps_total"]
             / max(d["dgr_worker_batches_total"], 1.0),
@@ -361,7 +368,7 @@ def breakdown(res: dict) -> str:
     parts = ("engine", "frame_in", "lease", "sample", "commit", "turn_wait", "hand_on",
              "held", "idle")
     head = ["sessions", "mode", "stage", "CPU", *parts, "steps/forward", "ubatches/forward",
-            "graphs reused/forward", "alone at that batch"]
+            "graphs reused/forward", "engine per decode step", "alone at that batch"]
     out = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     n_stages = res["meta"]["stages"]
     for m in res["dgr"]:
@@ -377,6 +384,8 @@ def breakdown(res: dict) -> str:
                 *[f"{st['ms_per_token'].get(p, 0.0):.2f}" for p in parts],
                 f"{st['steps_per_forward']:.1f}", f"{st['ubatches_per_forward']:.2f}",
                 f"{st['graphs_reused_per_forward']:.2f}",
+                f"{st['engine_ms_per_decode_step']:.2f}"
+                if st.get("engine_ms_per_decode_step") is not None else "-",
                 f"{alone:.2f} (b={b})" if alone is not None else "-"]) + " |")
         out.append("| " + " | ".join([str(k), _mode(m), "driver",
                                       f"{m['driver_cpu_ms_per_token']:.2f}",

@@ -760,7 +760,7 @@ def print_table(res: dict, file=sys.stdout) -> None:
     print(f"\n{os.path.basename(res['model'])}, {res['n_decode']} decode steps, "
           f"median of {res['rounds']} rounds; load average {la[0]:.2f} {la[1]:.2f} "
           f"{la[2]:.2f}", file=file)
-    hdr = (f"{'configuration':<22} {'S_TG-like':>10} " +
+    hdr = (f"{'configuration':<22} {'decode t/s':>10} " +
            " ".join(f"{'pp' + str(n) + ' t/s':>10}" for n in p) +
            f" {'TTFT ms':>8} {'CPU ms/tok':>10} {'seam B/tok':>11} {'parity':>6}")
     print(hdr, file=file)

@@ -78,8 +78,14 @@ def test_a_stages_profile_and_the_bound_of_its_engines_alone():
              "dgr_engine_forwards_total": 30.0, "dgr_engine_ubatches_total": 40.0,
              "dgr_worker_batches_total": 30.0, "dgr_worker_batched_steps_total": 90.0,
              'dgr_worker_stage_seconds_total{part=engine}': 1.4,
-             'dgr_worker_stage_seconds_total{part=idle}': 2.5}
+             'dgr_worker_stage_seconds_total{part=idle}': 2.5,
+             "dgr_worker_decode_steps_total": 80.0,
+             "dgr_worker_decode_compute_seconds_total": 0.6}
     st = batching.stage_profile(before, after, tokens=100)
+    # the engine's share of each decode step's forward: 0.6 s over 80 steps (the prompts'
+    # compute left out), what the stage's engine alone measures
+    assert st["engine_ms_per_decode_step"] == pytest.approx(7.5)
+    assert batching.stage_profile(before, before, tokens=1)["engine_ms_per_decode_step"] is None
     assert st["cpu_ms_per_token"] == pytest.approx(10.0)
     assert st["ms_per_token"] == {"engine": pytest.approx(9.0), "idle": pytest.approx(5.0)}
     assert st["steps_per_forward"] == pytest.approx(4.0)
@@ -99,7 +105,7 @@ def test_a_stages_profile_and_the_bound_of_its_engines_alone():
                                                         "1": pytest.approx(10.0)}
     assert row["batched_over_bound"] == pytest.approx(0.75)
     text = batching.breakdown(res)
-    assert "| 16 | batched | 0 | 10.00 | 9.00 |" in text and "5.00 (b=8)" in text
+    assert "| 16 | batched | 0 | 10.00 | 9.00 |" in text and "| 7.50 | 5.00 (b=8) |" in text
     assert "| 16 | solo | 1 | 10.00 |" in text and "7.00 (b=1)" in text
     assert "| 16 | batched | driver | 0.20 |" in text
 
