@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+# the garbage collected after every test: a leaked socket or file fails the test that leaked it
+pytest_plugins = ["dgr.testing.leaks"]
+
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
