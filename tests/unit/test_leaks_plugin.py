@@ -30,12 +30,11 @@ def _run(tmp_path, plugin: bool):
     (tmp_path / "conftest.py").write_text(
         'pytest_plugins = ["dgr.testing.leaks"]\n' if plugin else "")
     (tmp_path / "test_leaky.py").write_text(LEAKY)
-    env_path = str(ROOT)
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
          "-p", "no:hypothesispytest", "-o", "filterwarnings=error", "-rE", "test_leaky.py"],
         capture_output=True, text=True, timeout=120, cwd=tmp_path,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": env_path, "HOME": str(tmp_path)})
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(tmp_path)})
 
 
 def test_a_leaked_socket_fails_the_test_that_leaked_it(tmp_path):
