@@ -62,10 +62,10 @@ import time
 import urllib.request
 
 from harness import cli, clusters, fresh
-from harness.measure import decode_tps, end_to_end_tps
 from harness import llama as llama_tools
 from harness.common import N_PROMPT_DECODE as N_PROMPT
 from harness.common import session_prompt, smollm2_path  # benches/compare.py's --sessions
+from harness.measure import decode_tps, end_to_end_tps
 
 #: engine settings of every worker and of the reference (n_slots: the most sessions)
 SETTINGS = dict(n_ctx=256, n_threads=1, n_ubatch=64, flash_attn=True)
