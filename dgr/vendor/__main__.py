@@ -1,5 +1,5 @@
 import sys
 
-from dgr.vendor import main
+from dgr.vendor.cli import main
 
 sys.exit(main())

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from dgr import errors
-from dgr.vendor import Vendor, main
+from dgr.vendor import Vendor
+from dgr.vendor.cli import main
 
 SUB = "pkg-1.0/vendor/llama.cpp"
 
