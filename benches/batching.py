@@ -65,7 +65,7 @@ from harness import cli, clusters, fresh
 from harness import llama as llama_tools
 from harness.common import N_PROMPT_DECODE as N_PROMPT
 from harness.common import session_prompt, smollm2_path  # benches/compare.py's --sessions
-from harness.measure import decode_tps, end_to_end_tps
+from harness.measure import decode_tps, end_to_end_tps, rate
 
 #: engine settings of every worker and of the reference (n_slots: the most sessions)
 SETTINGS = dict(n_ctx=256, n_threads=1, n_ubatch=64, flash_attn=True)
@@ -332,18 +332,17 @@ def summarize(res: dict, sessions: list[int], threads: list[int]) -> list[dict]:
                 row[name]["stage_cpu_ms_per_token"] = {
                     str(i): statistics.median(m["stages"][i]["cpu_ms_per_token"] for m in ms)
                     for i in range(len(ms[0]["stages"]))}
-        # dgr's rates: the decode phase's where the results have it, like for like with
-        # batched-bench's S_TG and the stages' engines alone (decode steps); otherwise (a
-        # results file from before token times) output tokens over the wall time
-        rate = {name: row[name].get("decode_tps", row[name]["aggregate_tps"])
-                for name in ("batched", "solo", *EXTRA_MODES) if name in row}
+        # dgr's rates: the decode phase's, like for like with batched-bench's S_TG and the
+        # stages' engines alone (decode steps)
+        rates = {name: rate(row[name]) for name in ("batched", "solo", *EXTRA_MODES)
+                 if name in row}
         for t in threads:
             runs = [r[k] for r in res["llama_batched_bench"].get(str(t), []) if k in r]
             row[f"bb_t{t}"] = statistics.median(r["speed_tg"] for r in runs) if runs else None
             e2e = [end_to_end_tps(r) for r in runs if "t_pp" in r]
             row[f"bb_e2e_t{t}"] = statistics.median(e2e) if e2e else None
             if row[f"bb_t{t}"]:
-                row[f"batched_over_bb_t{t}"] = rate["batched"] / row[f"bb_t{t}"]
+                row[f"batched_over_bb_t{t}"] = rates["batched"] / row[f"bb_t{t}"]
             if row[f"bb_e2e_t{t}"]:
                 row[f"batched_e2e_over_bb_t{t}"] = (row["batched"]["aggregate_tps"]
                                                    / row[f"bb_e2e_t{t}"])
@@ -352,12 +351,12 @@ def summarize(res: dict, sessions: list[int], threads: list[int]) -> list[dict]:
             b = -(-k // res["meta"]["stages"])
             row["bound_tps"] = bound_tps([st[str(b)] for st in bounds],
                                          res["meta"]["cpu_count"])
-            row["batched_over_bound"] = rate["batched"] / row["bound_tps"]
-        row["batched_over_solo"] = rate["batched"] / rate["solo"]
+            row["batched_over_bound"] = rates["batched"] / row["bound_tps"]
+        row["batched_over_solo"] = rates["batched"] / rates["solo"]
         if "ungrouped" in row:
-            row["batched_over_ungrouped"] = rate["batched"] / rate["ungrouped"]
+            row["batched_over_ungrouped"] = rates["batched"] / rates["ungrouped"]
         if "busypoll" in row:
-            row["busypoll_over_batched"] = rate["busypoll"] / rate["batched"]
+            row["busypoll_over_batched"] = rates["busypoll"] / rates["batched"]
         rows.append(row)
     return rows
 
@@ -393,12 +392,6 @@ def breakdown(res: dict) -> str:
     return "\n".join(out)
 
 
-def _rate(r: dict, name: str) -> float:
-    """A mode's rate in a summary row: its decode phase's (output tokens over the wall time
-    in results from before token times)."""
-    return r[name].get("decode_tps", r[name]["aggregate_tps"])
-
-
 def table(rows: list[dict], threads: list[int], n_stages: int) -> str:
     """Decode-phase rates (tok/s) against llama-batched-bench's S_TG and the stages alone;
     output tokens over the wall time (prefills included) against batched-bench's
@@ -423,9 +416,9 @@ def table(rows: list[dict], threads: list[int], n_stages: int) -> str:
             *(["parity busy-poll"] if bp else [])]
     out = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for r in rows:
-        cells = [str(r["sessions"]), f"{_rate(r, 'batched'):.1f}", f"{_rate(r, 'solo'):.1f}",
-                 *([f"{_rate(r, 'ungrouped'):.1f}"] if ung else []),
-                 *([f"{_rate(r, 'busypoll'):.1f}"] if bp else []),
+        cells = [str(r["sessions"]), f"{rate(r['batched']):.1f}", f"{rate(r['solo']):.1f}",
+                 *([f"{rate(r['ungrouped']):.1f}"] if ung else []),
+                 *([f"{rate(r['busypoll']):.1f}"] if bp else []),
                  f"{r['batched_over_solo']:.2f}",
                  *([f"{r['batched_over_ungrouped']:.2f}"] if ung else []),
                  *([f"{r['busypoll_over_batched']:.2f}"] if bp else []),

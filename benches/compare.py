@@ -105,7 +105,7 @@ from harness.common import (N_PROMPT_DECODE, N_VOCAB, SETTINGS, prompt_tokens, s
                             smollm2_path)
 from harness.llama import (RpcServers, batched_bench, batched_bench_command,
                            batched_bench_threads, llama_bench, llama_bench_commands, tool)
-from harness.measure import decode_tps
+from harness.measure import decode_tps, rate
 
 N_DECODE = 64
 PREFILLS = (128, 512)
@@ -715,7 +715,7 @@ def session_ratios(sessions: dict, bb: dict) -> dict[str, dict[int, float]]:
                 ref = by_pl.get(k, {}).get("aggregate_tps")
                 if ref:
                     out.setdefault(f"{name}/batched-bench-{t}", {})[k] = (
-                        m.get("decode_tps", m["aggregate_tps"]) / ref)
+                        rate(m) / ref)
     return out
 
 
@@ -828,8 +828,8 @@ def sessions_table(res: dict) -> str:
     cols = [f"/bb-{t}" + (" same-thr" if t in same_ts else "") for t in ts]
     lines = ["concurrent sessions (k x r.complete(16-token prompt, max_tokens=N), asyncio.gather;"
              " aggr = all generated tokens / wall time (prefills included); S_TG-like = tokens/s "
-             "while every session decoded; TPOT = a session's decode "
-             "time / its tokens after the first, median and slowest session)"]
+             "while every session decoded; TPOT = a session's decode time / its tokens after "
+             "the first, median and slowest session)"]
     if bb:
         lines.append("batched-bench-t<T>: llama-batched-bench on the whole model, the clusters' "
                      "settings (-c n_ctx x max(k) -no-kvu, -b -ub n_ubatch, -fa, f16 KV, -ngl 0),"
@@ -843,9 +843,8 @@ def sessions_table(res: dict) -> str:
                      " capped at this machine's cores): " + "; ".join(
                          f"-t{t} for {', '.join(names)}" for t, names in sorted(by_t.items())))
     hdr = (f"  {'configuration':<17} {'k':>3} {'aggr t/s':>9} {'S_TG-like':>10} "
-           f"{'TPOT p50 ms':>11} "
-           f"{'TPOT max ms':>11} {'TTFT ms':>8} " + " ".join(f"{c:>{max(len(c), 7)}}"
-                                                            for c in cols) + f" {'parity':>10}")
+           f"{'TPOT p50 ms':>11} {'TPOT max ms':>11} {'TTFT ms':>8} "
+           + " ".join(f"{c:>{max(len(c), 7)}}" for c in cols) + f" {'parity':>10}")
     lines.append(hdr)
     ratios = res.get("sessions_ratios", {})
     for name, by_k in res.get("sessions", {}).items():
@@ -854,7 +853,8 @@ def sessions_table(res: dict) -> str:
             rts = [ratios.get(f"{name}/batched-bench-{t}", {}).get(k) for t in ts]
             lines.append(
                 f"  {name:<17} {k:>3} {m['aggregate_tps']:9.1f} "
-                f"{_f(m.get('decode_tps'), '10.1f')} {_f(m.get('tpot_ms_p50'), '11.1f')} {_f(m.get('tpot_ms_max'), '11.1f')} "
+                f"{_f(m.get('decode_tps'), '10.1f')} {_f(m.get('tpot_ms_p50'), '11.1f')} "
+                f"{_f(m.get('tpot_ms_max'), '11.1f')} "
                 f"{m['ttft_ms']:8.1f} " + " ".join(_f(r, f"{max(len(c), 7)}.2f")
                                                    for r, c in zip(rts, cols)) + f" {par:>10}")
     for t, by_pl in bb.items():

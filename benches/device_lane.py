@@ -44,7 +44,7 @@ import time
 
 from harness import cli
 from harness.llama import tool
-from harness.measure import decode_tps
+from harness.measure import decode_tps, rate
 
 #: every engine's settings (n_slots: the most sessions); llama.cpp's programs mirror them
 SETTINGS = dict(n_ctx=512, n_threads=1, n_ubatch=64, flash_attn=True)
@@ -325,7 +325,7 @@ def table(res: dict) -> str:
         for k, r in m["sessions"].items():
             ref = bb.get(k, {}).get("aggregate_tps") if isinstance(bb.get(k), dict) else None
             # the decode phase's rate against batched-bench's S_TG (its generation phase)
-            got = r.get("decode_tps") or r["aggregate_tps"]
+            got = rate(r)
             ratio = f"{got / ref:.2f}" if ref else "-"
             lines.append(f"| {name} | {k} session(s), 2 stages, decoding (tokens/s) | "
                          f"{f(got)} | {f(ref)} (llama-batched-bench S_TG) | {ratio} |")

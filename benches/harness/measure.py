@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["decode_tps", "end_to_end_tps"]
+__all__ = ["decode_tps", "end_to_end_tps", "rate"]
 
 
 def decode_tps(token_times: Sequence[Sequence[float]]) -> float | None:
@@ -33,6 +33,13 @@ def decode_tps(token_times: Sequence[Sequence[float]]) -> float | None:
         return None
     n = sum(1 for t in runs for x in t if start < x <= end)
     return n / (end - start)
+
+
+def rate(m: dict) -> float:
+    """A concurrent-session measurement's tokens/s to set against S_TG: its ``decode_tps``,
+    or, in results from before token times (or without a decode window), its
+    ``aggregate_tps`` (output tokens over the wall time)."""
+    return m.get("decode_tps") or m["aggregate_tps"]
 
 
 def end_to_end_tps(record: dict) -> float:

@@ -443,3 +443,10 @@ def test_end_to_end_tps_of_a_batched_bench_record():
     measure = pytest.importorskip("harness.measure")
     rec = {"pl": 16, "tg": 64, "t_pp": 1.0, "t_tg": 7.0, "speed_tg": 16 * 64 / 7.0}
     assert measure.end_to_end_tps(rec) == pytest.approx(16 * 64 / 8.0)
+
+
+def test_rate_is_the_decode_phase_else_the_wall():
+    measure = pytest.importorskip("harness.measure")
+    assert measure.rate({"decode_tps": 150.0, "aggregate_tps": 100.0}) == 150.0
+    assert measure.rate({"decode_tps": None, "aggregate_tps": 100.0}) == 100.0  # no window
+    assert measure.rate({"aggregate_tps": 100.0}) == 100.0  # results from before token times
