@@ -26,15 +26,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="the ggml backend built beside the CPU one (default: $DGR_BACKEND, "
                              "else the one this checkout's compiled core was built with, else "
                              "cpu); each backend builds in its own cached workspace")
-    sub.add_parser("fetch", parents=[common], help="download the pinned sdist with pip, check sha256, unpack llama.cpp")
-    sub.add_parser("patch", parents=[common], help="apply patches/NNNN-*.patch in manifest order")
-    b = sub.add_parser("build", parents=[common], help="build static PIC libraries (CMAKE_ARGS passes through)")
-    b.add_argument("--tools", default="",
-                   help="comma-separated upstream programs to build too, e.g. "
-                        "llama-completion,llama-simple,llama-bench,ggml-rpc-server")
-    sub.add_parser("verify", parents=[common], help="check the archive, patches and build against the manifest")
-    sub.add_parser("status", parents=[common], help="print commit, patch-stack hash, cache path and build state")
-    sub.add_parser("pin", parents=[common], help="rewrite the manifest's patch list (sha256) from patches/")
+    commands = {
+        "fetch": "download the pinned sdist with pip, check sha256, unpack llama.cpp",
+        "patch": "apply patches/NNNN-*.patch in manifest order",
+        "build": "build static PIC libraries (CMAKE_ARGS passes through)",
+        "verify": "check the archive, patches and build against the manifest",
+        "status": "print commit, patch-stack hash, cache path and build state",
+        "pin": "rewrite the manifest's patch list (sha256) from patches/",
+    }
+    parsers = {name: sub.add_parser(name, parents=[common], help=text)
+               for name, text in commands.items()}
+    parsers["build"].add_argument(
+        "--tools", default="",
+        help="comma-separated upstream programs to build too, e.g. "
+             "llama-completion,llama-simple,llama-bench,ggml-rpc-server")
     sub.add_parser("path", parents=[common], help="print the workspace path (for scripts)")
     pk = sub.add_parser("pack", parents=[common],
                         help="write the prepared source archive (the pinned tree less docs and "
@@ -75,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             pin = (v.manifest.get("prepared") or {}).get("tree_sha256")
             if args.pin:
                 v.manifest["prepared"] = {"exclude": list(PREPARED_EXCLUDE), "tree_sha256": tree}
-                (v.root / "vendor-manifest.json").write_text(json.dumps(v.manifest, indent=2) + "\n")
+                (v.root / "vendor-manifest.json").write_text(
+                    json.dumps(v.manifest, indent=2) + "\n")
             elif pin and pin != tree:
                 print(f"error: the tree's sha256 {tree} is not the manifest's {pin}",
                       file=sys.stderr)
