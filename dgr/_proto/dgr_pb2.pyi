@@ -55,7 +55,7 @@ class ComputeDevice(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., name: _Optional[str] = ..., type: _Optional[str] = ..., description: _Optional[str] = ..., driver: _Optional[str] = ..., software: _Optional[bool] = ..., memory_free: _Optional[int] = ..., memory_total: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., compute_bytes: _Optional[int] = ...) -> None: ...
 
 class DescribeReply(_message.Message):
-    __slots__ = ("model_identity", "model_name", "arch", "n_layer", "layer_start", "layer_end", "is_first", "is_last", "needs_token_ids", "boundary_width", "boundary_dtype", "n_vocab", "settings", "eog_tokens", "add_bos", "free_slots", "sessions", "free_context", "queue_depth", "recent_tokens_per_s", "recent_step_ms", "draining", "dgr_version", "wire_format_version", "wire_schema_version", "weight_bytes", "kv_bytes", "steps_total", "errors_total", "uptime_s", "capability_json", "data_port", "decode_steps_total", "decode_compute_s_total", "tokens_computed_total", "compute_s_total", "drafters", "device", "prefix_rows_exact", "prefix_single_rows_exact")
+    __slots__ = ("model_identity", "model_name", "arch", "n_layer", "layer_start", "layer_end", "is_first", "is_last", "needs_token_ids", "boundary_width", "boundary_dtype", "n_vocab", "settings", "eog_tokens", "add_bos", "free_slots", "sessions", "free_context", "queue_depth", "recent_tokens_per_s", "recent_step_ms", "draining", "dgr_version", "wire_format_version", "wire_schema_version", "weight_bytes", "kv_bytes", "steps_total", "errors_total", "uptime_s", "capability_json", "data_port", "decode_steps_total", "decode_compute_s_total", "tokens_computed_total", "compute_s_total", "drafters", "device", "prefix_rows_exact", "prefix_single_rows_exact", "prefix_store")
     MODEL_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCH_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class DescribeReply(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_ROWS_EXACT_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SINGLE_ROWS_EXACT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_STORE_FIELD_NUMBER: _ClassVar[int]
     model_identity: str
     model_name: str
     arch: str
@@ -136,19 +137,62 @@ class DescribeReply(_message.Message):
     device: ComputeDevice
     prefix_rows_exact: bool
     prefix_single_rows_exact: bool
-    def __init__(self, model_identity: _Optional[str] = ..., model_name: _Optional[str] = ..., arch: _Optional[str] = ..., n_layer: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., needs_token_ids: _Optional[bool] = ..., boundary_width: _Optional[int] = ..., boundary_dtype: _Optional[str] = ..., n_vocab: _Optional[int] = ..., settings: _Optional[_Union[EngineSettings, _Mapping]] = ..., eog_tokens: _Optional[_Iterable[int]] = ..., add_bos: _Optional[bool] = ..., free_slots: _Optional[int] = ..., sessions: _Optional[int] = ..., free_context: _Optional[int] = ..., queue_depth: _Optional[int] = ..., recent_tokens_per_s: _Optional[float] = ..., recent_step_ms: _Optional[float] = ..., draining: _Optional[bool] = ..., dgr_version: _Optional[str] = ..., wire_format_version: _Optional[int] = ..., wire_schema_version: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., steps_total: _Optional[int] = ..., errors_total: _Optional[int] = ..., uptime_s: _Optional[float] = ..., capability_json: _Optional[bytes] = ..., data_port: _Optional[int] = ..., decode_steps_total: _Optional[int] = ..., decode_compute_s_total: _Optional[float] = ..., tokens_computed_total: _Optional[int] = ..., compute_s_total: _Optional[float] = ..., drafters: _Optional[_Iterable[str]] = ..., device: _Optional[_Union[ComputeDevice, _Mapping]] = ..., prefix_rows_exact: _Optional[bool] = ..., prefix_single_rows_exact: _Optional[bool] = ...) -> None: ...
+    prefix_store: PrefixStore
+    def __init__(self, model_identity: _Optional[str] = ..., model_name: _Optional[str] = ..., arch: _Optional[str] = ..., n_layer: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., needs_token_ids: _Optional[bool] = ..., boundary_width: _Optional[int] = ..., boundary_dtype: _Optional[str] = ..., n_vocab: _Optional[int] = ..., settings: _Optional[_Union[EngineSettings, _Mapping]] = ..., eog_tokens: _Optional[_Iterable[int]] = ..., add_bos: _Optional[bool] = ..., free_slots: _Optional[int] = ..., sessions: _Optional[int] = ..., free_context: _Optional[int] = ..., queue_depth: _Optional[int] = ..., recent_tokens_per_s: _Optional[float] = ..., recent_step_ms: _Optional[float] = ..., draining: _Optional[bool] = ..., dgr_version: _Optional[str] = ..., wire_format_version: _Optional[int] = ..., wire_schema_version: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., steps_total: _Optional[int] = ..., errors_total: _Optional[int] = ..., uptime_s: _Optional[float] = ..., capability_json: _Optional[bytes] = ..., data_port: _Optional[int] = ..., decode_steps_total: _Optional[int] = ..., decode_compute_s_total: _Optional[float] = ..., tokens_computed_total: _Optional[int] = ..., compute_s_total: _Optional[float] = ..., drafters: _Optional[_Iterable[str]] = ..., device: _Optional[_Union[ComputeDevice, _Mapping]] = ..., prefix_rows_exact: _Optional[bool] = ..., prefix_single_rows_exact: _Optional[bool] = ..., prefix_store: _Optional[_Union[PrefixStore, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("session",)
+    __slots__ = ("session", "keep", "chunk")
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
     session: str
-    def __init__(self, session: _Optional[str] = ...) -> None: ...
+    keep: _containers.RepeatedScalarFieldContainer[bytes]
+    chunk: int
+    def __init__(self, session: _Optional[str] = ..., keep: _Optional[_Iterable[bytes]] = ..., chunk: _Optional[int] = ...) -> None: ...
 
 class ReleaseReply(_message.Message):
-    __slots__ = ("released",)
+    __slots__ = ("released", "kept")
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
     released: bool
-    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+    kept: bool
+    def __init__(self, released: _Optional[bool] = ..., kept: _Optional[bool] = ...) -> None: ...
+
+class ReuseRequest(_message.Message):
+    __slots__ = ("session", "epoch", "keys", "chunk")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    epoch: int
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    chunk: int
+    def __init__(self, session: _Optional[str] = ..., epoch: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., chunk: _Optional[int] = ...) -> None: ...
+
+class ReuseReply(_message.Message):
+    __slots__ = ("next_pos",)
+    NEXT_POS_FIELD_NUMBER: _ClassVar[int]
+    next_pos: int
+    def __init__(self, next_pos: _Optional[int] = ...) -> None: ...
+
+class PrefixStore(_message.Message):
+    __slots__ = ("size", "entries", "positions", "bytes", "hits", "misses", "evictions")
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    entries: int
+    positions: int
+    bytes: int
+    hits: int
+    misses: int
+    evictions: int
+    def __init__(self, size: _Optional[int] = ..., entries: _Optional[int] = ..., positions: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class ForkRequest(_message.Message):
     __slots__ = ("session", "epoch", "into", "into_epoch")

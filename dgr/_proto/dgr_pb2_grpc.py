@@ -58,6 +58,11 @@ class ShardStub:
                 request_serializer=dgr__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=dgr__pb2.ReleaseReply.FromString,
                 _registered_method=True)
+        self.Reuse = channel.unary_unary(
+                '/dgr.v1.Shard/Reuse',
+                request_serializer=dgr__pb2.ReuseRequest.SerializeToString,
+                response_deserializer=dgr__pb2.ReuseReply.FromString,
+                _registered_method=True)
         self.Fork = channel.unary_unary(
                 '/dgr.v1.Shard/Fork',
                 request_serializer=dgr__pb2.ForkRequest.SerializeToString,
@@ -106,7 +111,16 @@ class ShardServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """Drop a session's state now (its slot becomes free). Releasing an unknown session is ok.
+        """Drop a session's state now (its slot becomes free), or keep its caches as a prefix entry
+        (keep). Releasing an unknown session is ok.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reuse(self, request, context):
+        """Open a new session on the caller's prefix entry that holds the most of a prompt's first
+        positions (the stage's prefix store, docs/serve.md "Prefix store").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -154,6 +168,11 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=dgr__pb2.ReleaseRequest.FromString,
                     response_serializer=dgr__pb2.ReleaseReply.SerializeToString,
+            ),
+            'Reuse': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reuse,
+                    request_deserializer=dgr__pb2.ReuseRequest.FromString,
+                    response_serializer=dgr__pb2.ReuseReply.SerializeToString,
             ),
             'Fork': grpc.unary_unary_rpc_method_handler(
                     servicer.Fork,
@@ -244,6 +263,33 @@ class Shard:
             '/dgr.v1.Shard/Release',
             dgr__pb2.ReleaseRequest.SerializeToString,
             dgr__pb2.ReleaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reuse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dgr.v1.Shard/Reuse',
+            dgr__pb2.ReuseRequest.SerializeToString,
+            dgr__pb2.ReuseReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -78,6 +78,13 @@ def add_serve_parser(sub) -> None:
                         "has one, else last (the token that saw the whole prompt)")
     s.add_argument("--prompt-cache-ttl", type=float, default=30.0, metavar="S",
                    help="seconds a kept session may stay idle (default: 30)")
+    s.add_argument("--no-prefix-store", dest="prefix_store", action="store_false",
+                   help="do not use the stages' prefix stores: by default a session closed "
+                        "after a request that ended well leaves its whole n_ubatch chunks' "
+                        "caches on every stage (each worker's --prefix-entries), and a new "
+                        "request of the same API key whose prompt begins with them adopts "
+                        "them instead of prefilling them (another front on the same workers "
+                        "too)")
     s.add_argument("--insecure", action="store_true",
                    help="allow a --host beyond loopback without API keys (a warning is "
                         "logged): anyone who can reach the port may use it")
@@ -175,6 +182,7 @@ def _cmd_serve(args) -> int:
                          max_per_key=args.max_requests_per_key,
                          prompt_cache=args.prompt_cache,
                          prompt_cache_ttl=args.prompt_cache_ttl,
+                         prefix_store=args.prefix_store,
                          pooling=args.pooling or (model and gguf_pooling(model)) or "last")
         cap = args.max_requests_per_key
         cap_text = ("half the route's slots" if cap is None else "no cap" if cap == 0

@@ -25,6 +25,7 @@ from dgr.protocol.capability import (
     Compatibility,
     Health,
     Load,
+    PrefixStore,
     Seam,
 )
 
@@ -241,6 +242,8 @@ def record_for(engine, *, worker=None, cert_store: str | os.PathLike | None = No
                 hop_samples=len(hops), compute_ms_avg=compute_ms)
     rec = Capability(endpoint=endpoint, compatibility=comp, capacity=cap, load=load, seam=seam,
                      health=health)
+    if worker is not None and hasattr(worker, "prefix_store"):
+        rec.prefix_store = PrefixStore(**worker.prefix_store())
     if cert_store is not None:
         rec.cert_store = os.fspath(cert_store)
         rec.lanes, rec.uncertified = certificates.match(cert_store, comp, layers)

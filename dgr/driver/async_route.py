@@ -29,7 +29,7 @@ from dgr.driver.recovery import Recovery
 from dgr.driver.results import Generation
 from dgr.driver.session import AsyncRouteSession
 from dgr.driver.tokenizers import LocalTokenizer, RemoteTokenizer
-from dgr.protocol import wire
+from dgr.protocol import prefix, wire
 from dgr.protocol.describe import StageInfo
 from dgr.transport.client import DEFAULT_STEP_TIMEOUT, DEFAULT_TIMEOUT, ShardClient
 from dgr.transport.common import MAX_PIECES
@@ -331,6 +331,20 @@ class AsyncRoute:
         return int(self.stages[0].settings["n_ubatch"])
 
     @property
+    def prefix_store(self) -> bool:
+        """Whether every stage keeps ended sessions' caches for later ones (its describe
+        record's ``prefix_store`` has a size): ``AsyncRouteSession.close(keep=True)`` and
+        ``adopt`` use the stores then."""
+        return bool(self.stages) and all(st.prefix_store.get("size", 0) > 0
+                                         for st in self.stages)
+
+    def prefix_salt(self, tenant: str | None) -> bytes:
+        """The first input of this route's prefix keys for ``tenant``
+        (``dgr.protocol.prefix.salt``: the stages' identities and layers, the chunk)."""
+        return prefix.salt([f"{st.identity}/{st.layers[0]}-{st.layers[1]}"
+                            for st in self.stages], self.n_ubatch, tenant)
+
+    @property
     def eog_tokens(self) -> frozenset:
         return self.stages[-1].eog_tokens
 
@@ -344,11 +358,13 @@ class AsyncRoute:
 
     # -- use -----------------------------------------------------------------------------
 
-    def session(self, session_id: str | None = None) -> AsyncRouteSession:
-        """A new route session (its id names it on every worker)."""
+    def session(self, session_id: str | None = None, *,
+                tenant: str | None = None) -> AsyncRouteSession:
+        """A new route session (its id names it on every worker); ``tenant`` names whose
+        prefixes it may reuse and keep (``AsyncRouteSession.adopt``, ``close(keep=True)``)."""
         if not self.stages:
             raise errors.RouteError("connect() the route first")
-        return AsyncRouteSession(self, session_id or uuid.uuid4().hex)
+        return AsyncRouteSession(self, session_id or uuid.uuid4().hex, tenant=tenant)
 
     async def tokenize(self, text: str, add_special: bool = True,
                        parse_special: bool = False) -> np.ndarray:

@@ -15,7 +15,7 @@ from dgr.driver.paths import HopByHop, StepPath, path_for
 from dgr.driver.recovery import release_quietly, retryable
 from dgr.driver.results import Generation, StageStats
 from dgr.driver.text import TextStream
-from dgr.protocol import wire
+from dgr.protocol import prefix, wire
 from dgr.protocol.sampling import SamplingParams
 
 __all__ = ["AsyncRouteSession"]
@@ -31,9 +31,12 @@ class AsyncRouteSession:
     ``route.max_retries`` times.
     """
 
-    def __init__(self, route: Any, session_id: str):
+    def __init__(self, route: Any, session_id: str, *, tenant: str | None = None):
         self.route = route
         self.id = session_id
+        #: whose prefixes the session adopts and keeps in the stages' stores (``adopt``,
+        #: ``close(keep=True)``; a front's API key): one tenant never reuses another's
+        self.tenant = tenant
         self.epoch = 0
         #: tokens whose state every stage holds under the current epoch
         self.history: list[int] = []
@@ -220,7 +223,7 @@ class AsyncRouteSession:
         if n < 1:
             raise errors.InvalidArgument(f"a fork makes at least one session, got {n}")
         r = self.route
-        forks = [r.session() for _ in range(n)]
+        forks = [r.session(tenant=self.tenant) for _ in range(n)]
         if not self.history:
             return forks
         if self.rollback:
@@ -421,12 +424,61 @@ class AsyncRouteSession:
                           trips=self.trips - spec0[0], drafted=self.drafted - spec0[1],
                           accepted=self.accepted - spec0[2], token_times=times)
 
+    def prefix_keys(self, tokens: Sequence[int], n: int | None = None) -> list[bytes]:
+        """The keys that name ``tokens``' first ``n`` whole chunks (all by default) in the
+        stages' prefix stores, for this session's tenant (``dgr.protocol.prefix.chain``)."""
+        r = self.route
+        return prefix.chain(tokens, r.n_ubatch, r.prefix_salt(self.tenant), n)
+
+    async def adopt(self, prompt: Sequence[int]) -> int:
+        """Take up, on every stage, the kept caches of an ended session of this tenant whose
+        tokens began as ``prompt`` does (the stages' prefix stores, ``close(keep=True)``), in
+        one round trip: how many of ``prompt``'s positions this session now holds, for
+        ``generate(prompt, reuse=...)``; 0 when a stage has none (or fails), and then the
+        next step starts a new epoch from position 0, which drops whatever a stage took up.
+
+        Only whole ``n_ubatch`` chunks from position 0 are ever kept and reused (each chunk
+        computed as a fresh prefill computes it: the bits are a fresh prefill's), and at
+        least one prompt token is left to prefill. A session that holds anything, or a route
+        whose stages keep nothing (``AsyncRoute.prefix_store``), reuses nothing."""
+        r = self.route
+        if self.history or self.rollback or not r.prefix_store:
+            return 0
+        ub = r.n_ubatch
+        n = (len(prompt) - 1) // ub
+        if n < 1:
+            return 0
+        keys = self.prefix_keys(prompt, n)
+        self.epoch += 1
+        got = await asyncio.gather(*(c.reuse(self.id, self.epoch, keys, ub)
+                                     for c in r.clients), return_exceptions=True)
+        pos = [g if isinstance(g, int) else 0 for g in got]
+        m = min(pos)
+        if not m or any(p != m for p in pos):
+            if any(pos):  # what a stage took up is dropped by the next step's new epoch
+                await self.reset()
+            return 0
+        self.history = [int(t) for t in prompt[:m]]
+        self.steps = [(a, ub) for a in range(0, m, ub)]
+        self.chunks = list(self.steps)
+        return m
+
     async def release(self) -> None:
         """Free this session's slot on every stage now (ignores stages that are gone)."""
         await asyncio.gather(*(c.release(self.id) for c in self.route.clients),
                              return_exceptions=True)
 
-    async def close(self) -> None:
-        """Release the session and close its streams."""
+    async def close(self, keep: bool = False) -> None:
+        """Release the session and close its streams. With ``keep``, every stage whose
+        prefix store takes it keeps the caches of its whole ``n_ubatch`` chunks prefilled
+        from position 0 (``aligned``) for a later session of this tenant (``adopt``); a
+        stage that does not releases it."""
         await self.hop_by_hop.close()
-        await self.release()
+        r = self.route
+        n = self.aligned() // r.n_ubatch if keep and r.prefix_store else 0
+        if not n:
+            await self.release()
+            return
+        keys = self.prefix_keys(self.history, n)
+        await asyncio.gather(*(c.keep(self.id, keys, r.n_ubatch) for c in r.clients),
+                             return_exceptions=True)

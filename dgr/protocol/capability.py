@@ -12,8 +12,8 @@ from typing import Any, Optional
 
 import msgspec
 
-__all__ = ["SCHEMA", "Compatibility", "Capacity", "Load", "Seam", "Health", "LaneRef",
-           "Uncertified", "Capability", "encode", "decode"]
+__all__ = ["SCHEMA", "Compatibility", "Capacity", "Load", "Seam", "Health", "PrefixStore",
+           "LaneRef", "Uncertified", "Capability", "encode", "decode"]
 
 
 #: Version of this record's JSON form (bumped when a field changes meaning or goes away).
@@ -106,6 +106,19 @@ class Health(msgspec.Struct, kw_only=True):
     last_error_age_s: float        # -1 when none
 
 
+class PrefixStore(msgspec.Struct, kw_only=True):
+    """The stage's prefix store (``Describe.prefix_store``): a tracker routes a tenant's
+    requests where their prefixes are kept (prefix affinity)."""
+
+    size: int                      # entries it may hold (0: none)
+    entries: int
+    positions: int                 # positions they hold, summed
+    bytes: int                     # the KV cache those positions fill
+    hits: int                      # sessions that adopted an entry
+    misses: int                    # and that found none
+    evictions: int                 # entries dropped for a slot, by age, or replaced
+
+
 class LaneRef(msgspec.Struct, kw_only=True):
     lane_id: str
     backend: str = "cpu"
@@ -135,6 +148,8 @@ class Capability(msgspec.Struct, kw_only=True):
     load: Load
     seam: Seam
     health: Health
+    #: None: a worker older than the store, or a record made without a worker
+    prefix_store: Optional[PrefixStore] = None
     cert_store: Optional[str] = None
     lanes: list[LaneRef] = []
     uncertified: list[Uncertified] = []

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 from dgr.protocol.settings import CPU, NUMERIC_SETTINGS, compute_kind, stage_identity
 
-__all__ = ["StageInfo", "COUNTERS", "DEVICE_FIELDS", "compute_between", "measured_compute"]
+__all__ = ["StageInfo", "COUNTERS", "DEVICE_FIELDS", "PREFIX_STORE_FIELDS", "compute_between",
+           "measured_compute"]
 
 
 #: DescribeReply's compute totals (proto3 ``optional``: unset on a worker older than them)
@@ -69,6 +70,9 @@ class StageInfo:
     #: whether the stage computes rows one per step (decode steps) as a partial chunk does
     #: (measured when it started; False from a worker older than the field)
     prefix_single_rows_exact: bool = False
+    #: the prefix store's figures (``PREFIX_STORE_FIELDS``: size, entries, positions, bytes,
+    #: hits, misses, evictions); empty from a worker older than the store (none)
+    prefix_store: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
 
     @functools.cached_property
@@ -113,6 +117,8 @@ class StageInfo:
             prefix_rows_exact=r.HasField("prefix_rows_exact") and r.prefix_rows_exact,
             prefix_single_rows_exact=(r.HasField("prefix_single_rows_exact")
                                       and r.prefix_single_rows_exact),
+            prefix_store=({k: int(getattr(r.prefix_store, k)) for k in PREFIX_STORE_FIELDS}
+                          if r.HasField("prefix_store") else {}),
             **{k: getattr(r, k) if r.HasField(k) else None for k in COUNTERS})
 
     def to_dict(self) -> dict:
@@ -124,6 +130,9 @@ class StageInfo:
         d["compute"] = self.compute
         return d
 
+
+#: ``PrefixStore``'s fields, as ``StageInfo.prefix_store`` keys them
+PREFIX_STORE_FIELDS = ("size", "entries", "positions", "bytes", "hits", "misses", "evictions")
 
 #: ``ComputeDevice``'s fields, as ``StageInfo.device`` keys them
 DEVICE_FIELDS = ("backend", "name", "type", "description", "driver", "software", "memory_free",

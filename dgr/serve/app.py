@@ -78,7 +78,7 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
                metrics_registry=None, api_keys=None,
                max_per_key: int | None = None, prompt_cache: int = 0,
                prompt_cache_ttl: float = 30.0, pooling: str = "last",
-               normalize: bool = True) -> Starlette:
+               normalize: bool = True, prefix_store: bool = True) -> Starlette:
     """The ASGI app serving ``route`` (an ``AsyncRoute``) as the model named ``model``.
 
     ``api_keys``: keys a request must present as ``Authorization: Bearer`` (strings or
@@ -98,6 +98,11 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
     0: none); each holds a slot until a request needs it or it is ``prompt_cache_ttl``
     seconds idle.
 
+    ``prefix_store``: whether the sessions the front closes after a request that ended well
+    keep their whole chunks' caches in the stages' prefix stores (where every stage has one),
+    and new sessions adopt them (``dgr.serve.prefix``): a reuse that outlives this front's
+    sessions and the front itself.
+
     ``pooling``: how ``/v1/embeddings`` pools a prompt's rows (``mean``, ``last``, ``cls``:
     ``dgr.protocol.embeddings``); ``normalize``: scale each vector to unit length.
     """
@@ -105,7 +110,7 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
         raise ValueError(f"unknown pooling {pooling!r} (known: {', '.join(POOLING)})")
     f = _Front(route, model=model, template=template, queue_timeout=queue_timeout,
                metrics_registry=metrics_registry, api_keys=api_keys, max_per_key=max_per_key,
-               pool=PrefixPool(prompt_cache, prompt_cache_ttl), pooling=pooling,
+               pool=PrefixPool(prompt_cache, prompt_cache_ttl, prefix_store), pooling=pooling,
                normalize=normalize)
     return Starlette(
         routes=[HttpRoute("/", f.page, methods=["GET"]),
@@ -186,7 +191,10 @@ class _Front:
         with anyio.CancelScope(shield=True):
             for s in sessions:
                 try:
-                    await s.close()
+                    if self.pool.store and getattr(self.route, "prefix_store", False):
+                        await s.close(keep=True)
+                    else:
+                        await s.close()
                 except Exception as e:  # noqa: BLE001 - a stage gone frees it by TTL
                     log.warning("closing a kept session failed: %s: %s", type(e).__name__, e)
                 finally:

@@ -38,6 +38,8 @@ class Generation:
         #: a session the prompt cache kept, and how many of its positions this request
         #: reuses (``dgr.serve.prefix``); else a new one
         self.session = session if session is not None else route.session()
+        if session is None:
+            self.session.tenant = key  # whose prefixes it adopts and keeps
         self.reuse = reuse
         #: the prompt cache this request's session goes to when it ends well, under ``key``
         self.pool, self.key = pool, key
@@ -100,6 +102,11 @@ class Generation:
             yield self.echo
         s = self.session
         spec0 = (s.trips, s.drafted, s.accepted)  # the session's, before this request
+        if not self.reuse and self.pool is not None and self.pool.store and getattr(
+                self.route, "prefix_store", False):
+            # a new session: the stages' prefix stores may hold this prompt's first chunks
+            self.reuse = await s.adopt(self.ids)
+            self.pool.adopted(self.reuse)
         tokens = s.generate(self.ids, max_tokens=self.max_tokens,
                             sampling=self.params.sampling, logits=self.params.logprobs,
                             **({"reuse": self.reuse} if self.reuse else {}))
@@ -155,16 +162,18 @@ class Generation:
             return
         self._closed = True
         # a generation that ended well keeps its session for the prompt cache (slot and
-        # all); every session closed gives its slot back
+        # all), and the sessions it closes keep their caches in the stages' prefix stores;
+        # every session closed gives its slot back
         keep = self.pool is not None and self.completed
         closing = self.pool.put(self.key, self.session) if keep else [self.session]
+        store = keep and self.pool.store and getattr(self.route, "prefix_store", False)
         self.admission.ended(self.rid, release=False)
         if self._on_close is not None:
             self._on_close()
         with anyio.CancelScope(shield=True):
             for s in closing:
                 try:
-                    await s.close()
+                    await (s.close(keep=True) if store else s.close())
                 finally:
                     self.admission.release()
 

@@ -103,7 +103,12 @@ class _PrefixCollector:
                  p.tokens_reused),
                 ("dgr_serve_prompt_cache_rows_reused",
                  "Of those, the tokens past whole n_ubatch chunks (rows of partial chunks)",
-                 p.rows_reused)):
+                 p.rows_reused),
+                ("dgr_serve_prefix_store_hits",
+                 "Requests that adopted a prefix from the stages' prefix stores", p.store_hits),
+                ("dgr_serve_prefix_store_tokens_reused",
+                 "Prompt tokens not prefilled again (adopted from the stages' prefix stores)",
+                 p.store_tokens_reused)):
             yield CounterMetricFamily(name, doc, value=v)
         yield GaugeMetricFamily("dgr_serve_prompt_cache_sessions",
                                 "Sessions the prompt cache keeps now (each holds a slot)",

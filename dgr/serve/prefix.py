@@ -17,6 +17,14 @@ least recently used kept session first, and a kept session idle ``ttl`` seconds 
 (so a draining worker is not held). One tenant never reuses another's prefix: entries are
 per API key. What the kept sessions hold is counted (``bytes_held``): each position a kept
 session computed fills one KV cell on every stage.
+
+Behind it, with ``store`` (the default), are the stages' own prefix stores
+(``dgr.worker.sessions.SessionTable.keep``): a session the front closes after a request that
+ended well (out of this pool, or never in it) leaves its whole chunks' caches on every stage,
+named by a hash chain of its tokens salted with its API key (``dgr.protocol.prefix``), and a
+request this pool has no session for asks every stage for them in one round trip
+(``AsyncRouteSession.adopt``) before it prefills. They outlive the front: another front on
+the same workers (or this one restarted) reuses them, under the same API key.
 """
 
 from __future__ import annotations
@@ -52,10 +60,15 @@ class _Kept:
 class PrefixPool:
     """Up to ``size`` ended sessions kept for reuse (``size`` 0: none)."""
 
-    def __init__(self, size: int, ttl: float = 30.0):
+    def __init__(self, size: int, ttl: float = 30.0, store: bool = True):
         if size < 0:
             raise ValueError(f"the prompt cache's size must be >= 0, got {size}")
         self.size, self.ttl = size, ttl
+        #: whether sessions closed keep their caches in the stages' prefix stores, and new
+        #: ones adopt them (where every stage has a store)
+        self.store = bool(store)
+        #: requests that adopted a prefix from the stages' stores, and the tokens they reused
+        self.store_hits = self.store_tokens_reused = 0
         self._kept: collections.OrderedDict[int, _Kept] = collections.OrderedDict()
         self._next = 0
         #: requests that reused a kept prefix, that found none, kept sessions closed to free
@@ -121,6 +134,12 @@ class PrefixPool:
         self._kept.clear()
         return out
 
+    def adopted(self, tokens: int) -> None:
+        """A request adopted ``tokens`` positions from the stages' stores (0: none)."""
+        if tokens:
+            self.store_hits += 1
+            self.store_tokens_reused += tokens
+
     def bytes_held(self) -> int:
         """The KV cache the kept sessions' positions fill, over every stage."""
         return sum(session_bytes(k.session) for k in self._kept.values())
@@ -129,4 +148,6 @@ class PrefixPool:
         return {"size": self.size, "kept": len(self._kept), "hits": self.hits,
                 "misses": self.misses, "evictions": self.evictions,
                 "tokens_reused": self.tokens_reused, "rows_reused": self.rows_reused,
-                "bytes": self.bytes_held()}
+                "bytes": self.bytes_held(), "store": self.store,
+                "store_hits": self.store_hits,
+                "store_tokens_reused": self.store_tokens_reused}

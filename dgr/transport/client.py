@@ -29,7 +29,7 @@ DEFAULT_STREAM_TIMEOUT = 6 * 3600.0
 
 #: the full gRPC method of each control call (what a call's token is signed for)
 _METHODS = {"describe": f"/{SERVICE}/Describe", "release": f"/{SERVICE}/Release",
-            "fork": f"/{SERVICE}/Fork",
+            "fork": f"/{SERVICE}/Fork", "reuse": f"/{SERVICE}/Reuse",
             "tokenize": f"/{SERVICE}/Tokenize", "detokenize": f"/{SERVICE}/Detokenize",
             "token_pieces": f"/{SERVICE}/TokenPieces",
             "health": "/grpc.health.v1.Health/Check"}
@@ -220,6 +220,23 @@ class ShardClient:
         r = await self._unary("release", self._stub.Release,
                               dgr_pb2.ReleaseRequest(session=session), timeout)
         return r.released
+
+    async def keep(self, session: str, keys: Sequence[bytes], chunk: int,
+                   timeout: float | None = None) -> bool:
+        """End ``session``, keeping its caches as a prefix entry named by ``keys`` (one per
+        ``chunk`` positions: ``dgr.protocol.prefix.chain``) where the stage's store takes
+        it; whether it did (else the session was released)."""
+        r = await self._unary("release", self._stub.Release, dgr_pb2.ReleaseRequest(
+            session=session, keep=list(keys), chunk=chunk), timeout)
+        return r.kept
+
+    async def reuse(self, session: str, epoch: int, keys: Sequence[bytes], chunk: int,
+                    timeout: float | None = None) -> int:
+        """Open new ``session`` at ``epoch`` on the caller's prefix entry holding the most of
+        ``keys`` (``Worker.adopt``): the position it continues at, 0 for a miss."""
+        r = await self._unary("reuse", self._stub.Reuse, dgr_pb2.ReuseRequest(
+            session=session, epoch=epoch, keys=list(keys), chunk=chunk), timeout)
+        return int(r.next_pos)
 
     async def fork(self, session: str, epoch: int, into: Sequence[str], into_epoch: int,
                    timeout: float | None = None) -> int:

@@ -34,7 +34,14 @@ class StageBackend(Protocol):
     def describe(self) -> dict[str, Any]:
         """Fields of ``DescribeReply`` (``settings`` as a dict of ``EngineSettings`` fields)."""
 
-    def release(self, session: str) -> bool: ...
+    def release(self, session: str, keep: Sequence[bytes] = (),
+                chunk: int = 0) -> tuple[bool, bool]:
+        """End ``session``: ``(released, kept)``; with ``keep``, keep its caches as a prefix
+        entry where the stage's store takes it."""
+
+    def adopt(self, session: str, epoch: int, keys: Sequence[bytes], chunk: int) -> int:
+        """Open ``session`` on the caller's prefix entry that holds the most of ``keys``; the
+        position it continues at, 0 for a miss (run on a thread: it waits for the engine)."""
 
     def fork(self, session: str, epoch: int, into: list[str], into_epoch: int) -> int:
         """Open ``into`` as copies of ``session``; the position they continue at (run on a
@@ -138,13 +145,26 @@ class _Servicer(dgr_pb2_grpc.ShardServicer):
             d["settings"] = dgr_pb2.EngineSettings(**d["settings"])
             if "device" in d:
                 d["device"] = dgr_pb2.ComputeDevice(**d["device"])
+            if "prefix_store" in d:
+                d["prefix_store"] = dgr_pb2.PrefixStore(**d["prefix_store"])
             return dgr_pb2.DescribeReply(**d)
         except Exception as e:  # noqa: BLE001 - every failure leaves as a mapped status
             await _abort(context, e)
 
     async def Release(self, request, context):
         try:
-            return dgr_pb2.ReleaseReply(released=self.b.release(request.session))
+            released, kept = self.b.release(request.session, list(request.keep),
+                                            request.chunk)
+            return dgr_pb2.ReleaseReply(released=released, kept=kept)
+        except Exception as e:  # noqa: BLE001
+            await _abort(context, e)
+
+    async def Reuse(self, request, context):
+        # under the engine's lock, which a forward holds: off the event loop
+        try:
+            pos = await asyncio.to_thread(self.b.adopt, request.session, request.epoch,
+                                          list(request.keys), request.chunk)
+            return dgr_pb2.ReuseReply(next_pos=pos)
         except Exception as e:  # noqa: BLE001
             await _abort(context, e)
 

@@ -46,6 +46,18 @@ class Histories:
             if got is not None and got[0] == epoch:
                 self._seqs[into] = (into_epoch, array.array("i", got[1]))
 
+    def record(self, session: str) -> array.array | None:
+        """A copy of the session's record (None: it has none)."""
+        with self._lock:
+            got = self._seqs.get(session)
+        return None if got is None else array.array("i", got[1])
+
+    def install(self, session: str, epoch: int, tokens: Sequence[int]) -> None:
+        """``session`` (at ``epoch``) starts with ``tokens`` at positions 0, 1, ... (a
+        session that adopted a kept prefix)."""
+        with self._lock:
+            self._seqs[session] = (epoch, array.array("i", tokens))
+
     def _seq(self, h) -> array.array | None:
         """The session's record, valid for step ``h`` (covering positions before
         ``h.first_pos``); a new one at position 0 of a new epoch; None: a gap."""

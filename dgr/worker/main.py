@@ -93,6 +93,8 @@ async def _serve(args) -> int:
     RelayPolicy(relay_allow)  # a bad entry fails here, before the model loads
     if args.busy_poll_us < 0:
         raise errors.InvalidArgument(f"--busy-poll-us must be >= 0, got {args.busy_poll_us}")
+    if args.prefix_entries is not None and args.prefix_entries < 0:
+        raise errors.InvalidArgument(f"--prefix-entries must be >= 0, got {args.prefix_entries}")
     if args.busy_poll_us and args.frames != "native":
         raise errors.InvalidArgument("--busy-poll-us needs the native frame I/O (--frames "
                                      "native): the Python path cannot poll without the GIL")
@@ -192,6 +194,7 @@ WORKER_OPTIONS = {
     "max_sessions_per_credential": lambda a: a.max_sessions_per_credential or None,
     "max_queued_per_credential": lambda a: a.max_queued_per_credential or None,
     "busy_poll_s": lambda a: a.busy_poll_us * 1e-6,
+    "prefix_entries": lambda a: a.prefix_entries,
 }
 
 
@@ -237,6 +240,14 @@ def build_parser() -> argparse.ArgumentParser:
     engine_settings.add_arguments(p)
     p.add_argument("--ttl", type=float, default=600.0,
                    help="seconds after which an idle session expires (default 600)")
+    p.add_argument("--prefix-entries", type=int, default=None, metavar="N",
+                   help="the prefix store's size: ended sessions whose caches this stage "
+                        "keeps when their driver asks (a front does), each on a slot no "
+                        "session holds, for later sessions of the same credential and tenant "
+                        "that begin with the same tokens; a new session that finds no free "
+                        "slot takes the least recently used entry's, and an entry idle --ttl "
+                        "seconds is dropped. Default: every slot (none with MTP or on DeepSeek "
+                        "V4, whose caches cannot be cut back); 0: off")
     p.add_argument("--evict-after", type=float, default=5.0,
                    help="idle seconds before a session may be evicted for a new one (default 5)")
     p.add_argument("--drain-timeout", type=float, default=30.0,

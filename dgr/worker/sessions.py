@@ -18,7 +18,7 @@ from dgr.errors import (
     UnknownSession,
 )
 
-__all__ = ["SessionTable", "Lease", "SessionInfo", "SlotEngine"]
+__all__ = ["SessionTable", "Lease", "SessionInfo", "SlotEngine", "PrefixEntry"]
 
 
 class SlotEngine(Protocol):
@@ -60,6 +60,34 @@ class Lease:
     n_tokens: int
     new: bool  # the step starts a fresh (session, epoch): the slot was just cleared
     ticket: int = 0  # unique per admitted step in its table: names this step exactly
+
+
+@dataclass
+class PrefixEntry:
+    """An ended session's caches kept on its slot for later sessions (the stage's prefix
+    store): ``keys[i]`` names positions ``0 .. (i + 1) * chunk - 1`` (a hash chain over their
+    token ids, which the driver computes: ``dgr.protocol.prefix.chain``), ``positions`` of them
+    in all. ``tokens``: what the worker keeps with it (the last stage's token record)."""
+
+    keys: tuple[bytes, ...]
+    chunk: int
+    slot: int
+    owner: str
+    last_used: float
+    tokens: object = None
+
+    @property
+    def positions(self) -> int:
+        return len(self.keys) * self.chunk
+
+    def match(self, keys) -> int:
+        """How many of ``keys``' first keys this entry holds."""
+        n = 0
+        for a, b in zip(self.keys, keys):
+            if a != b:
+                break
+            n += 1
+        return n
 
 
 #: event callback: (event, session, epoch, slot, detail)
@@ -114,12 +142,19 @@ class SessionTable:
         Monotonic clock (tests inject a fake one).
     listener : callable, optional
         Called as ``listener(event, session, epoch, slot, detail)`` for ``open``, ``epoch``,
-        ``release``, ``expire``, ``evict``, ``abort`` (the worker logs them).
+        ``release``, ``expire``, ``evict``, ``abort``, ``keep``, ``adopt`` (the worker logs
+        them).
+    prefix_entries : int
+        The prefix store's size (0: none): how many ended sessions' caches the table keeps,
+        each on its own slot, for later sessions of the same credential that begin with the
+        same tokens (``keep``, ``adopt``). An entry holds a slot no session holds: a new
+        session that finds no free slot takes the least recently used entry's first, and an
+        entry idle ``ttl`` seconds is dropped.
     """
 
     def __init__(self, engine: SlotEngine, n_slots: int, n_ctx: int, *, ttl: float = 600.0,
                  evict_after: float = 5.0, clock: Callable[[], float] = time.monotonic,
-                 listener: Listener | None = None):
+                 listener: Listener | None = None, prefix_entries: int = 0):
         if n_slots < 1 or n_ctx < 1:
             raise InvalidArgument(f"n_slots and n_ctx must be >= 1, got {n_slots}, {n_ctx}")
         if ttl <= 0 or evict_after < 0:
@@ -141,6 +176,14 @@ class SessionTable:
         #: sessions a non-peer credential may hold when its own ``max_sessions`` is unset
         self.max_sessions_per_owner: int | None = None
         self._owned: collections.Counter[str] = collections.Counter()
+        if prefix_entries < 0:
+            raise InvalidArgument(f"prefix_entries must be >= 0, got {prefix_entries}")
+        self.prefix_entries = prefix_entries
+        #: the prefix store, least recently used first, by slot
+        self._entries: collections.OrderedDict[int, PrefixEntry] = collections.OrderedDict()
+        #: adoptions that found an entry, that found none, entries dropped for a slot, by age
+        #: or by a longer one of the same prefix
+        self.prefix_hits = self.prefix_misses = self.prefix_evictions = 0
 
     # -- facts ---------------------------------------------------------------------------
 
@@ -155,7 +198,13 @@ class SessionTable:
 
     @property
     def free_slots(self) -> int:
-        return len(self._free)
+        """Slots a new session may take now: the free ones and the prefix entries'."""
+        return len(self._free) + len(self._entries)
+
+    @property
+    def entries(self) -> list[PrefixEntry]:
+        """The prefix store's entries, least recently used first."""
+        return list(self._entries.values())
 
     @property
     def free_context(self) -> int:
@@ -342,17 +391,126 @@ class SessionTable:
         return True
 
     def expire(self) -> int:
-        """Drop idle sessions older than ``ttl``; returns how many."""
+        """Drop idle sessions and prefix entries older than ``ttl``; returns how many
+        sessions."""
         now = self._clock()
         old = [s for s in self._sessions.values() if not s.busy and now - s.last_used >= self.ttl]
         for s in old:
             self._drop(s, "expire", f"idle {now - s.last_used:.0f} s")
+        for e in [e for e in self._entries.values() if now - e.last_used >= self.ttl]:
+            self._forget(e, "expire", f"idle {now - e.last_used:.0f} s")
         return len(old)
 
     def clear(self) -> None:
-        """Drop every idle session (shutdown)."""
+        """Drop every idle session and prefix entry (shutdown)."""
         for s in [s for s in self._sessions.values() if not s.busy]:
             self._drop(s, "release", "shutdown")
+        for e in list(self._entries.values()):
+            self._forget(e, "release", "shutdown")
+
+    # -- the prefix store ----------------------------------------------------------------
+
+    def keep(self, session: str, keys, chunk: int, who=None, tokens=None) -> bool:
+        """End ``session`` as ``release`` does, but keep its slot's caches as a prefix entry
+        named by ``keys`` (one per ``chunk`` positions from 0; the session holds at least
+        that many). False, and the session released as usual, when the store is off, the
+        keys name nothing or more than it holds, or the session has a step in flight;
+        False without release when ``release`` refuses (unknown, another credential's).
+
+        The entry belongs to the credential that keeps it (``who``'s name; "" without
+        credentials): only that credential adopts it. A kept entry replaces the caller's
+        entries whose keys it continues (it holds the same positions and more); beyond the
+        store's size, the least recently used entry is dropped."""
+        s = self._sessions.get(session)
+        if s is None or (who is not None and not who.peer and s.owner != who.name
+                         and not s.by_peer):
+            return False
+        keys = tuple(bytes(k) for k in keys)
+        if (not self.prefix_entries or not keys or chunk < 1 or s.busy
+                or len(keys) * chunk > s.next_pos):
+            self._drop(s, "release", "")
+            return False
+        owner = who.name if who is not None else s.owner
+        now = self._clock()
+        del self._sessions[s.session]
+        self._disown(s)
+        for e in [e for e in self._entries.values()
+                  if e.owner == owner and e.chunk == chunk and e.match(keys) == len(e.keys)]:
+            self._forget(e, "evict", "a longer entry of the same prefix")
+        self._entries[s.slot] = PrefixEntry(keys, chunk, s.slot, owner, now, tokens)
+        self._emit("keep", s.session, s.epoch, s.slot, f"{len(keys) * chunk} positions")
+        while len(self._entries) > self.prefix_entries:
+            self._forget(next(iter(self._entries.values())), "evict", "the store is full")
+        return True
+
+    def adopt(self, session: str, epoch: int, keys, chunk: int,
+              who=None) -> tuple[PrefixEntry, SessionInfo, bool] | None:
+        """Open ``session`` (at ``epoch``) on the credential's entry that holds the most of
+        ``keys`` (per ``chunk`` positions from 0): ``(the entry, the new session, copy)``.
+        With ``copy`` the session has a free slot of its own and the caller copies the
+        entry's slot into it (``Engine.copy_slot``: the entry stays for others); else the
+        entry's slot became the session's (the entry is gone). Either way the session
+        continues at ``match * chunk`` and the caller drops the slot's positions from there
+        (``Engine.truncate``) before any step of it runs, or releases the session if it
+        cannot. None when no entry holds the first key (a miss): nothing was opened.
+
+        Raises
+        ------
+        SessionError
+            ``session`` exists already, or the table is closed (draining).
+        ResourceExhausted
+            The tenant's cap.
+        """
+        if session in self._sessions:
+            raise SessionError(f"session {session!r} exists already: only a new session "
+                               "adopts a prefix")
+        if self.closed:
+            raise SessionError("this worker takes no new sessions or epochs (draining)")
+        keys = tuple(bytes(k) for k in keys)
+        owner = who.name if who is not None else ""
+        best, n = None, 0
+        for e in self._entries.values():
+            if e.owner == owner and e.chunk == chunk:
+                m = e.match(keys)
+                if m > n:
+                    best, n = e, m
+        if best is None:
+            self.prefix_misses += 1
+            return None
+        if who is not None and not who.peer:
+            self._check_cap(who)
+        now = self._clock()
+        self.prefix_hits += 1
+        best.last_used = now
+        copy = bool(self._free)
+        if copy:
+            self._entries.move_to_end(best.slot)
+            slot = self._free.pop()
+            self.engine.release(slot)  # whatever a previous owner left there
+        else:
+            slot = best.slot
+            del self._entries[slot]
+        info = SessionInfo(session, epoch, slot, n * chunk, now, now, owner=owner,
+                           by_peer=who is not None and who.peer)
+        self._sessions[session] = info
+        self._owned[owner] += 1
+        self._emit("adopt", session, epoch, slot,
+                   f"{n * chunk} positions {'copied from' if copy else 'on'} slot {best.slot}")
+        return best, info, copy
+
+    def prefix_positions(self) -> int:
+        """The positions the prefix store's entries hold, summed."""
+        return sum(e.positions for e in self._entries.values())
+
+    def _forget(self, e: PrefixEntry, event: str, detail: str) -> None:
+        """Drop prefix entry ``e`` (its slot becomes free)."""
+        del self._entries[e.slot]
+        if event != "release":
+            self.prefix_evictions += 1
+        self.engine.release(e.slot)
+        self._free.append(e.slot)
+        self._free.sort(reverse=True)
+        self._emit(event, "", 0, e.slot, f"prefix entry of {e.positions} positions; {detail}")
 
     def owned(self, owner: str) -> int:
         """Sessions held by the credential named ``owner``."""
@@ -390,6 +548,8 @@ class SessionTable:
     def _take_slot(self, now: float) -> int:
         if not self._free:
             self.expire()
+        if not self._free and self._entries:
+            self._forget(next(iter(self._entries.values())), "evict", "a session needs its slot")
         if self._free:
             return self._free.pop()
         idle = [s for s in self._sessions.values() if not s.busy]

@@ -64,8 +64,17 @@ class Worker(StagePipeline):
                  batching: bool = True, native_frames: bool = True,
                  ring_groups: bool = True, relay_allow=None, security: Security | None = None,
                  max_sessions_per_credential: int | None = None,
-                 max_queued_per_credential: int | None = None, busy_poll_s: float = 0.0):
+                 max_queued_per_credential: int | None = None, busy_poll_s: float = 0.0,
+                 prefix_entries: int | None = None):
         super().__init__(engine, ttl=ttl, evict_after=evict_after, max_message=max_message)
+        #: the prefix store's size (``SessionTable.keep``): every slot by default; none on an
+        #: engine whose slots cannot be copied and cut back at any position (MTP, DeepSeek V4)
+        can_keep = not getattr(engine, "mtp", False) and int(
+            self.info.get("rollback_window", -1)) < 0
+        if prefix_entries is not None and prefix_entries < 0:
+            raise errors.InvalidArgument(f"prefix_entries must be >= 0, got {prefix_entries}")
+        self.table.prefix_entries = (0 if not can_keep else engine.n_slots
+                                     if prefix_entries is None else prefix_entries)
         #: the credentials accepted and presented, and TLS (dgr.transport.security; both
         #: planes use it): none by default
         self.security = security if security is not None else Security()
@@ -143,6 +152,7 @@ class Worker(StagePipeline):
             device=self.device_facts(),
             prefix_rows_exact=self.prefix_rows_exact,
             prefix_single_rows_exact=self.prefix_single_rows_exact,
+            prefix_store=self.prefix_store(),
         )
 
     def _slot_of(self, session: str) -> int | None:
@@ -198,10 +208,72 @@ class Worker(StagePipeline):
             log.exception("capability record failed")
             return b""
 
-    def release(self, session: str) -> bool:
-        """Release ``session`` for the caller (``CALLER``: another credential's is not)."""
+    def release(self, session: str, keep=(), chunk: int = 0) -> tuple[bool, bool]:
+        """Release ``session`` for the caller (``CALLER``: another credential's is not):
+        ``(released, kept)``. With ``keep`` (a hash chain of its first positions, one key per
+        ``chunk``: ``dgr.protocol.prefix.chain``), its caches stay on its slot as a prefix
+        entry that later sessions of the caller adopt (``adopt``), where the store takes it;
+        the last stage keeps the token record with it, and keeps nothing without one."""
+        who = CALLER.get()
         with self.lock:
-            return self.table.release(session, CALLER.get())
+            if not keep:
+                return self.table.release(session, who), False
+            tokens = None
+            if self.history is not None:
+                tokens = self.history.record(session)
+                if tokens is None or len(tokens) < len(keep) * chunk:
+                    return self.table.release(session, who), False
+                del tokens[len(keep) * chunk:]
+            known = session in self.table
+            kept = self.table.keep(session, keep, chunk, who, tokens)
+            return known and session not in self.table, kept
+
+    def adopt(self, session: str, epoch: int, keys, chunk: int) -> int:
+        """Open ``session`` (at ``epoch``) on the caller's prefix entry that holds the most
+        of ``keys`` (a hash chain of the new prompt's first positions, one key per ``chunk``):
+        the positions it continues at (0: a miss, nothing opened). Runs under the engine's
+        lock, as ``fork`` does: the entry's slot is copied (or taken over) and cut back to
+        the match before any step of the session runs.
+
+        Raises
+        ------
+        The table's refusals (``SessionTable.adopt``): the session exists, draining, the
+        tenant's cap.
+        """
+        who = CALLER.get()
+        with self.engine.lock:
+            with self.lock:
+                got = self.table.adopt(session, epoch, keys, chunk, who)
+                if got is None:
+                    return 0
+                entry, info, copy = got
+                releases, self._releases = self._releases, []
+            try:
+                for slot in releases:
+                    self.engine.release(slot)
+                if copy:
+                    self.engine.copy_slot(entry.slot, info.slot)
+                self.engine.truncate(info.slot, info.next_pos)
+                if self.history is not None:
+                    self.history.install(session, epoch, entry.tokens[:info.next_pos])
+            except BaseException:
+                with self.lock:
+                    self.table.release(session)
+                raise
+        return info.next_pos
+
+    def prefix_store(self) -> dict[str, int]:
+        """The prefix store's figures (``Describe.prefix_store``, the capability record):
+        size, entries, positions and bytes they hold, hits, misses and evictions."""
+        t = self.table
+        with self.lock:
+            n, positions = len(t.entries), t.prefix_positions()
+            hits, misses, evictions = t.prefix_hits, t.prefix_misses, t.prefix_evictions
+        cells = int(self.settings["n_ctx"]) * int(self.engine.n_slots)
+        per = int(self.info["kv_bytes"]) / cells if cells else 0.0
+        return {"size": t.prefix_entries, "entries": n, "positions": positions,
+                "bytes": int(round(positions * per)), "hits": hits, "misses": misses,
+                "evictions": evictions}
 
     def fork(self, session: str, epoch: int, into: list[str], into_epoch: int) -> int:
         """Open each session of ``into`` (at ``into_epoch``) as a copy of ``session`` at

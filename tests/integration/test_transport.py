@@ -332,8 +332,8 @@ class SlowBackend:
     def describe(self):
         raise errors.EngineError("no engine here")
 
-    def release(self, session):
-        return False
+    def release(self, session, keep=(), chunk=0):
+        return False, False
 
     def tokenize(self, text, add_special, parse_special):
         return []

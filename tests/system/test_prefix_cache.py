@@ -1,9 +1,10 @@
-"""The front's prompt cache (dgr.serve.prefix) is exact: 500 completions whose prompts share
-prefixes of random lengths (and grow, as a chat's turns do), through a 3-stage route, greedy
-and seeded, with eviction pressure (a cache of 2 sessions over 4 prompt families), give the
-text and the log probabilities of the same requests through a front without the cache, bit for
-bit; and the cache was used, whole chunks and partial chunks' rows (n_ubatch 8, and 250
-requests at 64, where a whole chunk takes other kernels than a partial one)."""
+"""The front's prompt cache (dgr.serve.prefix) and the stages' prefix stores are exact: 500
+completions whose prompts share prefixes of random lengths (and grow, as a chat's turns do),
+through a 3-stage route, greedy and seeded, with eviction pressure (a cache of 2 sessions over
+4 prompt families; stores of 4 slots each, shared with the cached front's closed sessions)
+give the text and the log probabilities of the same requests through a front that uses
+neither, bit for bit; and both were used, whole chunks and partial chunks' rows (n_ubatch 8,
+and 250 requests at 64, where a whole chunk takes other kernels than a partial one)."""
 
 from __future__ import annotations
 
@@ -35,10 +36,11 @@ def fronts(tiny_llama, request):
     addrs = [w.address for w in ws]
     cached = Served(create_app(AsyncRoute(addrs), model="tiny", prompt_cache=2,
                                prompt_cache_ttl=600))
-    plain = Served(create_app(AsyncRoute(addrs), model="tiny"))
-    clients = [s.openai(api_key="x") for s in (cached, plain)]
-    yield clients, cached, request.param
-    for s in (cached, plain):
+    plain = Served(create_app(AsyncRoute(addrs), model="tiny", prefix_store=False))
+    stored = Served(create_app(AsyncRoute(addrs), model="tiny"))  # the stages' stores only
+    clients = [s.openai(api_key="x") for s in (cached, plain, stored)]
+    yield clients, (cached, stored), request.param
+    for s in (cached, plain, stored):
         s.stop()
     for w in ws:
         w.stop()
@@ -51,7 +53,7 @@ def _ask(client, req: dict):
 
 
 def test_500_requests_with_shared_prefixes_equal_their_uncached_runs(fronts):
-    (cached, plain), served, ub = fronts
+    (cached, plain, stored), (served, by_store), ub = fronts
     rng = random.Random(20261202)
     length = 70 if ub == 8 else 200
     families = [[rng.randrange(3, 128) for _ in range(length)] for _ in range(4)]
@@ -69,7 +71,9 @@ def test_500_requests_with_shared_prefixes_equal_their_uncached_runs(fronts):
             req.update(temperature=0.9, seed=rng.randrange(1 << 30))
         else:
             req.update(temperature=0)
-        assert _ask(cached, req) == _ask(plain, req), (i, req)
+        want = _ask(plain, req)
+        assert _ask(cached, req) == want, (i, req)
+        assert _ask(stored, req) == want, (i, req)
     import json
     import urllib.request
 
@@ -87,6 +91,14 @@ def test_500_requests_with_shared_prefixes_equal_their_uncached_runs(fronts):
     # what the kept sessions hold: one KV cell per position on every stage
     assert (pc["bytes"] > 0) == (pc["kept"] > 0), pc
     assert "dgr_serve_prompt_cache_bytes " in text
+    # the front without a cache of its own adopted prefixes from the stages' stores
+    with urllib.request.urlopen(by_store.base + "/status") as r:
+        ps = json.load(r)["prompt_cache"]
+    # (whole chunks only: at n_ubatch 64 fewer prompts hold one past the cache's sessions)
+    assert ps["store_hits"] > (100 if ub == 8 else 40), ps
+    assert ps["store_tokens_reused"] > 1000, ps
+    with urllib.request.urlopen(by_store.base + "/metrics") as r:
+        assert f"dgr_serve_prefix_store_hits_total {float(ps['store_hits'])}" in r.read().decode()
 
 
 KEYS = ["sk-dgr-tenant-a-0123", "sk-dgr-tenant-b-4567"]
@@ -116,7 +128,7 @@ def test_one_tenant_never_reuses_anothers_prefix_and_a_lost_stage_still_gives_th
                                           spares=[ws[3].address]),
                                model="tiny", api_keys=KEYS, prompt_cache=2,
                                prompt_cache_ttl=600))
-    plain = Served(create_app(AsyncRoute([whole.address]), model="tiny"))
+    plain = Served(create_app(AsyncRoute([whole.address]), model="tiny", prefix_store=False))
     try:
         a, b = (cached.openai(api_key=k) for k in KEYS)
         ref = plain.openai(api_key="x")

@@ -36,12 +36,12 @@ def test_flags_reach_the_keywords():
         ["--ttl", "7", "--evict-after", "2", "--no-batching", "--no-ring-groups", "--frames",
          "python", "--busy-poll-us", "500", "--inline-compute", "--inline-below-ms", "1.5",
          "--max-sessions-per-credential", "3", "--max-queued-per-credential", "4",
-         "--cert-store", "/tmp/certs"])
+         "--cert-store", "/tmp/certs", "--prefix-entries", "5"])
     assert main.worker_options(args) == {
         "ttl": 7.0, "evict_after": 2.0, "batching": False, "ring_groups": False,
         "native_frames": False, "busy_poll_s": 5e-4, "inline": True, "inline_below_ms": 1.5,
         "max_sessions_per_credential": 3, "max_queued_per_credential": 4,
-        "cert_store": "/tmp/certs"}
+        "cert_store": "/tmp/certs", "prefix_entries": 5}
 
 
 def test_the_route_flags_defaults_are_the_routes_own():

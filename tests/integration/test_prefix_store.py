@@ -1,0 +1,110 @@
+"""The stages' prefix stores along a route: a session closed with ``keep`` leaves its whole
+chunks' caches on every stage; a later session of the same tenant whose prompt begins with
+them adopts them in one round trip and gives a fresh prefill's tokens and logits, bit for bit
+(penalties included: the last stage keeps the token record with the entry); another tenant,
+or a route where one stage lacks the entry, prefills in full; and under eviction pressure
+every output equals its run without the store."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from dgr.driver.route import AsyncRoute
+from dgr.protocol.sampling import SamplingParams
+from dgr.testing.stages import threaded_stages
+
+UB = 8
+SETTINGS = dict(n_ctx=128, n_slots=3, n_threads=1, n_ubatch=UB)
+RANGES = [(0, 1), (1, 3), (3, 4)]
+PENALTIES = SamplingParams(temperature=0.9, seed=11, repeat_penalty=1.3,
+                           frequency_penalty=0.4, presence_penalty=0.2, penalty_last_n=64)
+
+
+async def run(r, prompt, *, tenant="t", adopt=True, sampling=None, n=6):
+    """(tokens, logits rows as bytes, positions adopted) of one request in a new session,
+    closed with ``keep``."""
+    s = r.session(tenant=tenant)
+    m = await s.adopt(prompt) if adopt else 0
+    toks = [t async for t in s.generate(prompt, max_tokens=n, stop_on_eog=False, logits=True,
+                                        sampling=sampling, **({"reuse": m} if m else {}))]
+    logits = [row.tobytes() for row in s.logits]
+    await s.close(keep=True)
+    return toks, logits, m
+
+
+@pytest.mark.parametrize("relay", [True, False])
+def test_an_adopted_prefix_gives_a_fresh_prefills_bits(tiny_llama, relay):
+    with threaded_stages(tiny_llama, RANGES, SETTINGS) as ws:
+        async def go():
+            async with AsyncRoute([w.address for w in ws], relay=relay) as r:
+                assert r.prefix_store
+                first = list(range(3, 33))  # three whole chunks and a partial one
+                await run(r, first, adopt=False)
+                infos = await r.describe()
+                # the whole chunks prefilled from 0 are kept, on every stage
+                assert [i.prefix_store["positions"] for i in infos] == [24] * 3
+                assert all(i.prefix_store["entries"] == 1 and i.prefix_store["bytes"] > 0
+                           for i in infos)
+                nxt = first[:20] + list(range(70, 82))
+                for sampling, shared in ((None, 16), (PENALTIES, 24)):
+                    want = await run(r, nxt, adopt=False, sampling=sampling, tenant="ref")
+                    got = await run(r, nxt, sampling=sampling)
+                    # the two whole chunks both prompts share; then the three of nxt's run
+                    assert got[2] == shared
+                    assert got[:2] == want[:2]
+                infos = await r.describe()
+                assert all(i.prefix_store["hits"] == 2 for i in infos)
+                # the capability record carries the same figures for a tracker
+                cap = await r.clients[0].capability()
+                assert cap.prefix_store.hits == 2 and cap.prefix_store.size == 3
+                # another tenant never adopts this one's prefix
+                assert (await run(r, nxt, tenant="u"))[2] == 0
+
+        asyncio.run(go())
+
+
+def test_a_stage_without_the_entry_means_a_full_prefill(tiny_llama):
+    with threaded_stages(tiny_llama, RANGES, SETTINGS) as ws:
+        async def go():
+            async with AsyncRoute([w.address for w in ws]) as r:
+                prompt = list(range(3, 40))
+                want = await run(r, prompt, adopt=False)
+                w = ws[1].worker
+                with w.lock:  # the middle stage lost its entries (restarted, evicted)
+                    w.table.clear()
+                got = await run(r, prompt)
+                assert got[2] == 0 and got[:2] == want[:2]
+                infos = await r.describe()
+                assert [i.prefix_store["hits"] for i in infos] == [1, 0, 1]
+                assert infos[1].prefix_store["misses"] == 1
+                # and the next one finds the entry that run left on every stage
+                assert await run(r, prompt) == (want[0], want[1], 32)
+
+        asyncio.run(go())
+
+
+def test_shared_prefixes_under_eviction_pressure_give_the_runs_without_the_store(tiny_llama):
+    """200 requests whose prompts share prefixes of random lengths with earlier ones, through
+    a 3-stage route of 3 slots (every new session takes an entry's slot once the store is
+    full): each request's tokens and logits equal its run without the store."""
+    rng = random.Random(7)
+    bases = [[rng.randrange(3, 128) for _ in range(60)] for _ in range(4)]
+    prompts = []
+    for _ in range(200):
+        base = rng.choice(bases)
+        k = rng.randrange(1, 50)
+        prompts.append(base[:k] + [rng.randrange(3, 128) for _ in range(rng.randrange(1, 12))])
+    with threaded_stages(tiny_llama, RANGES, SETTINGS) as ws:
+        async def go():
+            async with AsyncRoute([w.address for w in ws]) as r:
+                want = [await run(r, p, adopt=False, n=3, tenant="ref") for p in prompts]
+                got = [await run(r, p, n=3) for p in prompts]
+                return want, got
+
+        want, got = asyncio.run(go())
+    assert [g[:2] for g in got] == [w[:2] for w in want]
+    adopted = [g[2] for g in got]
+    assert sum(1 for a in adopted if a) > 50 and all(a % UB == 0 for a in adopted)
