@@ -1,5 +1,6 @@
-"""A growing chat, turn by turn: time to first token with the front's prompt cache, without it,
-and ``llama-server`` (its slot cache) on the whole model, side by side in one run.
+"""A growing chat, turn by turn: time to first token with the front's prompt cache, with the
+stages' prefix stores alone, with neither, and ``llama-server`` (its slot cache) on the whole
+model, side by side in one run.
 
     python benches/prompt_cache.py [--turns 5] [--tokens 32] [--stages 3] [--rules 18]
                                    [--ctx 1024] [--rtt MS] [--agent] [--json out.json]
@@ -22,6 +23,11 @@ llama-server (one process, no links) stays on loopback as the reference.
 ``--agent``: an agent loop instead of a chat: every request carries three function tools
 (``tool_choice`` auto; each server's chat template renders them), and each turn's message is a
 short observation, as a tool-using loop sends many short turns over a fixed prefix.
+
+``dgr store`` is a front without a cache of its own (``--prompt-cache 0``): each turn's new
+session adopts the whole chunks the previous turn's session left in the stages' prefix stores
+(docs/serve.md "Prefix store"), as a second front on the same workers, or a restarted one,
+would; ``dgr no cache`` uses neither (``--no-prefix-store``).
 
 After each turn the dgr front with the cache reports what its kept sessions hold (``/status``
 ``prompt_cache.bytes``: one KV cell per kept position on every stage), the memory an entry
@@ -115,15 +121,15 @@ def main(argv=None) -> int:
 
     model = args.model or str(models.path(models.DEFAULT_MODEL))
     name = "bench"
-    ports = {k: free_port() for k in ("dgr cache", "dgr no cache", "llama-server")}
+    fronts = {"dgr cache": ["--prompt-cache", "2"], "dgr store": ["--prompt-cache", "0"],
+              "dgr no cache": ["--prompt-cache", "0", "--no-prefix-store"]}
+    ports = {k: free_port() for k in (*fronts, "llama-server")}
     common = ["--stages", str(args.stages), "--model-name", name, "--ctx", str(args.ctx),
               "--slots", "2", "--threads", "1", "--ubatch", str(N_UBATCH), "--flash-attn",
               "on"]
-    cmds = {
-        "dgr cache": [sys.executable, "-m", "dgr", "serve", "--model", model, "--port",
-                      str(ports["dgr cache"]), "--prompt-cache", "2", *common],
-        "dgr no cache": [sys.executable, "-m", "dgr", "serve", "--model", model, "--port",
-                         str(ports["dgr no cache"]), "--prompt-cache", "0", *common],
+    cmds = {k: [sys.executable, "-m", "dgr", "serve", "--model", model, "--port", str(ports[k]),
+                *flags, *common] for k, flags in fronts.items()}
+    cmds |= {
         "llama-server": [llama_server(), "-m", model, "--host", "127.0.0.1", "--port",
                          str(ports["llama-server"]), "-t", "1", "-tb", "1", "-c",
                          str(args.ctx * 2), "-np", "2", "-b", str(N_UBATCH), "-ub",
@@ -136,14 +142,14 @@ def main(argv=None) -> int:
 
         kv = read_header(model).kv
         n_layer = int(kv[f"{kv['general.architecture']}.block_count"])
-        for k in ("dgr cache", "dgr no cache"):
+        for k, flags in fronts.items():
             c = EmulatedCluster(model, args.stages, n_layer, args.rtt,
                                 ["--ctx", str(args.ctx)], n_slots=2)
             clusters.append(c)
             c.start()
             cmds[k] = [sys.executable, "-m", "dgr", "serve", "--model", model, "--route",
                        ",".join(c.endpoints), "--port", str(ports[k]), "--model-name", name,
-                       "--prompt-cache", "2" if k == "dgr cache" else "0"]
+                       *flags]
     log = open(os.devnull, "w")
     procs = {}
     rows = []
@@ -165,11 +171,14 @@ def main(argv=None) -> int:
                 row[k] = {"ttft_ms": 1e3 * ttft, "prompt_tokens": n}
             pc = _held(ports["dgr cache"])
             row["cache_held"] = {"kept": pc["kept"], "bytes": pc["bytes"]}
+            ps = _held(ports["dgr store"])  # what the stores gave the front without a cache
+            row["store"] = {"hits": ps["store_hits"], "tokens_reused": ps["store_tokens_reused"]}
             rows.append(row)
             print(f"turn {t + 1}: " + "  ".join(
                 f"{k} {row[k]['ttft_ms']:7.0f} ms ({row[k]['prompt_tokens']} tokens)"
                 for k in cmds) + f"  cache holds {pc['kept']} session(s), "
-                f"{pc['bytes'] / 2**20:.1f} MiB", flush=True)
+                f"{pc['bytes'] / 2**20:.1f} MiB; stores gave {ps['store_tokens_reused']} "
+                "tokens", flush=True)
     finally:
         for p in procs.values():
             p.send_signal(2)
@@ -180,13 +189,15 @@ def main(argv=None) -> int:
                 p.kill()
         for c in clusters:
             c.stop()
-    print("\n| turn | prompt tokens | dgr cache ms | dgr no cache ms | llama-server ms | "
-          "cache / no cache | cache / llama-server | cache holds MiB |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| turn | prompt tokens | dgr cache ms | dgr store ms | dgr no cache ms | "
+          "llama-server ms | cache / no cache | store / no cache | cache / llama-server | "
+          "store / llama-server | cache holds MiB |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        a, b, c = (r[k]["ttft_ms"] for k in cmds)
-        print(f"| {r['turn']} | {r['dgr cache']['prompt_tokens']} | {a:.0f} | {b:.0f} | "
-              f"{c:.0f} | {a / b:.2f} | {a / c:.2f} | "
+        a, s_, b, c = (r[k]["ttft_ms"] for k in ("dgr cache", "dgr store", "dgr no cache",
+                                                  "llama-server"))
+        print(f"| {r['turn']} | {r['dgr cache']['prompt_tokens']} | {a:.0f} | {s_:.0f} | "
+              f"{b:.0f} | {c:.0f} | {a / b:.2f} | {s_ / b:.2f} | {a / c:.2f} | {s_ / c:.2f} | "
               f"{r['cache_held']['bytes'] / 2**20:.1f} |")
     if args.json:
         with open(args.json, "w") as f:

@@ -91,6 +91,24 @@ def families(rec, counters: dict | None = None, profile: dict | None = None) -> 
         _counter("dgr_worker_steps_total", "Steps served.", h.steps_served),
         _counter("dgr_worker_step_failures_total", "Steps refused or failed.", h.steps_failed),
     ]
+    ps = rec.prefix_store
+    if ps is not None:
+        out += [
+            _gauge("dgr_worker_prefix_store_size", "Entries the prefix store may hold (ended "
+                   "sessions' caches kept for later ones; 0: none).", ps.size),
+            _gauge("dgr_worker_prefix_store_entries", "Entries it holds (each on a slot no "
+                   "session holds).", ps.entries),
+            _gauge("dgr_worker_prefix_store_positions", "Positions they hold, summed.",
+                   ps.positions),
+            _gauge("dgr_worker_prefix_store_bytes", "The KV cache those positions fill.",
+                   ps.bytes),
+            _counter("dgr_worker_prefix_store_hits", "New sessions that adopted an entry.",
+                     ps.hits),
+            _counter("dgr_worker_prefix_store_misses", "New sessions that asked and found "
+                     "none.", ps.misses),
+            _counter("dgr_worker_prefix_store_evictions", "Entries dropped for a session's "
+                     "slot, by age, or replaced by a longer one.", ps.evictions),
+        ]
     if counters is not None:
         out += [
             _counter("dgr_worker_decode_steps_total", "Single-token steps computed.",

@@ -12,6 +12,7 @@ import random
 
 import pytest
 
+from dgr.control.metrics import MetricsServer
 from dgr.driver.route import AsyncRoute
 from dgr.protocol.sampling import SamplingParams
 from dgr.testing.stages import threaded_stages
@@ -82,8 +83,19 @@ def test_a_stage_without_the_entry_means_a_full_prefill(tiny_llama):
                 assert infos[1].prefix_store["misses"] == 1
                 # and the next one finds the entry that run left on every stage
                 assert await run(r, prompt) == (want[0], want[1], 32)
+                return await r.describe()
 
-        asyncio.run(go())
+        infos = asyncio.run(go())
+        # the worker's /metrics say the same as its describe record
+        text = MetricsServer(ws[1].worker, port=0, loop=ws[1].event_loop).render()
+        ps = infos[1].prefix_store
+        assert (ps["hits"], ps["misses"], ps["entries"]) == (1, 1, 1)
+        for name, kind, key in (("hits_total", "counter", "hits"),
+                                ("misses_total", "counter", "misses"),
+                                ("entries", "gauge", "entries"),
+                                ("bytes", "gauge", "bytes"), ("size", "gauge", "size")):
+            assert f"dgr_worker_prefix_store_{name} {float(ps[key])}" in text
+            assert f"# TYPE dgr_worker_prefix_store_{name} {kind}" in text
 
 
 def test_shared_prefixes_under_eviction_pressure_give_the_runs_without_the_store(tiny_llama):
@@ -108,3 +120,33 @@ def test_shared_prefixes_under_eviction_pressure_give_the_runs_without_the_store
     assert [g[:2] for g in got] == [w[:2] for w in want]
     adopted = [g[2] for g in got]
     assert sum(1 for a in adopted if a) > 50 and all(a % UB == 0 for a in adopted)
+
+
+@pytest.mark.parametrize("when", ["before adopting", "after adopting"])
+def test_a_stage_lost_around_an_adoption_still_gives_the_whole_models_tokens(tiny_llama, when):
+    """The middle stage dies before the adoption (it answers nothing: a miss, a full prefill
+    repaired on the spare) or after it (the first step fails: the route replays the adopted
+    positions on the spare, from the tokens it holds): the whole model's tokens either way."""
+    with threaded_stages(tiny_llama, [None, *RANGES, (1, 3)], SETTINGS) as ws:
+        whole, stages, spare = ws[0], ws[1:4], ws[4]
+
+        async def go():
+            async with AsyncRoute([whole.address]) as ref:
+                prompt = list(range(3, 40))
+                want = await run(ref, prompt, adopt=False)
+            async with AsyncRoute([w.address for w in stages], spares=[spare.address]) as r:
+                await run(r, prompt, adopt=False)
+                s = r.session(tenant="t")
+                if when == "before adopting":
+                    stages[1].stop()
+                m = await s.adopt(prompt)
+                assert m == (0 if when == "before adopting" else 32)
+                if when == "after adopting":
+                    stages[1].stop()
+                toks = [t async for t in s.generate(prompt, max_tokens=6, stop_on_eog=False,
+                                                    logits=True, **({"reuse": m} if m else {}))]
+                assert s.recoveries >= 1
+                assert (toks, [row.tobytes() for row in s.logits]) == want[:2]
+                await s.close()
+
+        asyncio.run(go())
