@@ -3,8 +3,8 @@
 from dgr import errors
 from dgr.errors import DgrError
 
-__all__ = ["errors", "DgrError", "Engine", "devices", "Route", "RouteSession", "AsyncRoute",
-           "AsyncRouteSession"]
+__all__ = ["errors", "DgrError", "Engine", "devices", "Route", "RouteSession", "RouteConfig",
+           "AsyncRoute", "AsyncRouteSession"]
 __version__ = "0.1.0"
 
 # Heavy or compiled parts load on first use, so `python -m dgr.vendor` works before any build.
@@ -13,6 +13,7 @@ _LAZY = {
     "devices": ("dgr.core", "devices"),
     "Route": ("dgr.driver.route", "Route"),
     "RouteSession": ("dgr.driver.route", "RouteSession"),
+    "RouteConfig": ("dgr.driver.config", "RouteConfig"),
     "AsyncRoute": ("dgr.driver.route", "AsyncRoute"),
     "AsyncRouteSession": ("dgr.driver.route", "AsyncRouteSession"),
 }

@@ -9,7 +9,7 @@ import time
 
 from dgr.cli.interrupts import install_interrupts
 from dgr.cli.console import say
-from dgr.cli.speculate import add_speculate_arguments, speculate_of
+from dgr.cli.speculate import add_speculate_arguments
 from dgr.protocol import settings as engine_settings
 
 __all__ = ["main"]
@@ -186,7 +186,7 @@ def _cmd_run(args) -> int:
     from dgr import errors
     from dgr.artifacts import models
     from dgr.core.engine import Engine
-    from dgr.driver.route import Route
+    from dgr.driver.route import Route, RouteConfig
     from dgr.protocol.ranges import ranges_for
     from dgr.worker.process import LocalCluster
 
@@ -218,8 +218,7 @@ def _cmd_run(args) -> int:
 
         say(f"starting {len(ranges)} worker process(es) on loopback ...")
         endpoints = cluster.start(timeout=args.start_timeout, progress=progress)
-        route = Route(endpoints, tokenizer=whole, codec=args.codec, relay=_relay(args),
-                      **speculate_of(args))
+        route = Route(endpoints, tokenizer=whole, config=RouteConfig.from_args(args))
         prompt = whole.tokenize(_chat(args, args.prompt), True, True)
         say(f"route {','.join(endpoints)}")
         say(f"prompt: {args.prompt!r} ({len(prompt)} tokens)\n")
@@ -248,20 +247,14 @@ def _generate(route, args, prompt, detokenize, whole) -> int:
     return rc
 
 
-def _relay(args):
-    return {"auto": None, "on": True, "off": False}[args.relay]
-
-
 def _cmd_generate(args) -> int:
     from dgr import errors
-    from dgr.driver.route import Route
+    from dgr.driver.route import Route, RouteConfig
 
     install_interrupts()
     route = None
     try:
-        route = Route(args.route, codec=args.codec, timeout=args.timeout,
-                      relay=_relay(args), mixed_devices=args.mixed_devices,
-                      **speculate_of(args))
+        route = Route(args.route, config=RouteConfig.from_args(args))
         say("route: " + " -> ".join(f"{s.endpoint} [{s.layers[0]},{s.layers[1]})"
                                      for s in route.stages))
         whole = None
@@ -340,7 +333,8 @@ def _cmd_devices(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """``python -m dgr``'s parser, every subcommand's."""
     ap = argparse.ArgumentParser(
         prog="python -m dgr",
         description="dgr: a distributed GGUF runtime. One model is split into contiguous layer "
@@ -398,6 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_parser(sub)
     for name, _, what in _TOOLS:  # listed in --help; run below with their own parsers
         sub.add_parser(name, help=what, add_help=False)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     tools = {name: module for name, module, _ in _TOOLS}
     if argv and argv[0] in tools:

@@ -16,7 +16,7 @@ import sys
 import time
 
 from dgr.cli.console import say
-from dgr.cli.speculate import add_speculate_arguments, speculate_of
+from dgr.cli.speculate import add_speculate_arguments
 from dgr.protocol import settings as engine_settings
 from dgr.transport.security import is_loopback
 
@@ -113,8 +113,9 @@ def _cmd_serve(args) -> int:
 
     from dgr import errors
     from dgr.artifacts import models
-    from dgr.driver.route import AsyncRoute
+    from dgr.driver.route import AsyncRoute, RouteConfig
     from dgr.serve.app import create_app
+    from dgr.serve.settings import ServeSettings
     from dgr.serve.auth import load_keys
 
     try:
@@ -122,12 +123,10 @@ def _cmd_serve(args) -> int:
     except (OSError, ValueError) as e:
         print(f"error: API keys: {e}", file=sys.stderr)
         return 2
-    if args.prompt_cache < 0 or not args.prompt_cache_ttl > 0:
-        print("error: --prompt-cache must be >= 0 and --prompt-cache-ttl > 0", file=sys.stderr)
-        return 2
-    if args.max_requests_per_key is not None and args.max_requests_per_key < 0:
-        print(f"error: --max-requests-per-key must be >= 0, got {args.max_requests_per_key}",
-              file=sys.stderr)
+    try:  # every setting checked before a worker starts
+        settings = ServeSettings.from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="[dgr.serve] %(levelname)s %(message)s")
@@ -174,16 +173,11 @@ def _cmd_serve(args) -> int:
                      "answers 400; /v1/completions works")
         name = args.model_name or (os.path.basename(model).removesuffix(".gguf") if model
                                    else "dgr")
-        relay = {"auto": None, "on": True, "off": False}[args.relay]
-        app = create_app(AsyncRoute(endpoints, relay=relay, **speculate_of(args)), model=name,
+        app = create_app(AsyncRoute(endpoints, config=RouteConfig.from_args(args)), model=name,
                          template=template if template is not None and template.available
                          else None,
-                         queue_timeout=args.queue_timeout, api_keys=api_keys,
-                         max_per_key=args.max_requests_per_key,
-                         prompt_cache=args.prompt_cache,
-                         prompt_cache_ttl=args.prompt_cache_ttl,
-                         prefix_store=args.prefix_store,
-                         pooling=args.pooling or (model and gguf_pooling(model)) or "last")
+                         api_keys=api_keys, settings=settings if args.pooling else
+                         settings.with_(pooling=(model and gguf_pooling(model)) or "last"))
         cap = args.max_requests_per_key
         cap_text = ("half the route's slots" if cap is None else "no cap" if cap == 0
                     else str(cap))

@@ -1,9 +1,9 @@
 """The command line's speculative-decoding options (docs/speculative.md), shared by
-``run``, ``generate`` and ``serve``."""
+``run``, ``generate`` and ``serve`` (``RouteConfig.from_args`` reads them)."""
 
 from __future__ import annotations
 
-__all__ = ["add_speculate_arguments", "speculate_of"]
+__all__ = ["add_speculate_arguments"]
 
 
 def add_speculate_arguments(p) -> None:
@@ -18,9 +18,3 @@ def add_speculate_arguments(p) -> None:
     p.add_argument("--max-draft", type=int, default=8, metavar="K",
                    help="at most K drafts per trip (default 8; the last stage adapts the "
                         "number to what is accepted, down to none)")
-
-
-def speculate_of(args) -> dict:
-    """The ``AsyncRoute`` keywords of ``--speculate`` / ``--max-draft``."""
-    return {"speculate": "" if args.speculate == "off" else args.speculate,
-            "max_draft": args.max_draft}

@@ -11,9 +11,10 @@ from dgr.driver.route import (
                               AsyncRouteSession,
                               Generation,
                               Route,
+                              RouteConfig,
                               RouteSession,
                               StageStats,
 )
 
-__all__ = ["Route", "RouteSession", "AsyncRoute", "AsyncRouteSession", "Generation",
-           "StageStats", "RouteProvider", "StaticPool"]
+__all__ = ["Route", "RouteSession", "RouteConfig", "AsyncRoute", "AsyncRouteSession",
+           "Generation", "StageStats", "RouteProvider", "StaticPool"]

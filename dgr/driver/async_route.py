@@ -22,6 +22,7 @@ import numpy as np
 
 from dgr import errors
 from dgr.driver.checks import check_route
+from dgr.driver.config import RouteConfig
 from dgr.driver.deadlines import Deadlines
 from dgr.driver.links import RelayLinks
 from dgr.driver.provider import RouteProvider, StaticPool, parse_endpoints
@@ -31,7 +32,7 @@ from dgr.driver.session import AsyncRouteSession
 from dgr.driver.tokenizers import LocalTokenizer, RemoteTokenizer
 from dgr.protocol import prefix, wire
 from dgr.protocol.describe import StageInfo
-from dgr.transport.client import DEFAULT_STEP_TIMEOUT, DEFAULT_TIMEOUT, ShardClient
+from dgr.transport.client import ShardClient
 from dgr.transport.common import MAX_PIECES
 from dgr.transport.dataplane import AsyncLink
 from dgr.transport.security import Security, default_security
@@ -48,145 +49,70 @@ class AsyncRoute:
     ----------
     endpoints : str or sequence of str
         ``host:port`` of each stage, in any order (they are ordered by layer range).
-    timeout : float
-        Deadline of control calls (describe, release, tokenize), seconds.
-    step_timeout : float
-        Deadline of one step on one stage, seconds.
-    connect_timeout : float
-        How long recovery waits for a stage to come back (a restarted worker loads its range
-        first), seconds.
-    codec : str
-        Boundary codec on the wire (``"raw"``: bit-exact, the default; ``"f16"``, ``"bf16"``,
-        ``"q8"`` are lossy, opt-in). ``compress`` adds zstd.
+    config : dgr.driver.config.RouteConfig, optional
+        The route's settings (timeouts, codec, relay, the decode loop, batching, speculative
+        decoding, recovery), each documented there; ``**settings`` changes some of them
+        (``AsyncRoute(endpoints, relay=False)``), and an unknown one is ``InvalidArgument``.
+        The settings are the attributes of the same names.
     tokenizer : object, optional
         Anything with ``tokenize(text, add_special, parse_special)`` and
         ``detokenize(tokens)`` (e.g. a local ``dgr.Engine`` of the same model). Default: the
         first worker's tokenizer, over its control RPCs.
-    max_retries : int
-        Recoveries (re-prefill under a new epoch) attempted for one step.
     provider : dgr.driver.RouteProvider, optional
         Where replacements for a failed stage come from (and where failures are reported).
-        Default: a ``StaticPool`` of ``endpoints`` plus ``spares``. Without ``endpoints`` the
-        first route comes from ``provider.route()``.
-    spares : sequence of str
-        More workers for the default pool (same ranges as the route's stages).
-    deadline_floor, deadline_factor : float
-        A step's deadline on a stage is ``max(deadline_floor, deadline_factor * p99)`` of
-        that stage's recent step times (per token for multi-token steps), at most
-        ``step_timeout``; ``step_timeout`` until 8 steps were measured.
-    probe_timeout : float
-        Deadline of the connect and describe that vet a replacement worker, seconds.
-    backoff : float
-        First pause between recovery attempts (doubles each time, at most 2 s), seconds.
-    relay : bool, optional
-        Direct relay over the workers' fast data plane (docs/dataplane.md): the driver sends
-        each step to the first stage, every stage forwards its boundary straight to the next
-        and the last stage answers the driver; a prompt's chunks are all sent at once, so the
-        stages work on consecutive chunks at the same time (pipelined prefill). Same tokens
-        and logits as ``relay=False``, which relays every boundary through the driver over
-        gRPC. Recovery always replays over gRPC (it finds which stage failed). Needs every
-        worker to serve a data port and the raw codec. Default (None): relay when the codec is
-        raw and every stage's data port answers at ``connect``, else the gRPC path.
-    loop : bool
-        With relay, ``generate`` hands decoding to the stages: the last stage feeds each token
-        it samples straight back to the first stage (``Forward.steps``), so no driver round
-        trip sits between two tokens; the driver streams the tokens as they arrive. It stops
-        at ``max_tokens`` and at end-of-generation tokens. False: one driver round trip per
-        token.
-    loop_window : int
-        The decode loop runs this many tokens at a time; the next window starts when the
-        reader asks for its first token. So the stages run at most this far ahead of a
-        consumer that is slow or stops early (a stop string, a closed stream), and one
-        driver hop per window is added (32 by default).
-    batching : bool
-        Whether the stages may compute this route's steps in one forward with other
-        sessions' steps (``dgr.worker.scheduler``; docs/batching.md). True by default.
-        False marks every step ``Forward.solo``. A step that returns logits (the parity
-        mode, ``logits=True``) is always solo.
+        Default: a ``StaticPool`` of ``endpoints`` plus the config's ``spares``. Without
+        ``endpoints`` the first route comes from ``provider.route()``.
     security : dgr.transport.security.Security, optional
         The cluster credential presented to the workers and TLS, on both planes
         (docs/security.md). None: ``default_security()``, read from ``DGR_CLUSTER_KEY_FILE``,
         ``DGR_TLS_CA``, ``DGR_TLS_CERT`` and ``DGR_TLS_KEY`` (unset: none, plaintext).
-    speculate : str
-        Speculative decoding in the decode loop (docs/speculative.md): the last stage drafts
-        the next tokens and the ring verifies them in one step, so a trip can make several
-        tokens. ``"ngram"``: drafts from the session's own tokens (prompt lookup; the last
-        stage gets the token ids); ``"mtp"``: from the model's multi-token-prediction block,
-        which the last stage's worker loads (``--mtp``). ``""`` (default): off. The tokens
-        are the ones plain decoding makes from the same rows; the parity mode
-        (``logits=True``) never speculates.
-    max_draft : int
-        At most this many drafts per trip (the last stage adapts the number to what it
-        measures is accepted and what a longer step costs, down to none).
     """
 
-
     def __init__(self, endpoints: str | Sequence[str] | None = None, *,
-                 timeout: float = DEFAULT_TIMEOUT,
-                 step_timeout: float = DEFAULT_STEP_TIMEOUT, connect_timeout: float = 30.0,
-                 codec: str = "raw", compress: bool = False, tokenizer: Any = None,
-                 max_retries: int = 3, provider: RouteProvider | None = None,
-                 spares: Sequence[str] = (), deadline_floor: float = 2.0,
-                 deadline_factor: float = 10.0, probe_timeout: float = 1.0,
-                 backoff: float = 0.05, relay: bool | None = None, loop: bool = True,
-                 loop_window: int = 32, batching: bool = True,
-                 security: Security | None = None, speculate: str = "", max_draft: int = 8,
-                 mixed_devices: bool = False):
-        if codec not in wire.CODECS:
-            raise errors.UnknownCodec(f"unknown codec {codec!r} (known: {', '.join(wire.CODECS)})")
-        self._relay_arg = relay
-        if relay is None:  # auto: direct relay where it applies (checked again at connect)
-            relay = codec == "raw" and not compress
-        elif relay and (codec != "raw" or compress):
-            raise errors.InvalidArgument(
-                f"relay=True carries raw f32 boundaries stage to stage; codec={codec!r}, "
-                f"compress={compress} need relay=False")
+                 config: RouteConfig | None = None, tokenizer: Any = None,
+                 provider: RouteProvider | None = None, security: Security | None = None,
+                 **settings: Any):
+        c = self.config = (config or RouteConfig()).with_(**settings)
         if endpoints is None and provider is None:
             raise errors.RouteError("a route needs endpoints or a provider")
         self.endpoints = parse_endpoints(endpoints) if endpoints is not None else []
         self.provider = provider if provider is not None else StaticPool(
-            self.endpoints + parse_endpoints(list(spares)) if spares else self.endpoints)
-        self.timeout = timeout
-        self.connect_timeout = connect_timeout
-        self.codec = codec
-        self.compress = compress
-        self.max_retries = max_retries
-        self.probe_timeout = probe_timeout
-        self.backoff = backoff
+            self.endpoints + parse_endpoints(list(c.spares)) if c.spares else self.endpoints)
+        self.timeout = c.timeout
+        self.connect_timeout = c.connect_timeout
+        self.codec = c.codec
+        self.compress = c.compress
+        self.max_retries = c.max_retries
+        self.probe_timeout = c.probe_timeout
+        self.backoff = c.backoff
         self._tokenizer_arg = tokenizer
         self._pieces: list[bytes] | None = None  # the vocabulary's pieces (pieces())
         self.clients: list[ShardClient] = []
         self.stages: list[StageInfo] = []
         self.tokenizer: Any = None
         #: step deadlines sized from each stage's recent step times
-        self.deadlines = Deadlines(step_timeout, deadline_floor, deadline_factor)
+        self.deadlines = Deadlines(c.step_timeout, c.deadline_floor, c.deadline_factor)
         #: the recovery policy: stage replacement, epoch bump and re-prefill
         self.recovery = Recovery(self)
-        # direct relay: data links, replies awaited by (session, epoch, first_pos)
-        self.relay = bool(relay)
+        # direct relay (where it applies: checked again at connect): data links, replies
+        # awaited by (session, epoch, first_pos)
+        self._relay_arg = c.relay
+        self.relay = c.relay_wanted
         self.route_id = uuid.uuid4().hex
         self.security = security if security is not None else default_security()
-        self.relay_links = RelayLinks(self.route_id, lambda: self.stages, probe_timeout,
+        self.relay_links = RelayLinks(self.route_id, lambda: self.stages, c.probe_timeout,
                                       self.security)
-        self.loop = bool(loop)
-        if loop_window < 1:
-            raise errors.InvalidArgument(f"loop_window must be >= 1, got {loop_window}")
-        self.loop_window = int(loop_window)
+        self.loop = bool(c.loop)
+        self.loop_window = int(c.loop_window)
         self.relay_steps = 0
         #: whether the stages may compute this route's steps in one forward with other
         #: sessions' (False: every step is ``Forward.solo``; the parity mode's steps always
         #: are: ``dgr.driver.headers.solo_of``)
-        self.batching = bool(batching)
-        if speculate not in wire.DRAFTERS:
-            raise errors.InvalidArgument(
-                f"unknown speculate={speculate!r} (known: ngram, mtp; '' for none)")
-        if not 1 <= max_draft <= wire.MAX_DRAFT:
-            raise errors.InvalidArgument(
-                f"max_draft must be in [1, {wire.MAX_DRAFT}], got {max_draft}")
+        self.batching = bool(c.batching)
         #: the decode loop's drafter on the last stage ("": none) and its most drafts a trip
-        self.speculate, self.max_draft = speculate, int(max_draft)
+        self.speculate, self.max_draft = c.speculate, int(c.max_draft)
         #: whether stages may compute on different kinds of device (``check_route``)
-        self.mixed_devices = bool(mixed_devices)
+        self.mixed_devices = bool(c.mixed_devices)
 
     # -- setup ---------------------------------------------------------------------------
 

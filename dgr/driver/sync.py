@@ -73,7 +73,7 @@ class Route:
     """A route over running workers (blocking API; ``AsyncRoute`` is the asyncio one).
 
     ``Route(endpoints)`` connects: it describes every stage and checks the route. Parameters
-    are those of ``AsyncRoute``. Use it as a context manager, or ``close()`` it.
+    are those of ``AsyncRoute`` (the settings: a ``RouteConfig``, or its fields). Use it as a context manager, or ``close()`` it.
 
     Examples
     --------

@@ -37,6 +37,7 @@ import logging
 import pathlib
 import time
 import uuid
+from typing import Any
 
 import anyio
 from starlette.applications import Starlette
@@ -48,7 +49,7 @@ from starlette.routing import Route as HttpRoute
 from starlette.staticfiles import StaticFiles
 
 from dgr import errors
-from dgr.protocol.embeddings import POOLING, pool
+from dgr.protocol.embeddings import pool
 from dgr.serve import anthropic
 from dgr.serve import metrics as serve_metrics
 from dgr.serve import embeddings as embedding_fields
@@ -61,6 +62,7 @@ from dgr.serve.chat import NativeChat, Rendered, Reply, ToolAsk, tool_ask
 from dgr.serve.generation import Generation, Stream, close_all, deltas, sse, usage_of
 from dgr.serve.params import MAX_STOP_CHARS, Params
 from dgr.serve.prefix import PrefixPool
+from dgr.serve.settings import ServeSettings
 
 __all__ = ["create_app", "ApiError", "MAX_BODY", "MAX_STOP_CHARS", "per_key_default"]
 
@@ -74,44 +76,25 @@ MAX_BODY = 8 << 20
 STATIC = pathlib.Path(__file__).with_name("static")
 
 
-def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
-               metrics_registry=None, api_keys=None,
-               max_per_key: int | None = None, prompt_cache: int = 0,
-               prompt_cache_ttl: float = 30.0, pooling: str = "last",
-               normalize: bool = True, prefix_store: bool = True) -> Starlette:
+def create_app(route, *, model: str, template=None, settings: ServeSettings | None = None,
+               metrics_registry=None, api_keys=None, **kw: Any) -> Starlette:
     """The ASGI app serving ``route`` (an ``AsyncRoute``) as the model named ``model``.
+
+    ``settings``: the front's settings (``dgr.serve.settings.ServeSettings``: the slot queue's
+    timeout, the per-key cap, the prompt cache, the prefix stores, the embeddings' pooling),
+    each documented there; ``**kw`` changes some of them (``create_app(route, model=...,
+    prompt_cache=2)``), and an unknown one is a ``TypeError``.
 
     ``api_keys``: keys a request must present as ``Authorization: Bearer`` (strings or
     ``dgr.serve.auth.ApiKey``; None or empty: no key needed).
 
-    ``max_per_key``: the requests (chat, completions, messages, responses, embeddings)
-    one API key may have in flight, from arrival until the response or stream ends, however
-    it ends; one more gets a 429 at once. None: ``per_key_default`` of the route's slots; 0:
-    no cap. Without ``api_keys`` there is no key to count, and no cap.
-
     ``template``: a ``dgr.serve.templates.ChatTemplate`` for the chat endpoint (None: chat
     requests get a 400 saying the model has no chat template; completions still work). The
     route is connected at startup if it is not yet, and closed at shutdown.
-
-    ``prompt_cache``: how many ended sessions the front keeps, caches and all, for later
-    requests of the same API key whose prompts begin the same way (``dgr.serve.prefix``;
-    0: none); each holds a slot until a request needs it or it is ``prompt_cache_ttl``
-    seconds idle.
-
-    ``prefix_store``: whether the sessions the front closes after a request that ended well
-    keep their whole chunks' caches in the stages' prefix stores (where every stage has one),
-    and new sessions adopt them (``dgr.serve.prefix``): a reuse that outlives this front's
-    sessions and the front itself.
-
-    ``pooling``: how ``/v1/embeddings`` pools a prompt's rows (``mean``, ``last``, ``cls``:
-    ``dgr.protocol.embeddings``); ``normalize``: scale each vector to unit length.
     """
-    if pooling not in POOLING:
-        raise ValueError(f"unknown pooling {pooling!r} (known: {', '.join(POOLING)})")
-    f = _Front(route, model=model, template=template, queue_timeout=queue_timeout,
-               metrics_registry=metrics_registry, api_keys=api_keys, max_per_key=max_per_key,
-               pool=PrefixPool(prompt_cache, prompt_cache_ttl, prefix_store), pooling=pooling,
-               normalize=normalize)
+    f = _Front(route, model=model, template=template,
+               settings=(settings or ServeSettings()).with_(**kw),
+               metrics_registry=metrics_registry, api_keys=api_keys)
     return Starlette(
         routes=[HttpRoute("/", f.page, methods=["GET"]),
                 HttpRoute("/status", f.status, methods=["GET"]),
@@ -134,17 +117,18 @@ def create_app(route, *, model: str, template=None, queue_timeout: float = 2.0,
 class _Front:
     """The app's parts and its endpoints (``create_app``'s arguments)."""
 
-    def __init__(self, route, *, model: str, template, queue_timeout: float, metrics_registry,
-                 api_keys, max_per_key: int | None, pool: PrefixPool, pooling: str = "last",
-                 normalize: bool = True):
+    def __init__(self, route, *, model: str, template, settings: ServeSettings,
+                 metrics_registry, api_keys):
         self.route, self.model, self.template, self.api_keys = route, model, template, api_keys
+        self.settings = settings
         self.m = serve_metrics.ServeMetrics(metrics_registry)
         #: the prompt cache: ended sessions kept for their prefixes
-        self.pool = pool
+        self.pool = PrefixPool(settings.prompt_cache, settings.prompt_cache_ttl,
+                               settings.prefix_store)
         #: how /v1/embeddings pools a prompt's rows, and whether it scales them to unit length
-        self.pooling, self.normalize = pooling, bool(normalize)
-        self.m.watch_prefix(pool)
-        self.admission = Admission(queue_timeout, max_per_key, self.m)
+        self.pooling, self.normalize = settings.pooling, bool(settings.normalize)
+        self.m.watch_prefix(self.pool)
+        self.admission = Admission(settings.queue_timeout, settings.max_per_key, self.m)
         self.traffic = serve_status.Traffic()
         self.watch = serve_status.StageWatch(route)
         self.history = serve_status.History()

@@ -14,6 +14,7 @@ from dgr import errors
 from dgr.protocol import settings as engine_settings
 from dgr.protocol.settings import settings_tag
 from dgr.transport.server import ShardServer
+from dgr.worker.config import WorkerConfig
 from dgr.worker.stage import Worker
 
 __all__ = ["main", "build_parser"]
@@ -91,13 +92,7 @@ async def _serve(args) -> int:
 
     relay_allow = _relay_allow(args.relay_allow)
     RelayPolicy(relay_allow)  # a bad entry fails here, before the model loads
-    if args.busy_poll_us < 0:
-        raise errors.InvalidArgument(f"--busy-poll-us must be >= 0, got {args.busy_poll_us}")
-    if args.prefix_entries is not None and args.prefix_entries < 0:
-        raise errors.InvalidArgument(f"--prefix-entries must be >= 0, got {args.prefix_entries}")
-    if args.busy_poll_us and args.frames != "native":
-        raise errors.InvalidArgument("--busy-poll-us needs the native frame I/O (--frames "
-                                     "native): the Python path cannot poll without the GIL")
+    config = WorkerConfig.from_args(args)  # every setting checked before the model loads
     security = security_of(args)  # and so does a bad credential or certificate
     model = args.model
     if model is None:
@@ -109,8 +104,7 @@ async def _serve(args) -> int:
     engine = await asyncio.get_running_loop().run_in_executor(None, lambda: Engine(
         model, layers=_parse_layers(args.layers), mtp=args.mtp,
         **engine_settings.from_args(args)))
-    worker = Worker(engine, relay_allow=relay_allow, security=security,
-                    **worker_options(args))
+    worker = Worker(engine, config=config, relay_allow=relay_allow, security=security)
     if args.trace:
         worker.trace = open(args.trace, "a", buffering=1 << 16)
     worker.advertise_data_port = args.advertise_data_port
@@ -178,29 +172,6 @@ async def _watch_parent(pid: int, on_signal) -> None:
     while os.getppid() == pid:
         await asyncio.sleep(0.5)
     on_signal("parent exit")
-
-
-#: ``Worker``'s keyword arguments from the parsed flags, one line each; the flags' defaults
-#: give ``Worker``'s own (tests/unit/test_worker_options.py checks every one)
-WORKER_OPTIONS = {
-    "ttl": lambda a: a.ttl,
-    "evict_after": lambda a: a.evict_after,
-    "inline": lambda a: a.inline_compute,
-    "inline_below_ms": lambda a: a.inline_below_ms,
-    "cert_store": lambda a: a.cert_store,
-    "batching": lambda a: a.batching,
-    "native_frames": lambda a: a.frames == "native",
-    "ring_groups": lambda a: a.ring_groups,
-    "max_sessions_per_credential": lambda a: a.max_sessions_per_credential or None,
-    "max_queued_per_credential": lambda a: a.max_queued_per_credential or None,
-    "busy_poll_s": lambda a: a.busy_poll_us * 1e-6,
-    "prefix_entries": lambda a: a.prefix_entries,
-}
-
-
-def worker_options(args: argparse.Namespace) -> dict:
-    """``Worker``'s keyword arguments the command line sets (``WORKER_OPTIONS``)."""
-    return {name: get(args) for name, get in WORKER_OPTIONS.items()}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,9 +21,9 @@ from dgr.control.prefix import rows_exact_cached as prefix_rows_exact
 from dgr.control.prefix import single_rows_exact_cached as prefix_single_rows_exact
 from dgr.protocol import wire
 from dgr.protocol.settings import NUMERIC_SETTINGS
-from dgr.transport.common import MAX_MESSAGE
 from dgr.transport.security import CALLER, Security
 from dgr.transport.server import ShardServer
+from dgr.worker.config import WorkerConfig
 from dgr.worker.frames import Frames
 from dgr.worker.pipeline import StagePipeline, Step
 from dgr.worker.scheduler import StageLoop
@@ -41,60 +41,52 @@ class Worker(StagePipeline):
     ----------
     engine : dgr.Engine
         The loaded range (its ``lock`` is held around every compute).
-    ttl, evict_after : float
-        Session idle expiry and minimum idle time before LRU eviction (seconds).
-    inline : bool
-        Compute a gRPC step on the event loop thread when the stage loop is idle, instead of
-        on the stage loop's thread (saves a thread handoff per step; health and describe
-        then wait for the running step).
-    inline_below_ms : float
-        The same for a single-token step only, when recent single-token steps took less
-        than this (ms). 0 (default): never. Bounds how long the loop can be blocked while
-        saving the handoff where a step is short (decode of a small range).
-    batching : bool
-        Run the ready steps of several sessions as one forward (``dgr.worker.scheduler``);
-        False: one step per forward.
+    config : dgr.worker.config.WorkerConfig, optional
+        The worker's settings (sessions' expiry, inline compute, batching, frame I/O, tenant
+        caps, the prefix store, the certification store), each documented there;
+        ``**settings`` changes some of them (``Worker(engine, ttl=60)``), and an unknown one
+        is ``InvalidArgument``.
     name : str
         Label for log lines (the listen address once known).
+    security : dgr.transport.security.Security, optional
+        The credentials accepted and presented, and TLS (both planes; None: none).
+    relay_allow : sequence of str, optional
+        Whom relayed frames may make this worker connect to (``RelayPolicy``; None: loopback
+        only).
     """
 
-    def __init__(self, engine, *, ttl: float = 600.0, evict_after: float = 5.0,
-                 inline: bool = False, name: str = "", max_message: int = MAX_MESSAGE,
-                 cert_store: str | None = None, inline_below_ms: float = 0.0,
-                 batching: bool = True, native_frames: bool = True,
-                 ring_groups: bool = True, relay_allow=None, security: Security | None = None,
-                 max_sessions_per_credential: int | None = None,
-                 max_queued_per_credential: int | None = None, busy_poll_s: float = 0.0,
-                 prefix_entries: int | None = None):
-        super().__init__(engine, ttl=ttl, evict_after=evict_after, max_message=max_message)
+    def __init__(self, engine, *, config: WorkerConfig | None = None, name: str = "",
+                 security: Security | None = None, relay_allow=None, **settings):
+        c = self.config = (config or WorkerConfig()).with_(**settings)
+        super().__init__(engine, ttl=c.ttl, evict_after=c.evict_after,
+                         max_message=c.max_message)
         #: the prefix store's size (``SessionTable.keep``): every slot by default; none on an
         #: engine whose slots cannot be copied and cut back at any position (MTP, DeepSeek V4)
         can_keep = not getattr(engine, "mtp", False) and int(
             self.info.get("rollback_window", -1)) < 0
-        if prefix_entries is not None and prefix_entries < 0:
-            raise errors.InvalidArgument(f"prefix_entries must be >= 0, got {prefix_entries}")
         self.table.prefix_entries = (0 if not can_keep else engine.n_slots
-                                     if prefix_entries is None else prefix_entries)
+                                     if c.prefix_entries is None else c.prefix_entries)
         #: the credentials accepted and presented, and TLS (dgr.transport.security; both
         #: planes use it): none by default
         self.security = security if security is not None else Security()
-        self.table.max_sessions_per_owner = max_sessions_per_credential
-        self.max_queued_per_credential = max_queued_per_credential
+        self.table.max_sessions_per_owner = c.max_sessions_per_credential
+        self.max_queued_per_credential = c.max_queued_per_credential
         #: whom relayed frames may make this worker connect to (default: loopback only)
         self.relay_policy = RelayPolicy(relay_allow)
         #: the data plane's frame codec and I/O (dgr.worker.frames): C++ unless
         #: ``native_frames`` is False or the build lacks it
-        self.frames = Frames(native_frames, self.max_payload)
-        self.inline = inline
-        self.inline_below_ms = float(inline_below_ms)
+        self.frames = Frames(c.native_frames, self.max_payload)
+        self.inline = c.inline
+        self.inline_below_ms = float(c.inline_below_ms)
         #: how long a data connection polls for its next frame before sleeping (native
         #: frame I/O only; 0: sleep at once)
-        self.busy_poll_s = float(busy_poll_s)
+        self.busy_poll_s = float(c.busy_poll_s)
         if self.busy_poll_s and not self.frames.native:
-            raise errors.InvalidArgument("busy polling needs the native frame I/O")
+            raise errors.InvalidArgument("busy polling needs the native frame I/O, which this "
+                                         "build lacks")
         self.inline_steps = 0
         self.name = name
-        self.cert_store = cert_store  # certified lanes advertised in the capability record
+        self.cert_store = c.cert_store  # certified lanes advertised in the capability record
         self.eog_tokens = [t for t in range(engine.n_vocab) if engine.is_eog(t)]
         #: whether a partial prefill chunk's rows are any partial chunk's rows here, measured
         #: before the stage serves (``Describe.prefix_rows_exact``: routes reuse kept prompt
@@ -105,8 +97,8 @@ class Worker(StagePipeline):
         self.prefix_single_rows_exact = prefix_single_rows_exact(engine)
         #: the stage's scheduler: every step of both planes computes through it
         self.stage_loop = StageLoop(self, max_tokens=int(self.settings["n_ubatch"]),
-                              batching=batching, burst=self._burst,
-                              ring_groups=ring_groups, profile=self.profile,
+                              batching=c.batching, burst=self._burst,
+                              ring_groups=c.ring_groups, profile=self.profile,
                               slot_of=self._slot_of)
         # fast data plane (dgr.transport.dataplane): set by serve_data()
         self.data_server = None

@@ -216,8 +216,9 @@ def test_a_bad_relay_allowlist_stops_the_worker_before_it_loads_a_model(tmp_path
 
 
 @pytest.mark.parametrize("args,words", [
-    (["--busy-poll-us", "500", "--frames", "python"], "--busy-poll-us needs the native frame"),
-    (["--busy-poll-us", "-1"], "--busy-poll-us must be >= 0"),
+    (["--busy-poll-us", "500", "--frames", "python"], "(--busy-poll-us) needs the native frame"),
+    (["--busy-poll-us", "-1"], "busy_poll_s (--busy-poll-us) must be >= 0"),
+    (["--prefix-entries", "-1"], "prefix_entries (--prefix-entries) must be >= 0"),
 ])
 def test_busy_polling_the_worker_cannot_honour_is_refused_before_it_loads(tmp_path, capsys,
                                                                           args, words):

@@ -489,10 +489,13 @@ def test_serve_prompt_cache_flags(serve_cmd, monkeypatch):
     made = []
     real = app_mod.create_app
     monkeypatch.setattr(app_mod, "create_app", lambda *a, **kw: made.append(kw) or real(*a, **kw))
-    rc, ran = serve_cmd("--prompt-cache", "3", "--prompt-cache-ttl", "7.5")
-    assert rc == 0 and (made[-1]["prompt_cache"], made[-1]["prompt_cache_ttl"]) == (3, 7.5)
+    rc, ran = serve_cmd("--prompt-cache", "3", "--prompt-cache-ttl", "7.5", "--no-prefix-store")
+    got = made[-1]["settings"]
+    assert rc == 0 and (got.prompt_cache, got.prompt_cache_ttl) == (3, 7.5)
+    assert not got.prefix_store
     rc, _ = serve_cmd()
-    assert rc == 0 and made[-1]["prompt_cache"] == 2  # the default
+    got = made[-1]["settings"]
+    assert rc == 0 and got.prompt_cache == 2 and got.prefix_store  # the defaults
     for bad in (("--prompt-cache", "-1"), ("--prompt-cache-ttl", "0")):
         rc, _ = serve_cmd(*bad)
         assert rc == 2, bad

@@ -1,0 +1,95 @@
+"""How a front serves: ``ServeSettings``, one typed table of every setting of ``create_app``.
+
+``create_app`` takes it (``settings=``) or its fields as keywords; ``python -m dgr serve``
+builds it from its flags (``ServeSettings.from_args``, ``SERVE_FLAGS``). The objects a front
+is given (its route, chat template, API keys, metrics registry) are arguments of their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from dgr.protocol.embeddings import POOLING
+
+__all__ = ["ServeSettings", "SERVE_FLAGS"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeSettings:
+    """A front's settings, checked when made (``ValueError`` naming the setting).
+
+    Attributes
+    ----------
+    queue_timeout : float
+        Seconds a request waits for a free slot before a 429.
+    max_per_key : int or None
+        The requests (chat, completions, messages, responses, embeddings) one API key may
+        have in flight, from arrival until the response or stream ends, however it ends; one
+        more gets a 429 at once. None: ``per_key_default`` of the route's slots; 0: no cap.
+        Without API keys there is no key to count, and no cap.
+    prompt_cache : int
+        How many ended sessions the front keeps, caches and all, for later requests of the
+        same API key whose prompts begin the same way (``dgr.serve.prefix``; 0: none); each
+        holds a slot until a request needs it or it is ``prompt_cache_ttl`` seconds idle.
+    prompt_cache_ttl : float
+        Seconds a kept session may stay idle.
+    prefix_store : bool
+        Whether the sessions the front closes after a request that ended well keep their
+        whole chunks' caches in the stages' prefix stores (where every stage has one), and
+        new sessions adopt them (``dgr.serve.prefix``): a reuse that outlives this front's
+        sessions and the front itself.
+    pooling : str
+        How ``/v1/embeddings`` pools a prompt's rows (``mean``, ``last``, ``cls``:
+        ``dgr.protocol.embeddings``).
+    normalize : bool
+        Whether ``/v1/embeddings`` scales each vector to unit length.
+    """
+
+    queue_timeout: float = 2.0
+    max_per_key: int | None = None
+    prompt_cache: int = 0
+    prompt_cache_ttl: float = 30.0
+    prefix_store: bool = True
+    pooling: str = "last"
+    normalize: bool = True
+
+    def __post_init__(self):
+        if self.pooling not in POOLING:
+            raise ValueError(f"unknown pooling {self.pooling!r} (known: {', '.join(POOLING)})")
+        if self.prompt_cache < 0 or not self.prompt_cache_ttl > 0:
+            raise ValueError(f"the prompt cache's size must be >= 0 and its ttl > 0, got "
+                             f"{self.prompt_cache} and {self.prompt_cache_ttl}")
+        if self.max_per_key is not None and self.max_per_key < 0:
+            raise ValueError(f"max_per_key must be >= 0, got {self.max_per_key}")
+        if not self.queue_timeout >= 0:
+            raise ValueError(f"queue_timeout must be >= 0, got {self.queue_timeout}")
+
+    def with_(self, **settings: Any) -> ServeSettings:
+        """A copy with ``settings`` changed (checked again); an unknown name is a
+        ``TypeError`` naming it."""
+        unknown = set(settings) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise TypeError(f"unknown front setting(s) {', '.join(sorted(unknown))} (known: "
+                            f"{', '.join(f.name for f in dataclasses.fields(self))})")
+        return dataclasses.replace(self, **settings)
+
+    @classmethod
+    def from_args(cls, args, **settings: Any) -> ServeSettings:
+        """The settings ``python -m dgr serve``'s flags give (``SERVE_FLAGS``), then
+        ``settings``."""
+        return cls().with_(**{name: get(args) for name, get in SERVE_FLAGS.items()},
+                           **settings)
+
+
+#: each setting ``python -m dgr serve`` sets, from its parsed flags (the pooling's default,
+#: the GGUF's own, is the command's to find: it passes ``pooling`` itself when unset)
+SERVE_FLAGS = {
+    "queue_timeout": lambda a: a.queue_timeout,
+    "max_per_key": lambda a: a.max_requests_per_key,
+    "prompt_cache": lambda a: a.prompt_cache,
+    "prompt_cache_ttl": lambda a: a.prompt_cache_ttl,
+    "prefix_store": lambda a: a.prefix_store,
+    "pooling": lambda a: a.pooling or "last",
+}
