@@ -275,6 +275,40 @@ def test_sessions_belong_to_the_credential_that_opened_them(stages, reference):
     _idle(stages)
 
 
+def test_a_prefix_kept_by_one_credential_is_adopted_by_it_alone(stages, reference):
+    """acme's session, relayed stage to stage (the later stages' sessions a peer opened),
+    is kept in every stage's prefix store for acme: beta, with the same keys (the same
+    tenant salt), adopts nothing; acme adopts its whole chunks and gets the whole model's
+    tokens."""
+    async def go():
+        async with AsyncRoute([w.address for w in stages], relay=True,
+                              security=Security(ACME)) as a, \
+                AsyncRoute([w.address for w in stages], relay=True,
+                           security=Security(BETA)) as b:
+            s = a.session(tenant="t")
+            await s.complete(PROMPT, max_tokens=2, stop_on_eog=False)
+            await s.close(keep=True)
+            assert [(await c.describe()).prefix_store["entries"] for c in a.clients] == [1] * 3
+            other = b.session(tenant="t")
+            assert await other.adopt(PROMPT) == 0
+            await other.close()
+            mine = a.session(tenant="t")
+            m = await mine.adopt(PROMPT)
+            assert m == 16  # two whole chunks of 8, one token left to prefill
+            toks = [t async for t in mine.generate(PROMPT, max_tokens=8, stop_on_eog=False,
+                                                   reuse=m)]
+            await mine.close()
+            return toks
+
+    try:
+        assert asyncio.run(go()) == reference
+    finally:
+        for w in stages:  # the entries hold slots the later tests count as free
+            with w.worker.lock:
+                w.worker.table.clear()
+    _idle(stages)
+
+
 def test_one_credential_cannot_take_every_slot(stages, reference):
     """acme (sessions=2) holds its two sessions; its third is refused with
     ResourceExhausted while beta's generation completes with the right tokens."""

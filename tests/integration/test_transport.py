@@ -854,7 +854,8 @@ def test_a_stage_replaced_by_the_same_worker_is_not_sent_a_release():
     tw = ThreadedWorker(eng, evict_after=3600.0)
     released = []
     real_release = tw.worker.release
-    tw.worker.release = lambda session: (released.append(session), real_release(session))[1]
+    tw.worker.release = lambda session, *a: (released.append(session),
+                                             real_release(session, *a))[1]
     try:
         prompt = [3, 5, 7, 9, 2]
         ref, _ = generate_local(ToyEngine(), prompt, max_tokens=12, stop_on_eog=False)
