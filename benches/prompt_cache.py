@@ -110,6 +110,11 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=N_CTX,
                     help=f"context tokens per slot, every server (default {N_CTX})")
     ap.add_argument("--model", help="GGUF (default: the registry's default model)")
+    ap.add_argument("--ubatch", type=int, default=N_UBATCH,
+                    help=f"n_ubatch of every server (default {N_UBATCH}). Where every stage "
+                         "measures a partial chunk's rows (and rows one per step) exact, dgr's "
+                         "cache reuses to the row; ggml's CPU flash attention tiles whole "
+                         "chunks of 64 rows or more, so at 64 only rows past whole chunks")
     ap.add_argument("--rtt", type=float, default=0.0, metavar="MS",
                     help="round-trip time of every link between a dgr front and its stages, "
                          "and between stages (the link emulator); 0: loopback (default)")
@@ -125,15 +130,15 @@ def main(argv=None) -> int:
               "dgr no cache": ["--prompt-cache", "0", "--no-prefix-store"]}
     ports = {k: free_port() for k in (*fronts, "llama-server")}
     common = ["--stages", str(args.stages), "--model-name", name, "--ctx", str(args.ctx),
-              "--slots", "2", "--threads", "1", "--ubatch", str(N_UBATCH), "--flash-attn",
+              "--slots", "2", "--threads", "1", "--ubatch", str(args.ubatch), "--flash-attn",
               "on"]
     cmds = {k: [sys.executable, "-m", "dgr", "serve", "--model", model, "--port", str(ports[k]),
                 *flags, *common] for k, flags in fronts.items()}
     cmds |= {
         "llama-server": [llama_server(), "-m", model, "--host", "127.0.0.1", "--port",
                          str(ports["llama-server"]), "-t", "1", "-tb", "1", "-c",
-                         str(args.ctx * 2), "-np", "2", "-b", str(N_UBATCH), "-ub",
-                         str(N_UBATCH), "-fa", "on", "--alias", name, "--no-webui"]}
+                         str(args.ctx * 2), "-np", "2", "-b", str(args.ubatch), "-ub",
+                         str(args.ubatch), "-fa", "on", "--alias", name, "--no-webui"]}
     from harness.clusters import EmulatedCluster, worker_lines
 
     clusters = []
@@ -144,7 +149,8 @@ def main(argv=None) -> int:
         n_layer = int(kv[f"{kv['general.architecture']}.block_count"])
         for k, flags in fronts.items():
             c = EmulatedCluster(model, args.stages, n_layer, args.rtt,
-                                ["--ctx", str(args.ctx)], n_slots=2)
+                                ["--ctx", str(args.ctx), "--ubatch", str(args.ubatch)],
+                                n_slots=2)
             clusters.append(c)
             c.start()
             cmds[k] = [sys.executable, "-m", "dgr", "serve", "--model", model, "--route",
@@ -202,6 +208,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": model, "rtt_ms": args.rtt, "agent": args.agent,
+                       "n_ubatch": args.ubatch,
                        "commands": cmds,
                        "workers": [w for c in clusters for w in worker_lines(c)],
                        "rows": rows}, f, indent=1)

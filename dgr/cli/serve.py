@@ -124,7 +124,7 @@ def _cmd_serve(args) -> int:
         print(f"error: API keys: {e}", file=sys.stderr)
         return 2
     try:  # every setting checked before a worker starts
-        settings = ServeSettings.from_args(args)
+        front = ServeSettings.from_args(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -176,8 +176,8 @@ def _cmd_serve(args) -> int:
         app = create_app(AsyncRoute(endpoints, config=RouteConfig.from_args(args)), model=name,
                          template=template if template is not None and template.available
                          else None,
-                         api_keys=api_keys, settings=settings if args.pooling else
-                         settings.with_(pooling=(model and gguf_pooling(model)) or "last"))
+                         api_keys=api_keys, settings=front if args.pooling else
+                         front.with_(pooling=(model and gguf_pooling(model)) or "last"))
         cap = args.max_requests_per_key
         cap_text = ("half the route's slots" if cap is None else "no cap" if cap == 0
                     else str(cap))

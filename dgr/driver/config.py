@@ -8,12 +8,12 @@ security) are not settings and stay arguments of their own.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from dgr import errors
 from dgr.protocol import wire
+from dgr.protocol.config import changed, from_flags
 from dgr.transport.client import DEFAULT_STEP_TIMEOUT, DEFAULT_TIMEOUT
 
 __all__ = ["RouteConfig", "ROUTE_FLAGS"]
@@ -143,20 +143,13 @@ class RouteConfig:
     def with_(self, **settings: Any) -> RouteConfig:
         """A copy with ``settings`` changed (checked again); an unknown name is
         ``InvalidArgument``."""
-        unknown = set(settings) - {f.name for f in dataclasses.fields(self)}
-        if unknown:
-            raise errors.InvalidArgument(
-                f"unknown route setting(s) {', '.join(sorted(unknown))} (known: "
-                f"{', '.join(f.name for f in dataclasses.fields(self))})")
-        return dataclasses.replace(self, **settings)
+        return changed(self, "route", **settings)
 
     @classmethod
     def from_args(cls, args, **settings: Any) -> RouteConfig:
         """The settings a command's flags give (``ROUTE_FLAGS``: the flags it has), then
         ``settings``."""
-        got = {name: get(args) for name, (flag, get) in ROUTE_FLAGS.items()
-               if hasattr(args, flag)}
-        return cls().with_(**got, **settings)
+        return from_flags(cls, "route", ROUTE_FLAGS, args, **settings)
 
 
 #: each setting a command line may set: (the argparse destination it reads, how)

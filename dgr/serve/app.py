@@ -83,7 +83,7 @@ def create_app(route, *, model: str, template=None, settings: ServeSettings | No
     ``settings``: the front's settings (``dgr.serve.settings.ServeSettings``: the slot queue's
     timeout, the per-key cap, the prompt cache, the prefix stores, the embeddings' pooling),
     each documented there; ``**kw`` changes some of them (``create_app(route, model=...,
-    prompt_cache=2)``), and an unknown one is a ``TypeError``.
+    prompt_cache=2)``), and an unknown one is ``InvalidArgument``.
 
     ``api_keys``: keys a request must present as ``Authorization: Bearer`` (strings or
     ``dgr.serve.auth.ApiKey``; None or empty: no key needed).

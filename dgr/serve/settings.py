@@ -7,10 +7,11 @@ is given (its route, chat template, API keys, metrics registry) are arguments of
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from dgr.errors import InvalidArgument
+from dgr.protocol.config import changed, from_flags
 from dgr.protocol.embeddings import POOLING
 
 __all__ = ["ServeSettings", "SERVE_FLAGS"]
@@ -18,7 +19,8 @@ __all__ = ["ServeSettings", "SERVE_FLAGS"]
 
 @dataclass(frozen=True, kw_only=True)
 class ServeSettings:
-    """A front's settings, checked when made (``ValueError`` naming the setting).
+    """A front's settings, checked when made (``dgr.errors.InvalidArgument``, a
+    ``ValueError``, naming the setting).
 
     Attributes
     ----------
@@ -57,39 +59,34 @@ class ServeSettings:
 
     def __post_init__(self):
         if self.pooling not in POOLING:
-            raise ValueError(f"unknown pooling {self.pooling!r} (known: {', '.join(POOLING)})")
+            raise InvalidArgument(f"unknown pooling {self.pooling!r} (known: {', '.join(POOLING)})")
         if self.prompt_cache < 0 or not self.prompt_cache_ttl > 0:
-            raise ValueError(f"the prompt cache's size must be >= 0 and its ttl > 0, got "
+            raise InvalidArgument(f"the prompt cache's size must be >= 0 and its ttl > 0, got "
                              f"{self.prompt_cache} and {self.prompt_cache_ttl}")
         if self.max_per_key is not None and self.max_per_key < 0:
-            raise ValueError(f"max_per_key must be >= 0, got {self.max_per_key}")
+            raise InvalidArgument(f"max_per_key must be >= 0, got {self.max_per_key}")
         if not self.queue_timeout >= 0:
-            raise ValueError(f"queue_timeout must be >= 0, got {self.queue_timeout}")
+            raise InvalidArgument(f"queue_timeout must be >= 0, got {self.queue_timeout}")
 
     def with_(self, **settings: Any) -> ServeSettings:
-        """A copy with ``settings`` changed (checked again); an unknown name is a
-        ``TypeError`` naming it."""
-        unknown = set(settings) - {f.name for f in dataclasses.fields(self)}
-        if unknown:
-            raise TypeError(f"unknown front setting(s) {', '.join(sorted(unknown))} (known: "
-                            f"{', '.join(f.name for f in dataclasses.fields(self))})")
-        return dataclasses.replace(self, **settings)
+        """A copy with ``settings`` changed (checked again); an unknown name is
+        ``InvalidArgument``."""
+        return changed(self, "front", **settings)
 
     @classmethod
     def from_args(cls, args, **settings: Any) -> ServeSettings:
         """The settings ``python -m dgr serve``'s flags give (``SERVE_FLAGS``), then
         ``settings``."""
-        return cls().with_(**{name: get(args) for name, get in SERVE_FLAGS.items()},
-                           **settings)
+        return from_flags(cls, "front", SERVE_FLAGS, args, **settings)
 
 
 #: each setting ``python -m dgr serve`` sets, from its parsed flags (the pooling's default,
 #: the GGUF's own, is the command's to find: it passes ``pooling`` itself when unset)
 SERVE_FLAGS = {
-    "queue_timeout": lambda a: a.queue_timeout,
-    "max_per_key": lambda a: a.max_requests_per_key,
-    "prompt_cache": lambda a: a.prompt_cache,
-    "prompt_cache_ttl": lambda a: a.prompt_cache_ttl,
-    "prefix_store": lambda a: a.prefix_store,
-    "pooling": lambda a: a.pooling or "last",
+    "queue_timeout": ("queue_timeout", lambda a: a.queue_timeout),
+    "max_per_key": ("max_requests_per_key", lambda a: a.max_requests_per_key),
+    "prompt_cache": ("prompt_cache", lambda a: a.prompt_cache),
+    "prompt_cache_ttl": ("prompt_cache_ttl", lambda a: a.prompt_cache_ttl),
+    "prefix_store": ("prefix_store", lambda a: a.prefix_store),
+    "pooling": ("pooling", lambda a: a.pooling or "last"),
 }

@@ -8,11 +8,11 @@ one line per setting, each flag's default the setting's own). The objects a work
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from dgr import errors
+from dgr.protocol.config import changed, from_flags
 from dgr.transport.common import MAX_MESSAGE
 
 __all__ = ["WorkerConfig", "WORKER_FLAGS"]
@@ -98,36 +98,32 @@ class WorkerConfig:
     def with_(self, **settings: Any) -> WorkerConfig:
         """A copy with ``settings`` changed (checked again); an unknown name is
         ``InvalidArgument``."""
-        unknown = set(settings) - {f.name for f in dataclasses.fields(self)}
-        if unknown:
-            raise errors.InvalidArgument(
-                f"unknown worker setting(s) {', '.join(sorted(unknown))} (known: "
-                f"{', '.join(f.name for f in dataclasses.fields(self))})")
-        return dataclasses.replace(self, **settings)
+        return changed(self, "worker", **settings)
 
     @classmethod
     def from_args(cls, args, **settings: Any) -> WorkerConfig:
         """The settings ``python -m dgr.worker``'s flags give (``WORKER_FLAGS``), then
         ``settings``."""
-        return cls().with_(**{name: get(args) for name, get in WORKER_FLAGS.items()},
-                           **settings)
+        return from_flags(cls, "worker", WORKER_FLAGS, args, **settings)
 
 
 #: each setting ``python -m dgr.worker`` sets, from its parsed flags (the frame cap is not a
 #: flag: tests/unit/test_worker_options.py checks that every other one is, with its default)
 WORKER_FLAGS = {
-    "ttl": lambda a: a.ttl,
-    "evict_after": lambda a: a.evict_after,
-    "inline": lambda a: a.inline_compute,
-    "inline_below_ms": lambda a: a.inline_below_ms,
-    "cert_store": lambda a: a.cert_store,
-    "batching": lambda a: a.batching,
-    "native_frames": lambda a: a.frames == "native",
-    "ring_groups": lambda a: a.ring_groups,
-    "max_sessions_per_credential": lambda a: a.max_sessions_per_credential or None,
-    "max_queued_per_credential": lambda a: a.max_queued_per_credential or None,
-    "busy_poll_s": lambda a: a.busy_poll_us * 1e-6,
-    "prefix_entries": lambda a: a.prefix_entries,
+    "ttl": ("ttl", lambda a: a.ttl),
+    "evict_after": ("evict_after", lambda a: a.evict_after),
+    "inline": ("inline_compute", lambda a: a.inline_compute),
+    "inline_below_ms": ("inline_below_ms", lambda a: a.inline_below_ms),
+    "cert_store": ("cert_store", lambda a: a.cert_store),
+    "batching": ("batching", lambda a: a.batching),
+    "native_frames": ("frames", lambda a: a.frames == "native"),
+    "ring_groups": ("ring_groups", lambda a: a.ring_groups),
+    "max_sessions_per_credential": ("max_sessions_per_credential",
+                                    lambda a: a.max_sessions_per_credential or None),
+    "max_queued_per_credential": ("max_queued_per_credential",
+                                  lambda a: a.max_queued_per_credential or None),
+    "busy_poll_s": ("busy_poll_us", lambda a: a.busy_poll_us * 1e-6),
+    "prefix_entries": ("prefix_entries", lambda a: a.prefix_entries),
 }
 
 #: the flag of each setting, for the errors (``--busy-poll-us`` is in microseconds)

@@ -499,3 +499,45 @@ def test_serve_prompt_cache_flags(serve_cmd, monkeypatch):
     for bad in (("--prompt-cache", "-1"), ("--prompt-cache-ttl", "0")):
         rc, _ = serve_cmd(*bad)
         assert rc == 2, bad
+
+
+def test_serve_with_local_stages_gives_the_app_its_settings(monkeypatch, tiny_llama):
+    """``python -m dgr serve --model M --stages N`` (no --route): the local cluster's engine
+    settings and the front's settings are not confused, and the pooling defaults to the
+    GGUF's own (a causal model declares none: last)."""
+    import types
+
+    import uvicorn
+
+    import dgr.core.engine
+    import dgr.serve.app as app_mod
+    import dgr.worker.process
+    from dgr.cli.commands import main
+
+    started = []
+
+    class FakeCluster:
+        def __init__(self, model, ranges, settings=None, args=()):
+            started.append((ranges, settings))
+            self.workers = []
+
+        def start(self, timeout=None, progress=None):
+            return ["127.0.0.1:1", "127.0.0.1:2"]
+
+        def stop(self):
+            return [0, 0]
+
+    made = []
+    real = app_mod.create_app
+    monkeypatch.setattr(dgr.worker.process, "LocalCluster", FakeCluster)
+    monkeypatch.setattr(dgr.core.engine, "Engine",
+                        lambda *a, **k: types.SimpleNamespace(n_layer=4))
+    monkeypatch.setattr(app_mod, "create_app", lambda *a, **kw: made.append(kw) or real(*a, **kw))
+    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, **kw: None)
+    monkeypatch.delenv("DGR_API_KEYS", raising=False)
+    rc = main(["serve", "--model", str(tiny_llama), "--stages", "2", "--ubatch", "32",
+               "--prompt-cache", "3"])
+    assert rc == 0
+    assert started[0][1]["n_ubatch"] == 32  # the engine settings went to the workers
+    got = made[-1]["settings"]
+    assert got.prompt_cache == 3 and got.pooling == "last"

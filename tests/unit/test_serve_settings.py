@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from dgr import errors
 from dgr.serve.settings import SERVE_FLAGS, ServeSettings
 
 
@@ -37,7 +38,7 @@ def test_create_app_takes_the_settings_or_their_fields_and_refuses_others():
     from dgr.serve.app import create_app
 
     route = SimpleNamespace(stages=[])
-    with pytest.raises(TypeError, match="unknown front setting.*prompt_cash"):
+    with pytest.raises(errors.InvalidArgument, match="unknown front setting.*prompt_cash"):
         create_app(route, model="m", prompt_cash=2)
     with pytest.raises(ValueError, match="pooling"):
         create_app(route, model="m", pooling="max")
