@@ -338,7 +338,7 @@ class _Front:
                 plan = []
                 try:
                     for k, (ids, _, _) in enumerate(prompts):
-                        plan.append(await self._choices(ids, params, rid))
+                        plan.append(await self._choices(ids, params, rid, key))
                 except BaseException:  # every choice's slot goes back, and what was opened
                     with anyio.CancelScope(shield=True):
                         try:
@@ -376,7 +376,14 @@ class _Front:
                 self.admission.give_key(key)
         return gens, params
 
-    async def _choices(self, ids: list[int], params: Params, rid: str
+    def _session(self, key: str | None):
+        """A new route session of the API key ``key``: the prefixes it adopts and keeps in
+        the stages' stores are that key's (``AsyncRouteSession.tenant``)."""
+        s = self.route.session()
+        s.tenant = key
+        return s
+
+    async def _choices(self, ids: list[int], params: Params, rid: str, key: str | None
                        ) -> tuple[list, int]:
         """``n`` sessions for ``n`` choices of the prompt ``ids`` (their slots taken): the
         prompt prefilled once up to where a fresh prefill's bits are kept
@@ -388,14 +395,14 @@ class _Front:
         caller's)."""
         r, n = self.route, params.n
         if n == 1:
-            return [r.session()], 0
+            return [self._session(key)], 0
         ub, size = r.n_ubatch, len(ids)
         full = size - size % ub
         rows = all(getattr(st, "prefix_rows_exact", False) for st in r.stages)
         p = size - 2 if rows and size - 2 - full >= 2 else full if full < size else size - ub
         if params.sampling.grammar or p <= 0:
-            return [r.session() for _ in range(n)], 0
-        src = r.session()
+            return [self._session(key) for _ in range(n)], 0
+        src = self._session(key)
         try:
             await src.prefill(ids[:p], sample=False)
             try:
@@ -408,7 +415,7 @@ class _Front:
                          type(e).__name__, e)
                 with anyio.CancelScope(shield=True):
                     await src.close()
-                return [r.session() for _ in range(n)], 0
+                return [self._session(key) for _ in range(n)], 0
         except BaseException as e:
             with anyio.CancelScope(shield=True):
                 await src.close()

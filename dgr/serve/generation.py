@@ -38,8 +38,7 @@ class Generation:
         #: a session the prompt cache kept, and how many of its positions this request
         #: reuses (``dgr.serve.prefix``); else a new one
         self.session = session if session is not None else route.session()
-        if session is None:
-            self.session.tenant = key  # whose prefixes it adopts and keeps
+        self.session.tenant = key  # whose prefixes it adopts and keeps (the same key's)
         self.reuse = reuse
         #: the prompt cache this request's session goes to when it ends well, under ``key``
         self.pool, self.key = pool, key

@@ -120,3 +120,42 @@ def test_a_stage_that_may_not_fork_leaves_each_choice_to_prefill_alone():
     assert status == 200, raw
     assert route.prefilled == [3, 4, 5, 6] and len(json.loads(raw)["choices"]) == 2
     assert sorted(route.seeds) == [1, 2] and route.opened == route.closed == 3
+
+
+def test_every_session_of_a_request_is_its_api_keys():
+    """The sessions a request opens (one, or one per choice) carry its API key's name as
+    their tenant: the prefixes they adopt and keep in the stages' stores are that key's."""
+
+    class Tenants(FakeRoute):
+        def __init__(self):
+            super().__init__()
+            self.tenants = []
+
+        def session(self):
+            route = self
+
+            class S(FakeSession):
+                def generate(self, ids, **kw):
+                    route.tenants.append(self.tenant)
+                    return super().generate(ids, **{k: v for k, v in kw.items()
+                                                    if k != "reuse"})
+
+            return S(self)
+
+    from dgr.serve.auth import ApiKey
+
+    route = Tenants()
+    app = create_app(route, model="m", template=Template(), queue_timeout=0.05,
+                     api_keys=[ApiKey("alice", "sk-dgr-alice-0123456789"),
+                               ApiKey("bob", "sk-dgr-bob-0123456789ab")])
+
+    async def go(key, n):
+        async with app.router.lifespan_context(app):
+            return await _call(app, "/v1/completions", json.dumps(
+                {"prompt": [3, 4, 5], "n": n, "max_tokens": 2}).encode(),
+                headers=[(b"authorization", f"Bearer {key}".encode())])
+
+    for key, n in (("sk-dgr-alice-0123456789", 1), ("sk-dgr-bob-0123456789ab", 2)):
+        status, _, raw = asyncio.run(go(key, n))
+        assert status == 200, raw
+    assert route.tenants == ["alice", "bob", "bob"]
