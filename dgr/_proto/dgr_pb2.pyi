@@ -141,14 +141,16 @@ class DescribeReply(_message.Message):
     def __init__(self, model_identity: _Optional[str] = ..., model_name: _Optional[str] = ..., arch: _Optional[str] = ..., n_layer: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., needs_token_ids: _Optional[bool] = ..., boundary_width: _Optional[int] = ..., boundary_dtype: _Optional[str] = ..., n_vocab: _Optional[int] = ..., settings: _Optional[_Union[EngineSettings, _Mapping]] = ..., eog_tokens: _Optional[_Iterable[int]] = ..., add_bos: _Optional[bool] = ..., free_slots: _Optional[int] = ..., sessions: _Optional[int] = ..., free_context: _Optional[int] = ..., queue_depth: _Optional[int] = ..., recent_tokens_per_s: _Optional[float] = ..., recent_step_ms: _Optional[float] = ..., draining: _Optional[bool] = ..., dgr_version: _Optional[str] = ..., wire_format_version: _Optional[int] = ..., wire_schema_version: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., steps_total: _Optional[int] = ..., errors_total: _Optional[int] = ..., uptime_s: _Optional[float] = ..., capability_json: _Optional[bytes] = ..., data_port: _Optional[int] = ..., decode_steps_total: _Optional[int] = ..., decode_compute_s_total: _Optional[float] = ..., tokens_computed_total: _Optional[int] = ..., compute_s_total: _Optional[float] = ..., drafters: _Optional[_Iterable[str]] = ..., device: _Optional[_Union[ComputeDevice, _Mapping]] = ..., prefix_rows_exact: _Optional[bool] = ..., prefix_single_rows_exact: _Optional[bool] = ..., prefix_store: _Optional[_Union[PrefixStore, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("session", "keep", "chunk")
+    __slots__ = ("session", "keep", "chunk", "whole")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_FIELD_NUMBER: _ClassVar[int]
     session: str
     keep: _containers.RepeatedScalarFieldContainer[bytes]
     chunk: int
-    def __init__(self, session: _Optional[str] = ..., keep: _Optional[_Iterable[bytes]] = ..., chunk: _Optional[int] = ...) -> None: ...
+    whole: int
+    def __init__(self, session: _Optional[str] = ..., keep: _Optional[_Iterable[bytes]] = ..., chunk: _Optional[int] = ..., whole: _Optional[int] = ...) -> None: ...
 
 class ReleaseReply(_message.Message):
     __slots__ = ("released", "kept")

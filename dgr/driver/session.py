@@ -284,28 +284,44 @@ class AsyncRouteSession:
         base = max(0, min(common, aligned))
         base -= base % ub
         full = n - n % ub  # where a fresh prefill of ``prompt`` ends its whole chunks
-        stages = self.route.stages
-        if common <= full or aligned < full or not all(st.prefix_rows_exact for st in stages):
+        rows, single, least = self._row_rule()
+        if common <= full or aligned < full or not rows:
             return base
-        r = self.route
-        # a decode loop's verify step (a drafted token and its drafts) must also be a partial
-        # chunk: one of ``n_ubatch`` rows or more may take other kernels
-        single = (all(getattr(st, "prefix_single_rows_exact", False) for st in stages)
-                  and (not getattr(r, "speculate", "") or getattr(r, "max_draft", 0) + 1 < ub))
-        least = 1 if single else 2  # rows a kept step, or the prompt's rest, may have
-        end = full  # the end of the run of partial steps (prompt chunks) from ``full``
-        for first, count in self.steps if single else self.chunks:
-            if first + count <= full:
-                continue
-            if first != end or not least <= count < ub:
-                break
-            end = first + count
+        end = self._rows_end(full, single, least)
         p = min(common, end, n - least)  # the prompt's rest: a partial chunk of ``least`` rows
         if not single:
             for first, count in self.chunks:
                 if p - first == 1 and count > 1:  # a kept chunk cut to one row: drop it
                     p = first
         return p if p > full else base
+
+    def _row_rule(self) -> tuple[bool, bool, int]:
+        """What of this route's rows past whole chunks a later prompt may keep
+        (``reusable``): ``(rows, single, least)``: rows of partial prompt chunks at all
+        (every stage measured ``prefix_rows_exact``); rows of decode steps too (every stage
+        measured ``prefix_single_rows_exact``); the fewest rows a kept step, or a prompt's
+        rest, may have."""
+        r, stages = self.route, self.route.stages
+        rows = all(st.prefix_rows_exact for st in stages)
+        # a decode loop's verify step (a drafted token and its drafts) must also be a partial
+        # chunk: one of ``n_ubatch`` rows or more may take other kernels
+        single = rows and (
+            all(getattr(st, "prefix_single_rows_exact", False) for st in stages)
+            and (not getattr(r, "speculate", "") or getattr(r, "max_draft", 0) + 1 < r.n_ubatch))
+        return rows, single, 1 if single else 2
+
+    def _rows_end(self, start: int, single: bool, least: int) -> int:
+        """The end of the run of this session's steps from position ``start`` whose rows a
+        later prompt may keep: partial steps of ``least`` to ``n_ubatch - 1`` rows, prompt
+        chunks only unless ``single``."""
+        ub, end = self.route.n_ubatch, start
+        for first, count in self.steps if single else self.chunks:
+            if first + count <= start:
+                continue
+            if first != end or not least <= count < ub:
+                break
+            end = first + count
+        return end
 
     def _keep(self, n: int) -> None:
         """Cut ``history`` to its first ``n`` tokens (``n`` at most ``reusable``'s); the next
@@ -424,11 +440,13 @@ class AsyncRouteSession:
                           trips=self.trips - spec0[0], drafted=self.drafted - spec0[1],
                           accepted=self.accepted - spec0[2], token_times=times)
 
-    def prefix_keys(self, tokens: Sequence[int], n: int | None = None) -> list[bytes]:
-        """The keys that name ``tokens``' first ``n`` whole chunks (all by default) in the
-        stages' prefix stores, for this session's tenant (``dgr.protocol.prefix.chain``)."""
+    def prefix_keys(self, tokens: Sequence[int], n: int | None = None,
+                    rows: int = 0) -> list[bytes]:
+        """The keys that name ``tokens``' first ``n`` whole chunks (all by default), then
+        ``rows`` positions one each, in the stages' prefix stores, for this session's tenant
+        (``dgr.protocol.prefix.chain``)."""
         r = self.route
-        return prefix.chain(tokens, r.n_ubatch, r.prefix_salt(self.tenant), n)
+        return prefix.chain(tokens, r.n_ubatch, r.prefix_salt(self.tenant), n, rows)
 
     async def adopt(self, prompt: Sequence[int]) -> int:
         """Take up, on every stage, the kept caches of an ended session of this tenant whose
@@ -437,18 +455,23 @@ class AsyncRouteSession:
         ``generate(prompt, reuse=...)``; 0 when a stage has none (or fails), and then the
         next step starts a new epoch from position 0, which drops whatever a stage took up.
 
-        Only whole ``n_ubatch`` chunks from position 0 are ever kept and reused (each chunk
-        computed as a fresh prefill computes it: the bits are a fresh prefill's), and at
-        least one prompt token is left to prefill. A session that holds anything, or a route
-        whose stages keep nothing (``AsyncRoute.prefix_store``), reuses nothing."""
+        What is kept and reused follows ``reusable``'s rule, so the bits are a fresh
+        prefill's: whole ``n_ubatch`` chunks from position 0 and, past the prompt's own whole
+        chunks, the rows a kept session computed in partial chunks (and one per step) where
+        every stage measured them exact, leaving the prompt's rest at least ``least`` rows. A
+        session that holds anything, or a route whose stages keep nothing
+        (``AsyncRoute.prefix_store``), reuses nothing."""
         r = self.route
         if self.history or self.rollback or not r.prefix_store:
             return 0
-        ub = r.n_ubatch
-        n = (len(prompt) - 1) // ub
-        if n < 1:
+        ub, n = r.n_ubatch, len(prompt)
+        full = n - n % ub
+        whole = (n - 1) // ub
+        rows, single, least = self._row_rule()
+        tail = max(0, n - least - full) if rows and n % ub else 0
+        if not whole and not tail:
             return 0
-        keys = self.prefix_keys(prompt, n)
+        keys = self.prefix_keys(prompt, whole, tail)
         self.epoch += 1
         got = await asyncio.gather(*(c.reuse(self.id, self.epoch, keys, ub)
                                      for c in r.clients), return_exceptions=True)
@@ -458,10 +481,16 @@ class AsyncRouteSession:
             if any(pos):  # what a stage took up is dropped by the next step's new epoch
                 await self.reset()
             return 0
-        self.history = [int(t) for t in prompt[:m]]
-        self.steps = [(a, ub) for a in range(0, m, ub)]
+        # a kept partial chunk cut to one row would be replayed (recovery) as a one-row step,
+        # which may take another kernel: keep the whole chunks only, roll the row back
+        kept = full if m == full + 1 and not single else m
+        self.history = [int(t) for t in prompt[:kept]]
+        self.steps = [(a, ub) for a in range(0, min(kept, full), ub)]
+        if kept > full:
+            self.steps.append((full, kept - full))
         self.chunks = list(self.steps)
-        return m
+        self.rollback = m - kept
+        return kept
 
     async def release(self) -> None:
         """Free this session's slot on every stage now (ignores stages that are gone)."""
@@ -471,14 +500,18 @@ class AsyncRouteSession:
     async def close(self, keep: bool = False) -> None:
         """Release the session and close its streams. With ``keep``, every stage whose
         prefix store takes it keeps the caches of its whole ``n_ubatch`` chunks prefilled
-        from position 0 (``aligned``) for a later session of this tenant (``adopt``); a
-        stage that does not releases it."""
+        from position 0 (``aligned``), and of the run of rows after them a later prompt may
+        keep (``reusable``'s rule), for a later session of this tenant (``adopt``); a stage
+        that does not releases it."""
         await self.hop_by_hop.close()
         r = self.route
-        n = self.aligned() // r.n_ubatch if keep and r.prefix_store else 0
-        if not n:
+        aligned = self.aligned() if keep and r.prefix_store else 0
+        rows, single, least = self._row_rule()
+        tail = self._rows_end(aligned, single, least) - aligned if keep and rows else 0
+        if not keep or not r.prefix_store or not (aligned or tail):
             await self.release()
             return
-        keys = self.prefix_keys(self.history, n)
-        await asyncio.gather(*(c.keep(self.id, keys, r.n_ubatch) for c in r.clients),
+        whole = aligned // r.n_ubatch
+        keys = self.prefix_keys(self.history, whole, tail)
+        await asyncio.gather(*(c.keep(self.id, keys, r.n_ubatch, whole) for c in r.clients),
                              return_exceptions=True)

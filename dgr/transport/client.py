@@ -222,12 +222,13 @@ class ShardClient:
         return r.released
 
     async def keep(self, session: str, keys: Sequence[bytes], chunk: int,
-                   timeout: float | None = None) -> bool:
-        """End ``session``, keeping its caches as a prefix entry named by ``keys`` (one per
-        ``chunk`` positions: ``dgr.protocol.prefix.chain``) where the stage's store takes
-        it; whether it did (else the session was released)."""
+                   whole: int | None = None, timeout: float | None = None) -> bool:
+        """End ``session``, keeping its caches as a prefix entry named by ``keys`` (``whole``
+        of them one per ``chunk`` positions, all by default, then one per position:
+        ``dgr.protocol.prefix.chain``) where the stage's store takes it; whether it did
+        (else the session was released)."""
         r = await self._unary("release", self._stub.Release, dgr_pb2.ReleaseRequest(
-            session=session, keep=list(keys), chunk=chunk), timeout)
+            session=session, keep=list(keys), chunk=chunk, whole=whole), timeout)
         return r.kept
 
     async def reuse(self, session: str, epoch: int, keys: Sequence[bytes], chunk: int,

@@ -34,8 +34,8 @@ class StageBackend(Protocol):
     def describe(self) -> dict[str, Any]:
         """Fields of ``DescribeReply`` (``settings`` as a dict of ``EngineSettings`` fields)."""
 
-    def release(self, session: str, keep: Sequence[bytes] = (),
-                chunk: int = 0) -> tuple[bool, bool]:
+    def release(self, session: str, keep: Sequence[bytes] = (), chunk: int = 0,
+                whole: int | None = None) -> tuple[bool, bool]:
         """End ``session``: ``(released, kept)``; with ``keep``, keep its caches as a prefix
         entry where the stage's store takes it."""
 
@@ -153,8 +153,9 @@ class _Servicer(dgr_pb2_grpc.ShardServicer):
 
     async def Release(self, request, context):
         try:
-            released, kept = self.b.release(request.session, list(request.keep),
-                                            request.chunk)
+            released, kept = self.b.release(
+                request.session, list(request.keep), request.chunk,
+                request.whole if request.HasField("whole") else None)
             return dgr_pb2.ReleaseReply(released=released, kept=kept)
         except Exception as e:  # noqa: BLE001
             await _abort(context, e)

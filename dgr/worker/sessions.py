@@ -65,9 +65,10 @@ class Lease:
 @dataclass
 class PrefixEntry:
     """An ended session's caches kept on its slot for later sessions (the stage's prefix
-    store): ``keys[i]`` names positions ``0 .. (i + 1) * chunk - 1`` (a hash chain over their
-    token ids, which the driver computes: ``dgr.protocol.prefix.chain``), ``positions`` of them
-    in all. ``tokens``: what the worker keeps with it (the last stage's token record)."""
+    store): ``keys[i]`` names positions ``0 .. end_of(i) - 1`` (a hash chain over their token
+    ids, which the driver computes: ``dgr.protocol.prefix.chain``): the first ``whole`` one
+    whole ``chunk`` each, the rest one position each. ``tokens``: what the worker keeps with
+    it (the last stage's token record)."""
 
     keys: tuple[bytes, ...]
     chunk: int
@@ -75,10 +76,20 @@ class PrefixEntry:
     owner: str
     last_used: float
     tokens: object = None
+    whole: int | None = None  # None: every key names a whole chunk
+
+    def __post_init__(self):
+        if self.whole is None or self.whole > len(self.keys):
+            self.whole = len(self.keys)
+
+    def end_of(self, i: int) -> int:
+        """The positions keys ``0 .. i`` name."""
+        return (i + 1) * self.chunk if i < self.whole else \
+            self.whole * self.chunk + (i - self.whole + 1)
 
     @property
     def positions(self) -> int:
-        return len(self.keys) * self.chunk
+        return self.end_of(len(self.keys) - 1) if self.keys else 0
 
     def match(self, keys) -> int:
         """How many of ``keys``' first keys this entry holds."""
@@ -410,10 +421,11 @@ class SessionTable:
 
     # -- the prefix store ----------------------------------------------------------------
 
-    def keep(self, session: str, keys, chunk: int, who=None, tokens=None) -> bool:
+    def keep(self, session: str, keys, chunk: int, who=None, tokens=None,
+             whole: int | None = None) -> bool:
         """End ``session`` as ``release`` does, but keep its slot's caches as a prefix entry
-        named by ``keys`` (one per ``chunk`` positions from 0; the session holds at least
-        that many). False, and the session released as usual, when the store is off, the
+        named by ``keys`` (the first ``whole`` one per ``chunk`` positions from 0, the rest one
+        per position after them: ``PrefixEntry``; the session holds at least that many). False, and the session released as usual, when the store is off, the
         keys name nothing or more than it holds, or the session has a step in flight;
         False without release when ``release`` refuses (unknown, another credential's).
 
@@ -426,19 +438,21 @@ class SessionTable:
                          and not s.by_peer):
             return False
         keys = tuple(bytes(k) for k in keys)
+        entry = PrefixEntry(keys, chunk, s.slot, "", 0.0, tokens, whole)
         if (not self.prefix_entries or not keys or chunk < 1 or s.busy
-                or len(keys) * chunk > s.next_pos):
+                or entry.positions > s.next_pos):
             self._drop(s, "release", "")
             return False
         owner = who.name if who is not None else s.owner
         now = self._clock()
+        entry.owner, entry.last_used = owner, now
         del self._sessions[s.session]
         self._disown(s)
         for e in [e for e in self._entries.values()
                   if e.owner == owner and e.chunk == chunk and e.match(keys) == len(e.keys)]:
             self._forget(e, "evict", "a longer entry of the same prefix")
-        self._entries[s.slot] = PrefixEntry(keys, chunk, s.slot, owner, now, tokens)
-        self._emit("keep", s.session, s.epoch, s.slot, f"{len(keys) * chunk} positions")
+        self._entries[s.slot] = entry
+        self._emit("keep", s.session, s.epoch, s.slot, f"{entry.positions} positions")
         while len(self._entries) > self.prefix_entries:
             self._forget(next(iter(self._entries.values())), "evict", "the store is full")
         return True
@@ -446,11 +460,12 @@ class SessionTable:
     def adopt(self, session: str, epoch: int, keys, chunk: int,
               who=None) -> tuple[PrefixEntry, SessionInfo, bool] | None:
         """Open ``session`` (at ``epoch``) on the credential's entry that holds the most of
-        ``keys`` (per ``chunk`` positions from 0): ``(the entry, the new session, copy)``.
+        ``keys`` (a chain as the entries': whole chunks' keys, then rows' keys) in chunks of
+        ``chunk``: ``(the entry, the new session, copy)``.
         With ``copy`` the session has a free slot of its own and the caller copies the
         entry's slot into it (``Engine.copy_slot``: the entry stays for others); else the
         entry's slot became the session's (the entry is gone). Either way the session
-        continues at ``match * chunk`` and the caller drops the slot's positions from there
+        continues where the matched keys end and the caller drops the slot's positions from there
         (``Engine.truncate``) before any step of it runs, or releases the session if it
         cannot. None when no entry holds the first key (a miss): nothing was opened.
 
@@ -490,12 +505,13 @@ class SessionTable:
         else:
             slot = best.slot
             del self._entries[slot]
-        info = SessionInfo(session, epoch, slot, n * chunk, now, now, owner=owner,
+        held = best.end_of(n - 1)
+        info = SessionInfo(session, epoch, slot, held, now, now, owner=owner,
                            by_peer=who is not None and who.peer)
         self._sessions[session] = info
         self._owned[owner] += 1
         self._emit("adopt", session, epoch, slot,
-                   f"{n * chunk} positions {'copied from' if copy else 'on'} slot {best.slot}")
+                   f"{held} positions {'copied from' if copy else 'on'} slot {best.slot}")
         return best, info, copy
 
     def prefix_positions(self) -> int:

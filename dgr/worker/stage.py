@@ -19,7 +19,7 @@ from typing import Any
 from dgr import __version__, errors
 from dgr.control.prefix import rows_exact_cached as prefix_rows_exact
 from dgr.control.prefix import single_rows_exact_cached as prefix_single_rows_exact
-from dgr.protocol import wire
+from dgr.protocol import prefix, wire
 from dgr.protocol.settings import NUMERIC_SETTINGS
 from dgr.transport.security import CALLER, Security
 from dgr.transport.server import ShardServer
@@ -200,24 +200,28 @@ class Worker(StagePipeline):
             log.exception("capability record failed")
             return b""
 
-    def release(self, session: str, keep=(), chunk: int = 0) -> tuple[bool, bool]:
+    def release(self, session: str, keep=(), chunk: int = 0,
+                whole: int | None = None) -> tuple[bool, bool]:
         """Release ``session`` for the caller (``CALLER``: another credential's is not):
-        ``(released, kept)``. With ``keep`` (a hash chain of its first positions, one key per
-        ``chunk``: ``dgr.protocol.prefix.chain``), its caches stay on its slot as a prefix
-        entry that later sessions of the caller adopt (``adopt``), where the store takes it;
-        the last stage keeps the token record with it, and keeps nothing without one."""
+        ``(released, kept)``. With ``keep`` (a hash chain of its first positions: ``whole``
+        keys of one ``chunk`` each, all by default, then one key per position:
+        ``dgr.protocol.prefix.chain``), its caches stay on its slot as a prefix entry that
+        later sessions of the caller adopt (``adopt``), where the store takes it; the last
+        stage keeps the token record with it, and keeps nothing without one."""
         who = CALLER.get()
         with self.lock:
             if not keep:
                 return self.table.release(session, who), False
+            whole = len(keep) if whole is None else min(whole, len(keep))
+            held = prefix.end_of(len(keep) - 1, whole, chunk)
             tokens = None
             if self.history is not None:
                 tokens = self.history.record(session)
-                if tokens is None or len(tokens) < len(keep) * chunk:
+                if tokens is None or len(tokens) < held:
                     return self.table.release(session, who), False
-                del tokens[len(keep) * chunk:]
+                del tokens[held:]
             known = session in self.table
-            kept = self.table.keep(session, keep, chunk, who, tokens)
+            kept = self.table.keep(session, keep, chunk, who, tokens, whole)
             return known and session not in self.table, kept
 
     def adopt(self, session: str, epoch: int, keys, chunk: int) -> int:

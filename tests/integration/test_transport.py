@@ -332,7 +332,7 @@ class SlowBackend:
     def describe(self):
         raise errors.EngineError("no engine here")
 
-    def release(self, session, keep=(), chunk=0):
+    def release(self, session, keep=(), chunk=0, whole=None):
         return False, False
 
     def tokenize(self, text, add_special, parse_special):

@@ -24,7 +24,7 @@ def _session(history, steps, ub=4, chunks=None, rows_exact=(False,), single=None
                         chunks=list(chunks if chunks is not None
                                     else [st for st in steps if st[1] > 1]),
                         route=SimpleNamespace(n_ubatch=ub, stages=stages, **route))
-    for name in ("aligned", "reusable", "_keep"):
+    for name in ("aligned", "reusable", "_keep", "_row_rule", "_rows_end"):
         setattr(s, name, getattr(AsyncRouteSession, name).__get__(s))
     return s
 
