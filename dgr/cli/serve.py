@@ -80,8 +80,9 @@ def add_serve_parser(sub) -> None:
                    help="seconds a kept session may stay idle (default: 30)")
     s.add_argument("--no-prefix-store", dest="prefix_store", action="store_false",
                    help="do not use the stages' prefix stores: by default a session closed "
-                        "after a request that ended well leaves its whole n_ubatch chunks' "
-                        "caches on every stage (each worker's --prefix-entries), and a new "
+                        "after a request that ended well leaves its caches on every stage "
+                        "(each worker's --prefix-entries: its whole n_ubatch chunks, and "
+                        "the rows after them the prompt cache would reuse), and a new "
                         "request of the same API key whose prompt begins with them adopts "
                         "them instead of prefilling them (another front on the same workers "
                         "too)")

@@ -20,8 +20,9 @@ session computed fills one KV cell on every stage.
 
 Behind it, with ``store`` (the default), are the stages' own prefix stores
 (``dgr.worker.sessions.SessionTable.keep``): a session the front closes after a request that
-ended well (out of this pool, or never in it) leaves its whole chunks' caches on every stage,
-named by a hash chain of its tokens salted with its API key (``dgr.protocol.prefix``), and a
+ended well (out of this pool, or never in it) leaves its caches on every stage (its whole
+chunks, and the rows after them this pool's rule would reuse), named by a hash chain of its
+tokens salted with its API key (``dgr.protocol.prefix``), and a
 request this pool has no session for asks every stage for them in one round trip
 (``AsyncRouteSession.adopt``) before it prefills. They outlive the front: another front on
 the same workers (or this one restarted) reuses them, under the same API key.

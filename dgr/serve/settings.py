@@ -39,7 +39,7 @@ class ServeSettings:
         Seconds a kept session may stay idle.
     prefix_store : bool
         Whether the sessions the front closes after a request that ended well keep their
-        whole chunks' caches in the stages' prefix stores (where every stage has one), and
+        caches in the stages' prefix stores (where every stage has one), and
         new sessions adopt them (``dgr.serve.prefix``): a reuse that outlives this front's
         sessions and the front itself.
     pooling : str
