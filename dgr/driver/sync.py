@@ -72,8 +72,9 @@ class _LoopThread:
 class Route:
     """A route over running workers (blocking API; ``AsyncRoute`` is the asyncio one).
 
-    ``Route(endpoints)`` connects: it describes every stage and checks the route. Parameters
-    are those of ``AsyncRoute`` (the settings: a ``RouteConfig``, or its fields). Use it as a context manager, or ``close()`` it.
+    ``Route(endpoints)`` connects: it describes every stage and checks the route. Parameters are
+    those of ``AsyncRoute`` (the settings: a ``RouteConfig``, or its fields). Use it as a
+    context manager, or ``close()`` it.
 
     Examples
     --------

@@ -1,16 +1,16 @@
 """The names of a prompt's first positions in the stages' prefix stores: a hash chain.
 
-``chain(tokens, chunk, salt)`` gives one key per whole ``chunk`` of ``tokens`` from position
-0: key ``i`` is SHA-256 over key ``i - 1`` (or, for the first, over ``salt``) and chunk ``i``'s
-token ids, so it names all of positions ``0 .. (i + 1) * chunk - 1``, and two prompts share
-key ``i`` only when they share those tokens. ``rows`` more keys name the positions after the
-whole chunks one token at a time (rows computed in partial chunks or one per step, which a
-later prompt may keep where every stage computes them as a partial chunk does); they are
-hashed apart from whole chunks' keys, so a chain of whole chunks never matches rows. The driver salts the chain with what else the
-cached rows depend on: the route's stage identities (model, numeric settings, device kinds),
-the chunk size, and the tenant, so one tenant's keys never name another's entries (each
-stage also keeps an entry for the credential that stored it only). The stage compares keys
-and never sees the tokens (``SessionTable.keep`` and ``adopt``).
+``chain(tokens, chunk, salt)`` gives one key per whole ``chunk`` of ``tokens`` from position 0:
+key ``i`` is SHA-256 over key ``i - 1`` (or, for the first, over ``salt``) and chunk ``i``'s
+token ids, so it names all of positions ``0 .. (i + 1) * chunk - 1``, and two prompts share key
+``i`` only when they share those tokens. ``rows`` more keys name the positions after the whole
+chunks one token at a time (rows computed in partial chunks or one per step, which a later
+prompt may keep where every stage computes them as a partial chunk does); they are hashed apart
+from whole chunks' keys, so a chain of whole chunks never matches rows. The driver salts the
+chain with what else the cached rows depend on: the route's stage identities (model, numeric
+settings, device kinds), the chunk size, and the tenant, so one tenant's keys never name
+another's entries (each stage also keeps an entry for the credential that stored it only). The
+stage compares keys and never sees the tokens (``SessionTable.keep`` and ``adopt``).
 """
 
 from __future__ import annotations

@@ -425,9 +425,10 @@ class SessionTable:
              whole: int | None = None) -> bool:
         """End ``session`` as ``release`` does, but keep its slot's caches as a prefix entry
         named by ``keys`` (the first ``whole`` one per ``chunk`` positions from 0, the rest one
-        per position after them: ``PrefixEntry``; the session holds at least that many). False, and the session released as usual, when the store is off, the
-        keys name nothing or more than it holds, or the session has a step in flight;
-        False without release when ``release`` refuses (unknown, another credential's).
+        per position after them: ``PrefixEntry``; the session holds at least that many). False,
+        and the session released as usual, when the store is off, the keys name nothing or more
+        than it holds, or the session has a step in flight; False without release when
+        ``release`` refuses (unknown, another credential's).
 
         The entry belongs to the credential that keeps it (``who``'s name; "" without
         credentials): only that credential adopts it. A kept entry replaces the caller's
@@ -461,13 +462,13 @@ class SessionTable:
               who=None) -> tuple[PrefixEntry, SessionInfo, bool] | None:
         """Open ``session`` (at ``epoch``) on the credential's entry that holds the most of
         ``keys`` (a chain as the entries': whole chunks' keys, then rows' keys) in chunks of
-        ``chunk``: ``(the entry, the new session, copy)``.
-        With ``copy`` the session has a free slot of its own and the caller copies the
-        entry's slot into it (``Engine.copy_slot``: the entry stays for others); else the
-        entry's slot became the session's (the entry is gone). Either way the session
-        continues where the matched keys end and the caller drops the slot's positions from there
-        (``Engine.truncate``) before any step of it runs, or releases the session if it
-        cannot. None when no entry holds the first key (a miss): nothing was opened.
+        ``chunk``: ``(the entry, the new session, copy)``. With ``copy`` the session has a free
+        slot of its own and the caller copies the entry's slot into it (``Engine.copy_slot``:
+        the entry stays for others); else the entry's slot became the session's (the entry is
+        gone). Either way the session continues where the matched keys end and the caller drops
+        the slot's positions from there (``Engine.truncate``) before any step of it runs, or
+        releases the session if it cannot. None when no entry holds the first key (a miss):
+        nothing was opened.
 
         Raises
         ------
