@@ -11,23 +11,9 @@ from dgr import errors
 from dgr.protocol import prefix
 from dgr.worker.sessions import SessionTable
 
+from test_session import Clock, FakeEngine  # noqa: E402  (the session table's fakes)
+
 CHUNK = 4
-
-
-class FakeEngine:
-    def __init__(self):
-        self.released: list[int] = []
-
-    def release(self, slot: int) -> None:
-        self.released.append(slot)
-
-
-class Clock:
-    def __init__(self):
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def make(n_slots=3, entries=3):
