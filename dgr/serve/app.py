@@ -175,7 +175,7 @@ class _Front:
         with anyio.CancelScope(shield=True):
             for s in sessions:
                 try:
-                    if self.pool.store and getattr(self.route, "prefix_store", False):
+                    if self.pool.stores(self.route):
                         await s.close(keep=True)
                     else:
                         await s.close()

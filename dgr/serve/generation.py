@@ -101,8 +101,7 @@ class Generation:
             yield self.echo
         s = self.session
         spec0 = (s.trips, s.drafted, s.accepted)  # the session's, before this request
-        if not self.reuse and self.pool is not None and self.pool.store and getattr(
-                self.route, "prefix_store", False):
+        if not self.reuse and self.pool is not None and self.pool.stores(self.route):
             # a new session: the stages' prefix stores may hold this prompt's first chunks
             self.reuse = await s.adopt(self.ids)
             self.pool.adopted(self.reuse)
@@ -165,7 +164,7 @@ class Generation:
         # every session closed gives its slot back
         keep = self.pool is not None and self.completed
         closing = self.pool.put(self.key, self.session) if keep else [self.session]
-        store = keep and self.pool.store and getattr(self.route, "prefix_store", False)
+        store = keep and self.pool.stores(self.route)
         self.admission.ended(self.rid, release=False)
         if self._on_close is not None:
             self._on_close()

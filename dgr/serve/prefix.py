@@ -135,6 +135,11 @@ class PrefixPool:
         self._kept.clear()
         return out
 
+    def stores(self, route) -> bool:
+        """Whether this front's sessions on ``route`` keep and adopt prefixes in the stages'
+        stores: the front uses them (``store``) and every stage has one."""
+        return self.store and bool(getattr(route, "prefix_store", False))
+
     def adopted(self, tokens: int) -> None:
         """A request adopted ``tokens`` positions from the stages' stores (0: none)."""
         if tokens:

@@ -13,22 +13,33 @@ from dgr.serve.app import create_app
 from test_serve_fuzz import FakeRoute, FakeSession, Template, _call  # noqa: E402  (its fakes)
 
 
-class Seeds(FakeRoute):
-    """Sessions that record the seed they sample with."""
+class Recording(FakeRoute):
+    """Sessions whose every generation records ``what(session, keywords)`` in ``seen``."""
 
-    def __init__(self):
+    def __init__(self, what):
         super().__init__()
-        self.seeds = []
+        self.what, self.seen = what, []
 
     def session(self):
         route = self
 
         class S(FakeSession):
             def generate(self, ids, **kw):
-                route.seeds.append(kw["sampling"].seed)
+                route.seen.append(route.what(self, kw))
                 return super().generate(ids, **{k: v for k, v in kw.items() if k != "reuse"})
 
         return S(self)
+
+
+class Seeds(Recording):
+    """Sessions that record the seed they sample with."""
+
+    def __init__(self):
+        super().__init__(lambda session, kw: kw["sampling"].seed)
+
+    @property
+    def seeds(self):
+        return self.seen
 
 
 def _post(route, body):
@@ -126,25 +137,9 @@ def test_every_session_of_a_request_is_its_api_keys():
     """The sessions a request opens (one, or one per choice) carry its API key's name as
     their tenant: the prefixes they adopt and keep in the stages' stores are that key's."""
 
-    class Tenants(FakeRoute):
-        def __init__(self):
-            super().__init__()
-            self.tenants = []
-
-        def session(self):
-            route = self
-
-            class S(FakeSession):
-                def generate(self, ids, **kw):
-                    route.tenants.append(self.tenant)
-                    return super().generate(ids, **{k: v for k, v in kw.items()
-                                                    if k != "reuse"})
-
-            return S(self)
-
     from dgr.serve.auth import ApiKey
 
-    route = Tenants()
+    route = Recording(lambda session, kw: session.tenant)
     app = create_app(route, model="m", template=Template(), queue_timeout=0.05,
                      api_keys=[ApiKey("alice", "sk-dgr-alice-0123456789"),
                                ApiKey("bob", "sk-dgr-bob-0123456789ab")])
@@ -158,4 +153,4 @@ def test_every_session_of_a_request_is_its_api_keys():
     for key, n in (("sk-dgr-alice-0123456789", 1), ("sk-dgr-bob-0123456789ab", 2)):
         status, _, raw = asyncio.run(go(key, n))
         assert status == 200, raw
-    assert route.tenants == ["alice", "bob", "bob"]
+    assert route.seen == ["alice", "bob", "bob"]
