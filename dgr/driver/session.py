@@ -505,13 +505,14 @@ class AsyncRouteSession:
         that does not releases it."""
         await self.hop_by_hop.close()
         r = self.route
-        aligned = self.aligned() if keep and r.prefix_store else 0
-        rows, single, least = self._row_rule()
-        tail = self._rows_end(aligned, single, least) - aligned if keep and rows else 0
-        if not keep or not r.prefix_store or not (aligned or tail):
-            await self.release()
-            return
-        whole = aligned // r.n_ubatch
-        keys = self.prefix_keys(self.history, whole, tail)
-        await asyncio.gather(*(c.keep(self.id, keys, r.n_ubatch, whole) for c in r.clients),
-                             return_exceptions=True)
+        if keep and r.prefix_store:
+            aligned = self.aligned()
+            rows, single, least = self._row_rule()
+            tail = self._rows_end(aligned, single, least) - aligned if rows else 0
+            if aligned or tail:
+                whole = aligned // r.n_ubatch
+                keys = self.prefix_keys(self.history, whole, tail)
+                await asyncio.gather(*(c.keep(self.id, keys, r.n_ubatch, whole)
+                                       for c in r.clients), return_exceptions=True)
+                return
+        await self.release()
