@@ -22,6 +22,7 @@
 #include "gguf.h"
 #include "llama.h"
 #include "llama-ext.h"
+#include "llama-context.h"  // llama_context::get_sched: its backends (UseReferenceKernels)
 
 // Patch 0001 adds llama_model_params::layer_start/layer_end; setup.py defines this when the
 // pinned tree carries it.
@@ -927,6 +928,26 @@ std::vector<std::string> BuiltBackends() {
     return out;
 }
 
+// ggml's CPU reference kernels on every CPU backend of `ctx` (EngineConfig::batch_invariant):
+// rows computed the same whatever else the forward holds. llama.cpp has no setting for it; its
+// scheduler's backends are the context's own, and the CPU backend's setter is reached by name.
+static bool UseReferenceKernels(llama_context * ctx) {
+    ggml_backend_sched_t sched = ctx->get_sched();
+    bool any = false;
+    for (int i = 0; sched && i < ggml_backend_sched_get_n_backends(sched); ++i) {
+        ggml_backend_t b = ggml_backend_sched_get_backend(sched, i);
+        ggml_backend_dev_t dev = ggml_backend_get_device(b);
+        if (!dev || ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) continue;
+        using set_use_ref_t = void (*)(ggml_backend_t, bool);
+        auto set = (set_use_ref_t) ggml_backend_reg_get_proc_address(ggml_backend_dev_backend_reg(dev),
+                                                                     "ggml_backend_cpu_set_use_ref");
+        if (!set) return false;
+        set(b, true);
+        any = true;
+    }
+    return any;
+}
+
 Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * out) {
     backend_init();
     log_clear();
@@ -936,6 +957,10 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
     }
     if (cfg.n_ctx < 1) return Status(kInvalidArgument, "n_ctx (per slot) must be >= 1");
     if (cfg.n_ubatch < 1) return Status(kInvalidArgument, "n_ubatch must be >= 1");
+    if (cfg.batch_invariant && cfg.device != "cpu") {
+        return Status(kInvalidArgument, "batch_invariant runs ggml's CPU reference kernels: it needs the "
+                      "cpu device, not " + cfg.device);
+    }
     if (cfg.n_slots > cfg.n_ubatch) {
         // llama.cpp sizes its output buffer for one output per sequence but at most n_ubatch
         // (n_outputs_max) and aborts the process on the first decode past it
@@ -1093,6 +1118,10 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
         return Status(kEngineError, "llama.cpp could not create a context for " + cfg.model_path +
                       (why.empty() ? std::string() : ": " + why));
     }
+    if (cfg.batch_invariant && !UseReferenceKernels(m.ctx)) {
+        return Status(kEngineError, "this build's CPU backend has no reference kernels "
+                      "(ggml_backend_cpu_set_use_ref): batch_invariant is not available");
+    }
     if (facts.arch == "deepseek4") m.rs_window = (int32_t) llama_n_rs_seq(m.ctx);
     m.rs_tail.assign(cfg.n_slots, 0);
     if (cfg.mtp) {
@@ -1142,6 +1171,7 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
     in.n_ubatch = cfg.n_ubatch;
     in.n_threads = cfg.n_threads;
     in.flash_attn = cfg.flash_attn;
+    in.batch_invariant = cfg.batch_invariant;
     in.type_k = cfg.type_k;
     in.type_v = cfg.type_v;
     in.hash_layer_count = (int32_t) facts.hash_layer_count;

@@ -149,7 +149,7 @@ cdef class Engine:
     def __cinit__(self, str model_path, int layer_start=0, int layer_end=-1, *,
                   unsigned int n_ctx=1024, unsigned int n_slots=1, int n_threads=1,
                   unsigned int n_ubatch=64, bint flash_attn=True, str type_k="f16",
-                  str type_v="f16", bint use_mmap=True, bint mtp=False, str device="cpu",
+                  str type_v="f16", bint batch_invariant=False, bint use_mmap=True, bint mtp=False, str device="cpu",
                   unsigned long long device_memory_limit=0):
         cdef CEngineConfig cfg
         cdef CStatus st
@@ -162,6 +162,7 @@ cdef class Engine:
         cfg.n_threads = n_threads
         cfg.n_ubatch = n_ubatch
         cfg.flash_attn = flash_attn
+        cfg.batch_invariant = batch_invariant
         cfg.type_k = type_k.encode()
         cfg.type_v = type_v.encode()
         cfg.use_mmap = use_mmap
@@ -195,7 +196,8 @@ cdef class Engine:
             "n_embd": i.n_embd, "n_embd_boundary": i.n_embd_boundary, "n_vocab": i.n_vocab,
             "n_ctx_train": i.n_ctx_train, "n_ctx": i.n_ctx, "n_ctx_alloc": i.n_ctx_alloc,
             "n_slots": i.n_slots, "n_ubatch": i.n_ubatch, "n_threads": i.n_threads,
-            "flash_attn": bool(i.flash_attn), "type_k": i.type_k.decode(),
+            "flash_attn": bool(i.flash_attn), "batch_invariant": bool(i.batch_invariant),
+            "type_k": i.type_k.decode(),
             "type_v": i.type_v.decode(), "hash_layer_count": i.hash_layer_count,
             "needs_token_ids": bool(i.needs_token_ids), "n_params": i.n_params,
             "weight_bytes": i.weight_bytes, "kv_bytes": i.kv_bytes,

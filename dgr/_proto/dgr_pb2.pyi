@@ -11,7 +11,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineSettings(_message.Message):
-    __slots__ = ("n_ctx", "n_slots", "n_threads", "n_ubatch", "flash_attn", "type_k", "type_v")
+    __slots__ = ("n_ctx", "n_slots", "n_threads", "n_ubatch", "flash_attn", "type_k", "type_v", "batch_invariant")
     N_CTX_FIELD_NUMBER: _ClassVar[int]
     N_SLOTS_FIELD_NUMBER: _ClassVar[int]
     N_THREADS_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class EngineSettings(_message.Message):
     FLASH_ATTN_FIELD_NUMBER: _ClassVar[int]
     TYPE_K_FIELD_NUMBER: _ClassVar[int]
     TYPE_V_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
     n_ctx: int
     n_slots: int
     n_threads: int
@@ -26,7 +27,8 @@ class EngineSettings(_message.Message):
     flash_attn: bool
     type_k: str
     type_v: str
-    def __init__(self, n_ctx: _Optional[int] = ..., n_slots: _Optional[int] = ..., n_threads: _Optional[int] = ..., n_ubatch: _Optional[int] = ..., flash_attn: _Optional[bool] = ..., type_k: _Optional[str] = ..., type_v: _Optional[str] = ...) -> None: ...
+    batch_invariant: bool
+    def __init__(self, n_ctx: _Optional[int] = ..., n_slots: _Optional[int] = ..., n_threads: _Optional[int] = ..., n_ubatch: _Optional[int] = ..., flash_attn: _Optional[bool] = ..., type_k: _Optional[str] = ..., type_v: _Optional[str] = ..., batch_invariant: _Optional[bool] = ...) -> None: ...
 
 class ComputeDevice(_message.Message):
     __slots__ = ("backend", "name", "type", "description", "driver", "software", "memory_free", "memory_total", "weight_bytes", "kv_bytes", "compute_bytes")
@@ -55,7 +57,7 @@ class ComputeDevice(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., name: _Optional[str] = ..., type: _Optional[str] = ..., description: _Optional[str] = ..., driver: _Optional[str] = ..., software: _Optional[bool] = ..., memory_free: _Optional[int] = ..., memory_total: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., compute_bytes: _Optional[int] = ...) -> None: ...
 
 class DescribeReply(_message.Message):
-    __slots__ = ("model_identity", "model_name", "arch", "n_layer", "layer_start", "layer_end", "is_first", "is_last", "needs_token_ids", "boundary_width", "boundary_dtype", "n_vocab", "settings", "eog_tokens", "add_bos", "free_slots", "sessions", "free_context", "queue_depth", "recent_tokens_per_s", "recent_step_ms", "draining", "dgr_version", "wire_format_version", "wire_schema_version", "weight_bytes", "kv_bytes", "steps_total", "errors_total", "uptime_s", "capability_json", "data_port", "decode_steps_total", "decode_compute_s_total", "tokens_computed_total", "compute_s_total", "drafters", "device", "prefix_rows_exact", "prefix_single_rows_exact", "prefix_store")
+    __slots__ = ("model_identity", "model_name", "arch", "n_layer", "layer_start", "layer_end", "is_first", "is_last", "needs_token_ids", "boundary_width", "boundary_dtype", "n_vocab", "settings", "eog_tokens", "add_bos", "free_slots", "sessions", "free_context", "queue_depth", "recent_tokens_per_s", "recent_step_ms", "draining", "dgr_version", "wire_format_version", "wire_schema_version", "weight_bytes", "kv_bytes", "steps_total", "errors_total", "uptime_s", "capability_json", "data_port", "decode_steps_total", "decode_compute_s_total", "tokens_computed_total", "compute_s_total", "drafters", "device", "prefix_rows_exact", "prefix_single_rows_exact", "prefix_store", "prefix_chunk_rows_exact")
     MODEL_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCH_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +99,7 @@ class DescribeReply(_message.Message):
     PREFIX_ROWS_EXACT_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SINGLE_ROWS_EXACT_FIELD_NUMBER: _ClassVar[int]
     PREFIX_STORE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CHUNK_ROWS_EXACT_FIELD_NUMBER: _ClassVar[int]
     model_identity: str
     model_name: str
     arch: str
@@ -138,7 +141,8 @@ class DescribeReply(_message.Message):
     prefix_rows_exact: bool
     prefix_single_rows_exact: bool
     prefix_store: PrefixStore
-    def __init__(self, model_identity: _Optional[str] = ..., model_name: _Optional[str] = ..., arch: _Optional[str] = ..., n_layer: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., needs_token_ids: _Optional[bool] = ..., boundary_width: _Optional[int] = ..., boundary_dtype: _Optional[str] = ..., n_vocab: _Optional[int] = ..., settings: _Optional[_Union[EngineSettings, _Mapping]] = ..., eog_tokens: _Optional[_Iterable[int]] = ..., add_bos: _Optional[bool] = ..., free_slots: _Optional[int] = ..., sessions: _Optional[int] = ..., free_context: _Optional[int] = ..., queue_depth: _Optional[int] = ..., recent_tokens_per_s: _Optional[float] = ..., recent_step_ms: _Optional[float] = ..., draining: _Optional[bool] = ..., dgr_version: _Optional[str] = ..., wire_format_version: _Optional[int] = ..., wire_schema_version: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., steps_total: _Optional[int] = ..., errors_total: _Optional[int] = ..., uptime_s: _Optional[float] = ..., capability_json: _Optional[bytes] = ..., data_port: _Optional[int] = ..., decode_steps_total: _Optional[int] = ..., decode_compute_s_total: _Optional[float] = ..., tokens_computed_total: _Optional[int] = ..., compute_s_total: _Optional[float] = ..., drafters: _Optional[_Iterable[str]] = ..., device: _Optional[_Union[ComputeDevice, _Mapping]] = ..., prefix_rows_exact: _Optional[bool] = ..., prefix_single_rows_exact: _Optional[bool] = ..., prefix_store: _Optional[_Union[PrefixStore, _Mapping]] = ...) -> None: ...
+    prefix_chunk_rows_exact: bool
+    def __init__(self, model_identity: _Optional[str] = ..., model_name: _Optional[str] = ..., arch: _Optional[str] = ..., n_layer: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., needs_token_ids: _Optional[bool] = ..., boundary_width: _Optional[int] = ..., boundary_dtype: _Optional[str] = ..., n_vocab: _Optional[int] = ..., settings: _Optional[_Union[EngineSettings, _Mapping]] = ..., eog_tokens: _Optional[_Iterable[int]] = ..., add_bos: _Optional[bool] = ..., free_slots: _Optional[int] = ..., sessions: _Optional[int] = ..., free_context: _Optional[int] = ..., queue_depth: _Optional[int] = ..., recent_tokens_per_s: _Optional[float] = ..., recent_step_ms: _Optional[float] = ..., draining: _Optional[bool] = ..., dgr_version: _Optional[str] = ..., wire_format_version: _Optional[int] = ..., wire_schema_version: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., steps_total: _Optional[int] = ..., errors_total: _Optional[int] = ..., uptime_s: _Optional[float] = ..., capability_json: _Optional[bytes] = ..., data_port: _Optional[int] = ..., decode_steps_total: _Optional[int] = ..., decode_compute_s_total: _Optional[float] = ..., tokens_computed_total: _Optional[int] = ..., compute_s_total: _Optional[float] = ..., drafters: _Optional[_Iterable[str]] = ..., device: _Optional[_Union[ComputeDevice, _Mapping]] = ..., prefix_rows_exact: _Optional[bool] = ..., prefix_single_rows_exact: _Optional[bool] = ..., prefix_store: _Optional[_Union[PrefixStore, _Mapping]] = ..., prefix_chunk_rows_exact: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session", "keep", "chunk", "whole")

@@ -67,6 +67,14 @@ class Engine(_CoreEngine):
         Flash attention on or off (never "auto").
     type_k, type_v : str
         KV cache types (``"f16"``, ``"f32"``, ``"bf16"``, ``"q8_0"``, ...).
+    batch_invariant : bool
+        Compute with ggml's CPU reference kernels (CPU device only), whose rows do not
+        depend on what else a forward computes: a row has the same bits alone, in a chunk of
+        any length (a whole ``n_ubatch`` chunk too), batched with other slots' rows or with
+        drafts, at any KV length. Without it ggml's CPU flash attention takes a tiled path for
+        chunks of 64 rows or more and, with two threads or more, splits a lone single-row
+        step's KV of 512 cells or more over the threads, so those rows differ. Prefill is
+        slower (docs/performance.md "Batch-invariant kernels").
     use_mmap : bool
         Map the file instead of reading it (does not change numerics).
     mtp : bool
@@ -104,12 +112,13 @@ class Engine(_CoreEngine):
     def __init__(self, model: str | os.PathLike, layers: tuple[int, int] | None = None, *,
                  n_ctx: int = 1024, n_slots: int = 1, n_threads: int = 1, n_ubatch: int = 64,
                  flash_attn: bool = True, type_k: str = "f16", type_v: str = "f16",
-                 use_mmap: bool = True, mtp: bool = False, device: str = "cpu",
+                 batch_invariant: bool = False, use_mmap: bool = True, mtp: bool = False, device: str = "cpu",
                  device_memory_limit: int = 0):
         self.model_path = os.fspath(model)
         self.settings = {"n_ctx": n_ctx, "n_slots": n_slots, "n_threads": n_threads,
                          "n_ubatch": n_ubatch, "flash_attn": bool(flash_attn),
-                         "type_k": type_k, "type_v": type_v}
+                         "type_k": type_k, "type_v": type_v,
+                         "batch_invariant": bool(batch_invariant)}
         info = self._info()
         #: the device as ``device=`` names it ("cpu", "Vulkan0"), and its kind as routes and
         #: lanes compare it (``dgr.protocol.settings.compute_kind``)

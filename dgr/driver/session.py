@@ -284,6 +284,8 @@ class AsyncRouteSession:
         base = max(0, min(common, aligned))
         base -= base % ub
         full = n - n % ub  # where a fresh prefill of ``prompt`` ends its whole chunks
+        if self._any_rows():
+            return min(common, self._computed())
         rows, single, least = self._row_rule()
         if common <= full or aligned < full or not rows:
             return base
@@ -309,6 +311,20 @@ class AsyncRouteSession:
             all(getattr(st, "prefix_single_rows_exact", False) for st in stages)
             and (not getattr(r, "speculate", "") or getattr(r, "max_draft", 0) + 1 < r.n_ubatch))
         return rows, single, 1 if single else 2
+
+    def _any_rows(self) -> bool:
+        """Whether a row's bits on this route do not depend on how its prompt was cut into
+        steps: every stage measured a whole chunk's rows, partial chunks' rows and rows one per
+        step alike (``prefix_chunk_rows_exact`` with ``_row_rule``'s; on the CPU only with
+        ``dgr.Engine(batch_invariant=True)``). Then a later prompt keeps every row it shares
+        (``reusable``), and the prefix stores name rows one key per position from 0."""
+        _, single, _ = self._row_rule()
+        return single and all(getattr(st, "prefix_chunk_rows_exact", False)
+                              for st in self.route.stages)
+
+    def _computed(self) -> int:
+        """How many of ``history``'s first positions every stage's cache holds (its steps')."""
+        return self.steps[-1][0] + self.steps[-1][1] if self.steps else 0
 
     def _rows_end(self, start: int, single: bool, least: int) -> int:
         """The end of the run of this session's steps from position ``start`` whose rows a
@@ -469,6 +485,8 @@ class AsyncRouteSession:
         whole = (n - 1) // ub
         rows, single, least = self._row_rule()
         tail = max(0, n - least - full) if rows and n % ub else 0
+        if self._any_rows():  # any row of the prompt but its last, one key each
+            whole, tail = 0, n - 1
         if not whole and not tail:
             return 0
         keys = self.prefix_keys(prompt, whole, tail)
@@ -485,9 +503,10 @@ class AsyncRouteSession:
         # which may take another kernel: keep the whole chunks only, roll the row back
         kept = full if m == full + 1 and not single else m
         self.history = [int(t) for t in prompt[:kept]]
-        self.steps = [(a, ub) for a in range(0, min(kept, full), ub)]
-        if kept > full:
-            self.steps.append((full, kept - full))
+        aligned = kept - kept % ub
+        self.steps = [(a, ub) for a in range(0, aligned, ub)]
+        if kept > aligned:
+            self.steps.append((aligned, kept - aligned))
         self.chunks = list(self.steps)
         self.rollback = m - kept
         return kept
@@ -505,7 +524,14 @@ class AsyncRouteSession:
         that does not releases it."""
         await self.hop_by_hop.close()
         r = self.route
-        if keep and r.prefix_store:
+        if keep and r.prefix_store and self._any_rows():
+            n = self._computed()
+            if n:
+                await asyncio.gather(*(c.keep(self.id, self.prefix_keys(self.history[:n], 0, n),
+                                              r.n_ubatch, 0) for c in r.clients),
+                                     return_exceptions=True)
+                return
+        elif keep and r.prefix_store:
             aligned = self.aligned()
             rows, single, least = self._row_rule()
             tail = self._rows_end(aligned, single, least) - aligned if rows else 0

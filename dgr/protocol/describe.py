@@ -70,6 +70,9 @@ class StageInfo:
     #: whether the stage computes rows one per step (decode steps) as a partial chunk does
     #: (measured when it started; False from a worker older than the field)
     prefix_single_rows_exact: bool = False
+    #: whether the stage computes a whole chunk's rows as partial chunks do (measured when it
+    #: started where single rows are alike; False from a worker older than the field)
+    prefix_chunk_rows_exact: bool = False
     #: the prefix store's figures (``PREFIX_STORE_FIELDS``: size, entries, positions, bytes,
     #: hits, misses, evictions); empty from a worker older than the store (none)
     prefix_store: dict = field(default_factory=dict)
@@ -117,6 +120,8 @@ class StageInfo:
             prefix_rows_exact=r.HasField("prefix_rows_exact") and r.prefix_rows_exact,
             prefix_single_rows_exact=(r.HasField("prefix_single_rows_exact")
                                       and r.prefix_single_rows_exact),
+            prefix_chunk_rows_exact=(r.HasField("prefix_chunk_rows_exact")
+                                     and r.prefix_chunk_rows_exact),
             prefix_store=({k: int(getattr(r.prefix_store, k)) for k in PREFIX_STORE_FIELDS}
                           if r.HasField("prefix_store") else {}),
             **{k: getattr(r, k) if r.HasField(k) else None for k in COUNTERS})

@@ -31,6 +31,9 @@ class _Setting:
     flag: str         # its command-line flag
     default: Any      # the command line's default (a worker's)
     help: str
+    #: a setting added after identities were first kept: ``settings_tag`` spells it only away
+    #: from its default, so stages that leave it alone keep the identities they had
+    later: bool = False
 
 
 _SETTINGS = (
@@ -41,6 +44,12 @@ _SETTINGS = (
     _Setting("flash_attn", "fa", "--flash-attn", True, "flash attention, on or off"),
     _Setting("type_k", "k", "--type-k", "f16", "KV cache type of K"),
     _Setting("type_v", "v", "--type-v", "f16", "KV cache type of V"),
+    _Setting("batch_invariant", "bi", "--batch-invariant", False,
+             "batch-invariant kernels (cpu device only): ggml's CPU reference kernels, so a "
+             "row's bits do not depend on what else its forward computes (a chunk of any "
+             "length, other sessions' rows, drafts, any KV length); prompt caches then keep "
+             "every row, batched sessions and speculation give the whole model's own tokens "
+             "at every context length; prefill is slower (docs/performance.md)", later=True),
 )
 NUMERIC_SETTINGS = tuple(s.key for s in _SETTINGS)
 #: The compute device: not in the settings tag (its name is the machine's own); the stage
@@ -64,7 +73,9 @@ def settings_tag(settings: dict) -> str:
     """A short, stable spelling of the numeric engine settings, e.g. ``ctx1024.slots4.t1...``."""
     parts = []
     for s in _SETTINGS:
-        v = settings[s.key]
+        v = settings.get(s.key, s.default) if s.later else settings[s.key]
+        if s.later and v == s.default:
+            continue
         parts.append(f"{s.tag}{int(v) if isinstance(v, bool) else v}")
     return ".".join(parts)
 

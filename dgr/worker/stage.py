@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from dgr import __version__, errors
+from dgr.control.prefix import chunk_rows_exact_cached as prefix_chunk_rows_exact
 from dgr.control.prefix import rows_exact_cached as prefix_rows_exact
 from dgr.control.prefix import single_rows_exact_cached as prefix_single_rows_exact
 from dgr.protocol import prefix, wire
@@ -94,7 +95,12 @@ class Worker(StagePipeline):
         self.prefix_rows_exact = prefix_rows_exact(engine)
         #: and rows computed one per step (``Describe.prefix_single_rows_exact``: routes reuse
         #: a reply's decoded rows only where every stage says so)
-        self.prefix_single_rows_exact = prefix_single_rows_exact(engine)
+        self.prefix_single_rows_exact = (self.prefix_rows_exact
+                                         and prefix_single_rows_exact(engine))
+        #: and a whole chunk's rows (``Describe.prefix_chunk_rows_exact``: with the two above,
+        #: routes keep every row a later prompt shares); measured only where it could count
+        self.prefix_chunk_rows_exact = (self.prefix_single_rows_exact
+                                        and prefix_chunk_rows_exact(engine))
         #: the stage's scheduler: every step of both planes computes through it
         self.stage_loop = StageLoop(self, max_tokens=int(self.settings["n_ubatch"]),
                               batching=c.batching, burst=self._burst,
@@ -144,6 +150,7 @@ class Worker(StagePipeline):
             device=self.device_facts(),
             prefix_rows_exact=self.prefix_rows_exact,
             prefix_single_rows_exact=self.prefix_single_rows_exact,
+            prefix_chunk_rows_exact=self.prefix_chunk_rows_exact,
             prefix_store=self.prefix_store(),
         )
 

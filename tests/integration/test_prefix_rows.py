@@ -136,3 +136,90 @@ def test_a_worker_serves_its_measurement_in_describe(tiny_q8, ub, exact):
     assert info.to_dict()["prefix_rows_exact"] is exact
     assert info.prefix_single_rows_exact is exact
     assert info.to_dict()["prefix_single_rows_exact"] is exact
+
+
+LONG = dict(n_ctx=2048, n_slots=2, n_threads=2, n_ubatch=32)
+
+
+def test_rows_far_into_a_context_are_measured_too(tiny_q8):
+    """With two threads ggml's CPU flash attention splits a lone single-row step's KV of 512
+    cells or more over the threads: rows alike at the start of a context differ further on.
+    The checks measure there too; the batch-invariant kernels make every kind of row alike."""
+    e = dgr.Engine(tiny_q8, layers=(1, 3), **LONG)
+    assert prefix.FAR >= 512 + 32
+    assert prefix.rows_exact(e)
+    assert not prefix.single_rows_exact(e)
+    # the same engine with a context too short to reach 512 cells: alike everywhere
+    assert prefix.single_rows_exact(dgr.Engine(tiny_q8, layers=(1, 3), **{**LONG, "n_ctx": 256}))
+    bi = dgr.Engine(tiny_q8, layers=(1, 3), batch_invariant=True, **LONG)
+    assert bi.settings["batch_invariant"] and bi.describe()["settings"]["batch_invariant"]
+    assert prefix.rows_exact(bi) and prefix.single_rows_exact(bi) and prefix.chunk_rows_exact(bi)
+
+
+def test_a_tiled_chunk_is_not_a_partial_chunk_without_batch_invariant_kernels(tiny_q8):
+    # 128 rows as one chunk take the tiled flash attention; 64 + 64 and 126 + 2 do not
+    assert not prefix.chunk_rows_exact(dgr.Engine(tiny_q8, **{**SMALL, "n_ubatch": 128}))
+    assert prefix.chunk_rows_exact(dgr.Engine(tiny_q8, batch_invariant=True,
+                                              **{**SMALL, "n_ubatch": 128}))
+
+
+def test_batch_invariant_kernels_need_the_cpu_device(tiny_q8):
+    with pytest.raises(dgr.errors.InvalidArgument, match="batch_invariant"):
+        dgr.Engine(tiny_q8, device="Vulkan0", batch_invariant=True, **SMALL)
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_a_long_chats_next_turn_keeps_what_the_kernels_allow_with_a_fresh_prefills_bits(
+        tiny_q8, invariant):
+    """A next turn past 512 positions, growing across a chunk boundary, on a 3-stage route
+    with two threads per stage. By default the reply's decoded rows (split-KV single rows) and
+    the rows past the last whole chunk are recomputed; with batch-invariant kernels every
+    shared row is kept, by the front's kind of kept session and by the stages' prefix stores.
+    Either way the next reply's tokens and logits are a fresh prefill's, bit for bit."""
+    ws = [ThreadedWorker(dgr.Engine(tiny_q8, layers=r, batch_invariant=invariant, **LONG))
+          for r in [(0, 1), (1, 3), (3, 4)]]
+    rng = np.random.default_rng(5)
+    prompt = [int(t) for t in rng.integers(3, 120, 600)]  # 18 whole chunks of 32 and 24 rows
+
+    async def go():
+        async with AsyncRoute([w.address for w in ws]) as r:
+            assert all(st.prefix_chunk_rows_exact is invariant for st in r.stages)
+            s = r.session("kept")
+            reply = [t async for t in s.generate(prompt, max_tokens=12, stop_on_eog=False)]
+            nxt = prompt + reply + [int(t) for t in rng.integers(3, 120, 20)]
+            keep = s.reusable(nxt)
+            # every forwarded row (not the last reply token: sampled, never forwarded), or, as
+            # the next turn's whole chunks go past the kept ones, the kept whole chunks only
+            assert keep == (len(prompt) + len(reply) - 1 if invariant
+                            else len(prompt) - len(prompt) % 32)
+            got = [t async for t in s.generate(nxt, max_tokens=8, stop_on_eog=False,
+                                               logits=True, reuse=keep)]
+            await s.close(keep=True)
+            fresh = r.session("fresh")
+            want = [t async for t in fresh.generate(nxt, max_tokens=8, stop_on_eog=False,
+                                                    logits=True)]
+            await fresh.close()
+            assert got == want and len(s.logits) == len(fresh.logits) == 8
+            assert all(a.tobytes() == b.tobytes() for a, b in zip(s.logits, fresh.logits))
+            # a later session adopts the kept session's rows from the stages' stores
+            later = nxt + got + [7, 8, 9]
+            a = r.session("adopting")
+            held = await a.adopt(later)
+            total = len(nxt) + len(got) - 1
+            # all of it, or whole chunks (the rows after them are hashed apart from chunks)
+            assert held == total if invariant else held and held % 32 == 0
+            again = [t async for t in a.generate(later, max_tokens=6, stop_on_eog=False,
+                                                 logits=True, reuse=held)]
+            await a.close()
+            b = r.session("fresh-2")
+            want = [t async for t in b.generate(later, max_tokens=6, stop_on_eog=False,
+                                                logits=True)]
+            await b.close()
+            assert again == want
+            assert all(x.tobytes() == y.tobytes() for x, y in zip(a.logits, b.logits))
+
+    try:
+        asyncio.run(go())
+    finally:
+        for w in ws:
+            w.stop()

@@ -27,6 +27,13 @@ struct EngineConfig {
     bool     flash_attn  = true;
     std::string type_k   = "f16";
     std::string type_v   = "f16";
+    // Batch-invariant kernels: ggml's CPU reference kernels (ggml_backend_cpu_set_use_ref),
+    // whose rows do not depend on what else the forward holds. A row then has the same bits
+    // alone, in a chunk of any length (a whole n_ubatch chunk too), batched with other
+    // sessions' rows or verified with drafts, at any KV length: without it ggml's CPU flash
+    // attention takes a tiled path for chunks of 64 rows or more and splits the KV of a lone
+    // single-row step of 512 cells or more over the threads. Slower prefill; CPU device only.
+    bool     batch_invariant = false;
     // The compute device: "cpu", or a ggml device name ("Vulkan0", "CUDA0", ...; see
     // ListDevices). Every owned layer, its KV cache (DeepSeek V4's compressed and indexer
     // state and the MTP cache too) and, on the last stage, the output head go there; the
@@ -60,6 +67,7 @@ struct EngineInfo {
     uint32_t n_ubatch = 0;
     int32_t  n_threads = 0;
     bool     flash_attn = false;
+    bool     batch_invariant = false;
     std::string type_k;
     std::string type_v;
     int32_t  hash_layer_count = 0; // layers that route experts by token id (DeepSeek V4)

@@ -28,6 +28,7 @@ cdef extern from "dgr/engine.h" namespace "dgr" nogil:
         int32_t n_threads
         uint32_t n_ubatch
         bool flash_attn
+        bool batch_invariant
         string type_k
         string type_v
         string device
@@ -59,6 +60,7 @@ cdef extern from "dgr/engine.h" namespace "dgr" nogil:
         uint32_t n_ubatch
         int32_t n_threads
         bool flash_attn
+        bool batch_invariant
         string type_k
         string type_v
         int32_t hash_layer_count
