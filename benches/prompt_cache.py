@@ -3,7 +3,8 @@ stages' prefix stores alone, with neither, and ``llama-server`` (its slot cache)
 model, side by side in one run.
 
     python benches/prompt_cache.py [--turns 5] [--tokens 32] [--stages 3] [--rules 18]
-                                   [--ctx 1024] [--rtt MS] [--agent] [--json out.json]
+                                   [--ctx 1024] [--rtt MS] [--agent] [--batch-invariant]
+                                   [--json out.json]
 
 Each server holds its own conversation: a system prompt of about 570 tokens, then per turn a
 short user message; the reply (greedy, ``--tokens`` at most) joins the history, and the next
@@ -28,6 +29,11 @@ short observation, as a tool-using loop sends many short turns over a fixed pref
 session adopts the whole chunks the previous turn's session left in the stages' prefix stores
 (docs/serve.md "Prefix store"), as a second front on the same workers, or a restarted one,
 would; ``dgr no cache`` uses neither (``--no-prefix-store``).
+
+``--batch-invariant``: two more fronts, ``dgr cache (bi)`` and ``dgr store (bi)``, whose stages
+run the batch-invariant kernels (``--batch-invariant on``: a row's bits do not depend on how its
+prompt was cut into steps, so they reuse every shared row, as llama-server does, and stay
+exact), in the same run.
 
 After each turn the dgr front with the cache reports what its kept sessions hold (``/status``
 ``prompt_cache.bytes``: one KV cell per kept position on every stage), the memory an entry
@@ -121,6 +127,9 @@ def main(argv=None) -> int:
     ap.add_argument("--agent", action="store_true",
                     help="an agent loop: three function tools in every request, short "
                          "observations as turns (module docstring)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="also run a cached and a store-only front whose stages compute with the "
+                         "batch-invariant kernels (module docstring)")
     args = ap.parse_args(argv)
     from dgr.artifacts import models
 
@@ -128,12 +137,18 @@ def main(argv=None) -> int:
     name = "bench"
     fronts = {"dgr cache": ["--prompt-cache", "2"], "dgr store": ["--prompt-cache", "0"],
               "dgr no cache": ["--prompt-cache", "0", "--no-prefix-store"]}
+    invariant = ["--batch-invariant", "on"]  # the engine flag: every stage of the front
+    engine = {k: [] for k in fronts}
+    if args.batch_invariant:
+        fronts |= {"dgr cache (bi)": ["--prompt-cache", "2"],
+                   "dgr store (bi)": ["--prompt-cache", "0"]}
+        engine |= {"dgr cache (bi)": invariant, "dgr store (bi)": invariant}
     ports = {k: free_port() for k in (*fronts, "llama-server")}
     common = ["--stages", str(args.stages), "--model-name", name, "--ctx", str(args.ctx),
               "--slots", "2", "--threads", "1", "--ubatch", str(args.ubatch), "--flash-attn",
               "on"]
     cmds = {k: [sys.executable, "-m", "dgr", "serve", "--model", model, "--port", str(ports[k]),
-                *flags, *common] for k, flags in fronts.items()}
+                *flags, *common, *engine[k]] for k, flags in fronts.items()}
     cmds |= {
         "llama-server": [llama_server(), "-m", model, "--host", "127.0.0.1", "--port",
                          str(ports["llama-server"]), "-t", "1", "-tb", "1", "-c",
@@ -149,7 +164,8 @@ def main(argv=None) -> int:
         n_layer = int(kv[f"{kv['general.architecture']}.block_count"])
         for k, flags in fronts.items():
             c = EmulatedCluster(model, args.stages, n_layer, args.rtt,
-                                ["--ctx", str(args.ctx), "--ubatch", str(args.ubatch)],
+                                ["--ctx", str(args.ctx), "--ubatch", str(args.ubatch),
+                                 *engine[k]],
                                 n_slots=2)
             clusters.append(c)
             c.start()
@@ -205,6 +221,15 @@ def main(argv=None) -> int:
         print(f"| {r['turn']} | {r['dgr cache']['prompt_tokens']} | {a:.0f} | {s_:.0f} | "
               f"{b:.0f} | {c:.0f} | {a / b:.2f} | {s_ / b:.2f} | {a / c:.2f} | {s_ / c:.2f} | "
               f"{r['cache_held']['bytes'] / 2**20:.1f} |")
+    if args.batch_invariant:
+        print("\n| turn | dgr cache (bi) ms | dgr store (bi) ms | llama-server ms | "
+              "cache (bi) / llama-server | store (bi) / llama-server | cache (bi) / cache |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            a, s_, c, d = (r[k]["ttft_ms"] for k in ("dgr cache (bi)", "dgr store (bi)",
+                                                      "llama-server", "dgr cache"))
+            print(f"| {r['turn']} | {a:.0f} | {s_:.0f} | {c:.0f} | {a / c:.2f} | {s_ / c:.2f} | "
+                  f"{a / d:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": model, "rtt_ms": args.rtt, "agent": args.agent,

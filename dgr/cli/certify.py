@@ -154,7 +154,8 @@ def certify(model: str | os.PathLike, ranges: Sequence[tuple[int, int]], *,
     dev = capability.device_of(whole)
     lane = Lane(backend=dev["backend"], model_identity=model_identity(model),
                 model_name=os.path.basename(model), quantisation=capability.quantisation(model),
-                codec=codec, settings=settings, stages=[[a, b] for a, b in ranges],
+                codec=codec, settings=engine_settings.canonical(settings),
+                stages=[[a, b] for a, b in ranges],
                 device=dev["device"], device_type=dev["device_type"], driver=dev["driver"],
                 software_device=dev["software"])
     rec = Certification(
@@ -168,6 +169,17 @@ def certify(model: str | os.PathLike, ranges: Sequence[tuple[int, int]], *,
     return rec, (write(rec, store) if ok else None)
 
 
+def _far(settings: dict, rows: int) -> int:
+    """How far into a context the batching and speculation checks measure a second time
+    (``dgr.control.prefix.FAR``, or the last whole chunk that leaves ``rows`` of room; 0 for
+    none): kernels may switch with the KV's length."""
+    from dgr.control.prefix import FAR
+
+    ub = int(settings["n_ubatch"])
+    far = min(FAR, int(settings["n_ctx"]) - rows)
+    return max(far - far % ub, 0)
+
+
 def _batching(model: str, whole, settings: dict, say, sessions: int = 4) -> Batching:
     """The lane's batched-against-alone record, measured on the whole model with the lane's
     settings (``sessions`` slots at least)."""
@@ -177,8 +189,9 @@ def _batching(model: str, whole, settings: dict, say, sessions: int = 4) -> Batc
     eng = whole if whole.n_slots >= sessions else Engine(
         model, **{**settings, "n_slots": sessions})
     steps = 8
-    m = measure(eng, sessions=sessions, decode_steps=steps,
-                longest_prompt=max(2, min(40, int(settings["n_ctx"]) - steps)))
+    longest = max(2, min(40, int(settings["n_ctx"]) - steps))
+    m = measure(eng, sessions=sessions, decode_steps=steps, longest_prompt=longest,
+                far=_far(settings, longest + steps))
     say(f"batched against alone ({m.sessions} sessions, {m.rows} rows): "
         + ("bit-identical" if m.bit_identical else
            f"differ: max |diff| {m.max_abs_diff:.3g}, top-1 agreement {m.top1_agreement:.3f}"))
@@ -193,8 +206,9 @@ def _speculation(whole, settings: dict, say, max_draft: int = 4) -> Speculation:
 
     n_ctx = int(settings["n_ctx"])
     decode = max(2, min(32, n_ctx - 24 - max_draft))
-    m = measure(whole, prompt_tokens=max(1, min(24, n_ctx - decode - max_draft)),
-                decode_tokens=decode, max_draft=max_draft)  # (it releases its slot)
+    prompt = max(1, min(24, n_ctx - decode - max_draft))
+    m = measure(whole, prompt_tokens=prompt, decode_tokens=decode, max_draft=max_draft,
+                far=_far(settings, prompt + decode + max_draft))  # (it releases its slot)
     say(f"speculative trips against single steps ({m.trips} trips, {m.rows} rows): "
         + ("bit-identical" if m.bit_identical else
            f"differ: max |diff| {m.max_abs_diff:.3g}, top-1 agreement {m.top1_agreement:.3f}"))
@@ -236,7 +250,9 @@ def _prefix_cache(route, tokens: list[int], *, n_ctx: int, max_tokens: int,
                       max_abs_diff=diff,
                       partial_rows_exact=[bool(st.prefix_rows_exact) for st in route.stages],
                       decoded_rows_exact=[bool(st.prefix_single_rows_exact)
-                                          for st in route.stages])
+                                          for st in route.stages],
+                      chunk_rows_exact=[bool(st.prefix_chunk_rows_exact)
+                                        for st in route.stages])
     say(f"prompt cache: {prefix_cache_line(rec)}")
     return rec
 
@@ -245,7 +261,9 @@ def prefix_cache_line(p: PrefixCache | None) -> str:
     """A record's prompt-cache figure in one line."""
     if p is None:
         return "not measured (a record from before the prompt cache was measured)"
-    rule = ("whole chunks, partial-chunk and decoded rows" if all(p.decoded_rows_exact)
+    rule = ("every row, however cut into steps" if p.chunk_rows_exact and all(p.chunk_rows_exact)
+            and all(p.decoded_rows_exact)
+            else "whole chunks, partial-chunk and decoded rows" if all(p.decoded_rows_exact)
             else "whole chunks and partial-chunk rows" if all(p.partial_rows_exact)
             else "whole chunks only")
     head = (f"a next turn keeping {p.kept_positions} of its {p.prompt_tokens} prompt "

@@ -173,10 +173,10 @@ def record_for(engine, *, worker=None, cert_store: str | os.PathLike | None = No
     (``dgr.control.certificates.match``): matches go to ``lanes``, the others to ``uncertified``.
     """
     from dgr import __version__
-    from dgr.protocol.settings import stage_identity
+    from dgr.protocol.settings import canonical, stage_identity
 
     info = worker.info if worker is not None else engine.describe()
-    settings = dict(engine.settings)
+    settings = canonical(engine.settings)
     bi = build_info()
     dev = device_of(engine, worker)
     _, _, isa = cpu_features()

@@ -136,6 +136,8 @@ class PrefixCache(msgspec.Struct, kw_only=True):
     max_abs_diff: float
     partial_rows_exact: list[bool]    # per stage (Describe.prefix_rows_exact)
     decoded_rows_exact: list[bool]    # per stage (Describe.prefix_single_rows_exact)
+    #: per stage (Describe.prefix_chunk_rows_exact; empty in a record from before it)
+    chunk_rows_exact: list[bool] = []
 
 
 class Scenario(msgspec.Struct, kw_only=True):

@@ -19,7 +19,7 @@ from typing import Any
 
 from dgr.errors import InvalidArgument
 
-__all__ = ["NUMERIC_SETTINGS", "ENGINE_SETTINGS", "DEFAULTS", "CPU", "settings_tag",
+__all__ = ["NUMERIC_SETTINGS", "ENGINE_SETTINGS", "DEFAULTS", "CPU", "settings_tag", "canonical",
            "compute_kind", "is_software_device", "stage_identity", "add_arguments", "from_args",
            "to_argv"]
 
@@ -78,6 +78,14 @@ def settings_tag(settings: dict) -> str:
             continue
         parts.append(f"{s.tag}{int(v) if isinstance(v, bool) else v}")
     return ".".join(parts)
+
+
+def canonical(settings: dict) -> dict:
+    """``settings`` as records that outlive a build compare and name them (a lane's, a
+    capability record's): a setting added after such records were first kept is left out at
+    its default, so a record made before it still matches, and keeps its id."""
+    later = {s.key: s.default for s in _SETTINGS if s.later}
+    return {k: v for k, v in settings.items() if not (k in later and v == later[k])}
 
 
 def compute_kind(backend: str, description: str = "") -> str:
