@@ -17,6 +17,16 @@ def tiny_llama(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_q8(tmp_path_factory):
+    """The tiny llama with q8_0 matrices, written once per session: its one-row products take
+    the many-row kernel's path (as SmolLM2's Q4_1 ones do), where f32 matrices take another."""
+    from dgr.testing.fixtures import TinyLlama, write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("q8") / "tiny-q8.gguf",
+                            TinyLlama(weight_type="q8_0"))
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M-Instruct Q4_1 from the model registry (fetched and verified if missing)."""
     from dgr.artifacts import models

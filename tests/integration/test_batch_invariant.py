@@ -12,15 +12,8 @@ import pytest
 import dgr
 from dgr.control import batching, speculation
 from dgr.protocol import settings as engine_settings
-from dgr.testing.fixtures import TinyLlama, write_tiny_llama
 
 LONG = dict(n_ctx=2048, n_slots=4, n_threads=2, n_ubatch=32)
-
-
-@pytest.fixture(scope="module")
-def tiny_q8(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("q8") / "tiny-q8.gguf",
-                            TinyLlama(weight_type="q8_0"))
 
 
 @pytest.mark.parametrize("invariant", [False, True])

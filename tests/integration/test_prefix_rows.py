@@ -14,7 +14,6 @@ import pytest
 import dgr
 from dgr.control import prefix
 from dgr.driver.route import AsyncRoute
-from dgr.testing.fixtures import TinyLlama, write_tiny_llama
 from dgr.transport.client import ShardClient
 from dgr.worker.process import ThreadedWorker
 
@@ -29,14 +28,6 @@ def test_partial_chunks_compute_rows_alike_on_every_range(tiny_llama, layers):
     assert e.forward(0, 0, np.arange(3) if e.is_first else None,
                      None if e.is_first else np.zeros((3, e.n_embd_boundary), np.float32)
                      ).shape[0] in (1, 3)
-
-
-@pytest.fixture(scope="module")
-def tiny_q8(tmp_path_factory):
-    """The tiny llama with q8_0 matrices: its one-row products take the many-row kernel's
-    path (as SmolLM2's Q4_1 ones do), where f32 matrices take another."""
-    return write_tiny_llama(tmp_path_factory.mktemp("q8") / "tiny-q8.gguf",
-                            TinyLlama(weight_type="q8_0"))
 
 
 @pytest.mark.parametrize("layers", [None, (0, 1), (1, 3), (3, 4)])

@@ -4,7 +4,8 @@ through a 3-stage route, greedy and seeded, with eviction pressure (a cache of 2
 4 prompt families; stores of 4 slots each, shared with the cached front's closed sessions)
 give the text and the log probabilities of the same requests through a front that uses
 neither, bit for bit; and both were used, whole chunks and partial chunks' rows (n_ubatch 8,
-and 250 requests at 64, where a whole chunk takes other kernels than a partial one)."""
+and 250 requests at 64, where a whole chunk takes other kernels than a partial one, and 250
+at 64 on stages with the batch-invariant kernels, where every row is kept)."""
 
 from __future__ import annotations
 
@@ -26,12 +27,17 @@ TINY = dict(n_ctx=256, n_slots=4, n_threads=1)
 
 # n_ubatch 8: every chunk takes the same kernels, so rows are reused token by token; 64: ggml's
 # CPU flash attention tiles a whole chunk of 64 rows, so a whole chunk's rows are reused only
-# as the whole chunk, and a partial chunk's rows token by token
-@pytest.fixture(scope="module", params=[8, 64], ids=["ub8", "ub64"])
-def fronts(tiny_llama, request):
+# as the whole chunk, and a partial chunk's rows token by token; 64 with the batch-invariant
+# kernels (q8_0 matrices, whose one-row products are a chunk's): every row, however cut
+@pytest.fixture(scope="module", params=[8, 64, "64bi"], ids=["ub8", "ub64", "ub64-invariant"])
+def fronts(tiny_llama, tiny_q8, request):
     from dgr.serve.app import create_app
 
-    ws = [ThreadedWorker(dgr.Engine(tiny_llama, layers=r, n_ubatch=request.param, **TINY))
+    invariant = request.param == "64bi"
+    ub = 64 if invariant else request.param
+    model = tiny_q8 if invariant else tiny_llama
+    ws = [ThreadedWorker(dgr.Engine(model, layers=r, n_ubatch=ub, batch_invariant=invariant,
+                                    **TINY))
           for r in [(0, 1), (1, 3), (3, 4)]]
     addrs = [w.address for w in ws]
     cached = Served(create_app(AsyncRoute(addrs), model="tiny", prompt_cache=2,
@@ -39,7 +45,7 @@ def fronts(tiny_llama, request):
     plain = Served(create_app(AsyncRoute(addrs), model="tiny", prefix_store=False))
     stored = Served(create_app(AsyncRoute(addrs), model="tiny"))  # the stages' stores only
     clients = [s.openai(api_key="x") for s in (cached, plain, stored)]
-    yield clients, (cached, stored), request.param
+    yield clients, (cached, stored), ub
     for s in (cached, plain, stored):
         s.stop()
     for w in ws:
