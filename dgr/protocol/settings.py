@@ -20,6 +20,7 @@ from typing import Any
 from dgr.errors import InvalidArgument
 
 __all__ = ["NUMERIC_SETTINGS", "ENGINE_SETTINGS", "DEFAULTS", "CPU", "settings_tag", "canonical",
+           "complete",
            "compute_kind", "is_software_device", "stage_identity", "add_arguments", "from_args",
            "to_argv"]
 
@@ -86,6 +87,12 @@ def canonical(settings: dict) -> dict:
     its default, so a record made before it still matches, and keeps its id."""
     later = {s.key: s.default for s in _SETTINGS if s.later}
     return {k: v for k, v in settings.items() if not (k in later and v == later[k])}
+
+
+def complete(settings: dict) -> dict:
+    """``settings`` with every setting added later (``canonical``'s) at its default where it is
+    missing: an engine built before such a setting existed computes as its default does."""
+    return {**{s.key: s.default for s in _SETTINGS if s.later}, **settings}
 
 
 def compute_kind(backend: str, description: str = "") -> str:

@@ -36,7 +36,7 @@ from dgr import errors
 from dgr.protocol import wire
 from dgr.protocol.describe import COUNTERS
 from dgr.protocol.sampling import params_of, sample_rows
-from dgr.protocol.settings import CPU, stage_identity
+from dgr.protocol.settings import CPU, complete, stage_identity
 from dgr.transport.common import MAX_MESSAGE
 from dgr.worker.grammar import Grammars
 from dgr.worker.history import Histories
@@ -146,7 +146,7 @@ class StagePipeline:
         self.max_payload = max_message
         info = engine.describe()
         self.info = info
-        self.settings = dict(engine.settings)
+        self.settings = complete(engine.settings)
         self.model_identity = info["identity"]
         #: the kind of the engine's device (``compute_kind``): part of the stage identity
         self.device_kind = getattr(engine, "compute", CPU)

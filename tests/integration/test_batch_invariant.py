@@ -41,6 +41,10 @@ def test_the_setting_is_a_numeric_setting_that_leaves_old_identities_alone():
     assert "batch_invariant" not in engine_settings.canonical(base)
     assert engine_settings.canonical({**base, "batch_invariant": True})["batch_invariant"]
     assert engine_settings.to_argv({"batch_invariant": True}) == ["--batch-invariant", "on"]
+    # an engine from before the setting (a stand-in) computes as its default does
+    old = {k: v for k, v in base.items() if k != "batch_invariant"}
+    assert engine_settings.complete(old) == base
+    assert engine_settings.complete({**base, "batch_invariant": True})["batch_invariant"]
 
 
 def test_a_route_refuses_stages_that_disagree_on_it(tiny_q8):

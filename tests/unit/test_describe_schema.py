@@ -27,7 +27,7 @@ class StandIn:
     """The engine facts a worker reads, none of them a default value."""
 
     settings = {"n_ctx": 96, "n_slots": 3, "n_threads": 2, "n_ubatch": 16, "flash_attn": False,
-                "type_k": "q8_0", "type_v": "f32"}
+                "type_k": "q8_0", "type_v": "f32", "batch_invariant": True}
     layers = (2, 5)
     is_first, is_last, needs_token_ids = False, False, True
     n_embd_boundary, n_vocab, n_slots = 24, 40, 3

@@ -11,20 +11,24 @@ import pytest
 from dgr.serve.prefix import PrefixPool, session_bytes
 
 
-def _session(history, steps, ub=4, chunks=None, rows_exact=(False,), single=None, **route):
+def _session(history, steps, ub=4, chunks=None, rows_exact=(False,), single=None, chunk=None,
+             **route):
     """An ``AsyncRouteSession``'s reuse state: ``chunks`` are the prompt chunks among
     ``steps`` (default: every step of more than one token), each stage's
-    ``prefix_rows_exact`` from ``rows_exact`` and ``prefix_single_rows_exact`` from ``single``
-    (default: False everywhere); ``route``: the route's ``speculate`` and ``max_draft``."""
+    ``prefix_rows_exact`` from ``rows_exact``, ``prefix_single_rows_exact`` from ``single``
+    and ``prefix_chunk_rows_exact`` from ``chunk`` (default: False everywhere); ``route``: the route's ``speculate`` and ``max_draft``."""
     from dgr.driver.session import AsyncRouteSession
 
-    stages = [SimpleNamespace(prefix_rows_exact=r, prefix_single_rows_exact=o)
-              for r, o in zip(rows_exact, single or [False] * len(rows_exact))]
+    n = len(rows_exact)
+    stages = [SimpleNamespace(prefix_rows_exact=r, prefix_single_rows_exact=o,
+                              prefix_chunk_rows_exact=c)
+              for r, o, c in zip(rows_exact, single or [False] * n, chunk or [False] * n)]
     s = SimpleNamespace(history=list(history), steps=list(steps), rollback=0, logits=[],
                         chunks=list(chunks if chunks is not None
                                     else [st for st in steps if st[1] > 1]),
                         route=SimpleNamespace(n_ubatch=ub, stages=stages, **route))
-    for name in ("aligned", "reusable", "_keep", "_row_rule", "_rows_end"):
+    for name in ("aligned", "reusable", "_keep", "_row_rule", "_rows_end", "_any_rows",
+                 "_computed"):
         setattr(s, name, getattr(AsyncRouteSession, name).__get__(s))
     return s
 
@@ -96,6 +100,23 @@ def test_decoded_rows_are_reused_where_every_stage_computes_single_rows_alike():
     short = _session(range(12), [(0, 7), *[(i, 1) for i in range(7, 11)]],
                      single=(True, True), ub=8, rows_exact=(True, True))
     assert short.reusable(list(range(12)) + [99] * 5) == 0  # rows 0-7 are one whole chunk now
+
+
+def test_every_shared_row_is_reused_where_every_stage_computes_any_cut_alike():
+    # whole chunk, partial chunk and single rows alike on every stage (batch-invariant
+    # kernels): a next turn crossing the kept session's last whole chunk keeps every row
+    steps = [(0, 4), (4, 3), (7, 1), (8, 1)]  # n_ubatch 4: a whole chunk, a partial, 2 decoded
+    every = dict(ub=4, rows_exact=(True, True), single=(True, True))
+    s = _session(range(10), steps, chunk=(True, True), **every)
+    assert s.reusable(list(range(10)) + [99] * 6) == 9  # every forwarded row (not token 9's)
+    assert s.reusable(list(range(6)) + [99]) == 6       # into a chunk, any row
+    assert s.reusable(list(range(9))) == 8              # one token left to prefill
+    # one stage computes a whole chunk's rows otherwise: the rows past whole chunks' rule
+    assert _session(range(10), steps, chunk=(True, False), **every).reusable(
+        list(range(10)) + [99] * 6) == 4
+    # whole chunks alike but single rows not: the same
+    assert _session(range(10), steps, ub=4, rows_exact=(True, True), single=(True, False),
+                    chunk=(True, True)).reusable(list(range(10)) + [99] * 6) == 4
 
 
 def test_tenants_eviction_and_age():
