@@ -129,6 +129,11 @@ def _cmd_serve(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.route and engine_settings.given(args):
+        print(f"error: {', '.join(engine_settings.given(args))} set the engines of the workers "
+              "serve starts without --route; the workers of a --route keep the settings they "
+              "were started with (python -m dgr.worker takes the same flags)", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="[dgr.serve] %(levelname)s %(message)s")
     if not api_keys and not is_loopback(args.host):

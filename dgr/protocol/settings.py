@@ -20,7 +20,7 @@ from typing import Any
 from dgr.errors import InvalidArgument
 
 __all__ = ["NUMERIC_SETTINGS", "ENGINE_SETTINGS", "DEFAULTS", "CPU", "settings_tag", "canonical",
-           "complete",
+           "complete", "given",
            "compute_kind", "is_software_device", "stage_identity", "add_arguments", "from_args",
            "to_argv"]
 
@@ -151,6 +151,12 @@ def from_args(args: argparse.Namespace) -> dict:
     """The settings ``add_arguments`` parsed, keyed as ``dgr.Engine`` takes them (the numeric
     ones and ``device``)."""
     return {k: getattr(args, k) for k in ENGINE_SETTINGS}
+
+
+def given(args: argparse.Namespace) -> list[str]:
+    """The engine flags ``add_arguments`` parsed away from their defaults (a command that starts
+    no engine refuses them rather than ignore them)."""
+    return [s.flag for s in (*_SETTINGS, _DEVICE) if getattr(args, s.key, s.default) != s.default]
 
 
 def to_argv(settings: dict) -> list[str]:

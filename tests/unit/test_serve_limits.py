@@ -481,6 +481,16 @@ def test_serve_beyond_loopback_with_keys_or_insecure_starts(serve_cmd, monkeypat
     assert rc == 2
 
 
+@pytest.mark.parametrize("flag", [["--batch-invariant", "on"], ["--ctx", "512"],
+                                  ["--device", "Vulkan0"]])
+def test_serve_refuses_engine_flags_with_a_route(serve_cmd, flag, capsys):
+    # the route's workers keep their own settings: a flag serve would not honour is refused
+    rc, ran = serve_cmd(*flag)
+    err = capsys.readouterr().err
+    assert rc == 2 and ran == [] and flag[0] in err and "python -m dgr.worker" in err
+    assert serve_cmd("--batch-invariant", "off")[0] == 0  # the default is no change
+
+
 def test_serve_prompt_cache_flags(serve_cmd, monkeypatch):
     """--prompt-cache N and --prompt-cache-ttl S reach the app (its pool); bad values stop
     the command before it serves."""
