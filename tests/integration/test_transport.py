@@ -76,7 +76,8 @@ def test_describe_health_tokenizer(served, engine):
     assert info.layers == (0, 4) and info.n_layer == 4 and info.is_first and info.is_last
     assert info.model_identity == engine.identity and info.identity == stage_identity(
         engine.identity, engine.settings)
-    assert info.settings == {**SETTINGS, "flash_attn": True, "type_k": "f16", "type_v": "f16"}
+    assert info.settings == {**SETTINGS, "flash_attn": True, "type_k": "f16", "type_v": "f16",
+                             "batch_invariant": False}
     assert info.boundary_width == 64 and info.boundary_dtype == "f32" and info.n_vocab == 128
     assert info.free_slots == 2 and not info.draining and info.arch == "llama"
     assert info.wire_format_version == wire.FORMAT_VERSION
