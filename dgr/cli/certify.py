@@ -171,13 +171,11 @@ def certify(model: str | os.PathLike, ranges: Sequence[tuple[int, int]], *,
 
 def _far(settings: dict, rows: int) -> int:
     """How far into a context the batching and speculation checks measure a second time
-    (``dgr.control.prefix.FAR``, or the last whole chunk that leaves ``rows`` of room; 0 for
-    none): kernels may switch with the KV's length."""
-    from dgr.control.prefix import FAR
+    (``dgr.control.prefix.far_start``; 0 for none): kernels may switch with the KV's
+    length."""
+    from dgr.control.prefix import far_start
 
-    ub = int(settings["n_ubatch"])
-    far = min(FAR, int(settings["n_ctx"]) - rows)
-    return max(far - far % ub, 0)
+    return far_start(int(settings["n_ctx"]), int(settings["n_ubatch"]), rows)
 
 
 def _batching(model: str, whole, settings: dict, say, sessions: int = 4) -> Batching:

@@ -32,7 +32,7 @@ import numpy as np
 from dgr.artifacts.storage import atomic_write
 from dgr.vendor import cache_root
 
-__all__ = ["FAR", "rows_exact", "rows_exact_cached", "single_rows_exact",
+__all__ = ["FAR", "far_start", "rows_exact", "rows_exact_cached", "single_rows_exact",
            "single_rows_exact_cached", "chunk_rows_exact", "chunk_rows_exact_cached"]
 
 _lock = threading.Lock()
@@ -43,6 +43,16 @@ _lock = threading.Lock()
 #: attention splits a lone single-row step's KV of 512 cells or more over the threads), so rows
 #: alike at the start of a context are not assumed alike further on.
 FAR = 1024
+
+
+def far_start(n_ctx: int, n_ubatch: int, rows: int) -> int:
+    """Where a check computes ``rows`` rows a second time: ``FAR``, or the last whole chunk
+    start that leaves them room in ``n_ctx``; 0 (no second start) when that is under
+    ``FAR // 2``: a context that short never holds the KV lengths the second start is for
+    (ggml's CPU split KV starts at 512 cells), and the checks stay cheap on it."""
+    far = min(FAR, n_ctx - rows)
+    far -= far % max(n_ubatch, 1)
+    return far if far >= FAR // 2 else 0
 
 
 def _out(engine, slot: int, tokens, boundary, a: int, b: int, logits: str = "all"
@@ -58,13 +68,10 @@ def _out(engine, slot: int, tokens, boundary, a: int, b: int, logits: str = "all
 
 
 def _probe(engine, seed: int, n: int):
-    """The checks' input for ``n`` rows computed from position 0 and from ``far`` (0: the
-    context has no room for a second start; ``FAR``): seeded token ids where the range takes
+    """The checks' input for ``n`` rows computed from position 0 and from ``far``
+    (``far_start``; 0: none): seeded token ids where the range takes
     them and a random boundary where it does not start the model; (far, tokens, boundary)."""
-    ub, ctx = int(engine.settings["n_ubatch"]), int(engine.settings["n_ctx"])
-    far = min(FAR, ctx - n)
-    far -= far % ub
-    far = far if far >= ub else 0
+    far = far_start(int(engine.settings["n_ctx"]), int(engine.settings["n_ubatch"]), n)
     rng = np.random.default_rng(seed)
     tokens = boundary = None
     if engine.is_first or engine.needs_token_ids:
