@@ -272,7 +272,8 @@ class AsyncRouteSession:
         may take another kernel). When every stage also computes rows one per step as a
         partial chunk does (``prefix_single_rows_exact``), the kept rows may be any steps'
         (a reply's decode steps included: a chat's next turn holds them), and the rest may be
-        one row; else decode steps' rows are never kept past whole chunks."""
+        one row; else decode steps' rows are never kept past whole chunks. Where every
+        stage computes any cut of a prompt alike (``_any_rows``), every row it shares."""
         ub, n = self.route.n_ubatch, len(prompt)
         common = 0
         for a, b in zip(self.history, prompt):
@@ -280,12 +281,12 @@ class AsyncRouteSession:
                 break
             common += 1
         common = min(common, n - 1)
+        if self._any_rows():
+            return min(common, self._computed())
         aligned = self.aligned()
         base = max(0, min(common, aligned))
         base -= base % ub
         full = n - n % ub  # where a fresh prefill of ``prompt`` ends its whole chunks
-        if self._any_rows():
-            return min(common, self._computed())
         rows, single, least = self._row_rule()
         if common <= full or aligned < full or not rows:
             return base

@@ -49,15 +49,11 @@ def test_the_setting_is_a_numeric_setting_that_leaves_old_identities_alone():
 
 def test_a_route_refuses_stages_that_disagree_on_it(tiny_q8):
     from dgr.driver.route import Route
-    from dgr.worker.process import ThreadedWorker
+    from dgr.testing.stages import threaded_stages
 
     small = dict(n_ctx=256, n_slots=2, n_threads=1, n_ubatch=32)
-    ws = [ThreadedWorker(dgr.Engine(tiny_q8, layers=(0, 2), **small)),
-          ThreadedWorker(dgr.Engine(tiny_q8, layers=(2, 4), batch_invariant=True, **small))]
-    try:
+    with threaded_stages(tiny_q8, [(0, 2)], small) as a, \
+            threaded_stages(tiny_q8, [(2, 4)], {**small, "batch_invariant": True}) as b:
         with pytest.raises(dgr.errors.DgrError, match="batch_invariant"):
-            with Route([w.address for w in ws]):
+            with Route([w.address for w in a + b]):
                 pass
-    finally:
-        for w in ws:
-            w.stop()

@@ -14,6 +14,7 @@ import pytest
 import dgr
 from dgr.control import prefix
 from dgr.driver.route import AsyncRoute
+from dgr.testing.stages import threaded_stages
 from dgr.transport.client import ShardClient
 from dgr.worker.process import ThreadedWorker
 
@@ -167,12 +168,10 @@ def test_a_long_chats_next_turn_keeps_what_the_kernels_allow_with_a_fresh_prefil
     the rows past the last whole chunk are recomputed; with batch-invariant kernels every
     shared row is kept, by the front's kind of kept session and by the stages' prefix stores.
     Either way the next reply's tokens and logits are a fresh prefill's, bit for bit."""
-    ws = [ThreadedWorker(dgr.Engine(tiny_q8, layers=r, batch_invariant=invariant, **LONG))
-          for r in [(0, 1), (1, 3), (3, 4)]]
     rng = np.random.default_rng(5)
     prompt = [int(t) for t in rng.integers(3, 120, 600)]  # 18 whole chunks of 32 and 24 rows
 
-    async def go():
+    async def go(ws):
         async with AsyncRoute([w.address for w in ws]) as r:
             assert all(st.prefix_chunk_rows_exact is invariant for st in r.stages)
             s = r.session("kept")
@@ -209,8 +208,6 @@ def test_a_long_chats_next_turn_keeps_what_the_kernels_allow_with_a_fresh_prefil
             assert again == want
             assert all(x.tobytes() == y.tobytes() for x, y in zip(a.logits, b.logits))
 
-    try:
-        asyncio.run(go())
-    finally:
-        for w in ws:
-            w.stop()
+    with threaded_stages(tiny_q8, [(0, 1), (1, 3), (3, 4)],
+                         {**LONG, "batch_invariant": invariant}) as ws:
+        asyncio.run(go(ws))
