@@ -836,6 +836,9 @@ void EncodedFrame::copy_to(uint8_t* dst) const {
     if (payload_len) std::memcpy(dst + head.size(), payload, payload_len);
 }
 
+// encode_forward and encode_result are deliberate parallels, each the C++ twin of wire.encode
+// for its message: the array's checks, then the header's fields in the order of the Python
+// tables (tests/unit/test_frame_native.py checks both against wire, field by field).
 Status encode_forward(const Forward& h, const float* array, int64_t rows, int64_t cols,
                       EncodedFrame* out) {
     int32_t width = h.width;

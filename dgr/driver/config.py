@@ -9,18 +9,28 @@ security) are not settings and stay arguments of their own.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from dgr import errors
 from dgr.protocol import wire
-from dgr.protocol.config import changed, from_flags
+from dgr.protocol.config import SettingsTable
 from dgr.transport.client import DEFAULT_STEP_TIMEOUT, DEFAULT_TIMEOUT
 
 __all__ = ["RouteConfig", "ROUTE_FLAGS"]
 
 
+#: each setting a command line may set: (the argparse destination it reads, how)
+ROUTE_FLAGS = {
+    "codec": ("codec", lambda a: a.codec),
+    "timeout": ("timeout", lambda a: a.timeout),
+    "relay": ("relay", lambda a: {"auto": None, "on": True, "off": False}[a.relay]),
+    "speculate": ("speculate", lambda a: "" if a.speculate == "off" else a.speculate),
+    "max_draft": ("max_draft", lambda a: a.max_draft),
+    "mixed_devices": ("mixed_devices", lambda a: a.mixed_devices),
+}
+
+
 @dataclass(frozen=True, kw_only=True)
-class RouteConfig:
+class RouteConfig(SettingsTable):
     """A route's settings, checked when made (``dgr.errors.InvalidArgument`` or
     ``UnknownCodec``).
 
@@ -88,6 +98,9 @@ class RouteConfig:
         Whether the stages may compute on different kinds of device (``check_route``).
     """
 
+    KIND = "route"
+    FLAGS = ROUTE_FLAGS
+
     timeout: float = DEFAULT_TIMEOUT
     step_timeout: float = DEFAULT_STEP_TIMEOUT
     connect_timeout: float = 30.0
@@ -139,25 +152,3 @@ class RouteConfig:
         if self.relay is None:
             return self.codec == "raw" and not self.compress
         return bool(self.relay)
-
-    def with_(self, **settings: Any) -> RouteConfig:
-        """A copy with ``settings`` changed (checked again); an unknown name is
-        ``InvalidArgument``."""
-        return changed(self, "route", **settings)
-
-    @classmethod
-    def from_args(cls, args, **settings: Any) -> RouteConfig:
-        """The settings a command's flags give (``ROUTE_FLAGS``: the flags it has), then
-        ``settings``."""
-        return from_flags(cls, "route", ROUTE_FLAGS, args, **settings)
-
-
-#: each setting a command line may set: (the argparse destination it reads, how)
-ROUTE_FLAGS = {
-    "codec": ("codec", lambda a: a.codec),
-    "timeout": ("timeout", lambda a: a.timeout),
-    "relay": ("relay", lambda a: {"auto": None, "on": True, "off": False}[a.relay]),
-    "speculate": ("speculate", lambda a: "" if a.speculate == "off" else a.speculate),
-    "max_draft": ("max_draft", lambda a: a.max_draft),
-    "mixed_devices": ("mixed_devices", lambda a: a.mixed_devices),
-}

@@ -5,11 +5,11 @@ command line's parsed flags."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, ClassVar, Mapping, TypeVar
 
 from dgr.errors import InvalidArgument
 
-__all__ = ["changed", "from_flags"]
+__all__ = ["SettingsTable", "changed", "from_flags"]
 
 T = TypeVar("T")
 
@@ -34,3 +34,23 @@ def from_flags(cls: type[T], kind: str, flags: Flags, args, **settings: Any) -> 
     command has, then by ``settings``."""
     got = {name: get(args) for name, (dest, get) in flags.items() if hasattr(args, dest)}
     return changed(cls(), kind, **got, **settings)
+
+
+class SettingsTable:
+    """What every typed settings table (a frozen, keyword-only dataclass that subclasses this)
+    has: ``with_`` and ``from_args``. A table names ``KIND`` (what its settings are of, for
+    the messages) and ``FLAGS`` (the command-line flags that set them: ``Flags``)."""
+
+    KIND: ClassVar[str] = "settings"
+    FLAGS: ClassVar[Flags] = {}
+
+    def with_(self: T, **settings: Any) -> T:
+        """A copy with ``settings`` changed (checked again); an unknown name is
+        ``InvalidArgument``."""
+        return changed(self, self.KIND, **settings)
+
+    @classmethod
+    def from_args(cls: type[T], args, **settings: Any) -> T:
+        """The settings a command's parsed flags give (``FLAGS``: those the command has),
+        then ``settings``."""
+        return from_flags(cls, cls.KIND, cls.FLAGS, args, **settings)

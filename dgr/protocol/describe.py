@@ -18,7 +18,11 @@ COUNTERS = ("decode_steps_total", "decode_compute_s_total", "tokens_computed_tot
 
 @dataclass(frozen=True)
 class StageInfo:
-    """A worker's describe record, as plain Python (``ShardClient.describe`` returns it)."""
+    """A worker's describe record, as plain Python (``ShardClient.describe`` returns it).
+
+    A deliberate parallel of the proto's ``DescribeReply`` (and of its generated stub): the
+    client's typed view. ``tests/unit/test_describe_schema.py`` fails when a field is in one
+    and not the other, or not filled by ``Worker.describe``."""
 
     endpoint: str
     model_identity: str

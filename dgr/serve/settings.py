@@ -8,17 +8,28 @@ is given (its route, chat template, API keys, metrics registry) are arguments of
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from dgr.errors import InvalidArgument
-from dgr.protocol.config import changed, from_flags
+from dgr.protocol.config import SettingsTable
 from dgr.protocol.embeddings import POOLING
 
 __all__ = ["ServeSettings", "SERVE_FLAGS"]
 
 
+#: each setting ``python -m dgr serve`` sets, from its parsed flags (the pooling's default,
+#: the GGUF's own, is the command's to find: it passes ``pooling`` itself when unset)
+SERVE_FLAGS = {
+    "queue_timeout": ("queue_timeout", lambda a: a.queue_timeout),
+    "max_per_key": ("max_requests_per_key", lambda a: a.max_requests_per_key),
+    "prompt_cache": ("prompt_cache", lambda a: a.prompt_cache),
+    "prompt_cache_ttl": ("prompt_cache_ttl", lambda a: a.prompt_cache_ttl),
+    "prefix_store": ("prefix_store", lambda a: a.prefix_store),
+    "pooling": ("pooling", lambda a: a.pooling or "last"),
+}
+
+
 @dataclass(frozen=True, kw_only=True)
-class ServeSettings:
+class ServeSettings(SettingsTable):
     """A front's settings, checked when made (``dgr.errors.InvalidArgument``, a
     ``ValueError``, naming the setting).
 
@@ -49,6 +60,9 @@ class ServeSettings:
         Whether ``/v1/embeddings`` scales each vector to unit length.
     """
 
+    KIND = "front"
+    FLAGS = SERVE_FLAGS
+
     queue_timeout: float = 2.0
     max_per_key: int | None = None
     prompt_cache: int = 0
@@ -67,26 +81,3 @@ class ServeSettings:
             raise InvalidArgument(f"max_per_key must be >= 0, got {self.max_per_key}")
         if not self.queue_timeout >= 0:
             raise InvalidArgument(f"queue_timeout must be >= 0, got {self.queue_timeout}")
-
-    def with_(self, **settings: Any) -> ServeSettings:
-        """A copy with ``settings`` changed (checked again); an unknown name is
-        ``InvalidArgument``."""
-        return changed(self, "front", **settings)
-
-    @classmethod
-    def from_args(cls, args, **settings: Any) -> ServeSettings:
-        """The settings ``python -m dgr serve``'s flags give (``SERVE_FLAGS``), then
-        ``settings``."""
-        return from_flags(cls, "front", SERVE_FLAGS, args, **settings)
-
-
-#: each setting ``python -m dgr serve`` sets, from its parsed flags (the pooling's default,
-#: the GGUF's own, is the command's to find: it passes ``pooling`` itself when unset)
-SERVE_FLAGS = {
-    "queue_timeout": ("queue_timeout", lambda a: a.queue_timeout),
-    "max_per_key": ("max_requests_per_key", lambda a: a.max_requests_per_key),
-    "prompt_cache": ("prompt_cache", lambda a: a.prompt_cache),
-    "prompt_cache_ttl": ("prompt_cache_ttl", lambda a: a.prompt_cache_ttl),
-    "prefix_store": ("prefix_store", lambda a: a.prefix_store),
-    "pooling": ("pooling", lambda a: a.pooling or "last"),
-}

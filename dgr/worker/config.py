@@ -9,17 +9,36 @@ one line per setting, each flag's default the setting's own). The objects a work
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from dgr import errors
-from dgr.protocol.config import changed, from_flags
+from dgr.protocol.config import SettingsTable
 from dgr.transport.common import MAX_MESSAGE
 
 __all__ = ["WorkerConfig", "WORKER_FLAGS"]
 
 
+#: each setting ``python -m dgr.worker`` sets, from its parsed flags (the frame cap is not a
+#: flag: tests/unit/test_worker_options.py checks that every other one is, with its default)
+WORKER_FLAGS = {
+    "ttl": ("ttl", lambda a: a.ttl),
+    "evict_after": ("evict_after", lambda a: a.evict_after),
+    "inline": ("inline_compute", lambda a: a.inline_compute),
+    "inline_below_ms": ("inline_below_ms", lambda a: a.inline_below_ms),
+    "cert_store": ("cert_store", lambda a: a.cert_store),
+    "batching": ("batching", lambda a: a.batching),
+    "native_frames": ("frames", lambda a: a.frames == "native"),
+    "ring_groups": ("ring_groups", lambda a: a.ring_groups),
+    "max_sessions_per_credential": ("max_sessions_per_credential",
+                                    lambda a: a.max_sessions_per_credential or None),
+    "max_queued_per_credential": ("max_queued_per_credential",
+                                  lambda a: a.max_queued_per_credential or None),
+    "busy_poll_s": ("busy_poll_us", lambda a: a.busy_poll_us * 1e-6),
+    "prefix_entries": ("prefix_entries", lambda a: a.prefix_entries),
+}
+
+
 @dataclass(frozen=True, kw_only=True)
-class WorkerConfig:
+class WorkerConfig(SettingsTable):
     """A worker's settings, checked when made (``dgr.errors.InvalidArgument`` naming it).
 
     Attributes
@@ -58,6 +77,9 @@ class WorkerConfig:
         The largest gRPC message and data-plane frame, bytes.
     """
 
+    KIND = "worker"
+    FLAGS = WORKER_FLAGS
+
     ttl: float = 600.0
     evict_after: float = 5.0
     inline: bool = False
@@ -94,37 +116,6 @@ class WorkerConfig:
                                          "without the GIL")
         if self.max_message < 1:
             refuse("max_message", "must be >= 1")
-
-    def with_(self, **settings: Any) -> WorkerConfig:
-        """A copy with ``settings`` changed (checked again); an unknown name is
-        ``InvalidArgument``."""
-        return changed(self, "worker", **settings)
-
-    @classmethod
-    def from_args(cls, args, **settings: Any) -> WorkerConfig:
-        """The settings ``python -m dgr.worker``'s flags give (``WORKER_FLAGS``), then
-        ``settings``."""
-        return from_flags(cls, "worker", WORKER_FLAGS, args, **settings)
-
-
-#: each setting ``python -m dgr.worker`` sets, from its parsed flags (the frame cap is not a
-#: flag: tests/unit/test_worker_options.py checks that every other one is, with its default)
-WORKER_FLAGS = {
-    "ttl": ("ttl", lambda a: a.ttl),
-    "evict_after": ("evict_after", lambda a: a.evict_after),
-    "inline": ("inline_compute", lambda a: a.inline_compute),
-    "inline_below_ms": ("inline_below_ms", lambda a: a.inline_below_ms),
-    "cert_store": ("cert_store", lambda a: a.cert_store),
-    "batching": ("batching", lambda a: a.batching),
-    "native_frames": ("frames", lambda a: a.frames == "native"),
-    "ring_groups": ("ring_groups", lambda a: a.ring_groups),
-    "max_sessions_per_credential": ("max_sessions_per_credential",
-                                    lambda a: a.max_sessions_per_credential or None),
-    "max_queued_per_credential": ("max_queued_per_credential",
-                                  lambda a: a.max_queued_per_credential or None),
-    "busy_poll_s": ("busy_poll_us", lambda a: a.busy_poll_us * 1e-6),
-    "prefix_entries": ("prefix_entries", lambda a: a.prefix_entries),
-}
 
 #: the flag of each setting, for the errors (``--busy-poll-us`` is in microseconds)
 FLAG_NAMES = {"ttl": "--ttl", "evict_after": "--evict-after", "inline": "--inline-compute",

@@ -165,17 +165,38 @@ requests = st.one_of(
                                        json_values).map(lambda x: {**x[0], x[1]: x[2]})))
 
 
-def _check(status, headers, raw, route):
+#: hypothesis' settings of every fuzz test here (each sets its own ``max_examples``)
+FUZZ = settings(deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+def _post(served, path: str, body) -> tuple[int, dict, bytes]:
+    """POST ``body`` (bytes, or JSON to encode) to ``path`` of the served app."""
+    app, _, loop = served
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return loop.run_until_complete(_call(app, path, raw))
+
+
+def _answered(status, headers, raw) -> str:
+    """The status is one an OpenAI client expects, with OpenAI's error shape when it is not
+    200; which answer it is: "error", "stream" (server-sent events) or "json"."""
     assert status in (200, 400, 404, 413, 429, 503), (status, raw[:300])
     if status != 200:
         err = json.loads(raw)["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"]
-    elif headers.get("content-type", "").startswith("text/event-stream"):
+        return "error"
+    return ("stream" if headers.get("content-type", "").startswith("text/event-stream")
+            else "json")
+
+
+def _check(status, headers, raw, route):
+    kind = _answered(status, headers, raw)
+    if kind == "stream":
         events = [e for e in raw.decode().split("\n\n") if e]
         assert all(e.startswith("data: ") for e in events)
         last = events[-1][6:]
         assert last == "[DONE]" or "error" in json.loads(last)
-    else:
+    elif kind == "json":
         d = json.loads(raw)
         assert d["choices"] and {"prompt_tokens", "completion_tokens"} <= set(d["usage"])
     assert route.opened == route.closed, "a session was not closed"
@@ -193,39 +214,30 @@ def served():
     loop.close()
 
 
-@settings(max_examples=400, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                 HealthCheck.too_slow])
+@settings(FUZZ, max_examples=400)
 @given(req=requests)
 def test_any_json_body_is_answered_and_leaks_nothing(served, req):
-    app, route, loop = served
     chat, body = req
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    status, headers, raw = loop.run_until_complete(_call(app, path, json.dumps(body).encode()))
-    _check(status, headers, raw, route)
+    _check(*_post(served, path, body), served[1])
 
 
-@settings(max_examples=100, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(FUZZ, max_examples=100)
 @given(raw=st.binary(max_size=64), chat=st.booleans())
 def test_any_bytes_are_answered(served, raw, chat):
-    app, route, loop = served
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    status, headers, out = loop.run_until_complete(_call(app, path, raw))
-    _check(status, headers, out, route)
+    _check(*_post(served, path, raw), served[1])
 
 
 def test_a_route_failing_mid_stream_ends_the_stream_with_an_error_and_closes(served):
-    app, route, loop = served
+    route = served[1]
     body = {"prompt": [1, 7, 3], "max_tokens": 5, "stream": True}
-    status, headers, raw = loop.run_until_complete(
-        _call(app, "/v1/completions", json.dumps(body).encode()))
+    status, headers, raw = _post(served, "/v1/completions", body)
     assert status == 200
     last = json.loads(raw.decode().strip().split("\n\n")[-1][6:])
     assert last["error"]["code"] == "WorkerUnavailable"
     assert route.opened == route.closed
-    status, _, raw = loop.run_until_complete(
-        _call(app, "/v1/completions", json.dumps({**body, "stream": False}).encode()))
+    status, _, raw = _post(served, "/v1/completions", {**body, "stream": False})
     assert status == 503 and route.opened == route.closed
 
 
@@ -273,15 +285,11 @@ def _check_anthropic(status, headers, raw, route):
     assert route.opened == route.closed, "a session was not closed"
 
 
-@settings(max_examples=300, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                 HealthCheck.too_slow])
+@settings(FUZZ, max_examples=300)
 @given(body=a_requests, count=st.booleans())
 def test_any_messages_body_is_answered_in_anthropics_shape(served, body, count):
-    app, route, loop = served
     path = "/v1/messages/count_tokens" if count else "/v1/messages"
-    status, headers, raw = loop.run_until_complete(_call(app, path, json.dumps(body).encode()))
-    _check_anthropic(status, headers, raw, route)
+    _check_anthropic(*_post(served, path, body), served[1])
 
 
 # -- OpenAI's Responses API (dgr.serve.responses) --------------------------------------------
@@ -311,24 +319,18 @@ r_requests = st.one_of(
         lambda x: {**x[0], x[1]: x[2]}))
 
 
-@settings(max_examples=300, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                 HealthCheck.too_slow])
+@settings(FUZZ, max_examples=300)
 @given(body=r_requests)
 def test_any_responses_body_is_answered_and_leaks_nothing(served, body):
-    app, route, loop = served
-    status, headers, raw = loop.run_until_complete(
-        _call(app, "/v1/responses", json.dumps(body).encode()))
-    assert status in (200, 400, 404, 413, 429, 503), (status, raw[:300])
-    if status != 200:
-        err = json.loads(raw)["error"]
-        assert set(err) == {"message", "type", "param", "code"} and err["message"]
-    elif headers.get("content-type", "").startswith("text/event-stream"):
+    route = served[1]
+    status, headers, raw = _post(served, "/v1/responses", body)
+    kind = _answered(status, headers, raw)
+    if kind == "stream":
         kinds = [e.split("\n")[0] for e in raw.decode().split("\n\n") if e]
         assert kinds[0] == "event: response.created"
         assert kinds[-1] in ("event: response.completed", "event: response.incomplete",
                              "event: error")
-    else:
+    elif kind == "json":
         r = json.loads(raw)
         assert r["object"] == "response" and r["status"] in ("completed", "incomplete")
     assert route.opened == route.closed, "a session was not closed"
@@ -344,19 +346,12 @@ e_requests = st.dictionaries(
     e_inputs | st.sampled_from(["float", "base64", "m"]), max_size=5)
 
 
-@settings(max_examples=300, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                 HealthCheck.too_slow])
+@settings(FUZZ, max_examples=300)
 @given(body=e_requests)
 def test_any_embeddings_body_is_answered_and_leaks_nothing(served, body):
-    app, route, loop = served
-    status, headers, raw = loop.run_until_complete(
-        _call(app, "/v1/embeddings", json.dumps(body).encode()))
-    assert status in (200, 400, 404, 413, 429, 503), (status, raw[:300])
-    if status != 200:
-        err = json.loads(raw)["error"]
-        assert set(err) == {"message", "type", "param", "code"} and err["message"]
-    else:
+    route = served[1]
+    status, headers, raw = _post(served, "/v1/embeddings", body)
+    if _answered(status, headers, raw) != "error":
         d = json.loads(raw)
         assert d["object"] == "list" and len(d["data"]) >= 1
     assert route.opened == route.closed, "a session was not closed"
