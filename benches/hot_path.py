@@ -77,8 +77,8 @@ def _frames(worker, x, n, epoch):
     from dgr.protocol import wire
 
     hop = [wire.Hop(endpoint="127.0.0.1:1")]
-    return [wire.encode(wire.Forward(model=worker.identity, session="s", epoch=epoch,
-                                     first_pos=p, n_tokens=1, layer=worker.layers[0],
+    return [wire.encode(wire.Forward(model=worker.pipeline.identity, session="s", epoch=epoch,
+                                     first_pos=p, n_tokens=1, layer=worker.pipeline.layers[0],
                                      relay=hop, reply_to="r"), x) for p in range(n)]
 
 
@@ -92,7 +92,7 @@ def _run(worker, frames, conn, writer) -> list[float]:
         t = time.perf_counter()
         worker._data_frame(conn, conn.recv())
         dt = time.perf_counter() - t
-        out.append(1e3 * (dt - worker.window.items[-1][2]))
+        out.append(1e3 * (dt - worker.pipeline.window.items[-1][2]))
     return out
 
 
@@ -118,20 +118,21 @@ def main(argv=None) -> int:
     epoch = 0
     for native in (True, False):
         w = Worker(eng, native_frames=native)
-        w.forwarder = Forwarder(w.layers[1], w.is_first, w.is_last, w.frames)
+        p = w.pipeline
+        w.forwarder = Forwarder(p.layers[1], p.is_first, p.is_last, w.frames)
         w.forwarder.links = sink = _Sink(w.frames.conn_class)
-        w._tls.out, w._tls.buf = None, bytearray()
+        p._tls.out, w._tls.buf = None, bytearray()
         a, b = socket.socketpair()
         conn = w.frames.conn_class(a, "bench")
-        x = np.random.default_rng(0).standard_normal((1, w.width), dtype=np.float32)
+        x = np.random.default_rng(0).standard_normal((1, p.width), dtype=np.float32)
         epoch += 1
         real = _run(w, _frames(w, x, n, epoch), conn, b)
-        compute = 1e3 * statistics.median(s for _, _, s in list(w.window.items)[-n:])
-        w.engine = _CopyEngine()
+        compute = 1e3 * statistics.median(s for _, _, s in list(p.window.items)[-n:])
+        p.engine = _CopyEngine()
         epoch += 1
         warm = _run(w, _frames(w, x, n, epoch), conn, b)
-        w.stage_loop.stop()
-        w.engine = eng
+        p.scheduler.stop()
+        p.engine = eng
         with eng.lock:
             eng.release(0)
         name = "native" if w.frames.native else "python"

@@ -1,7 +1,8 @@
 """The capability record: what a worker tells an external tracker (docs/capability.md).
 
 :func:`record_for` builds it (schema: ``dgr.protocol.capability``) in-process from an engine
-and, when given, the live counters of a ``dgr.worker.Worker``; a worker serves it as JSON in
+and, when given, the live counters of a worker's step pipeline
+(``dgr.worker.pipeline.StagePipeline``); a worker serves it as JSON in
 ``DescribeReply.capability_json``, and ``ShardClient.capability()`` decodes it. The record is
 *inputs*, not a routing decision: exact compatibility, range and capacity, queue and load,
 seam cost, health, and the certified lanes (``dgr.control.certificates``) whose records match
@@ -54,22 +55,22 @@ def build_info() -> dict[str, str]:
             "backends": ", ".join(backends())}
 
 
-def _facts(engine, worker=None) -> dict | None:
+def _facts(engine, pipeline=None) -> dict | None:
     """``Engine.compute_facts()``: a worker's copy read at its start (reading the engine's
     again waits for a running compute), else the engine's; None for an engine without
     devices (a test double)."""
-    if worker is not None and hasattr(worker, "engine_device"):
-        return worker.engine_device
+    if pipeline is not None:
+        return pipeline.engine_device
     facts = getattr(engine, "compute_facts", None)
     return facts() if facts is not None else None
 
 
-def device_of(engine, worker=None) -> dict:
+def device_of(engine, pipeline=None) -> dict:
     """The compute device of ``engine`` as records name it: ``backend`` (``cpu``, ``vulkan``,
     ...), ``device`` (the model; "" on the CPU), ``device_type``, ``driver``, ``software``
-    and ``compute`` (the kind stages compare), from the engine itself (``worker``'s copy
+    and ``compute`` (the kind stages compare), from the engine itself (``pipeline``'s copy
     when given)."""
-    f = _facts(engine, worker)
+    f = _facts(engine, pipeline)
     if f is None:  # an engine without devices: the CPU
         return {"backend": "cpu", "device": "", "device_type": "cpu", "driver": "",
                 "software": False, "compute": "cpu"}
@@ -153,8 +154,8 @@ def _percentile(values: list[float], q: float) -> float:
     return s[k]
 
 
-def _device_memory(engine, worker, weight: int, kv: int) -> dict[str, int]:
-    f = _facts(engine, worker)
+def _device_memory(engine, pipeline, weight: int, kv: int) -> dict[str, int]:
+    f = _facts(engine, pipeline)
     if f is None:
         return {"device_weight_bytes": weight, "device_kv_bytes": kv}
     return {"device_memory_free": int(f["memory_free"]), "device_memory_total": int(f["memory_total"]),
@@ -164,21 +165,22 @@ def _device_memory(engine, worker, weight: int, kv: int) -> dict[str, int]:
 
 # -- the record -----------------------------------------------------------------------------
 
-def record_for(engine, *, worker=None, cert_store: str | os.PathLike | None = None,
+def record_for(engine, *, pipeline=None, cert_store: str | os.PathLike | None = None,
                endpoint: str = "") -> Capability:
-    """The capability record of ``engine`` (a ``dgr.Engine``), with ``worker``'s live figures.
+    """The capability record of ``engine`` (a ``dgr.Engine``), with the live figures of
+    ``pipeline`` (a worker's ``dgr.worker.pipeline.StagePipeline``) and its ``endpoint``.
 
-    Without ``worker`` the record describes an idle engine (all slots free, no load). With
+    Without ``pipeline`` the record describes an idle engine (all slots free, no load). With
     ``cert_store`` the store's lanes are matched against this engine and build
     (``dgr.control.certificates.match``): matches go to ``lanes``, the others to ``uncertified``.
     """
     from dgr import __version__
     from dgr.protocol.settings import canonical, stage_identity
 
-    info = worker.info if worker is not None else engine.describe()
+    info = pipeline.info if pipeline is not None else engine.describe()
     settings = canonical(engine.settings)
     bi = build_info()
-    dev = device_of(engine, worker)
+    dev = device_of(engine, pipeline)
     _, _, isa = cpu_features()
     width = int(engine.n_embd_boundary)
     layers = tuple(int(x) for x in engine.layers)
@@ -198,22 +200,21 @@ def record_for(engine, *, worker=None, cert_store: str | os.PathLike | None = No
         stage_identity=stage_identity(info["identity"], settings, dev["compute"]),
         cpu_isa=list(isa))
     weight, kv = int(info["weight_bytes"]), int(info["kv_bytes"])
-    if worker is not None:
-        table = worker.table
-        with worker.lock:  # the table's lock: data-plane threads insert sessions meanwhile
+    if pipeline is not None:
+        table = pipeline.table
+        with pipeline.lock:  # the table's lock: data-plane threads insert sessions meanwhile
             slots_free, sessions = int(table.free_slots), len(table)
             ctx_free = max(int(table.free_context), 0)
-        inflight, computing = int(worker.inflight), int(getattr(worker, "computing", 0))
-        tps, span = worker.window.tokens_per_s(), worker.window.span
-        hops = list(getattr(worker, "hop_ms", ()))
+        inflight, computing = int(pipeline.inflight), int(pipeline.computing)
+        tps, span = pipeline.window.tokens_per_s(), pipeline.window.span
+        hops = list(pipeline.hop_ms)
         health = Health(
-            uptime_s=time.monotonic() - worker.started, draining=bool(worker.draining),
-            steps_served=int(worker.steps_total), steps_failed=int(worker.errors_total),
-            last_error=getattr(worker, "last_error", ""),
-            last_error_age_s=(time.monotonic() - worker.last_error_at
-                              if getattr(worker, "last_error_at", None) else -1.0))
-        compute_ms = float(worker.window.decode_ms)
-        endpoint = endpoint or worker.name
+            uptime_s=time.monotonic() - pipeline.started, draining=bool(pipeline.draining),
+            steps_served=int(pipeline.steps_total), steps_failed=int(pipeline.errors_total),
+            last_error=pipeline.last_error,
+            last_error_age_s=(time.monotonic() - pipeline.last_error_at
+                              if pipeline.last_error_at else -1.0))
+        compute_ms = float(pipeline.window.decode_ms)
     else:
         slots_free, sessions, ctx_free = n_slots, 0, n_slots * n_ctx
         inflight = computing = 0
@@ -225,7 +226,7 @@ def record_for(engine, *, worker=None, cert_store: str | os.PathLike | None = No
         is_first=is_first, is_last=is_last, slots_total=n_slots, slots_free=slots_free,
         context_tokens_total=n_slots * n_ctx, context_tokens_free=ctx_free,
         memory_bytes=weight + kv, weight_bytes=weight, kv_bytes=kv, rss_bytes=_rss_bytes(),
-        **_device_memory(engine, worker, weight, kv))
+        **_device_memory(engine, pipeline, weight, kv))
     load = Load(queue_depth=max(inflight - computing, 0), in_flight_steps=inflight,
                 sessions=sessions, tokens_per_s=float(tps), window_s=float(span))
     per_codec = {c: wire.payload_size(c, 1, width) for c in wire.CODECS}
@@ -242,8 +243,8 @@ def record_for(engine, *, worker=None, cert_store: str | os.PathLike | None = No
                 hop_samples=len(hops), compute_ms_avg=compute_ms)
     rec = Capability(endpoint=endpoint, compatibility=comp, capacity=cap, load=load, seam=seam,
                      health=health)
-    if worker is not None and hasattr(worker, "prefix_store"):
-        rec.prefix_store = PrefixStore(**worker.prefix_store())
+    if pipeline is not None:
+        rec.prefix_store = PrefixStore(**pipeline.prefix_store())
     if cert_store is not None:
         rec.cert_store = os.fspath(cert_store)
         rec.lanes, rec.uncertified = certificates.match(cert_store, comp, layers)

@@ -39,7 +39,7 @@ def _counter(name: str, help_: str, value) -> CounterMetricFamily:
 
 def families(rec, counters: dict | None = None, profile: dict | None = None) -> list[Metric]:
     """The metric families of a capability record (``dgr.protocol.capability.Capability``),
-    of the worker's compute totals when given (``Worker.compute_counters()``), and of where
+    of the worker's compute totals when given (``StagePipeline.compute_counters()``), and of where
     its time went (``Worker.profile_snapshot()``)."""
     c, cap, ld, s, h = rec.compatibility, rec.capacity, rec.load, rec.seam, rec.health
     info = InfoMetricFamily("dgr_worker", "Model and build this worker serves.")
@@ -196,7 +196,7 @@ class MetricsServer:
 
     def _snapshot(self):
         async def build():
-            return (self.worker.capability(), self.worker.compute_counters(),
+            return (self.worker.capability(), self.worker.pipeline.compute_counters(),
                     self.worker.profile_snapshot())
 
         return asyncio.run_coroutine_threadsafe(build(), self.loop).result(10)

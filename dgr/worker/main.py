@@ -123,9 +123,10 @@ async def _serve(args) -> int:
             raise
         log.info("data plane (direct relay) on port %d", worker.data_server.port)
     worker.name = addr
-    a, b = worker.layers
+    p = worker.pipeline
+    a, b = p.layers
     log.info("serving %s layers [%d, %d) of %d, %s, %d slots, loaded in %.1f s", engine.arch, a,
-             b, worker.n_layer, settings_tag(worker.settings), engine.n_slots,
+             b, p.n_layer, settings_tag(p.settings), engine.n_slots,
              time.monotonic() - t0)
     metrics = None
     if args.metrics_port is not None:

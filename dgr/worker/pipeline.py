@@ -27,24 +27,26 @@ import logging
 import threading
 import time
 from collections.abc import Container
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from dgr import errors
-from dgr.protocol import wire
+from dgr.protocol import prefix, wire
 from dgr.protocol.describe import COUNTERS
 from dgr.protocol.sampling import params_of, sample_rows
 from dgr.protocol.settings import CPU, complete, stage_identity
-from dgr.transport.common import MAX_MESSAGE
+from dgr.worker.config import WorkerConfig
 from dgr.worker.grammar import Grammars
 from dgr.worker.history import Histories
 from dgr.worker.profile import Profile
-from dgr.worker.sessions import Lease, SessionTable
+from dgr.worker.scheduler import StageLoop
+from dgr.worker.sessions import SessionTable
 from dgr.worker.speculation import Speculator, accept
+from dgr.worker.step import Step
+from dgr.worker.trust import RelayPolicy
 
-__all__ = ["StagePipeline", "Step", "ComputeWindow"]
+__all__ = ["StagePipeline", "ComputeWindow"]
 
 log = logging.getLogger("dgr.worker")
 
@@ -91,23 +93,6 @@ class ComputeWindow:
         return sum(n for _, n, _ in self.items) / span
 
 
-@dataclass(eq=False)
-class Step:
-    """One admitted step: its frame and lease and, once computed, what the engine returned."""
-
-    header: wire.Forward
-    array: Any  # the boundary it came with (None on a first stage)
-    lease: Lease | None  # None until ``StagePipeline.lease`` (the stage loop, before compute)
-    t_arrive: float  # time.perf_counter() when its frame arrived
-    kind: str = "none"  # what ``result`` is: "boundary", "logits", "embedding" or "none"
-    result: Any = None  # the boundary or the logits rows
-    tokens: list[int] | None = None  # sampled, one per wanted row (verified: the emitted)
-    accepted: int = 0  # drafts (``Forward.drafts``) the verification accepted
-    seconds: float = 0.0  # the engine's forward call (its share of a batch's, by tokens)
-    batch: tuple[int, int] | None = None  # (batch id, steps in it), set by the stage loop
-    credential: Any = None  # the caller's (dgr.transport.security.Credential), if any
-
-
 def wanted_rows(h: wire.Forward) -> list[int]:
     """The rows of ``h`` the last stage returns (logits) or samples (a token): none for a
     boundary, ``rows`` when given, a step's draft rows (``drafts``: the row before the first
@@ -134,16 +119,30 @@ class _DeferredRelease:
 
 
 class StagePipeline:
-    """The step sequence of a stage and the state it keeps: the engine and its facts, the
-    session table (under ``lock``), the counters, the drain flags.
+    """The step sequence of a stage and what it owns: the engine and its facts, the session
+    table (under ``lock``), the scheduler (``scheduler``: every step of both planes computes
+    through it), the counters, the drain flags.
 
-    ``dgr.worker.stage.Worker`` is this pipeline with the planes that feed it.
+    ``dgr.worker.stage.Worker`` owns one and feeds it from its planes.
+
+    Parameters
+    ----------
+    engine : dgr.Engine
+        The loaded range (its ``lock`` is held around every compute).
+    config : dgr.worker.config.WorkerConfig, optional
+        The settings the pipeline reads: sessions' expiry, batching, tenant caps, the prefix
+        store, the largest frame.
+    relay_policy : dgr.worker.trust.RelayPolicy, optional
+        Whom relayed frames may make this worker connect to (None: loopback only).
+    burst : callable, optional
+        The scheduler's ``burst`` (a context a batch's steps are handed on in).
     """
 
-    def __init__(self, engine, *, ttl: float = 600.0, evict_after: float = 5.0,
-                 max_message: int = MAX_MESSAGE):
+    def __init__(self, engine, config: WorkerConfig | None = None, *,
+                 relay_policy: RelayPolicy | None = None, burst=None):
+        c = config if config is not None else WorkerConfig()
         self.engine = engine
-        self.max_payload = max_message
+        self.max_payload = c.max_message
         info = engine.describe()
         self.info = info
         self.settings = complete(engine.settings)
@@ -169,10 +168,17 @@ class StagePipeline:
         self._counts = threading.Lock()  # counters bumped by the loop and data threads
         self._tls = threading.local()  # per thread: reused output buffers
         self.table = SessionTable(_DeferredRelease(self), engine.n_slots, self.settings["n_ctx"],
-                                  ttl=ttl, evict_after=evict_after, listener=self._event)
+                                  ttl=c.ttl, evict_after=c.evict_after, listener=self._event)
+        #: the prefix store's size (``SessionTable.keep``): every slot by default; none on an
+        #: engine whose slots cannot be copied and cut back at any position (MTP, DeepSeek V4)
+        can_keep = not getattr(engine, "mtp", False) and int(
+            info.get("rollback_window", -1)) < 0
+        self.table.prefix_entries = (0 if not can_keep else engine.n_slots
+                                     if c.prefix_entries is None else c.prefix_entries)
+        self.table.max_sessions_per_owner = c.max_sessions_per_credential
         #: the endpoints relayed frames may make this worker connect to
-        #: (``dgr.worker.trust.RelayPolicy``; None: any)
-        self.relay_policy = None
+        #: (``dgr.worker.trust.RelayPolicy``: loopback only by default)
+        self.relay_policy = relay_policy if relay_policy is not None else RelayPolicy(None)
         self.draining = False
         #: the engine's device was lost (``DeviceLost``): the worker drains and reports
         #: NOT_SERVING through ``on_unservable`` (hooks the server adds), so routes and
@@ -187,7 +193,7 @@ class StagePipeline:
         #: admitted and not finished, per non-peer credential name (``_busy``)
         self._queued: collections.Counter[str] = collections.Counter()
         #: steps a non-peer credential may have queued when its own ``max_queued`` is unset
-        self.max_queued_per_credential: int | None = None
+        self.max_queued_per_credential: int | None = c.max_queued_per_credential
         self.computing = 0  # computes hold the engine's lock: 0 or 1
         self.steps_total = 0
         self.errors_total = 0
@@ -216,6 +222,11 @@ class StagePipeline:
             window = int(info.get("rollback_window", -1))
             self.speculator = Speculator(int(self.settings["n_ctx"]), mtp=mtp,
                                          max_rollback=window if window >= 0 else None)
+        #: the stage's scheduler (``dgr.worker.scheduler``): every step of both planes computes
+        #: through it
+        self.scheduler = StageLoop(self, max_tokens=int(self.settings["n_ubatch"]),
+                                   batching=c.batching, burst=burst, ring_groups=c.ring_groups,
+                                   profile=self.profile, slot_of=self.slot_of)
 
     def _owns(self, session: str, epoch: int, slot: int) -> bool:
         """Whether ``slot`` is still ``session``'s, under ``epoch``, with no step running and
@@ -252,6 +263,143 @@ class StagePipeline:
         w = self.window
         with self._counts:
             return {k: getattr(w, k) for k in COUNTERS}
+
+    def slot_of(self, session: str) -> int | None:
+        """The session's slot here (None: it holds none). Read without the table's lock (a
+        dict lookup): the scheduler groups ring steps by it, and a stale answer only makes
+        a batch less dense."""
+        info = self.table.get(session)
+        return None if info is None else info.slot
+
+    # -- sessions: release, adopt, fork, expire ------------------------------------------
+
+    def release(self, session: str, who=None, keep=(), chunk: int = 0,
+                whole: int | None = None) -> tuple[bool, bool]:
+        """Release ``session`` for ``who`` (the caller's credential: another's is not):
+        ``(released, kept)``. With ``keep`` (a hash chain of its first positions: ``whole``
+        keys of one ``chunk`` each, all by default, then one key per position:
+        ``dgr.protocol.prefix.chain``), its caches stay on its slot as a prefix entry that
+        later sessions of the caller adopt (``adopt``), where the store takes it; the last
+        stage keeps the token record with it, and keeps nothing without one."""
+        with self.lock:
+            if not keep:
+                return self.table.release(session, who), False
+            whole = len(keep) if whole is None else min(whole, len(keep))
+            held = prefix.end_of(len(keep) - 1, whole, chunk)
+            tokens = None
+            if self.history is not None:
+                tokens = self.history.record(session)
+                if tokens is None or len(tokens) < held:
+                    return self.table.release(session, who), False
+                del tokens[held:]
+            known = session in self.table
+            kept = self.table.keep(session, keep, chunk, who, tokens, whole)
+            return known and session not in self.table, kept
+
+    def _take_releases(self) -> list[int]:
+        """The slots the table released and the engine has not cleared yet (the caller holds
+        the table's lock, and the engine's, and clears them)."""
+        releases, self._releases = self._releases, []
+        return releases
+
+    def adopt(self, session: str, epoch: int, keys, chunk: int, who=None) -> int:
+        """Open ``session`` (at ``epoch``) on ``who``'s prefix entry that holds the most of
+        ``keys`` (a hash chain of the new prompt's first positions, one key per ``chunk``):
+        the positions it continues at (0: a miss, nothing opened). Runs under the engine's
+        lock, as ``fork`` does: the entry's slot is copied (or taken over) and cut back to
+        the match before any step of the session runs.
+
+        Raises
+        ------
+        The table's refusals (``SessionTable.adopt``): the session exists, draining, the
+        tenant's cap.
+        """
+        with self.engine.lock:
+            with self.lock:
+                got = self.table.adopt(session, epoch, keys, chunk, who)
+                if got is None:
+                    return 0
+                entry, info, copy = got
+                releases = self._take_releases()
+            try:
+                for slot in releases:
+                    self.engine.release(slot)
+                if copy:
+                    self.engine.copy_slot(entry.slot, info.slot)
+                self.engine.truncate(info.slot, info.next_pos)
+                if self.history is not None:
+                    self.history.install(session, epoch, entry.tokens[:info.next_pos])
+            except BaseException:
+                with self.lock:
+                    self.table.release(session)
+                raise
+        return info.next_pos
+
+    def fork(self, session: str, epoch: int, into: list[str], into_epoch: int,
+             who=None) -> int:
+        """Open each session of ``into`` (at ``into_epoch``) as a copy of ``session`` at
+        ``epoch`` (its caches, bit for bit, and on the last stage its token record): a route's
+        ``n`` choices share one prefill. Returns the position they continue at. Runs under
+        the engine's lock, after the slots the table released are cleared, so no step comes
+        between a new entry and its copy; a failure drops the new entries.
+
+        Raises
+        ------
+        dgr.errors.InvalidArgument
+            ``into`` is empty; an engine that copies no slot (MTP, deepseek4).
+        The table's refusals (``SessionTable.fork``).
+        """
+        if not into:
+            raise errors.InvalidArgument("a fork needs at least one new session")
+        made = []
+        with self.engine.lock:
+            try:
+                with self.lock:
+                    for name in into:
+                        src, new = self.table.fork(session, epoch, name, into_epoch, who)
+                        made.append(new)
+                    releases = self._take_releases()
+                for slot in releases:
+                    self.engine.release(slot)
+                for new in made:
+                    self.engine.copy_slot(src.slot, new.slot)
+                    if self.history is not None:
+                        self.history.fork(session, epoch, new.session, into_epoch)
+            except BaseException:
+                with self.lock:
+                    for new in made:
+                        self.table.release(new.session)
+                raise
+        return src.next_pos
+
+    def prefix_store(self) -> dict[str, int]:
+        """The prefix store's figures (``Describe.prefix_store``, the capability record):
+        size, entries, positions and bytes they hold, hits, misses and evictions."""
+        t = self.table
+        with self.lock:
+            n, positions = len(t.entries), t.prefix_positions()
+            hits, misses, evictions = t.prefix_hits, t.prefix_misses, t.prefix_evictions
+        cells = int(self.settings["n_ctx"]) * int(self.engine.n_slots)
+        per = int(self.info["kv_bytes"]) / cells if cells else 0.0
+        return {"size": t.prefix_entries, "entries": n, "positions": positions,
+                "bytes": int(round(positions * per)), "hits": hits, "misses": misses,
+                "evictions": evictions}
+
+    def expire(self) -> None:
+        """End the sessions idle past their expiry (``SessionTable.expire``)."""
+        with self.lock:
+            self.table.expire()
+
+    def close(self) -> None:
+        """After a drain: end every session, stop the scheduler (its queued steps are
+        refused), and wait for a compute still running on another thread (a data
+        connection's), which cannot be interrupted: the engine must not be torn down under
+        it."""
+        with self.lock:
+            self.table.clear()
+        self.scheduler.stop()
+        with self.engine.lock:
+            pass
 
     # -- admit -----------------------------------------------------------------------------
 
@@ -462,7 +610,7 @@ class StagePipeline:
                     except Exception as e:  # noqa: BLE001 - this step's refusal
                         fails[i] = e
             with self.lock:
-                releases, self._releases = self._releases, []
+                releases = self._take_releases()
                 holds = [f is None and self.table.holds(s.lease) for s, f in zip(steps, fails)]
             for slot in releases:
                 self.engine.release(slot)

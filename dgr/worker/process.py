@@ -59,7 +59,7 @@ class ThreadedWorker:
         if self.event_loop.is_running():
             self._run(self.server.stop(None))  # a no-op after drain()
             self.worker.stop_data()
-            self.worker.stage_loop.stop()
+            self.worker.pipeline.scheduler.stop()
         self._close_loop()
 
     def _close_loop(self) -> None:

@@ -23,7 +23,7 @@ import msgspec
 from dgr.protocol import wire
 from dgr.transport.dataplane import FrameSocket, Links
 from dgr.worker.frames import Frames
-from dgr.worker.pipeline import Step
+from dgr.worker.step import Step
 
 __all__ = ["Forwarder"]
 

@@ -44,7 +44,7 @@ from typing import Callable
 
 import numpy as np
 
-from dgr.worker.pipeline import Step
+from dgr.worker.step import Step
 from dgr.worker.profile import Profile
 
 __all__ = ["StageLoop", "RingLoad", "take", "SOLO_ROWS", "HOLD_S", "GROUP_WAIT_S"]

@@ -13,6 +13,7 @@ import functools
 import json
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -20,14 +21,14 @@ from dgr import __version__, errors
 from dgr.control.prefix import chunk_rows_exact_cached as prefix_chunk_rows_exact
 from dgr.control.prefix import rows_exact_cached as prefix_rows_exact
 from dgr.control.prefix import single_rows_exact_cached as prefix_single_rows_exact
-from dgr.protocol import prefix, wire
+from dgr.protocol import wire
 from dgr.protocol.settings import NUMERIC_SETTINGS
 from dgr.transport.security import CALLER, Security
 from dgr.transport.server import ShardServer
 from dgr.worker.config import WorkerConfig
 from dgr.worker.frames import Frames
-from dgr.worker.pipeline import StagePipeline, Step
-from dgr.worker.scheduler import StageLoop
+from dgr.worker.pipeline import StagePipeline
+from dgr.worker.step import Step
 from dgr.worker.trust import RelayPolicy
 
 __all__ = ["Worker"]
@@ -35,8 +36,9 @@ __all__ = ["Worker"]
 log = logging.getLogger("dgr.worker")
 
 
-class Worker(StagePipeline):
-    """The stage backend of one worker: the step pipeline, the planes that feed it, describe.
+class Worker:
+    """The stage backend of one worker: it owns the step pipeline (which owns the engine, the
+    session table and the scheduler), feeds it from both planes, and describes the stage.
 
     Parameters
     ----------
@@ -59,39 +61,20 @@ class Worker(StagePipeline):
     def __init__(self, engine, *, config: WorkerConfig | None = None, name: str = "",
                  security: Security | None = None, relay_allow=None, **settings):
         c = self.config = (config or WorkerConfig()).with_(**settings)
-        super().__init__(engine, ttl=c.ttl, evict_after=c.evict_after,
-                         max_message=c.max_message)
-        #: the prefix store's size (``SessionTable.keep``): every slot by default; none on an
-        #: engine whose slots cannot be copied and cut back at any position (MTP, DeepSeek V4)
-        can_keep = not getattr(engine, "mtp", False) and int(
-            self.info.get("rollback_window", -1)) < 0
-        self.table.prefix_entries = (0 if not can_keep else engine.n_slots
-                                     if c.prefix_entries is None else c.prefix_entries)
-        #: the credentials accepted and presented, and TLS (dgr.transport.security; both
-        #: planes use it): none by default
-        self.security = security if security is not None else Security()
-        self.table.max_sessions_per_owner = c.max_sessions_per_credential
-        self.max_queued_per_credential = c.max_queued_per_credential
-        #: whom relayed frames may make this worker connect to (default: loopback only)
-        self.relay_policy = RelayPolicy(relay_allow)
         #: the data plane's frame codec and I/O (dgr.worker.frames): C++ unless
         #: ``native_frames`` is False or the build lacks it
-        self.frames = Frames(c.native_frames, self.max_payload)
-        self.inline = c.inline
-        self.inline_below_ms = float(c.inline_below_ms)
+        self.frames = Frames(c.native_frames, c.max_message)
         #: how long a data connection polls for its next frame before sleeping (native
         #: frame I/O only; 0: sleep at once)
         self.busy_poll_s = float(c.busy_poll_s)
         if self.busy_poll_s and not self.frames.native:
             raise errors.InvalidArgument("busy polling needs the native frame I/O, which this "
                                          "build lacks")
-        self.inline_steps = 0
-        self.name = name
-        self.cert_store = c.cert_store  # certified lanes advertised in the capability record
         self.eog_tokens = [t for t in range(engine.n_vocab) if engine.is_eog(t)]
         #: whether a partial prefill chunk's rows are any partial chunk's rows here, measured
-        #: before the stage serves (``Describe.prefix_rows_exact``: routes reuse kept prompt
-        #: rows past whole chunks only where every stage says so)
+        #: before the stage serves, and before its scheduler's thread starts
+        #: (``Describe.prefix_rows_exact``: routes reuse kept prompt rows past whole chunks
+        #: only where every stage says so)
         self.prefix_rows_exact = prefix_rows_exact(engine)
         #: and rows computed one per step (``Describe.prefix_single_rows_exact``: routes reuse
         #: a reply's decoded rows only where every stage says so)
@@ -101,65 +84,70 @@ class Worker(StagePipeline):
         #: routes keep every row a later prompt shares); measured only where it could count
         self.prefix_chunk_rows_exact = (self.prefix_single_rows_exact
                                         and prefix_chunk_rows_exact(engine))
-        #: the stage's scheduler: every step of both planes computes through it
-        self.stage_loop = StageLoop(self, max_tokens=int(self.settings["n_ubatch"]),
-                              batching=c.batching, burst=self._burst,
-                              ring_groups=c.ring_groups, profile=self.profile,
-                              slot_of=self._slot_of)
         # fast data plane (dgr.transport.dataplane): set by serve_data()
         self.data_server = None
         self.forwarder = None
+        #: the step pipeline: the engine, the session table, the scheduler, the counters
+        self.pipeline = p = StagePipeline(engine, c, relay_policy=RelayPolicy(relay_allow),
+                                          burst=self._burst)
+        #: hooks called (from any thread) when the stage can no longer serve (its device was
+        #: lost): the gRPC server adds one that turns health NOT_SERVING
+        self.on_unservable = p.on_unservable
+        #: the credentials accepted and presented, and TLS (dgr.transport.security; both
+        #: planes use it): none by default
+        self.security = security if security is not None else Security()
+        self.inline = c.inline
+        self.inline_below_ms = float(c.inline_below_ms)
+        self.inline_steps = 0
+        self.name = name
+        self.cert_store = c.cert_store  # certified lanes advertised in the capability record
         #: optional span log (``--trace``): one JSON line per data-plane step, times from
         #: time.perf_counter() (CLOCK_MONOTONIC on Linux: comparable across processes)
         self.trace = None
         #: the data port named in Describe when it differs from the bound one (a proxy or
         #: port forward in front of it)
         self.advertise_data_port = 0
+        self._tls = threading.local()  # per thread: a reused frame-encode buffer
+        self._trace_lock = threading.Lock()  # trace lines come from several threads
 
     # -- control plane -------------------------------------------------------------------
 
     def describe(self) -> dict[str, Any]:
         """The fields of ``DescribeReply`` (``settings``: a dict of ``EngineSettings``)."""
-        with self.lock:  # the table's writers hold it, data-plane threads included
-            free_slots, sessions = self.table.free_slots, len(self.table)
-            free_context = self.table.free_context
+        p = self.pipeline
+        with p.lock:  # the table's writers hold it, data-plane threads included
+            free_slots, sessions = p.table.free_slots, len(p.table)
+            free_context = p.table.free_context
         return dict(
-            model_identity=self.model_identity,
-            model_name=os.path.basename(self.info["model"]),
-            arch=self.info["arch"], n_layer=self.n_layer,
-            layer_start=self.layers[0], layer_end=self.layers[1],
-            is_first=self.is_first, is_last=self.is_last,
-            needs_token_ids=bool(self.engine.needs_token_ids),
-            boundary_width=self.width, boundary_dtype="f32", n_vocab=int(self.engine.n_vocab),
-            settings={k: self.settings[k] for k in NUMERIC_SETTINGS},
-            eog_tokens=self.eog_tokens, add_bos=bool(self.info["add_bos"]),
+            model_identity=p.model_identity,
+            model_name=os.path.basename(p.info["model"]),
+            arch=p.info["arch"], n_layer=p.n_layer,
+            layer_start=p.layers[0], layer_end=p.layers[1],
+            is_first=p.is_first, is_last=p.is_last,
+            needs_token_ids=bool(p.engine.needs_token_ids),
+            boundary_width=p.width, boundary_dtype="f32", n_vocab=int(p.engine.n_vocab),
+            settings={k: p.settings[k] for k in NUMERIC_SETTINGS},
+            eog_tokens=self.eog_tokens, add_bos=bool(p.info["add_bos"]),
             free_slots=free_slots, sessions=sessions,
-            free_context=max(free_context, 0), queue_depth=self.inflight,
-            recent_tokens_per_s=self.window.tokens_per_s(),
-            recent_step_ms=self.window.decode_ms, draining=self.draining,
+            free_context=max(free_context, 0), queue_depth=p.inflight,
+            recent_tokens_per_s=p.window.tokens_per_s(),
+            recent_step_ms=p.window.decode_ms, draining=p.draining,
             dgr_version=__version__, wire_format_version=wire.FORMAT_VERSION,
             wire_schema_version=wire.SCHEMA_VERSION,
-            weight_bytes=int(self.info["weight_bytes"]), kv_bytes=int(self.info["kv_bytes"]),
-            steps_total=self.steps_total, errors_total=self.errors_total,
-            uptime_s=time.monotonic() - self.started,
+            weight_bytes=int(p.info["weight_bytes"]), kv_bytes=int(p.info["kv_bytes"]),
+            steps_total=p.steps_total, errors_total=p.errors_total,
+            uptime_s=time.monotonic() - p.started,
             capability_json=self.capability_json(),
             data_port=(self.advertise_data_port or self.data_server.port)
             if self.data_server is not None else 0,
-            **self.compute_counters(),
-            drafters=self.drafters,
+            **p.compute_counters(),
+            drafters=p.drafters,
             device=self.device_facts(),
             prefix_rows_exact=self.prefix_rows_exact,
             prefix_single_rows_exact=self.prefix_single_rows_exact,
             prefix_chunk_rows_exact=self.prefix_chunk_rows_exact,
-            prefix_store=self.prefix_store(),
+            prefix_store=p.prefix_store(),
         )
-
-    def _slot_of(self, session: str) -> int | None:
-        """The session's slot here (None: it holds none). Read without the table's lock (a
-        dict lookup): the stage loop groups ring steps by it, and a stale answer only makes
-        a batch less dense."""
-        info = self.table.get(session)
-        return None if info is None else info.slot
 
     def profile_snapshot(self) -> dict[str, Any]:
         """Where the stage's time went since it started (docs/performance.md): ``parts``,
@@ -168,24 +156,25 @@ class Worker(StagePipeline):
         without them); ``cpu_s``, the process's CPU seconds (user and system, every thread);
         ``batches`` and ``steps_batched``, the stage loop's forwards and the steps in them;
         ``tokens``, tokens computed."""
-        counters = getattr(self.engine, "counters", None)
-        sizes = self.stage_loop.batch_sizes.copy()
-        return {"parts": self.profile.totals(),
+        p = self.pipeline
+        counters = getattr(p.engine, "counters", None)
+        sizes = p.scheduler.batch_sizes.copy()
+        return {"parts": p.profile.totals(),
                 "engine": dict(counters) if counters is not None else {},
                 "cpu_s": time.process_time(),
-                "batches": self.stage_loop.batches,
+                "batches": p.scheduler.batches,
                 "steps_batched": sum(k * v for k, v in sizes.items()),
-                "tokens": self.window.tokens_computed_total}
+                "tokens": p.window.tokens_computed_total}
 
     def device_facts(self) -> dict[str, Any]:
         """The ``ComputeDevice`` fields: the engine's device and what it holds there (read
         when the worker started: see ``StagePipeline.engine_device``)."""
-        f = self.engine_device
+        f = self.pipeline.engine_device
         if f is None:  # an engine without devices (a test double): the CPU
             return {"backend": "cpu", "name": "cpu", "type": "cpu", "description": "",
                     "driver": "", "software": False, "memory_free": 0, "memory_total": 0,
-                    "weight_bytes": int(self.info.get("weight_bytes", 0)),
-                    "kv_bytes": int(self.info.get("kv_bytes", 0)), "compute_bytes": 0}
+                    "weight_bytes": int(self.pipeline.info.get("weight_bytes", 0)),
+                    "kv_bytes": int(self.pipeline.info.get("kv_bytes", 0)), "compute_bytes": 0}
         return {"backend": f["backend"], "name": f["device"], "type": f["type"],
                 "description": f["description"], "driver": f["driver"],
                 "software": bool(f["software"]), "memory_free": int(f["memory_free"]),
@@ -196,7 +185,8 @@ class Worker(StagePipeline):
         """The capability record (``dgr.protocol.capability.Capability``), live figures."""
         from dgr.control.capability import record_for
 
-        return record_for(self.engine, worker=self, cert_store=self.cert_store)
+        p = self.pipeline
+        return record_for(p.engine, pipeline=p, cert_store=self.cert_store, endpoint=self.name)
 
     def capability_json(self) -> bytes:
         from dgr.protocol.capability import encode
@@ -207,122 +197,29 @@ class Worker(StagePipeline):
             log.exception("capability record failed")
             return b""
 
+    # -- sessions (the Shard service's calls, for the caller: ``CALLER``) -----------------
+
     def release(self, session: str, keep=(), chunk: int = 0,
                 whole: int | None = None) -> tuple[bool, bool]:
-        """Release ``session`` for the caller (``CALLER``: another credential's is not):
-        ``(released, kept)``. With ``keep`` (a hash chain of its first positions: ``whole``
-        keys of one ``chunk`` each, all by default, then one key per position:
-        ``dgr.protocol.prefix.chain``), its caches stay on its slot as a prefix entry that
-        later sessions of the caller adopt (``adopt``), where the store takes it; the last
-        stage keeps the token record with it, and keeps nothing without one."""
-        who = CALLER.get()
-        with self.lock:
-            if not keep:
-                return self.table.release(session, who), False
-            whole = len(keep) if whole is None else min(whole, len(keep))
-            held = prefix.end_of(len(keep) - 1, whole, chunk)
-            tokens = None
-            if self.history is not None:
-                tokens = self.history.record(session)
-                if tokens is None or len(tokens) < held:
-                    return self.table.release(session, who), False
-                del tokens[held:]
-            known = session in self.table
-            kept = self.table.keep(session, keep, chunk, who, tokens, whole)
-            return known and session not in self.table, kept
+        """``StagePipeline.release`` for the caller (another credential's session is not)."""
+        return self.pipeline.release(session, CALLER.get(), keep, chunk, whole)
 
     def adopt(self, session: str, epoch: int, keys, chunk: int) -> int:
-        """Open ``session`` (at ``epoch``) on the caller's prefix entry that holds the most
-        of ``keys`` (a hash chain of the new prompt's first positions, one key per ``chunk``):
-        the positions it continues at (0: a miss, nothing opened). Runs under the engine's
-        lock, as ``fork`` does: the entry's slot is copied (or taken over) and cut back to
-        the match before any step of the session runs.
-
-        Raises
-        ------
-        The table's refusals (``SessionTable.adopt``): the session exists, draining, the
-        tenant's cap.
-        """
-        who = CALLER.get()
-        with self.engine.lock:
-            with self.lock:
-                got = self.table.adopt(session, epoch, keys, chunk, who)
-                if got is None:
-                    return 0
-                entry, info, copy = got
-                releases, self._releases = self._releases, []
-            try:
-                for slot in releases:
-                    self.engine.release(slot)
-                if copy:
-                    self.engine.copy_slot(entry.slot, info.slot)
-                self.engine.truncate(info.slot, info.next_pos)
-                if self.history is not None:
-                    self.history.install(session, epoch, entry.tokens[:info.next_pos])
-            except BaseException:
-                with self.lock:
-                    self.table.release(session)
-                raise
-        return info.next_pos
-
-    def prefix_store(self) -> dict[str, int]:
-        """The prefix store's figures (``Describe.prefix_store``, the capability record):
-        size, entries, positions and bytes they hold, hits, misses and evictions."""
-        t = self.table
-        with self.lock:
-            n, positions = len(t.entries), t.prefix_positions()
-            hits, misses, evictions = t.prefix_hits, t.prefix_misses, t.prefix_evictions
-        cells = int(self.settings["n_ctx"]) * int(self.engine.n_slots)
-        per = int(self.info["kv_bytes"]) / cells if cells else 0.0
-        return {"size": t.prefix_entries, "entries": n, "positions": positions,
-                "bytes": int(round(positions * per)), "hits": hits, "misses": misses,
-                "evictions": evictions}
+        """``StagePipeline.adopt`` from the caller's prefix entries."""
+        return self.pipeline.adopt(session, epoch, keys, chunk, CALLER.get())
 
     def fork(self, session: str, epoch: int, into: list[str], into_epoch: int) -> int:
-        """Open each session of ``into`` (at ``into_epoch``) as a copy of ``session`` at
-        ``epoch`` (its caches, bit for bit, and on the last stage its token record): a route's
-        ``n`` choices share one prefill. Returns the position they continue at. Runs under
-        the engine's lock, after the slots the table released are cleared, so no step comes
-        between a new entry and its copy; a failure drops the new entries.
-
-        Raises
-        ------
-        dgr.errors.InvalidArgument
-            ``into`` is empty; an engine that copies no slot (MTP, deepseek4).
-        The table's refusals (``SessionTable.fork``).
-        """
-        if not into:
-            raise errors.InvalidArgument("a fork needs at least one new session")
-        who = CALLER.get()
-        made = []
-        with self.engine.lock:
-            try:
-                with self.lock:
-                    for name in into:
-                        src, new = self.table.fork(session, epoch, name, into_epoch, who)
-                        made.append(new)
-                    releases, self._releases = self._releases, []
-                for slot in releases:
-                    self.engine.release(slot)
-                for new in made:
-                    self.engine.copy_slot(src.slot, new.slot)
-                    if self.history is not None:
-                        self.history.fork(session, epoch, new.session, into_epoch)
-            except BaseException:
-                with self.lock:
-                    for new in made:
-                        self.table.release(new.session)
-                raise
-        return src.next_pos
+        """``StagePipeline.fork`` of the caller's session."""
+        return self.pipeline.fork(session, epoch, into, into_epoch, CALLER.get())
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool):
-        return self.engine.tokenize(text, add_special, parse_special)
+        return self.pipeline.engine.tokenize(text, add_special, parse_special)
 
     def detokenize(self, tokens, remove_special: bool, unparse_special: bool) -> str:
-        return self.engine.detokenize(tokens, remove_special, unparse_special)
+        return self.pipeline.engine.detokenize(tokens, remove_special, unparse_special)
 
     def token_pieces(self, first: int, count: int, special: bool) -> list[bytes]:
-        return self.engine.token_pieces(first, count, special)
+        return self.pipeline.engine.token_pieces(first, count, special)
 
     # -- gRPC Step stream ----------------------------------------------------------------
 
@@ -333,9 +230,9 @@ class Worker(StagePipeline):
         try:
             frame = self.frames.decode(data)
             h = frame.header
-            step = self.accept(frame, t_arrive, credential=CALLER.get())
+            step = self.pipeline.accept(frame, t_arrive, credential=CALLER.get())
         except Exception as e:  # noqa: BLE001 - every refusal is an ErrorReply
-            return self.error(e, *_who(h))
+            return self.pipeline.error(e, *_who(h))
         aloop = asyncio.get_running_loop()
         fut = aloop.create_future()
 
@@ -345,7 +242,7 @@ class Worker(StagePipeline):
 
         def done(step: Step, failure: BaseException | None) -> None:
             # on the thread that computed: the results view its buffer, so encode here
-            out = (self.reply(step), None) if failure is None else (None, failure)
+            out = (self.pipeline.reply(step), None) if failure is None else (None, failure)
             try:
                 here = asyncio.get_running_loop() is aloop  # computed inline on the loop
             except RuntimeError:  # another thread: the stage loop's
@@ -359,14 +256,14 @@ class Worker(StagePipeline):
                     pass
 
         inline = self.inline or (h.n_tokens == 1 and self.inline_below_ms > 0
-                                 and 0 < self.window.decode_ms < self.inline_below_ms)
-        if self.stage_loop.submit(step, done, inline=inline):
+                                 and 0 < self.pipeline.window.decode_ms < self.inline_below_ms)
+        if self.pipeline.scheduler.submit(step, done, inline=inline):
             self.inline_steps += 1
         reply, failure = await fut
         if failure is not None:
             if not isinstance(failure, Exception):
                 raise failure
-            return self.error(failure, h.session, h.epoch)
+            return self.pipeline.error(failure, h.session, h.epoch)
         return reply
 
     # -- fast data plane (dgr.transport.dataplane, docs/dataplane.md) ----------------------
@@ -378,8 +275,9 @@ class Worker(StagePipeline):
         from dgr.transport.dataplane import DataServer
         from dgr.worker.relay import Forwarder
 
-        self.forwarder = Forwarder(self.layers[1], self.is_first, self.is_last, self.frames,
-                                   self.security, self.speculator)
+        p = self.pipeline
+        self.forwarder = Forwarder(p.layers[1], p.is_first, p.is_last, self.frames,
+                                   self.security, p.speculator)
         self.data_server = DataServer(self._data_connection, host, port, max_connections,
                                       conn_class=self.frames.conn_class,
                                       max_per_address=max_per_address,
@@ -403,7 +301,7 @@ class Worker(StagePipeline):
                 try:
                     view = conn.recv()
                 except errors.FrameError as e:  # an unframeable stream: answer, hang up
-                    conn.send(self.error(e))
+                    conn.send(self.pipeline.error(e))
                     return
                 if view is None:
                     return
@@ -425,14 +323,15 @@ class Worker(StagePipeline):
             if type(h) is wire.Hello:  # a driver's return connection
                 fw.hello(conn, h.route)
                 return
-            step = self.accept(frame, t_arrive, returns=fw,
+            step = self.pipeline.accept(frame, t_arrive, returns=fw,
                                credential=getattr(conn, "credential", None))
         except Exception as e:  # noqa: BLE001 - every refusal is an ErrorReply
-            fw.send_back(conn, getattr(h, "reply_to", ""), self.error(e, *_who(h)))
+            fw.send_back(conn, getattr(h, "reply_to", ""), self.pipeline.error(e, *_who(h)))
             return
         more = conn.pending()  # a burst: queue it with the rest, as one batch
-        self.profile.add("frame_in", time.perf_counter() - t_arrive)
-        self.stage_loop.submit(step, functools.partial(self._data_done, conn), inline=not more,
+        self.pipeline.profile.add("frame_in", time.perf_counter() - t_arrive)
+        self.pipeline.scheduler.submit(step, functools.partial(self._data_done, conn),
+                                       inline=not more,
                          hold=more)
 
     def _data_done(self, conn, step: Step, failure: BaseException | None) -> None:
@@ -440,17 +339,17 @@ class Worker(StagePipeline):
         thread that computed it, outside the engine's lock (its buffers are that thread's)."""
         fw, h = self.forwarder, step.header
         if failure is not None:
-            fw.send_back(conn, h.reply_to, self.error(failure, h.session, h.epoch))
+            fw.send_back(conn, h.reply_to, self.pipeline.error(failure, h.session, h.epoch))
             return
         t_done = time.perf_counter()
 
         def failed(e: BaseException) -> None:  # a relay or loop frame of a burst not sent
-            fw.send_back(conn, h.reply_to, self.error(e, h.session, h.epoch))
+            fw.send_back(conn, h.reply_to, self.pipeline.error(e, h.session, h.epoch))
 
         try:
             fw.send_on(conn, step, self._reply_parts, self._thread_buf(), failed)
         except Exception as e:  # noqa: BLE001 - e.g. the next stage is unreachable
-            fw.send_back(conn, h.reply_to, self.error(e, h.session, h.epoch))
+            fw.send_back(conn, h.reply_to, self.pipeline.error(e, h.session, h.epoch))
         if self.trace is not None:
             self._trace(step, t_done)
 
@@ -462,7 +361,7 @@ class Worker(StagePipeline):
 
     def _reply_parts(self, step: Step, buf: bytearray) -> tuple:
         """The data plane's ``Result`` frame of ``step`` as the pieces to send."""
-        r, res, codec, compress = self.result_of(step)
+        r, res, codec, compress = self.pipeline.result_of(step)
         return self.frames.result(r, res, codec, compress, buf)
 
     def _thread_buf(self) -> bytearray:
@@ -474,12 +373,12 @@ class Worker(StagePipeline):
 
     def _trace(self, step: Step, t_done: float) -> None:
         h = step.header
-        span = {"stage": list(self.layers), "session": h.session, "epoch": h.epoch,
+        span = {"stage": list(self.pipeline.layers), "session": h.session, "epoch": h.epoch,
                 "pos": h.first_pos, "n": h.n_tokens, "arrive": step.t_arrive,
                 "compute_end": t_done, "compute_s": step.seconds, "sent": time.perf_counter(),
                 "batch": step.batch[0] if step.batch else 0,
                 "batch_steps": step.batch[1] if step.batch else 1}
-        with self._counts:
+        with self._trace_lock:
             self.trace.write(json.dumps(span) + "\n")
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -487,38 +386,32 @@ class Worker(StagePipeline):
     async def housekeeping(self, period: float) -> None:
         while True:
             await asyncio.sleep(period)
-            with self.lock:
-                self.table.expire()
+            self.pipeline.expire()
 
     async def drain(self, server: ShardServer, timeout: float) -> None:
         """Stop taking work, let in-flight steps finish (up to ``timeout`` s), stop serving."""
-        if self.draining:
+        p = self.pipeline
+        if p.draining:
             return
-        self.draining = True
+        p.draining = True
         # new work is refused at admission (``accept``) from here on; the session table stays
         # open: a step admitted before now takes its lease only when it reaches the engine,
         # and one that opens its session (or a new epoch) is in flight like any other
-        log.info("draining: health NOT_SERVING, %d step(s) in flight", self.inflight)
+        log.info("draining: health NOT_SERVING, %d step(s) in flight", p.inflight)
         await server.set_serving(False)
         deadline = time.monotonic() + timeout
-        while self.inflight and time.monotonic() < deadline:
+        while p.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
         # no compute starts from here on: steps still queued at a drain timeout are refused
         # instead of keeping the worker alive until they are all done
-        self.stopped = True
-        if self.inflight:
-            log.warning("drain timeout: %d step(s) still running", self.inflight)
+        p.stopped = True
+        if p.inflight:
+            log.warning("drain timeout: %d step(s) still running", p.inflight)
         await server.stop(grace=0.5)
         self.stop_data()
-        with self.lock:
-            self.table.clear()
-        await asyncio.to_thread(self.stage_loop.stop)
-        # a step computing on a data connection's thread cannot be interrupted: wait for it,
-        # the process must not exit (and tear the engine down) under it
-        with self.engine.lock:
-            pass
-        log.info("drained; %d steps served; %d admitted step(s) not run", self.steps_total,
-                 self.not_run)
+        await asyncio.to_thread(p.close)
+        log.info("drained; %d steps served; %d admitted step(s) not run", p.steps_total,
+                 p.not_run)
 
 
 def _who(h) -> tuple[str, int]:

@@ -63,7 +63,7 @@ def stages(smollm2):
 
 def _reset(stages):
     for w in stages:
-        lp = w.worker.stage_loop
+        lp = w.worker.pipeline.scheduler
         lp.batch_sizes.clear()
         lp.inline_runs = lp.batches = 0
 
@@ -95,7 +95,7 @@ def test_batched_sessions_with_penalties_make_the_whole_models_tokens(smollm2, s
         assert got == refs
     else:
         assert [len(t) for t in got] == [TOKENS] * N
-    assert max(stages[-1].worker.stage_loop.batch_sizes) >= 2
+    assert max(stages[-1].worker.pipeline.scheduler.batch_sizes) >= 2
 
 
 def test_concurrent_sessions_share_forwards_and_keep_their_tokens(stages, refs, exact):
@@ -106,18 +106,18 @@ def test_concurrent_sessions_share_forwards_and_keep_their_tokens(stages, refs, 
     else:
         assert [len(t) for t in got] == [TOKENS] * N
     for w in stages:
-        sizes = w.worker.stage_loop.batch_sizes
+        sizes = w.worker.pipeline.scheduler.batch_sizes
         assert max(sizes) >= 2, f"{w.address}: no batch of several steps formed: {sizes}"
 
 
 def test_a_lone_session_runs_inline_in_batches_of_one(stages, refs):
     _reset(stages)
-    before = [w.worker.steps_total for w in stages]
+    before = [w.worker.pipeline.steps_total for w in stages]
     (got,) = asyncio.run(_generate(stages, 1))
     assert got == refs[0]
     for w, b in zip(stages, before):
-        lp = w.worker.stage_loop
-        steps = w.worker.steps_total - b
+        lp = w.worker.pipeline.scheduler
+        steps = w.worker.pipeline.steps_total - b
         assert set(lp.batch_sizes) == {1} and lp.batches == steps
         assert lp.inline_runs == steps, "a lone session's step waited for the loop's thread"
 
@@ -127,4 +127,4 @@ def test_a_route_without_batching_sends_solo_steps(stages, refs):
     got = asyncio.run(_generate(stages, 4, batching=False))
     assert got == refs[:4]
     for w in stages:
-        assert set(w.worker.stage_loop.batch_sizes) == {1}
+        assert set(w.worker.pipeline.scheduler.batch_sizes) == {1}

@@ -73,16 +73,17 @@ class WatchedTable:
 def worker(tiny_llama):
     w = Worker(dgr.Engine(tiny_llama, n_ctx=64, n_slots=2, n_threads=1, n_ubatch=8))
     yield w
-    w.stage_loop.stop()
+    w.pipeline.scheduler.stop()
 
 
 def test_describe_reads_the_table_under_its_lock(worker):
+    p = worker.pipeline
     lock = OwnedLock()
-    worker.lock = lock
-    table = worker.table
+    p.lock = lock
+    table = p.table
     with lock:  # a session as a data-plane step leaves it: acquired and committed
         table.commit(table.acquire("s1", 1, 0, 5))
-    watched = worker.table = WatchedTable(table, lock)
+    watched = p.table = WatchedTable(table, lock)
     d = worker.describe()
     assert d["sessions"] == 1 and d["free_slots"] == 1 and d["free_context"] == 2 * 64 - 5
     assert d["capability_json"], "the capability record failed (see the log)"
@@ -100,7 +101,7 @@ def test_describe_does_not_wait_for_the_engine(worker):
     checks and the driver's responsiveness probe for the whole compute). The device facts it
     reports were read when the worker started."""
     got: dict = {}
-    with worker.engine.lock:  # a compute in progress on another thread
+    with worker.pipeline.engine.lock:  # a compute in progress on another thread
         t = threading.Thread(target=lambda: got.update(worker.describe()), daemon=True)
         t.start()
         t.join(60)

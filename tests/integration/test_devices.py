@@ -122,7 +122,7 @@ def test_a_stage_whose_device_is_lost_fails_over_to_a_spare(tiny_llama, relay):
             assert r.stages[1].endpoint == ws[2].address  # the spare took the stage
             assert s.recoveries >= 1
         # the stage that lost its device takes itself out: draining, health NOT_SERVING
-        assert ws[1].worker.device_lost and ws[1].worker.draining
+        assert ws[1].worker.pipeline.device_lost and ws[1].worker.pipeline.draining
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 

@@ -75,7 +75,7 @@ def test_a_stage_without_the_entry_means_a_full_prefill(tiny_llama):
             async with AsyncRoute([w.address for w in ws]) as r:
                 prompt = list(range(3, 40))
                 want = await run(r, prompt, adopt=False)
-                w = ws[1].worker
+                w = ws[1].worker.pipeline
                 with w.lock:  # the middle stage lost its entries (restarted, evicted)
                     w.table.clear()
                 got = await run(r, prompt)

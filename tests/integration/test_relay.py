@@ -31,9 +31,10 @@ PROMPT = [int(t) for t in np.random.default_rng(3).integers(3, 120, 37)]  # 5 ch
 
 
 class _Positions:
-    """Records the ``first_pos`` of each data-plane step once a worker's method ``name`` has
-    returned for it, on whichever thread ran it: ``_data_done`` (handled: its reply, relay
-    and loop step all sent) or ``finish`` (computed), for waits on a step instead of time."""
+    """Records the ``first_pos`` of each data-plane step once method ``name`` has returned
+    for it, on whichever thread ran it: a worker's ``_data_done`` (handled: its reply, relay
+    and loop step all sent) or its pipeline's ``finish`` (computed), for waits on a step
+    instead of time."""
 
     def __init__(self, worker, name: str):
         self.positions: list[int] = []
@@ -52,7 +53,7 @@ class _Positions:
         setattr(worker, name, hook)
 
     def wait(self, pos: int, timeout: float = WAIT_S) -> bool:
-        """Whether the worker got that far with position ``pos`` within ``timeout``."""
+        """Whether the stage got that far with position ``pos`` within ``timeout``."""
         with self._cond:
             return self._cond.wait_for(lambda: pos in self.positions, timeout)
 
@@ -85,7 +86,7 @@ def test_relay_matches_the_whole_model_bit_for_bit(stages, reference):
         assert r.aroute.relay_steps == 5 + 11
         s.close()
     # the workers computed every step; none came over gRPC
-    assert all(w.worker.steps_total >= 16 for w in stages)
+    assert all(w.worker.pipeline.steps_total >= 16 for w in stages)
     # every frame took the native path (C++ receive and decode; raw codec)
     assert all(w.worker.frames.native and w.worker.frames.decoded_native >= 16
                and w.worker.frames.decoded_python == 0 for w in stages)
@@ -135,8 +136,8 @@ def test_relay_recovers_when_a_stage_loses_the_session(stages, reference):
         s = r.session()
         it = s.generate(PROMPT, max_tokens=12, stop_on_eog=False)
         toks = [next(it) for _ in range(4)]
-        with stages[1].worker.lock:
-            stages[1].worker.table.release(s.id)
+        with stages[1].worker.pipeline.lock:
+            stages[1].worker.pipeline.table.release(s.id)
         toks += list(it)
         assert toks == ref and s.recoveries == 1
         s.close()
@@ -189,7 +190,7 @@ def test_decode_loop_stops_at_max_tokens_and_stop_tokens(stages, reference):
         c = _conn(ep)
         c.send(wire.encode(wire.Hello(route="loop")))
         assert type(wire.decode(bytes(c.recv())).header) is wire.Hello
-        c.send(wire.encode(wire.Forward(model=one.worker.identity, session="L", epoch=1,
+        c.send(wire.encode(wire.Forward(model=one.worker.pipeline.identity, session="L", epoch=1,
                                         first_pos=0, n_tokens=5, layer=0, tokens=PROMPT[:5],
                                         want="token", reply_to="loop")))
         assert wire.decode(bytes(c.recv())).header.tokens == [ref[0]]
@@ -199,7 +200,7 @@ def test_decode_loop_stops_at_max_tokens_and_stop_tokens(stages, reference):
         stop = ref[k]
         try:
             c.send(wire.encode(wire.Forward(
-                model=one.worker.identity, session="L", epoch=1, first_pos=5, n_tokens=1,
+                model=one.worker.pipeline.identity, session="L", epoch=1, first_pos=5, n_tokens=1,
                 layer=0, tokens=[ref[0]], want="token", reply_to="loop", relay=[],
                 loop=[wire.Hop(endpoint=ep, tokens=True)], steps=9, stop_tokens=[stop])))
             got = [wire.decode(bytes(c.recv())).header for _ in range(k)]
@@ -211,7 +212,7 @@ def test_decode_loop_stops_at_max_tokens_and_stop_tokens(stages, reference):
             assert loops == list(range(5, 5 + k - 1))
         finally:
             c.close()
-        assert one.worker.table.snapshot()[0].next_pos == 5 + k
+        assert one.worker.pipeline.table.snapshot()[0].next_pos == 5 + k
     finally:
         one.stop()
 
@@ -242,7 +243,7 @@ def _conn(ep: str) -> dataplane.FrameSocket:
 
 def test_data_plane_hop_by_hop_and_errors(stages, reference):
     first = stages[0]
-    ident = first.worker.identity
+    ident = first.worker.pipeline.identity
     ep = f"127.0.0.1:{first.worker.data_server.port}"
     c = _conn(ep)
     try:
@@ -278,8 +279,8 @@ def test_data_plane_hop_by_hop_and_errors(stages, reference):
         assert "r-hand" in first.worker.forwarder
     finally:
         c.close()
-    with first.worker.lock:
-        first.worker.table.release("hand")
+    with first.worker.pipeline.lock:
+        first.worker.pipeline.table.release("hand")
 
 
 def test_data_plane_refuses_an_oversized_length_prefix(stages):
@@ -432,7 +433,7 @@ def test_a_one_stage_decode_loop_delivers_tokens_in_order(tiny_llama, reference)
     w = one.worker
     real_loop = w.forwarder.next_lap
     handled = _Positions(w, "_data_done")
-    computed = _Positions(w, "finish")
+    computed = _Positions(w.pipeline, "finish")
     waited = []
 
     def slow_after_loop(h, *rest):
@@ -449,12 +450,13 @@ def test_a_one_stage_decode_loop_delivers_tokens_in_order(tiny_llama, reference)
         try:
             c.send(wire.encode(wire.Hello(route="one")))
             c.recv()
-            c.send(wire.encode(wire.Forward(model=w.identity, session="O", epoch=1, first_pos=0,
+            c.send(wire.encode(wire.Forward(model=w.pipeline.identity, session="O", epoch=1,
+                                            first_pos=0,
                                             n_tokens=5, layer=0, tokens=PROMPT[:5],
                                             want="token", reply_to="one")))
             assert wire.decode(bytes(c.recv())).header.tokens == [ref[0]]
             c.send(wire.encode(wire.Forward(
-                model=w.identity, session="O", epoch=1, first_pos=5, n_tokens=1, layer=0,
+                model=w.pipeline.identity, session="O", epoch=1, first_pos=5, n_tokens=1, layer=0,
                 tokens=[ref[0]], want="token", reply_to="one", relay=[],
                 loop=[wire.Hop(endpoint=ep, tokens=True)], steps=5)))
             got = [wire.decode(bytes(c.recv())).header for _ in range(5)]
@@ -508,13 +510,13 @@ def test_decode_loop_runs_at_most_a_window_ahead_of_the_reader(stages, reference
         monkeypatch.setattr(last.forwarder, "next_lap", lambda h, *rest: (
             loops.append(h.first_pos), real_loop(h, *rest))[1])
         it = s.generate(PROMPT[:9], max_tokens=20, stop_on_eog=False)
-        before = last.steps_total
+        before = last.pipeline.steps_total
         toks = [next(it) for _ in range(3)]  # the prefill's token and 2 of the first window
         # a reader that pauses: the whole first window reaches the driver (the last stage
         # decides whether to loop on before it replies), then nothing more is started
         ring = r.aroute.relay_links.rings[(s.id, s.epoch)]
         _wait_until(lambda: ring.qsize() >= 2, "the first window's last two tokens arrive")
-        ahead = last.steps_total - before - 2  # decode steps the last stage ran (9 prompt
+        ahead = last.pipeline.steps_total - before - 2  # decode steps the last stage ran (9 prompt
         assert ahead == 4, ahead  # tokens: 2 prefill chunks); the first window only
         assert loops == [9, 10, 11], loops  # fed on within the window, not past it
         assert ring.qsize() == 2
@@ -537,16 +539,18 @@ def test_a_relay_off_the_allowlist_is_refused_and_nothing_connects(tiny_llama):
     last = ThreadedWorker(dgr.Engine(tiny_llama, layers=(3, 4), **SETTINGS),
                           relay_allow=["127.0.0.1:1"])
     plain = ThreadedWorker(dgr.Engine(tiny_llama, layers=(0, 1), **SETTINGS))  # the default
-    x = np.zeros((1, last.worker.width), np.float32)
+    x = np.zeros((1, last.worker.pipeline.width), np.float32)
     cases = [
-        (first, wire.Forward(model=first.worker.identity, session="a", epoch=1, first_pos=0,
+        (first, wire.Forward(model=first.worker.pipeline.identity, session="a", epoch=1,
+                             first_pos=0,
                              n_tokens=1, layer=0, tokens=[5], want="token", reply_to="r",
                              relay=[wire.Hop(endpoint=trap_ep)]), None, "Forward.relay"),
-        (last, wire.Forward(model=last.worker.identity, session="b", epoch=1, first_pos=0,
+        (last, wire.Forward(model=last.worker.pipeline.identity, session="b", epoch=1, first_pos=0,
                             n_tokens=1, layer=3, tokens=[5], want="token", reply_to="r",
                             relay=[], loop=[wire.Hop(endpoint=trap_ep, tokens=True)],
                             steps=4), x, "Forward.loop"),
-        (plain, wire.Forward(model=plain.worker.identity, session="c", epoch=1, first_pos=0,
+        (plain, wire.Forward(model=plain.worker.pipeline.identity, session="c", epoch=1,
+                             first_pos=0,
                              n_tokens=1, layer=0, tokens=[5], want="token", reply_to="r",
                              relay=[wire.Hop(endpoint="10.255.255.1:9")]), None,
          "Forward.relay"),
@@ -563,7 +567,7 @@ def test_a_relay_off_the_allowlist_is_refused_and_nothing_connects(tiny_llama):
                 assert field in err.message
             finally:
                 c.close()
-            assert w.worker.steps_total == 0  # refused at admission: nothing computed
+            assert w.worker.pipeline.steps_total == 0  # refused at admission: nothing computed
             assert not w.worker.forwarder.links._links  # and no connection was opened
         with pytest.raises(TimeoutError):
             trap.accept()  # nothing ever connected to the trap

@@ -92,7 +92,7 @@ def stages(tiny_llama):
 def _idle(ws) -> None:
     """Every worker holds no session and no step: what the refused callers held is free."""
     for w in ws:
-        wait_until(lambda w=w: w.worker.inflight == 0 and len(w.worker.table) == 0,
+        wait_until(lambda p=w.worker.pipeline: p.inflight == 0 and len(p.table) == 0,
                    f"{w.address} idle")
 
 
@@ -128,7 +128,8 @@ def _refused(c: dataplane.FrameSocket) -> errors.DgrError:
 
 def _forward(w, session="s", pos=0, n=4) -> bytes:
     h = wire.Forward(session=session, epoch=1, first_pos=pos, n_tokens=n, layer=0,
-                     model=w.worker.identity, tokens=list(range(5, 5 + n)), want="boundary")
+                     model=w.worker.pipeline.identity, tokens=list(range(5, 5 + n)),
+                     want="boundary")
     return wire.encode(h)
 
 
@@ -146,7 +147,7 @@ def test_a_route_with_credentials_matches_the_whole_model(stages, reference):
 @pytest.mark.parametrize("cred", [None, WRONG, STRANGER], ids=["missing", "wrong", "unknown"])
 def test_grpc_refuses_a_missing_wrong_or_unknown_credential(stages, cred):
     w = stages[0]
-    steps = w.worker.steps_total
+    steps = w.worker.pipeline.steps_total
 
     async def go():
         c = ShardClient(w.address, security=Security(cred))
@@ -165,7 +166,7 @@ def test_grpc_refuses_a_missing_wrong_or_unknown_credential(stages, cred):
             await c.close()
 
     asyncio.run(go())
-    assert w.worker.steps_total == steps  # nothing computed for it
+    assert w.worker.pipeline.steps_total == steps  # nothing computed for it
     _idle(stages)
 
 
@@ -176,7 +177,7 @@ def test_the_data_plane_reads_nothing_before_the_first_frame_authenticates(stage
     frame = {None: _forward(w), "wrong": AUTH_MAGIC + sign(WRONG, "data").encode(),
              "unknown": AUTH_MAGIC + sign(STRANGER, "data").encode(),
              "garbage": AUTH_MAGIC + b"x" * 40}[first]
-    steps, conns = w.worker.steps_total, _conns(w)
+    steps, conns = w.worker.pipeline.steps_total, _conns(w)
     c = _conn(ep, frame)
     if first is not None:  # a refused first frame: what follows is never read
         try:
@@ -187,7 +188,7 @@ def test_the_data_plane_reads_nothing_before_the_first_frame_authenticates(stage
         assert isinstance(_refused(c), errors.Unauthenticated)
     finally:
         c.close()
-    assert w.worker.steps_total == steps
+    assert w.worker.pipeline.steps_total == steps
     _freed(w, conns, "the refused connection is freed")
 
 
@@ -265,7 +266,7 @@ def test_sessions_belong_to_the_credential_that_opened_them(stages, reference):
             await st.close()
             assert isinstance(reply.to_exception(), errors.SessionForbidden)
             assert await b.clients[0].release(s.id) is False
-            assert stages[0].worker.table.get(s.id) is not None
+            assert stages[0].worker.pipeline.table.get(s.id) is not None
             g = await s.complete(PROMPT, max_tokens=8, stop_on_eog=False)
             await s.close()
             return g.tokens
@@ -304,8 +305,8 @@ def test_a_prefix_kept_by_one_credential_is_adopted_by_it_alone(stages, referenc
         assert asyncio.run(go()) == reference
     finally:
         for w in stages:  # the entries hold slots the later tests count as free
-            with w.worker.lock:
-                w.worker.table.clear()
+            with w.worker.pipeline.lock:
+                w.worker.pipeline.table.clear()
     _idle(stages)
 
 
@@ -345,24 +346,25 @@ def test_queued_steps_are_capped_per_credential(tiny_llama):
         # two connections of one credential: a connection's thread may compute its own
         # step, so the second step comes on another one
         c1, c2 = (_conn(ep, AUTH_MAGIC + sign(ACME, "data").encode()) for _ in range(2))
-        h = dict(epoch=1, first_pos=0, n_tokens=3, layer=0, model=tw.worker.identity,
+        h = dict(epoch=1, first_pos=0, n_tokens=3, layer=0, model=tw.worker.pipeline.identity,
                  tokens=[5, 6, 7], want="token")
-        with tw.worker.engine.lock:  # the engine is busy: admitted steps wait
+        with tw.worker.pipeline.engine.lock:  # the engine is busy: admitted steps wait
             c1.send(wire.encode(wire.Forward(session="a", **h)))
-            wait_until(lambda: tw.worker.inflight == 1, "the first step is admitted")
+            wait_until(lambda: tw.worker.pipeline.inflight == 1, "the first step is admitted")
             c2.send(wire.encode(wire.Forward(session="b", **h)))
             e = wire.decode(bytes(c2.recv())).header
             assert e.session == "b" and isinstance(e.to_exception(), errors.ResourceExhausted)
             # another credential is not held back by acme's queue
             c3 = _conn(ep, AUTH_MAGIC + sign(BETA, "data").encode())
             c3.send(wire.encode(wire.Forward(session="c", **h)))
-            wait_until(lambda: tw.worker.inflight == 2, "beta's step is admitted")
+            wait_until(lambda: tw.worker.pipeline.inflight == 2, "beta's step is admitted")
         for c, name in ((c1, "a"), (c3, "c")):  # both ran once the engine was free
             r = wire.decode(bytes(c.recv())).header
             assert isinstance(r, wire.Result) and r.session == name
         for c in (c1, c2, c3):
             c.close()
-        wait_until(lambda: tw.worker.inflight == 0 and not tw.worker._queued, "nothing queued")
+        wait_until(lambda: tw.worker.pipeline.inflight == 0 and not tw.worker.pipeline._queued,
+                   "nothing queued")
     finally:
         tw.stop()
 
@@ -403,7 +405,7 @@ def test_mutual_tls_route_matches_the_whole_model(tls_stages, certs, reference):
 def test_tls_refuses_plaintext_and_clients_without_a_trusted_certificate(tls_stages, certs,
                                                                          how):
     w = tls_stages[0]
-    steps, conns = w.worker.steps_total, _conns(w)
+    steps, conns = w.worker.pipeline.steps_total, _conns(w)
     tls = {"plaintext": None, "no-client-cert": TLSConfig(ca=certs["ca"]),
            "untrusted-client-cert": TLSConfig(cert=certs["scert"], key=certs["skey"],
                                               ca=certs["ca"])}[how]
@@ -435,7 +437,7 @@ def test_tls_refuses_plaintext_and_clients_without_a_trusted_certificate(tls_sta
             assert data == b""  # no frame, no ErrorReply: nothing was read
     finally:
         raw.close()
-    assert w.worker.steps_total == steps
+    assert w.worker.pipeline.steps_total == steps
     _freed(w, conns, "the refused connection is freed")
 
 

@@ -34,7 +34,7 @@ def _fixed(ws):
     """The last stage drafts what the tokens allow (``FixedDraftPolicy``): a schedule of the
     tokens alone. The adaptive policy learns, stage-wide, that drafts do not pay on loopback
     and stops drafting, so a later test would verify nothing (tests/unit has the policy)."""
-    ws[-1].worker.speculator.policy = FixedDraftPolicy()
+    ws[-1].worker.pipeline.speculator.policy = FixedDraftPolicy()
     return ws
 
 
@@ -77,10 +77,10 @@ def test_split_speculation_equals_the_whole_model_and_plain_decoding(split, whol
     # the drafts paid: several tokens per trip on repeated text
     assert g.drafted > 0 and g.accepted > 0 and g.trips < N - 1
     assert g.tokens_per_trip > 1.5
-    sp = split[-1].worker.speculator
+    sp = split[-1].worker.pipeline.speculator
     assert sp.stats.accepted >= g.accepted > 0
     # every stage kept its cache exactly: no session left busy, nothing refused
-    assert all(w.worker.errors_total == 0 for w in split)
+    assert all(w.worker.pipeline.errors_total == 0 for w in split)
 
 
 def test_seeded_sampling_makes_the_same_tokens_with_speculation(split):
@@ -102,7 +102,7 @@ def test_windows_and_draft_limits_keep_the_tokens(split, plain, window, max_draf
 def test_a_stage_that_cannot_roll_back_is_repaired_by_a_re_prefill(split, plain, monkeypatch):
     """A stage whose cache cannot drop the rejected tail refuses with RollbackUnsupported;
     the driver re-prefills under a new epoch and the tokens are still plain decoding's."""
-    eng = split[1].worker.engine
+    eng = split[1].worker.pipeline.engine
     real = eng.truncate
     calls = []
 
@@ -122,7 +122,8 @@ def test_a_stage_that_cannot_roll_back_is_repaired_by_a_re_prefill(split, plain,
 
 
 def test_speculate_is_checked(split):
-    assert split[-1].worker.drafters == ["ngram"] and split[0].worker.drafters == []
+    assert split[-1].worker.pipeline.drafters == ["ngram"]
+    assert split[0].worker.pipeline.drafters == []
     with pytest.raises(errors.RouteError, match="--mtp"):  # SmolLM2 has no NextN block
         Route([w.address for w in split], speculate="mtp")
     with pytest.raises(errors.InvalidArgument, match="speculate"):

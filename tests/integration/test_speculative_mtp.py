@@ -45,7 +45,7 @@ def _workers(model, layout):
         ws.append(ThreadedWorker(dgr.Engine(model, layers=r, mtp=last, **SETTINGS),
                                  evict_after=3600.0))
     # the schedule from the tokens alone (the adaptive policy's depends on measured times)
-    ws[-1].worker.speculator.policy = FixedDraftPolicy()
+    ws[-1].worker.pipeline.speculator.policy = FixedDraftPolicy()
     return ws
 
 
@@ -61,7 +61,7 @@ def runs(model):
     for name, layout in LAYOUTS.items():
         ws = _workers(model, layout)
         try:
-            assert ws[-1].worker.drafters == ["ngram", "mtp"]
+            assert ws[-1].worker.pipeline.drafters == ["ngram", "mtp"]
             out[name] = _complete(ws, speculate="mtp", max_draft=4)
             out[name + "/ngram"] = _complete(ws, speculate="ngram", max_draft=6)
             if name == "whole":
@@ -115,7 +115,7 @@ def test_the_rings_mtp_drafts_come_from_the_accepted_tokens(model):
     tokens accepted so far: a fresh whole model fed exactly those tokens drafts the same (the
     rejected drafts of the trip before left nothing behind)."""
     ws = _workers(model, LAYOUTS["split-3"])
-    sp = ws[-1].worker.speculator
+    sp = ws[-1].worker.pipeline.speculator
     real, log = sp.mtp.draft, []
 
     def logged(session, epoch, slot, pos, token, k):

@@ -35,7 +35,7 @@ SCHEMA = {"type": "object",
 def stages(smollm2):
     ws = [ThreadedWorker(dgr.Engine(smollm2, layers=r, **SETTINGS), evict_after=3600.0)
           for r in ((0, 15), (15, 30))]
-    ws[-1].worker.speculator.policy = FixedDraftPolicy()  # draft whatever the tokens allow
+    ws[-1].worker.pipeline.speculator.policy = FixedDraftPolicy()  # draft whatever the tokens allow
     yield ws
     for w in ws:
         w.stop()

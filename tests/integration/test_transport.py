@@ -48,8 +48,8 @@ def served(engine):
 def route(served):
     with Route(served.address, step_timeout=30) as r:
         yield r
-    for s in list(served.worker.table.snapshot()):
-        served.worker.table.release(s.session)
+    for s in list(served.worker.pipeline.table.snapshot()):
+        served.worker.pipeline.table.release(s.session)
 
 
 def run(coro):
@@ -249,7 +249,7 @@ def test_recovery_after_the_worker_lost_the_session(served, reference):
     s = route.session()
     it = s.generate(PROMPT, max_tokens=10, stop_on_eog=False)
     toks = [next(it) for _ in range(4)]
-    served.worker.table.release(s.id)  # as if the worker restarted or evicted it
+    served.worker.pipeline.table.release(s.id)  # as if the worker restarted or evicted it
     toks += list(it)
     ref, _ = generate_local(reference, PROMPT, max_tokens=10, stop_on_eog=False)
     assert toks == ref and s.recoveries == 1 and s.epoch == 2
@@ -271,7 +271,7 @@ def reply(data):
 
 
 def test_session_errors_over_the_stream(served):
-    ident = stage_identity(served.worker.model_identity, served.worker.settings)
+    ident = stage_identity(served.worker.pipeline.model_identity, served.worker.pipeline.settings)
 
     async def go(c):
         st = c.stream()
@@ -307,7 +307,7 @@ def test_session_errors_over_the_stream(served):
 
 
 def test_full_worker(served):
-    ident = stage_identity(served.worker.model_identity, served.worker.settings)
+    ident = stage_identity(served.worker.pipeline.model_identity, served.worker.pipeline.settings)
 
     async def go(c):
         st = c.stream()
@@ -372,7 +372,7 @@ def test_step_deadline_and_message_limit():
 def test_drain_refuses_new_work(tiny_llama):
     eng = dgr.Engine(tiny_llama, **SETTINGS)
     tw = ThreadedWorker(eng)
-    ident = stage_identity(tw.worker.model_identity, tw.worker.settings)
+    ident = stage_identity(tw.worker.pipeline.model_identity, tw.worker.pipeline.settings)
     try:
         async def before(c):
             st = c.stream()
@@ -381,17 +381,17 @@ def test_drain_refuses_new_work(tiny_llama):
 
         async def go(c):
             st = await before(c)
-            tw.worker.draining = True  # the first thing drain() does
+            tw.worker.pipeline.draining = True  # the first thing drain() does
             r = reply(await st.step(fwd(ident, "d", 1, 1, [2])))
             assert type(r.to_exception()) is errors.WorkerDraining
             r = reply(await c.stream().step(fwd(ident, "e", 1, 0, [1])))
             assert type(r.to_exception()) is errors.WorkerDraining
-            tw.worker.draining = False
+            tw.worker.pipeline.draining = False
             await tw.server.set_serving(False)
             assert await c.health() == "NOT_SERVING"
         run(with_client(tw.address, go))
         tw.drain(5)
-        assert tw.worker.draining and len(tw.worker.table) == 0
+        assert tw.worker.pipeline.draining and len(tw.worker.pipeline.table) == 0
     finally:
         tw.stop()
 
@@ -402,7 +402,7 @@ def test_drain_runs_a_step_admitted_before_it_that_opens_its_session(tiny_llama)
     # like any other (not refused as a new session)
     eng = dgr.Engine(tiny_llama, **SETTINGS)
     tw = ThreadedWorker(eng)
-    w = tw.worker
+    w = tw.worker.pipeline
     try:
         async def go(c):
             with eng.lock:  # the engine is busy: the step is admitted, then waits for it
@@ -520,8 +520,9 @@ def test_inputs_that_cannot_run_are_refused_before_they_take_a_slot(tiny_llama):
     x = np.random.default_rng(2).standard_normal((2, 64), dtype=np.float32)
 
     def frame(w, session, array, tokens=None, pos=0, **kw):
-        return wire.encode(wire.Forward(model=w.worker.identity, session=session, epoch=1,
-                                        first_pos=pos, n_tokens=2, layer=w.worker.layers[0],
+        return wire.encode(wire.Forward(model=w.worker.pipeline.identity, session=session, epoch=1,
+                                        first_pos=pos, n_tokens=2,
+                                        layer=w.worker.pipeline.layers[0],
                                         tokens=tokens, **kw), array)
 
     cases = [  # (stage, frame, class)
@@ -548,7 +549,7 @@ def test_inputs_that_cannot_run_are_refused_before_they_take_a_slot(tiny_llama):
 
     try:
         ok, got, kept = run(go())
-        sessions = (len(a.worker.table), len(b.worker.table))
+        sessions = (len(a.worker.pipeline.table), len(b.worker.pipeline.table))
     finally:
         a.stop()
         b.stop()
@@ -674,7 +675,7 @@ def test_three_toy_stages_relay_and_recover(loop):
             # token, before the loop's first step
             it = s.generate(prompt, max_tokens=12, stop_on_eog=False)
             toks = [next(it) for _ in range(1 if loop else 5)]
-            stages[2].worker.table.release(s.id)
+            stages[2].worker.pipeline.table.release(s.id)
             toks += list(it)
             assert toks == ref and s.recoveries == 1
             # the replay repeated the original prompt chunks exactly
@@ -696,7 +697,7 @@ def test_route_waits_for_a_slot_when_the_worker_is_full():
             # refused (all slots in use), b retries until a idles out and is evicted
             g = b.complete([3, 5, 7], max_tokens=2, stop_on_eog=False)
             assert g.tokens == ref and len(ref) == 2 and b.recoveries == 1
-            assert [e.session for e in tw.worker.table.snapshot()] == [b.id]
+            assert [e.session for e in tw.worker.pipeline.table.snapshot()] == [b.id]
             with pytest.raises(errors.UnknownSession):  # a was evicted: its next step misses
                 asyncio.run(_step_raw(tw.address, a.id))
             b.close()
@@ -707,10 +708,10 @@ def test_route_waits_for_a_slot_when_the_worker_is_full():
 def test_a_step_released_while_it_waited_does_not_run_on_the_reused_slot():
     # x's step passed admission, then x was released (a driver's close, a drain) and its only
     # slot went to y before x's step reached the engine: x's step must not compute there
-    from dgr.worker.pipeline import Step
-    from dgr.worker.stage import Worker
+    from dgr.worker.pipeline import StagePipeline
+    from dgr.worker.step import Step
 
-    w = Worker(ToyEngine(n_slots=1))
+    w = StagePipeline(ToyEngine(n_slots=1))
     eng = w.engine
     try:
         def step(session, pos, toks):
@@ -722,7 +723,7 @@ def test_a_step_released_while_it_waited_does_not_run_on_the_reused_slot():
         w.compute(s)
         w.table.commit(s.lease)
         sx = step("x", 3, [9])  # admitted, waiting for the engine
-        assert w.release("x")
+        assert w.release("x") == (True, False)
         sy = step("y", 0, [3, 5, 7])  # the freed slot, at once
         assert sy.lease.slot == sx.lease.slot
         y0 = w.compute(sy).tokens
@@ -737,7 +738,7 @@ def test_a_step_released_while_it_waited_does_not_run_on_the_reused_slot():
         w.table.commit(sy.lease)
         assert y0 is not None and w.table.get("y").next_pos == 4
     finally:
-        w.stage_loop.stop()
+        w.scheduler.stop()
 
 
 class WatchedLock:
@@ -787,17 +788,17 @@ def test_the_worker_computes_in_one_hold_of_the_engines_lock():
             return real(*a, **kw)
         setattr(obj, name, call)
 
-    for obj, name in ((eng, "release"), (eng, "forward"), (w.table, "holds")):
+    for obj, name in ((eng, "release"), (eng, "forward"), (w.pipeline.table, "holds")):
         watch(obj, name)
     try:
         # each new session's slot is released before its first step (x's and y's), and y
         # takes x's, released when x was
         for session in ("x", "y"):
-            r = reply(asyncio.run(w.step(fwd(w.identity, session, 1, 0, [3, 5, 7]))))
+            r = reply(asyncio.run(w.step(fwd(w.pipeline.identity, session, 1, 0, [3, 5, 7]))))
             assert type(r) is wire.Result, r
-            assert w.release(session)
+            assert w.release(session) == (True, False)
     finally:
-        w.stage_loop.stop()
+        w.pipeline.scheduler.stop()
     names = [n for n, _ in seen]
     assert names == ["holds", "release", "forward", "holds", "release", "release", "forward"]
     held = [h for _, h in seen]

@@ -148,7 +148,7 @@ def test_count_tokens_is_the_prompts_token_count(claude):
     n = client.messages.count_tokens(model=NAME, system=SYSTEM, messages=ASK).input_tokens
     text, add_bos = template.render_prompt([{"role": "system", "content": SYSTEM}, *ASK],
                                            add_generation_prompt=True)
-    engine = stages[0].worker.engine
+    engine = stages[0].worker.pipeline.engine
     assert n == len(engine.tokenize(text, add_bos, True))
     m = client.messages.create(model=NAME, max_tokens=1, system=SYSTEM, messages=ASK)
     assert m.usage.input_tokens == n

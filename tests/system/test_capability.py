@@ -50,10 +50,11 @@ async def with_client(address, fn):
 
 
 def fwd(w, session, pos, n, *, epoch=1, codec="raw"):
-    """A Forward of ``n`` tokens at ``pos`` into stage ``w`` (a boundary of zeros)."""
-    h = wire.Forward(model=stage_identity(w.model_identity, w.settings), session=session,
-                     epoch=epoch, first_pos=pos, n_tokens=n, layer=w.layers[0], want="token")
-    return wire.encode(h, np.zeros((n, w.width), np.float32), codec=codec)
+    """A Forward of ``n`` tokens at ``pos`` into worker ``w`` (a boundary of zeros)."""
+    p = w.pipeline
+    h = wire.Forward(model=stage_identity(p.model_identity, p.settings), session=session,
+                     epoch=epoch, first_pos=pos, n_tokens=n, layer=p.layers[0], want="token")
+    return wire.encode(h, np.zeros((n, p.width), np.float32), codec=codec)
 
 
 class Gated:
@@ -87,10 +88,11 @@ def test_record_fields_on_a_test_worker(last_stage):
     rec = run(with_client(last_stage.address, lambda c: c.capability()))
     assert isinstance(rec, schema.Capability) and rec.schema == schema.SCHEMA
     c, cap = rec.compatibility, rec.capacity
-    assert c.model_identity == w.model_identity and c.model_identity.startswith("sha256:")
-    assert c.stage_identity == stage_identity(w.model_identity, w.settings)
+    p = w.pipeline
+    assert c.model_identity == p.model_identity and c.model_identity.startswith("sha256:")
+    assert c.stage_identity == stage_identity(p.model_identity, p.settings)
     # the records that outlive a build leave a later setting out at its default
-    assert c.settings == canonical(w.engine.settings) and c.settings["n_slots"] == 3
+    assert c.settings == canonical(p.engine.settings) and c.settings["n_slots"] == 3
     assert "batch_invariant" not in c.settings
     assert (c.boundary_width, c.boundary_schema_version) == (WIDTH, wire.SCHEMA_VERSION)
     assert c.quantisation == "F32" and c.backend == "cpu"
@@ -107,7 +109,7 @@ def test_record_fields_on_a_test_worker(last_stage):
     assert rec.lanes == [] and rec.uncertified == [] and rec.cert_store is None
     # JSON round trip (the documented form); the SDK's in-process record of the idle engine
     assert schema.decode(schema.encode(rec)) == rec
-    idle = capability.record_for(w.engine)
+    idle = capability.record_for(p.engine)
     assert idle.compatibility == c and idle.capacity.slots_free == 3 and idle.lanes == []
 
     async def open_two(cl):
@@ -138,8 +140,8 @@ def test_record_fields_on_a_test_worker(last_stage):
 
 def test_queue_depth_under_load(last_stage):
     w = last_stage.worker
-    gated = Gated(w.engine)
-    w.engine = gated
+    gated = Gated(w.pipeline.engine)
+    w.pipeline.engine = gated
     try:
         async def load(cl):
             streams = [cl.stream() for _ in range(3)]
@@ -168,7 +170,7 @@ def test_queue_depth_under_load(last_stage):
         assert rec.capacity.slots_free + rec.load.sessions == 3
         assert (after.load.in_flight_steps, after.load.queue_depth) == (0, 0)
     finally:
-        w.engine = gated._e
+        w.pipeline.engine = gated._e
         for i in range(3):
             w.release(f"q{i}")
 

@@ -66,7 +66,7 @@ def _greedy_text(route, ids, max_tokens):
 
 
 def _sessions(stages) -> list[int]:
-    return [len(w.worker.table) for w in stages]
+    return [len(w.worker.pipeline.table) for w in stages]
 
 
 def test_models_list(client):
@@ -474,8 +474,8 @@ def test_a_speculating_front_gives_the_plain_routes_text_and_counts_its_drafts(
                                       for i in range(len(ids), len(seq))), \
         f"the greedy text does not go on with the prompt's pattern: {text!r}"
     # drafts from the tokens alone: the adaptive policy may judge them not to pay on loopback
-    policy, stages[-1].worker.speculator.policy = stages[-1].worker.speculator.policy, \
-        FixedDraftPolicy()
+    speculator = stages[-1].worker.pipeline.speculator
+    policy, speculator.policy = speculator.policy, FixedDraftPolicy()
     app = create_app(AsyncRoute([w.address for w in stages], speculate="ngram"), model=NAME,
                      template=template)
     s = Served(app)
@@ -503,7 +503,7 @@ def test_a_speculating_front_gives_the_plain_routes_text_and_counts_its_drafts(
         assert t["tokens_per_trip"] == (trips + accepted) / trips
     finally:
         s.stop()
-        stages[-1].worker.speculator.policy = policy
+        speculator.policy = policy
 
 
 _S = {"type": "string", "maxLength": 16}

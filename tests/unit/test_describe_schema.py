@@ -1,11 +1,11 @@
 """One describe record, three spellings: the proto's ``DescribeReply``, ``StageInfo`` (what a
 client reads) and ``Worker.describe`` (what a worker fills). A field added to one of them and
-not the others fails here. No model: a stand-in engine with the facts a worker reads."""
+not the others fails here. No model: a stand-in engine with the facts a worker reads
+(``stand_in``, tests/unit/conftest.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import pytest
 
@@ -23,34 +23,11 @@ STAGE_INFO_ONLY = {"endpoint", "layers", "extra"}
 PROTO_ONLY = {"layer_start", "layer_end", "capability_json"}
 
 
-class StandIn:
-    """The engine facts a worker reads, none of them a default value."""
-
-    settings = {"n_ctx": 96, "n_slots": 3, "n_threads": 2, "n_ubatch": 16, "flash_attn": False,
-                "type_k": "q8_0", "type_v": "f32", "batch_invariant": True}
-    layers = (2, 5)
-    is_first, is_last, needs_token_ids = False, False, True
-    n_embd_boundary, n_vocab, n_slots = 24, 40, 3
-
-    def __init__(self):
-        self.lock = threading.RLock()
-
-    def describe(self):
-        return {"identity": "sha256:standin", "model": "/nowhere/standin.gguf", "arch": "toy",
-                "n_layer": 7, "add_bos": True, "weight_bytes": 11, "kv_bytes": 13}
-
-    def is_eog(self, t):
-        return t in (4, 9)
-
-    def release(self, slot):
-        pass
-
-
 @pytest.fixture()
-def worker():
-    w = Worker(StandIn())
+def worker(stand_in):
+    w = Worker(stand_in)
     yield w
-    w.stage_loop.stop()
+    w.pipeline.scheduler.stop()
 
 
 def test_worker_describe_fills_exactly_the_proto_fields(worker):
@@ -68,7 +45,7 @@ def test_stage_info_holds_the_proto_fields():
         sorted(fields - STAGE_INFO_ONLY - PROTO), sorted(PROTO - PROTO_ONLY - fields))
 
 
-def test_a_describe_reaches_stage_info_field_by_field(worker):
+def test_a_describe_reaches_stage_info_field_by_field(worker, stand_in):
     # what the server sends (dgr.transport.server) and a client reads (StageInfo.from_proto)
     d = worker.describe()
     reply = dgr_pb2.DescribeReply(**{**d, "settings": dgr_pb2.EngineSettings(**d["settings"])})
@@ -82,5 +59,5 @@ def test_a_describe_reaches_stage_info_field_by_field(worker):
             assert got[name] == pytest.approx(want), name
         else:
             assert got[name] == want, name
-    assert info.layers == StandIn.layers and info.settings == StandIn.settings
+    assert info.layers == stand_in.layers and info.settings == stand_in.settings
     assert info.eog_tokens == {4, 9} and info.needs_token_ids and info.add_bos
