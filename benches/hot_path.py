@@ -46,7 +46,8 @@ class _Sink:
         while self.far.recv(1 << 20):
             pass
 
-    def send(self, endpoint, frame, payload=None) -> None:
+    def send(self, endpoint, frame, payload=None, on_error=None) -> None:
+        """``Links.send``'s signature (no burst here: every frame leaves at once)."""
         self.link.send_parts(frame, payload)
 
     def close(self) -> None:
