@@ -1,7 +1,7 @@
 """Python (dgr.protocol.wire) against C++ (dgr._core._frame) frame codec: microseconds per frame.
 
 Frames are the ones a SmolLM2-135M route sends between stages under direct relay with the
-decode loop (dgr/worker/relay.py): a decode step (1 token, boundary of 576 floats) and a
+decode loop (dgr/worker/forwarder.py): a decode step (1 token, boundary of 576 floats) and a
 64-token prefill chunk (64 x 576), raw f32, plus the last stage's token reply. Measured per
 frame, medians of short batches:
 

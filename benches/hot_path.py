@@ -107,8 +107,8 @@ def main(argv=None) -> int:
     import numpy as np
 
     import dgr
-    from dgr.worker.relay import Forwarder
-    from dgr.worker.stage import Worker
+    from dgr.worker.forwarder import Forwarder
+    from dgr.worker.worker import Worker
 
     settings = {**SETTINGS, "n_slots": 1}
     eng = dgr.Engine(smollm2_path(), layers=(10, 20), **settings)

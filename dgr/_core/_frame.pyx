@@ -646,7 +646,7 @@ def encode_head(object header, object array=None):
 
 
 def relay_head(object header, object array, int32_t layer, bint keep_tokens):
-    """``encode_head`` of the ``Forward`` a stage relays on (``dgr.worker.relay``): ``header``
+    """``encode_head`` of the ``Forward`` a stage relays on (``dgr.worker.forwarder``): ``header``
     with ``layer`` set, its first ``relay`` hop dropped (the stage it goes to) and its token
     ids kept only when ``keep_tokens`` (that stage routes by token id), and ``array`` the
     boundary; every other field (the decode loop's, the speculative ``rollback``, ``drafts``,

@@ -1,6 +1,6 @@
 """gRPC transport of dgr and its TCP data plane: bytes between processes, no domain logic.
 
-- ``dgr.transport.server.ShardServer``: serves a stage backend (``dgr.worker.stage.Worker``):
+- ``dgr.transport.server.ShardServer``: serves a stage backend (``dgr.worker.worker.Worker``):
   the ``dgr.v1.Shard`` control RPCs (proto/dgr.proto), the raw-frame ``Step`` stream, and the
   standard ``grpc.health.v1`` service.
 - ``dgr.transport.client.ShardClient`` / ``StepStream``: calls with deadlines, keepalive and

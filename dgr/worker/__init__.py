@@ -5,7 +5,7 @@
 - ``dgr.worker.pipeline``: the step pipeline (admit, compute, finish, reply), one for the gRPC
   ``Step`` stream and the data plane; it owns the engine, the session table and the
   scheduler.
-- ``dgr.worker.relay``: where a data-plane step's frames go (return connections, relay to the
+- ``dgr.worker.forwarder``: where a data-plane step's frames go (return connections, relay to the
   next stage, the decode loop).
 - ``dgr.worker.scheduler``: the stage's scheduler, which forms batches of ready steps
   (``StageLoop``, the decode ring's groups).
@@ -14,13 +14,13 @@
   drafts and their verification, grammar masks, and the token history penalties read.
 - ``dgr.worker.profile``: where a stage's time goes (its Prometheus parts).
 - ``dgr.worker.trust``: whom relayed frames may make this worker connect to.
-- ``dgr.worker.stage``: ``Worker``, the stage: it owns the pipeline and feeds it from both
+- ``dgr.worker.worker``: ``Worker``, the stage: it owns the pipeline and feeds it from both
   planes; describe, drain.
 - ``dgr.worker.process``: workers in a thread of this process or as child processes.
 - ``dgr.worker.main``: the command line of ``python -m dgr.worker``.
 """
 
 from dgr.worker.process import LocalCluster, ThreadedWorker, WorkerProcess
-from dgr.worker.stage import Worker
+from dgr.worker.worker import Worker
 
 __all__ = ["Worker", "ThreadedWorker", "WorkerProcess", "LocalCluster"]

@@ -15,7 +15,7 @@ from dgr.protocol import settings as engine_settings
 from dgr.protocol.settings import settings_tag
 from dgr.transport.server import ShardServer
 from dgr.worker.config import WorkerConfig
-from dgr.worker.stage import Worker
+from dgr.worker.worker import Worker
 
 __all__ = ["main", "build_parser"]
 

@@ -16,8 +16,8 @@ A step goes ``accept`` -> ``lease`` -> ``compute`` -> ``finish``, then its frame
 - ``finish``: commit (or abort: the session is dropped), the counters, the busy count;
 - ``reply``: the ``Result`` frame.
 
-``dgr.worker.stage.Worker`` feeds it from both planes (they differ in how a frame arrives
-and where its reply goes); ``dgr.worker.relay`` sends a relayed step on.
+``dgr.worker.worker.Worker`` feeds it from both planes (they differ in how a frame arrives
+and where its reply goes); ``dgr.worker.forwarder`` sends a relayed step on.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ class StagePipeline:
     table (under ``lock``), the scheduler (``scheduler``: every step of both planes computes
     through it), the counters, the drain flags.
 
-    ``dgr.worker.stage.Worker`` owns one and feeds it from its planes.
+    ``dgr.worker.worker.Worker`` owns one and feeds it from its planes.
 
     Parameters
     ----------

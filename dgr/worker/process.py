@@ -11,7 +11,7 @@ from typing import Sequence
 from dgr import errors
 from dgr.protocol import settings as engine_settings
 from dgr.transport.server import ShardServer
-from dgr.worker.stage import Worker
+from dgr.worker.worker import Worker
 
 __all__ = ["ThreadedWorker", "WorkerProcess", "LocalCluster", "worker_env"]
 

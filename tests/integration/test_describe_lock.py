@@ -9,7 +9,7 @@ import threading
 import pytest
 
 import dgr
-from dgr.worker.stage import Worker
+from dgr.worker.worker import Worker
 
 
 class OwnedLock:

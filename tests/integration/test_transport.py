@@ -773,7 +773,7 @@ class WatchedLock:
 def test_the_worker_computes_in_one_hold_of_the_engines_lock():
     # the deferred releases, the check that the lease still holds its slot and the forward
     # run in one hold of engine.lock: no other thread's compute can come between them
-    from dgr.worker.stage import Worker
+    from dgr.worker.worker import Worker
 
     eng = ToyEngine(n_slots=1)
     eng.lock = WatchedLock()

@@ -12,7 +12,7 @@ import pytest
 from dgr._proto import dgr_pb2
 from dgr.protocol.describe import COUNTERS, StageInfo
 from dgr.protocol.settings import NUMERIC_SETTINGS
-from dgr.worker.stage import Worker
+from dgr.worker.worker import Worker
 
 PROTO = set(dgr_pb2.DescribeReply.DESCRIPTOR.fields_by_name)
 #: StageInfo's own: the endpoint it was read from, ``layers`` for the proto's

@@ -13,7 +13,7 @@ import pytest
 from dgr import errors
 from dgr.worker import main
 from dgr.worker.config import WORKER_FLAGS, WorkerConfig
-from dgr.worker.stage import Worker
+from dgr.worker.worker import Worker
 
 FIELDS = WorkerConfig.__dataclass_fields__
 #: WorkerConfig's fields the command line does not set: the frame cap

@@ -12,7 +12,7 @@ from dgr.worker.config import WorkerConfig
 from dgr.worker.pipeline import StagePipeline
 from dgr.worker.scheduler import StageLoop
 from dgr.worker.sessions import SessionTable
-from dgr.worker.stage import Worker
+from dgr.worker.worker import Worker
 
 
 @pytest.fixture()

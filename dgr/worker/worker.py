@@ -2,7 +2,7 @@
 
 Both planes feed one step pipeline (``dgr.worker.pipeline``); they differ in how a frame
 arrives (a gRPC stream's coroutine, a data connection's thread) and where its frames go (the
-stream's reply; ``dgr.worker.relay`` on the data plane).
+stream's reply; ``dgr.worker.forwarder`` on the data plane).
 """
 
 from __future__ import annotations
@@ -273,7 +273,7 @@ class Worker:
         """Start the TCP data plane on ``host:port``; returns the bound port. Limits:
         ``DataServer``'s (connections in all and per remote address, a frame's deadline)."""
         from dgr.transport.dataplane import DataServer
-        from dgr.worker.relay import Forwarder
+        from dgr.worker.forwarder import Forwarder
 
         p = self.pipeline
         self.forwarder = Forwarder(p.layers[1], p.is_first, p.is_last, self.frames,
