@@ -105,12 +105,11 @@ from harness.common import (N_PROMPT_DECODE, N_VOCAB, SETTINGS, prompt_tokens, s
                             smollm2_path)
 from harness.llama import (RpcServers, batched_bench, batched_bench_command,
                            batched_bench_threads, llama_bench, llama_bench_commands, tool)
-from harness.measure import decode_tps, rate
+from harness.measure import cpu_of, decode_tps, rate
 
 N_DECODE = 64
 PREFILLS = (128, 512)
 MODEL: str | None = None  # --model: another GGUF than SmolLM2 (e.g. benches/qwen2_7b.py's)
-_TICK = os.sysconf("SC_CLK_TCK")
 
 
 # --- helpers ---------------------------------------------------------------------------------
@@ -118,17 +117,6 @@ _TICK = os.sysconf("SC_CLK_TCK")
 def model_path() -> str:
     """The GGUF every row runs: ``--model``, else the registry's SmolLM2."""
     return MODEL or smollm2_path()
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of ``pid`` (seconds) from /proc/<pid>/stat."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK  # fields 14, 15 of stat(5)
-
-
-def cpu_of(pids) -> float:
-    return sum(cpu_seconds(p) for p in pids)
 
 
 def _port(endpoint: str) -> int:

@@ -13,7 +13,9 @@ requests one after the other (its own user message, temperature 0, ``max_tokens`
 sending the request to the first content event; time per output token = (last content event
 - first) / (content events - 1); output tokens = the ``usage`` of the last event (both servers
 send it with ``stream_options.include_usage``). Per client count and server: requests/s and
-output tokens/s over the wall time of the whole batch, TTFT and TPOT p50 and p99.
+output tokens/s over the wall time of the whole batch, TTFT and TPOT p50 and p99, and CPU
+milliseconds per output token of each process over the batch (``/proc``: the server, then
+the processes it started: dgr's front, then its workers; llama-server is one process).
 
 llama-server is built once from the pinned, patched tree into ``$DGR_CACHE/llama-server-<key>``
 (``LLAMA_BUILD_SERVER=ON``, no UI assets, no network). Note what differs: dgr runs a process
@@ -36,6 +38,7 @@ import time
 from harness import cli
 from harness.clusters import free_port
 from harness.llama import llama_server
+from harness.measure import children, cpu_seconds
 
 N_CTX, N_UBATCH = 1024, 64
 
@@ -99,6 +102,24 @@ def one_request(port: int, model: str, message: str, max_tokens: int) -> dict:
     return {"ttft_s": (times[0] - t0) if times else t_end - t0,
             "tpot_s": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
             "tokens": n, "wall_s": t_end - t0}
+
+
+def cpu_per_token(pids: list[int], load) -> dict:
+    """``load()``'s row, with the CPU milliseconds per output token each of ``pids`` spent
+    while it ran (``cpu_ms_per_token``: their sum; ``cpu_ms_per_token_by_process``: in the
+    order of ``pids``)."""
+    before = [cpu_seconds(p) for p in pids]
+    row = load()
+    per = [1e3 * (cpu_seconds(p) - b) / max(row["output_tokens"], 1)
+           for p, b in zip(pids, before)]
+    return {**row, "cpu_ms_per_token": sum(per), "cpu_ms_per_token_by_process": per}
+
+
+def _cpu_text(row: dict) -> str:
+    """``total (each process)``, e.g. ``20.4 (0.4 + 5.6 + 5.6 + 8.8)``."""
+    per = row.get("cpu_ms_per_token_by_process") or []
+    each = " + ".join(f"{x:.1f}" for x in per)
+    return f"{row.get('cpu_ms_per_token', 0):.1f}" + (f" ({each})" if len(per) > 1 else "")
 
 
 def run_load(port: int, model: str, k: int, n_requests: int, max_tokens: int) -> dict:
@@ -185,14 +206,16 @@ def main(argv=None) -> int:
             one_request(ports[what], name, "Hello.", 8)
         for k in ks:
             for what in procs:  # side by side: each client count on both, in turn
-                row = run_load(ports[what], name, k, args.requests, args.tokens)
+                pids = [procs[what].pid, *children(procs[what].pid)]
+                row = cpu_per_token(pids, lambda: run_load(ports[what], name, k,
+                                                           args.requests, args.tokens))
                 row["server"] = what
                 out["rows"].append(row)
                 print(f"{what:<13} k={k:<3} {row['requests_per_s']:6.2f} req/s "
                       f"{row['output_tokens_per_s']:7.1f} tok/s  TTFT p50 "
                       f"{row['ttft_ms_p50'] or 0:8.1f} p99 {row['ttft_ms_p99'] or 0:8.1f} ms  "
                       f"TPOT p50 {row['tpot_ms_p50'] or 0:6.1f} p99 {row['tpot_ms_p99'] or 0:6.1f}"
-                      f" ms  failed {row['failed']}", flush=True)
+                      f" ms  CPU/token {_cpu_text(row)} ms  failed {row['failed']}", flush=True)
     finally:
         for p in procs.values():
             p.send_signal(2)  # SIGINT: dgr serve stops its workers
@@ -202,13 +225,13 @@ def main(argv=None) -> int:
             except subprocess.TimeoutExpired:
                 p.kill()
     print("\n| clients | server | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | "
-          "TPOT p50 ms | TPOT p99 ms |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+          "TPOT p50 ms | TPOT p99 ms | CPU ms/token (each process) |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---|")
     for r in out["rows"]:
         print(f"| {r['clients']} | {r['server']} | {r['requests_per_s']:.2f} | "
               f"{r['output_tokens_per_s']:.1f} | {r['ttft_ms_p50'] or 0:.0f} | "
               f"{r['ttft_ms_p99'] or 0:.0f} | {r['tpot_ms_p50'] or 0:.1f} | "
-              f"{r['tpot_ms_p99'] or 0:.1f} |")
+              f"{r['tpot_ms_p99'] or 0:.1f} | {_cpu_text(r)} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

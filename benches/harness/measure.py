@@ -7,13 +7,47 @@ ramp up and down, so the two are not the same figure. ``decode_tps`` is the like
 one: the tokens the sessions made while all of them were decoding, over that time.
 ``end_to_end_tps`` of a batched-bench record is the like-for-like figure of the other kind:
 its generated tokens over its prompt and generation phases together.
+
+``cpu_seconds`` and ``children`` read a process's CPU time and its child processes from
+``/proc`` (a server and the workers it started).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
-__all__ = ["decode_tps", "end_to_end_tps", "rate"]
+__all__ = ["decode_tps", "end_to_end_tps", "rate", "cpu_seconds", "cpu_of", "children"]
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid`` (seconds, every thread) from /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK  # fields 14, 15 of stat(5)
+
+
+def cpu_of(pids) -> float:
+    """The CPU seconds of ``pids``, summed."""
+    return sum(cpu_seconds(p) for p in pids)
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc/<pid>/stat's ppid), in pid order."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # field 4 of stat(5)
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+        if ppid == pid:
+            out.append(int(name))
+    return sorted(out)
 
 
 def decode_tps(token_times: Sequence[Sequence[float]]) -> float | None:

@@ -62,3 +62,32 @@ def test_run_load_aggregates_over_the_batch(stub):
     assert row["output_tokens"] == 24
     assert row["output_tokens_per_s"] == pytest.approx(24 / row["wall_s"])
     assert row["ttft_ms_p50"] <= row["ttft_ms_p99"] and row["tpot_ms_p50"] <= row["tpot_ms_p99"]
+
+
+def test_cpu_per_token_counts_each_process_while_the_load_runs():
+    import os
+    import subprocess
+    import sys
+
+    from harness.measure import children
+
+    # a child that burns about 0.3 s of CPU once told to, then waits
+    code = ("import sys, time\nsys.stdin.readline()\nt = time.process_time()\n"
+            "while time.process_time() - t < 0.3: pass\nprint('done', flush=True)\n"
+            "sys.stdin.readline()\n")
+    with subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True) as p:  # exits at stdin's EOF
+        assert p.pid in children(os.getpid())
+
+        def load():
+            p.stdin.write("go\n")
+            p.stdin.flush()
+            assert p.stdout.readline().strip() == "done"
+            return {"output_tokens": 10}
+
+        row = serve_load.cpu_per_token([p.pid], load)
+        (per,) = row["cpu_ms_per_token_by_process"]
+        assert 25 <= per < 100 and row["cpu_ms_per_token"] == per  # 300 ms over 10 tokens
+        assert serve_load._cpu_text(row) == f"{per:.1f}"
+        two = {**row, "cpu_ms_per_token": 3.0, "cpu_ms_per_token_by_process": [1.0, 2.0]}
+        assert serve_load._cpu_text(two) == "3.0 (1.0 + 2.0)"
