@@ -25,7 +25,6 @@ of rows whose top-1 token agrees. A table is printed and JSON written to
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -35,6 +34,7 @@ import tempfile
 
 import numpy as np
 
+from harness import cli
 
 N_SLOTS = 16
 N_CTX = 512
@@ -147,7 +147,7 @@ def _cpu() -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = cli.parser(__doc__)
     ap.add_argument("--ks", default="2,4,16")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--steps", type=int, default=8, help="decode steps per session")

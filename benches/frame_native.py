@@ -13,17 +13,17 @@ frame, medians of short batches:
   latter reads the header's fields from the msgspec struct, the most of its cost);
 - ``c++ enc only``: the C++ encoder in a C++ loop into one reused buffer.
 
-Not a test: run ``python benches/frame_native.py`` from a built checkout.
+Not a test: run ``python benches/frame_native.py [--json PATH]`` from a built checkout.
 """
 
 from __future__ import annotations
 
-import statistics
 import sys
-import timeit
 
 import numpy as np
 
+from harness import cli
+from harness.measure import median_us
 
 from dgr._core import _frame
 from dgr.protocol import wire
@@ -50,14 +50,10 @@ def frames() -> dict[str, tuple[wire.Message, np.ndarray | None]]:
     }
 
 
-def median_us(fn, number: int = 50, repeat: int = 400) -> float:
-    """Median of ``repeat`` batches of ``number`` calls, per call (a preempted batch is an
-    outlier the median ignores)."""
-    return statistics.median(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6
-
-
-def main() -> int:
+def main(argv=None) -> int:
     """Print one line per frame and case (microseconds per frame)."""
+    args = cli.parser(__doc__, json=True).parse_args(argv)
+    out = {}
     print(f"{'frame':>18} {'bytes':>7} {'py decode':>10} {'c++ decode':>11} {'c++ only':>9} "
           f"{'py encode':>10} {'c++ encode':>11} {'c++ enc only':>13}")
     for name, (header, array) in frames().items():
@@ -76,7 +72,11 @@ def main() -> int:
         ]
         print(f"{name:>18} {len(frame):>7} " + " ".join(f"{v:>{w}.2f}" for v, w in
                                                          zip(row, (10, 11, 9, 10, 11, 13))))
+        out[name] = dict(zip(("bytes", "py_decode_us", "cpp_decode_us", "cpp_decode_only_us",
+                              "py_encode_us", "cpp_encode_us", "cpp_encode_only_us"),
+                             (len(frame), *row)))
     print("microseconds per frame (medians; 'only' columns: best of 20 loops of 2000 in C++)")
+    cli.write_json(args.json, out)
     return 0
 
 

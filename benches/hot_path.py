@@ -20,13 +20,12 @@ are cold, which is the situation of every stage of a route.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 import time
 
-
+from harness import cli
 from harness.common import SETTINGS, smollm2_path
 
 
@@ -98,7 +97,7 @@ def _run(worker, frames, conn, writer) -> list[float]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = cli.parser(__doc__)
     ap.add_argument("--steps", type=int, default=300)
     args = ap.parse_args(argv)
 

@@ -18,13 +18,14 @@ half-written behind. Used by ``benches/compare.py --model`` and ``benches/stage_
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+from harness import cli
 
 NAME = "random-qwen2-7b-shape-q4_0.gguf"
 N_LAYER, N_EMBD, N_HEAD, N_HEAD_KV, N_FF, N_VOCAB = 28, 3584, 28, 4, 18944, 152064
@@ -141,7 +142,7 @@ def write(path: str | os.PathLike | None = None, *, force: bool = False, log=Non
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = cli.parser(__doc__)
     ap.add_argument("--out", help=f"where to write it (default $DGR_CACHE/models/{NAME})")
     ap.add_argument("--force", action="store_true", help="write it again even if present")
     args = ap.parse_args(argv)

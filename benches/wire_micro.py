@@ -1,21 +1,25 @@
-"""Median encode+decode time of one raw f32 token of width 16384, checksums included."""
+"""Median encode+decode time of one raw f32 token of width 16384, checksums included.
+
+    python benches/wire_micro.py [--json PATH]   # exits 1 when encode+decode misses the goal
+"""
 
 from __future__ import annotations
 
-import statistics
 import sys
-import timeit
 
 import numpy as np
 
+from harness import cli
+from harness.measure import median_us
 
 from dgr.protocol import wire
 
 GOAL_US = 20.0
 
 
-def main() -> int:
+def main(argv=None) -> int:
     """Print the medians (microseconds) and exit 1 when encode+decode misses the goal."""
+    args = cli.parser(__doc__, json=True).parse_args(argv)
     array = np.random.default_rng(0).standard_normal((1, 16384), dtype=np.float32)
     header = wire.Forward(model="bench", session="s", epoch=1, first_pos=0, n_tokens=1, layer=1)
     frame = wire.encode(header, array)
@@ -34,18 +38,14 @@ def main() -> int:
         "encode+decode": roundtrip,
         "encode_into+decode": roundtrip_into,
     }
-    # Short batches: a batch the scheduler preempts (the machine is shared) is an outlier
-    # the median ignores, instead of inflating every long batch a little.
-    number, repeat = 10, 3000
     medians = {}
     for name, fn in cases.items():
-        times = timeit.repeat(fn, number=number, repeat=repeat)
-        medians[name] = statistics.median(times) / number * 1e6
-        best = min(times) / number * 1e6
-        print(f"{name:>20}: median {medians[name]:6.2f} us  (best {best:6.2f} us)")
+        medians[name] = median_us(fn, number=10, repeat=3000)
+        print(f"{name:>20}: median {medians[name]:6.2f} us")
     ok = medians["encode+decode"] < GOAL_US
     print(f"1 x 16384 raw encode+decode median {medians['encode+decode']:.2f} us; "
           f"goal < {GOAL_US:.0f} us: {'met' if ok else 'MISSED'}")
+    cli.write_json(args.json, {"medians_us": medians, "goal_us": GOAL_US, "met": ok})
     return 0 if ok else 1
 
 

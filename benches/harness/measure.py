@@ -8,16 +8,19 @@ one: the tokens the sessions made while all of them were decoding, over that tim
 ``end_to_end_tps`` of a batched-bench record is the like-for-like figure of the other kind:
 its generated tokens over its prompt and generation phases together.
 
-``cpu_seconds`` and ``children`` read a process's CPU time and its child processes from
+``median_us`` times a call the way the micro benchmarks do. ``cpu_seconds`` and ``children`` read a process's CPU time and its child processes from
 ``/proc`` (a server and the workers it started).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import statistics
+import timeit
+from collections.abc import Callable, Sequence
 
-__all__ = ["decode_tps", "end_to_end_tps", "rate", "cpu_seconds", "cpu_of", "children"]
+__all__ = ["decode_tps", "end_to_end_tps", "rate", "cpu_seconds", "cpu_of", "children",
+           "median_us"]
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -80,3 +83,10 @@ def end_to_end_tps(record: dict) -> float:
     """A ``llama-batched-bench`` jsonl record's generated tokens over its prompt and
     generation phases together (dgr's output tokens over the wall time, counterpart)."""
     return int(record["pl"]) * int(record["tg"]) / (float(record["t_pp"]) + float(record["t_tg"]))
+
+
+def median_us(fn: Callable[[], object], number: int = 50, repeat: int = 400) -> float:
+    """Microseconds per call of ``fn``: the median of ``repeat`` batches of ``number`` calls
+    (short batches: one the scheduler preempts on a shared machine is an outlier the median
+    ignores, instead of inflating every long batch a little)."""
+    return statistics.median(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6

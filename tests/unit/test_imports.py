@@ -158,3 +158,13 @@ def test_no_file_edits_sys_path():
                 if "sys.path." in line or "sys.path[" in line:
                     offenders.append(f"{p.relative_to(ROOT)}:{i}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_every_benchmark_script_runs_through_the_harness():
+    """Each script in benches/ takes its command line (and whatever else it shares) from
+    ``benches/harness``: no script starts from its own copy of the common parts."""
+    graph = bench_import_graph(ROOT / "benches")
+    scripts = sorted(p.stem for p in (ROOT / "benches").glob("*.py"))
+    assert "compare" in scripts and "wire_micro" in scripts
+    lone = [s for s in scripts if not any(t.startswith("harness") for t in graph.get(s, ()))]
+    assert not lone, f"benchmarks that do not import the harness: {lone}"
