@@ -8,8 +8,9 @@ one: the tokens the sessions made while all of them were decoding, over that tim
 ``end_to_end_tps`` of a batched-bench record is the like-for-like figure of the other kind:
 its generated tokens over its prompt and generation phases together.
 
-``median_us`` times a call the way the micro benchmarks do. ``cpu_seconds`` and ``children`` read a process's CPU time and its child processes from
-``/proc`` (a server and the workers it started).
+``median_us`` times a call the way the micro benchmarks do. ``cpu_seconds`` and ``children``
+read a process's CPU time and its child processes from ``/proc`` (a server and the workers it
+started).
 """
 
 from __future__ import annotations
