@@ -244,7 +244,7 @@ def record_for(engine, *, pipeline=None, cert_store: str | os.PathLike | None = 
     rec = Capability(endpoint=endpoint, compatibility=comp, capacity=cap, load=load, seam=seam,
                      health=health)
     if pipeline is not None:
-        rec.prefix_store = PrefixStore(**pipeline.prefix_store())
+        rec.prefix_store = PrefixStore(**pipeline.slots.prefix_store())
     if cert_store is not None:
         rec.cert_store = os.fspath(cert_store)
         rec.lanes, rec.uncertified = certificates.match(cert_store, comp, layers)

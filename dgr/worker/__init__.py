@@ -1,10 +1,12 @@
 """The worker side of a route: one stage serving a layer range (``python -m dgr.worker``).
 
 - ``dgr.worker.sessions``: the session/epoch table (the authority on every cache slot).
+- ``dgr.worker.slots``: sessions' slots outside their steps (release and keep as a prefix
+  entry, adopt, fork, the prefix store's figures).
 - ``dgr.worker.step``: ``Step``, one admitted step (its frame, lease and results).
 - ``dgr.worker.pipeline``: the step pipeline (admit, compute, finish, reply), one for the gRPC
-  ``Step`` stream and the data plane; it owns the engine, the session table and the
-  scheduler.
+  ``Step`` stream and the data plane; it owns the engine, the session table, the slots and
+  the scheduler.
 - ``dgr.worker.forwarder``: where a data-plane step's frames go (return connections, relay to the
   next stage, the decode loop).
 - ``dgr.worker.scheduler``: the stage's scheduler, which forms batches of ready steps

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from dgr import errors
-from dgr.protocol import prefix, wire
+from dgr.protocol import wire
 from dgr.protocol.describe import COUNTERS
 from dgr.protocol.sampling import params_of, sample_rows
 from dgr.protocol.settings import CPU, complete, stage_identity
@@ -42,6 +42,7 @@ from dgr.worker.history import Histories
 from dgr.worker.profile import Profile
 from dgr.worker.scheduler import StageLoop
 from dgr.worker.sessions import SessionTable
+from dgr.worker.slots import DeferredReleases, Slots
 from dgr.worker.speculation import Speculator, accept
 from dgr.worker.step import Step
 from dgr.worker.trust import RelayPolicy
@@ -106,21 +107,10 @@ def wanted_rows(h: wire.Forward) -> list[int]:
     return sorted(set(h.rows))
 
 
-class _DeferredRelease:
-    """The session table's view of the engine: a released slot is queued and dropped from the
-    engine by the next compute, before it runs (so a slot handed to a new session is always
-    empty when that session's first step runs, and table calls never wait for compute)."""
-
-    def __init__(self, pipeline: StagePipeline):
-        self.p = pipeline
-
-    def release(self, slot: int) -> None:
-        self.p._releases.append(slot)  # the caller holds the table lock
-
-
 class StagePipeline:
     """The step sequence of a stage and what it owns: the engine and its facts, the session
-    table (under ``lock``), the scheduler (``scheduler``: every step of both planes computes
+    table (under ``lock``), the sessions' slots outside their steps (``slots``:
+    ``dgr.worker.slots``), the scheduler (``scheduler``: every step of both planes computes
     through it), the counters, the drain flags.
 
     ``dgr.worker.worker.Worker`` owns one and feeds it from its planes.
@@ -164,10 +154,11 @@ class StagePipeline:
         #: guards the session table (short sections only: the event loop takes it). The
         #: engine's own lock (``engine.lock``) is held around every compute.
         self.lock = threading.RLock()
-        self._releases: list[int] = []  # slots released by the table, not yet by the engine
+        #: slots released by the table, not yet by the engine (cleared before the next compute)
+        self.releases = DeferredReleases()
         self._counts = threading.Lock()  # counters bumped by the loop and data threads
         self._tls = threading.local()  # per thread: reused output buffers
-        self.table = SessionTable(_DeferredRelease(self), engine.n_slots, self.settings["n_ctx"],
+        self.table = SessionTable(self.releases, engine.n_slots, self.settings["n_ctx"],
                                   ttl=c.ttl, evict_after=c.evict_after, listener=self._event)
         #: the prefix store's size (``SessionTable.keep``): every slot by default; none on an
         #: engine whose slots cannot be copied and cut back at any position (MTP, DeepSeek V4)
@@ -212,6 +203,10 @@ class StagePipeline:
         self.history: Histories | None = Histories() if self.is_last else None
         #: the last stage's constrained sessions (dgr.worker.grammar); None on other stages
         self.grammars: Grammars | None = Grammars(engine) if self.is_last else None
+        #: sessions' slots outside their steps: release and keep, adopt, fork, the prefix
+        #: store's figures (dgr.worker.slots)
+        self.slots = Slots(engine, self.table, self.lock, self.releases, self.history,
+                           n_ctx=int(self.settings["n_ctx"]), kv_bytes=int(info["kv_bytes"]))
         if self.is_last:
             mtp = None
             if getattr(engine, "mtp", False):
@@ -234,7 +229,7 @@ class StagePipeline:
         with self.lock:
             s = self.table.get(session)
             return (s is not None and s.epoch == epoch and s.slot == slot and not s.busy
-                    and slot not in self._releases)
+                    and slot not in self.releases.pending)
 
     def _drop(self, session: str) -> None:
         """End ``session`` here (its slot was cleared): its next step is refused."""
@@ -270,120 +265,6 @@ class StagePipeline:
         a batch less dense."""
         info = self.table.get(session)
         return None if info is None else info.slot
-
-    # -- sessions: release, adopt, fork, expire ------------------------------------------
-
-    def release(self, session: str, who=None, keep=(), chunk: int = 0,
-                whole: int | None = None) -> tuple[bool, bool]:
-        """Release ``session`` for ``who`` (the caller's credential: another's is not):
-        ``(released, kept)``. With ``keep`` (a hash chain of its first positions: ``whole``
-        keys of one ``chunk`` each, all by default, then one key per position:
-        ``dgr.protocol.prefix.chain``), its caches stay on its slot as a prefix entry that
-        later sessions of the caller adopt (``adopt``), where the store takes it; the last
-        stage keeps the token record with it, and keeps nothing without one."""
-        with self.lock:
-            if not keep:
-                return self.table.release(session, who), False
-            whole = len(keep) if whole is None else min(whole, len(keep))
-            held = prefix.end_of(len(keep) - 1, whole, chunk)
-            tokens = None
-            if self.history is not None:
-                tokens = self.history.record(session)
-                if tokens is None or len(tokens) < held:
-                    return self.table.release(session, who), False
-                del tokens[held:]
-            known = session in self.table
-            kept = self.table.keep(session, keep, chunk, who, tokens, whole)
-            return known and session not in self.table, kept
-
-    def _take_releases(self) -> list[int]:
-        """The slots the table released and the engine has not cleared yet (the caller holds
-        the table's lock, and the engine's, and clears them)."""
-        releases, self._releases = self._releases, []
-        return releases
-
-    def adopt(self, session: str, epoch: int, keys, chunk: int, who=None) -> int:
-        """Open ``session`` (at ``epoch``) on ``who``'s prefix entry that holds the most of
-        ``keys`` (a hash chain of the new prompt's first positions, one key per ``chunk``):
-        the positions it continues at (0: a miss, nothing opened). Runs under the engine's
-        lock, as ``fork`` does: the entry's slot is copied (or taken over) and cut back to
-        the match before any step of the session runs.
-
-        Raises
-        ------
-        The table's refusals (``SessionTable.adopt``): the session exists, draining, the
-        tenant's cap.
-        """
-        with self.engine.lock:
-            with self.lock:
-                got = self.table.adopt(session, epoch, keys, chunk, who)
-                if got is None:
-                    return 0
-                entry, info, copy = got
-                releases = self._take_releases()
-            try:
-                for slot in releases:
-                    self.engine.release(slot)
-                if copy:
-                    self.engine.copy_slot(entry.slot, info.slot)
-                self.engine.truncate(info.slot, info.next_pos)
-                if self.history is not None:
-                    self.history.install(session, epoch, entry.tokens[:info.next_pos])
-            except BaseException:
-                with self.lock:
-                    self.table.release(session)
-                raise
-        return info.next_pos
-
-    def fork(self, session: str, epoch: int, into: list[str], into_epoch: int,
-             who=None) -> int:
-        """Open each session of ``into`` (at ``into_epoch``) as a copy of ``session`` at
-        ``epoch`` (its caches, bit for bit, and on the last stage its token record): a route's
-        ``n`` choices share one prefill. Returns the position they continue at. Runs under
-        the engine's lock, after the slots the table released are cleared, so no step comes
-        between a new entry and its copy; a failure drops the new entries.
-
-        Raises
-        ------
-        dgr.errors.InvalidArgument
-            ``into`` is empty; an engine that copies no slot (MTP, deepseek4).
-        The table's refusals (``SessionTable.fork``).
-        """
-        if not into:
-            raise errors.InvalidArgument("a fork needs at least one new session")
-        made = []
-        with self.engine.lock:
-            try:
-                with self.lock:
-                    for name in into:
-                        src, new = self.table.fork(session, epoch, name, into_epoch, who)
-                        made.append(new)
-                    releases = self._take_releases()
-                for slot in releases:
-                    self.engine.release(slot)
-                for new in made:
-                    self.engine.copy_slot(src.slot, new.slot)
-                    if self.history is not None:
-                        self.history.fork(session, epoch, new.session, into_epoch)
-            except BaseException:
-                with self.lock:
-                    for new in made:
-                        self.table.release(new.session)
-                raise
-        return src.next_pos
-
-    def prefix_store(self) -> dict[str, int]:
-        """The prefix store's figures (``Describe.prefix_store``, the capability record):
-        size, entries, positions and bytes they hold, hits, misses and evictions."""
-        t = self.table
-        with self.lock:
-            n, positions = len(t.entries), t.prefix_positions()
-            hits, misses, evictions = t.prefix_hits, t.prefix_misses, t.prefix_evictions
-        cells = int(self.settings["n_ctx"]) * int(self.engine.n_slots)
-        per = int(self.info["kv_bytes"]) / cells if cells else 0.0
-        return {"size": t.prefix_entries, "entries": n, "positions": positions,
-                "bytes": int(round(positions * per)), "hits": hits, "misses": misses,
-                "evictions": evictions}
 
     def expire(self) -> None:
         """End the sessions idle past their expiry (``SessionTable.expire``)."""
@@ -610,7 +491,7 @@ class StagePipeline:
                     except Exception as e:  # noqa: BLE001 - this step's refusal
                         fails[i] = e
             with self.lock:
-                releases = self._take_releases()
+                releases = self.releases.take()
                 holds = [f is None and self.table.holds(s.lease) for s, f in zip(steps, fails)]
             for slot in releases:
                 self.engine.release(slot)

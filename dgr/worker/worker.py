@@ -146,7 +146,7 @@ class Worker:
             prefix_rows_exact=self.prefix_rows_exact,
             prefix_single_rows_exact=self.prefix_single_rows_exact,
             prefix_chunk_rows_exact=self.prefix_chunk_rows_exact,
-            prefix_store=p.prefix_store(),
+            prefix_store=p.slots.prefix_store(),
         )
 
     def profile_snapshot(self) -> dict[str, Any]:
@@ -201,16 +201,16 @@ class Worker:
 
     def release(self, session: str, keep=(), chunk: int = 0,
                 whole: int | None = None) -> tuple[bool, bool]:
-        """``StagePipeline.release`` for the caller (another credential's session is not)."""
-        return self.pipeline.release(session, CALLER.get(), keep, chunk, whole)
+        """``Slots.release`` for the caller (another credential's session is not)."""
+        return self.pipeline.slots.release(session, CALLER.get(), keep, chunk, whole)
 
     def adopt(self, session: str, epoch: int, keys, chunk: int) -> int:
-        """``StagePipeline.adopt`` from the caller's prefix entries."""
-        return self.pipeline.adopt(session, epoch, keys, chunk, CALLER.get())
+        """``Slots.adopt`` from the caller's prefix entries."""
+        return self.pipeline.slots.adopt(session, epoch, keys, chunk, CALLER.get())
 
     def fork(self, session: str, epoch: int, into: list[str], into_epoch: int) -> int:
-        """``StagePipeline.fork`` of the caller's session."""
-        return self.pipeline.fork(session, epoch, into, into_epoch, CALLER.get())
+        """``Slots.fork`` of the caller's session."""
+        return self.pipeline.slots.fork(session, epoch, into, into_epoch, CALLER.get())
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool):
         return self.pipeline.engine.tokenize(text, add_special, parse_special)

@@ -723,7 +723,7 @@ def test_a_step_released_while_it_waited_does_not_run_on_the_reused_slot():
         w.compute(s)
         w.table.commit(s.lease)
         sx = step("x", 3, [9])  # admitted, waiting for the engine
-        assert w.release("x") == (True, False)
+        assert w.slots.release("x") == (True, False)
         sy = step("y", 0, [3, 5, 7])  # the freed slot, at once
         assert sy.lease.slot == sx.lease.slot
         y0 = w.compute(sy).tokens

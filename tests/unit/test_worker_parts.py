@@ -12,6 +12,7 @@ from dgr.worker.config import WorkerConfig
 from dgr.worker.pipeline import StagePipeline
 from dgr.worker.scheduler import StageLoop
 from dgr.worker.sessions import SessionTable
+from dgr.worker.slots import Slots
 from dgr.worker.worker import Worker
 
 
@@ -29,6 +30,7 @@ def test_the_worker_owns_its_pipeline_which_owns_the_engine_table_and_scheduler(
     assert not isinstance(worker, StagePipeline) and isinstance(p, StagePipeline)
     assert p.engine is stand_in and isinstance(p.table, SessionTable)
     assert isinstance(p.scheduler, StageLoop) and p.scheduler.p is p
+    assert isinstance(p.slots, Slots) and p.slots.table is p.table and p.slots.engine is p.engine
     # the pipeline reads its settings from the worker's one config
     assert p.table.ttl == 30.0 and p.table.max_sessions_per_owner == 2
     assert p.max_queued_per_credential == 5 and p.table.prefix_entries == 1
