@@ -61,9 +61,10 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--max-requests-per-key", type=int, default=None, metavar="N",
                    help="generation requests (chat, completions, messages, responses, "
                         "embeddings; a stream until it ends) one API key may have in flight; "
-                        "one more gets a 429 with Retry-After at once. Default: half the route's slots, at least 1 (on a route of 2 "
-                        "slots or more one key never holds them all). 0: no cap. Applies "
-                        "only with API keys: without them there is no key to count")
+                        "one more gets a 429 with Retry-After at once. Default: half the "
+                        "route's slots, at least 1 (on a route of 2 slots or more one key "
+                        "never holds them all). 0: no cap. Applies only with API keys: "
+                        "without them there is no key to count")
     s.add_argument("--prompt-cache", type=int, default=2, metavar="N",
                    help="ended sessions kept, caches on every stage and all, for later "
                         "requests of the same API key whose prompts begin the same way: they "
@@ -113,86 +114,27 @@ def _cmd_serve(args) -> int:
     import uvicorn
 
     from dgr import errors
-    from dgr.artifacts import models
-    from dgr.driver.route import AsyncRoute, RouteConfig
-    from dgr.serve.app import create_app
-    from dgr.serve.settings import ServeSettings
-    from dgr.serve.auth import load_keys
 
-    try:
-        api_keys = load_keys(args.api_key_file, os.environ.get("DGR_API_KEYS"))
-    except (OSError, ValueError) as e:
-        print(f"error: API keys: {e}", file=sys.stderr)
-        return 2
-    try:  # every setting checked before a worker starts
-        front = ServeSettings.from_args(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.route and engine_settings.given(args):
-        print(f"error: {', '.join(engine_settings.given(args))} set the engines of the workers "
-              "serve starts without --route; the workers of a --route keep the settings they "
-              "were started with (python -m dgr.worker takes the same flags)", file=sys.stderr)
-        return 2
+    checked = _checked(args)
+    if isinstance(checked, int):
+        return checked
+    api_keys, front = checked
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="[dgr.serve] %(levelname)s %(message)s")
     if not api_keys and not is_loopback(args.host):
-        if not args.insecure:
-            print(f"error: --host {args.host} is beyond loopback and no API key is configured: "
-                  "give --api-key-file FILE or DGR_API_KEYS, or --insecure to serve anyone who "
-                  "can reach the port", file=sys.stderr)
-            return 2
         logging.getLogger("dgr.serve").warning(
             "--insecure: serving %s without API keys; anyone who can reach the port may use "
             "it", args.host)
     cluster = None
     try:
-        model = args.model
         if args.route:
-            endpoints = [e for e in args.route.split(",") if e]
+            model, endpoints = args.model, [e for e in args.route.split(",") if e]
         else:
-            from dgr.cli.interrupts import install_interrupts
-            from dgr.core.engine import Engine
-            from dgr.protocol.ranges import ranges_for
-            from dgr.worker.process import LocalCluster
-
-            install_interrupts()
-            model = model or str(models.path(models.DEFAULT_MODEL))
-            settings = engine_settings.from_args(args)
-            n_layer = Engine(model, n_ctx=64).n_layer
-            ranges = ranges_for(args.splits, args.stages, n_layer)
-            say(f"model {model}; {len(ranges)} stage(s): "
-                 + " ".join(f"[{a},{b})" for a, b in ranges))
-            cluster = LocalCluster(model, [None if r == (0, n_layer) else r for r in ranges],
-                                   settings=settings)
-            t0 = time.monotonic()
-            endpoints = cluster.start(
-                timeout=args.start_timeout,
-                progress=lambda i, n, msg: say(f"{msg} ({time.monotonic() - t0:.1f} s)"))
-        template = None
-        if model:
-            from dgr.serve.templates import ChatTemplate
-
-            template = ChatTemplate.from_gguf(model)
-            if not template.available:
-                say(f"{os.path.basename(model)} has no chat template: /v1/chat/completions "
-                     "answers 400; /v1/completions works")
+            model, endpoints, cluster = _start_cluster(args)
         name = args.model_name or (os.path.basename(model).removesuffix(".gguf") if model
                                    else "dgr")
-        app = create_app(AsyncRoute(endpoints, config=RouteConfig.from_args(args)), model=name,
-                         template=template if template is not None and template.available
-                         else None,
-                         api_keys=api_keys, settings=front if args.pooling else
-                         front.with_(pooling=(model and gguf_pooling(model)) or "last"))
-        cap = args.max_requests_per_key
-        cap_text = ("half the route's slots" if cap is None else "no cap" if cap == 0
-                    else str(cap))
-        say(f"API keys: {len(api_keys)} ({', '.join(k.name for k in api_keys)}; "
-             f"Authorization: Bearer); requests in flight per key: {cap_text}" if api_keys
-             else "API keys: none; anyone who can reach the port may use it")
-        say(f"serving '{name}' over {len(endpoints)} stage(s) on "
-             f"http://{args.host}:{args.port}/v1; status page http://{args.host}:{args.port}/ "
-             "(Ctrl-C stops)")
+        app = _app(args, model, name, endpoints, api_keys, front)
+        _say_serving(args, name, len(endpoints), api_keys)
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
         return 0
     except KeyboardInterrupt:
@@ -202,5 +144,96 @@ def _cmd_serve(args) -> int:
         return errors.report(e)
     finally:
         if cluster is not None:
-            codes = cluster.stop()
-            say(f"workers stopped (exit status {', '.join(map(str, codes))})")
+            _stop(cluster)
+
+
+def _checked(args):
+    """Every setting checked before a worker starts: ``(api_keys, front settings)``, or the
+    exit status of a refusal (its reason printed)."""
+    from dgr.serve.auth import load_keys
+    from dgr.serve.settings import ServeSettings
+
+    try:
+        api_keys = load_keys(args.api_key_file, os.environ.get("DGR_API_KEYS"))
+    except (OSError, ValueError) as e:
+        print(f"error: API keys: {e}", file=sys.stderr)
+        return 2
+    try:
+        front = ServeSettings.from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.route and engine_settings.given(args):
+        print(f"error: {', '.join(engine_settings.given(args))} set the engines of the workers "
+              "serve starts without --route; the workers of a --route keep the settings they "
+              "were started with (python -m dgr.worker takes the same flags)", file=sys.stderr)
+        return 2
+    if not api_keys and not is_loopback(args.host) and not args.insecure:
+        print(f"error: --host {args.host} is beyond loopback and no API key is configured: "
+              "give --api-key-file FILE or DGR_API_KEYS, or --insecure to serve anyone who "
+              "can reach the port", file=sys.stderr)
+        return 2
+    return api_keys, front
+
+
+def _start_cluster(args):
+    """Start the local workers (``--model``, ``--stages``/``--splits``, the engine flags):
+    ``(model path, endpoints, the LocalCluster)``."""
+    from dgr.artifacts import models
+    from dgr.cli.interrupts import install_interrupts
+    from dgr.core.engine import Engine
+    from dgr.protocol.ranges import ranges_for
+    from dgr.worker.process import LocalCluster
+
+    install_interrupts()
+    model = args.model or str(models.path(models.DEFAULT_MODEL))
+    settings = engine_settings.from_args(args)
+    n_layer = Engine(model, n_ctx=64).n_layer
+    ranges = ranges_for(args.splits, args.stages, n_layer)
+    say(f"model {model}; {len(ranges)} stage(s): " + " ".join(f"[{a},{b})" for a, b in ranges))
+    cluster = LocalCluster(model, [None if r == (0, n_layer) else r for r in ranges],
+                           settings=settings)
+    t0 = time.monotonic()
+    try:
+        endpoints = cluster.start(
+            timeout=args.start_timeout,
+            progress=lambda i, n, msg: say(f"{msg} ({time.monotonic() - t0:.1f} s)"))
+    except BaseException:  # a worker failed to start, or Ctrl-C: stop the others
+        _stop(cluster)
+        raise
+    return model, endpoints, cluster
+
+
+def _stop(cluster) -> None:
+    codes = cluster.stop()
+    say(f"workers stopped (exit status {', '.join(map(str, codes))})")
+
+
+def _app(args, model: str | None, name: str, endpoints: list[str], api_keys, front):
+    """The front's ASGI app over a route of ``endpoints``, with the model's chat template."""
+    from dgr.driver.route import AsyncRoute, RouteConfig
+    from dgr.serve.app import create_app
+
+    template = None
+    if model:
+        from dgr.serve.templates import ChatTemplate
+
+        template = ChatTemplate.from_gguf(model)
+        if not template.available:
+            say(f"{os.path.basename(model)} has no chat template: /v1/chat/completions "
+                "answers 400; /v1/completions works")
+            template = None
+    if not args.pooling:
+        front = front.with_(pooling=(model and gguf_pooling(model)) or "last")
+    return create_app(AsyncRoute(endpoints, config=RouteConfig.from_args(args)), model=name,
+                      template=template, api_keys=api_keys, settings=front)
+
+
+def _say_serving(args, name: str, n_stages: int, api_keys) -> None:
+    cap = args.max_requests_per_key
+    cap_text = "half the route's slots" if cap is None else "no cap" if cap == 0 else str(cap)
+    say(f"API keys: {len(api_keys)} ({', '.join(k.name for k in api_keys)}; "
+        f"Authorization: Bearer); requests in flight per key: {cap_text}" if api_keys
+        else "API keys: none; anyone who can reach the port may use it")
+    say(f"serving '{name}' over {n_stages} stage(s) on http://{args.host}:{args.port}/v1; "
+        f"status page http://{args.host}:{args.port}/ (Ctrl-C stops)")

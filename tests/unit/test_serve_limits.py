@@ -551,3 +551,39 @@ def test_serve_with_local_stages_gives_the_app_its_settings(monkeypatch, tiny_ll
     assert started[0][1]["n_ubatch"] == 32  # the engine settings went to the workers
     got = made[-1]["settings"]
     assert got.prompt_cache == 3 and got.pooling == "last"
+
+
+def test_serve_stops_the_local_workers_when_one_fails_to_start(monkeypatch, tiny_llama, capsys):
+    """A local worker that fails to start: serve stops the ones it started, says so, and
+    exits with the error's status; nothing is served."""
+    import types
+
+    import uvicorn
+
+    import dgr.core.engine
+    import dgr.worker.process
+    from dgr import errors
+    from dgr.cli.commands import main
+
+    stopped, ran = [], []
+
+    class FailingCluster:
+        def __init__(self, model, ranges, settings=None, args=()):
+            pass
+
+        def start(self, timeout=None, progress=None):
+            raise errors.WorkerUnavailable("worker 2/2 exited with status 1 before listening")
+
+        def stop(self):
+            stopped.append(True)
+            return [0, 1]
+
+    monkeypatch.setattr(dgr.worker.process, "LocalCluster", FailingCluster)
+    monkeypatch.setattr(dgr.core.engine, "Engine",
+                        lambda *a, **k: types.SimpleNamespace(n_layer=4))
+    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, **kw: ran.append(host))
+    monkeypatch.delenv("DGR_API_KEYS", raising=False)
+    rc = main(["serve", "--model", str(tiny_llama), "--stages", "2"])
+    err = capsys.readouterr().err
+    assert rc != 0 and ran == [] and stopped == [True]
+    assert "workers stopped (exit status 0, 1)" in err and "before listening" in err, err
