@@ -13,12 +13,12 @@ The identity names the model, not the artifact layout a worker happens to hold:
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import threading
 from pathlib import Path
 from typing import Sequence
 
+from dgr.artifacts.storage import read_json, update_json
 from dgr.vendor import cache_root, sha256_file
 
 __all__ = ["model_identity", "split_identity", "file_sha256", "remember_file_sha256",
@@ -37,24 +37,20 @@ def _key(p: Path) -> str:
 
 
 def _load() -> dict[str, str]:
-    try:
-        table = json.loads(_cache_file().read_text())
-        return table if isinstance(table, dict) else {}
-    except (OSError, ValueError):
-        return {}
+    return read_json(_cache_file())
 
 
 def _store(updates: dict[str, str], drop_prefixes: Sequence[str] = ()) -> None:
-    """Merge entries into the cache file (atomically replaced); best effort."""
-    cache = _cache_file()
-    table = _load()
-    table = {k: v for k, v in table.items() if not any(k.startswith(d) for d in drop_prefixes)}
-    table.update(updates)
+    """Merge entries into the cache file (``update_json``: other processes' entries stay);
+    best effort."""
+    def merged(table: dict) -> dict:
+        table = {k: v for k, v in table.items()
+                 if not any(k.startswith(d) for d in drop_prefixes)}
+        table.update(updates)
+        return table
+
     try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_text(json.dumps(table, indent=0))
-        tmp.replace(cache)
+        update_json(_cache_file(), merged)
     except OSError:
         pass  # a read-only cache only costs a rehash next time
 

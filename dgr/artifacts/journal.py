@@ -3,13 +3,11 @@ run verified, so an interrupted verification resumes where it stopped (``docs/ar
 
 from __future__ import annotations
 
-import fcntl
-import json
 from pathlib import Path
 from typing import Iterable
 
 from dgr.artifacts.manifest import Manifest
-from dgr.artifacts.storage import atomic_write
+from dgr.artifacts.storage import read_json, update_json
 
 __all__ = ["JOURNAL_SCHEMA", "Journal", "stat_sig", "default_journal_path"]
 
@@ -63,11 +61,12 @@ class Journal:
             self.files = self._read()
 
     def _read(self) -> dict[str, dict]:
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return {}
-        if (not isinstance(data, dict) or data.get("schema") != JOURNAL_SCHEMA
+        return self._parse(read_json(self.path))
+
+    def _parse(self, data: dict) -> dict[str, dict]:
+        """The files of a journal's JSON object; none where it is another manifest's or
+        another schema's."""
+        if (data.get("schema") != JOURNAL_SCHEMA
                 or data.get("manifest_sha256") != self.manifest_sha256):
             return {}
         out = {}
@@ -91,27 +90,25 @@ class Journal:
         self.files.pop(str(p.resolve()), None)
 
     def flush(self) -> None:
+        """Write the journal, merged with what other processes wrote to it meanwhile (for a
+        file whose size and mtime did not change: the chunks and tensors either verified)."""
         if self.path is None:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        lock = self.path.with_name(self.path.name + ".lock")
-        with open(lock, "a") as lf:
-            fcntl.flock(lf, fcntl.LOCK_EX)
-            try:
-                theirs = self._read()
-                for k, mine in self.files.items():
-                    t = theirs.get(k)
-                    if t is not None and t["stat"] == mine["stat"]:
-                        mine["chunks"] |= t["chunks"]
-                        mine["tensors"] |= t["tensors"]
-                merged = {**theirs, **self.files}
-                data = {"schema": JOURNAL_SCHEMA, "manifest_sha256": self.manifest_sha256,
-                        "files": {k: {"stat": e["stat"], "chunks": _ranges(e["chunks"]),
-                                      "tensors": sorted(e["tensors"])}
-                                  for k, e in merged.items() if e["stat"] is not None}}
-                atomic_write(self.path, json.dumps(data, indent=0).encode())
-            finally:
-                fcntl.flock(lf, fcntl.LOCK_UN)
+
+        def merged(raw: dict) -> dict:
+            theirs = self._parse(raw)
+            for k, mine in self.files.items():
+                t = theirs.get(k)
+                if t is not None and t["stat"] == mine["stat"]:
+                    mine["chunks"] |= t["chunks"]
+                    mine["tensors"] |= t["tensors"]
+            both = {**theirs, **self.files}
+            return {"schema": JOURNAL_SCHEMA, "manifest_sha256": self.manifest_sha256,
+                    "files": {k: {"stat": e["stat"], "chunks": _ranges(e["chunks"]),
+                                  "tensors": sorted(e["tensors"])}
+                              for k, e in both.items() if e["stat"] is not None}}
+
+        update_json(self.path, merged)
 
 
 def _cache_dir() -> Path:

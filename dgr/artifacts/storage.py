@@ -1,19 +1,22 @@
 """The bytes of model artifacts, shared by manifests, verification, the journal and slices:
-the hash algorithms, the read block size, the count of bytes read, and atomic file writes."""
+the hash algorithms, the read block size, the count of bytes read, atomic file writes, and
+the read-modify-write of the JSON tables under ``$DGR_CACHE`` that several processes share."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
+import json
 import os
 import threading
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 from dgr.errors import InvalidManifest
 
 __all__ = ["TENSOR_HASHES", "BLOCK", "COUNTERS", "count_read", "hasher", "atomic_write",
-           "atomic_file"]
+           "atomic_file", "read_json", "update_json"]
 
 TENSOR_HASHES = ("sha256", "xxh3_128")
 BLOCK = 4 << 20          # read size inside a chunk
@@ -77,3 +80,38 @@ def atomic_file(path: Path) -> Iterator[BinaryIO]:
     except OSError:
         pass
 
+
+
+def read_json(path: Path) -> dict:
+    """The JSON object in ``path``; ``{}`` where it is missing, unreadable or not an object."""
+    try:
+        table = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+_update_lock = threading.Lock()
+
+
+def update_json(path: Path, update: Callable[[dict], dict]) -> dict:
+    """Read the JSON object in ``path`` (``read_json``), pass it to ``update``, and write what
+    that returns atomically, all under an exclusive ``flock`` of ``<path>.lock``: several
+    processes (the workers of one machine, starting together) may update the same table and
+    none loses another's entries. Returns the table written.
+
+    Raises
+    ------
+    OSError
+        The lock or the file cannot be written (a read-only cache).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _update_lock, open(path.with_name(path.name + ".lock"), "a") as lf:
+        fcntl.flock(lf, fcntl.LOCK_EX)
+        try:
+            table = update(read_json(path))
+            atomic_write(path, json.dumps(table, indent=0).encode())
+            return table
+        finally:
+            fcntl.flock(lf, fcntl.LOCK_UN)

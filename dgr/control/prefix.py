@@ -25,17 +25,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
+import time
 
 import numpy as np
 
-from dgr.artifacts.storage import atomic_write
+from dgr.artifacts.storage import read_json, update_json
 from dgr.vendor import cache_root
 
 __all__ = ["FAR", "far_start", "rows_exact", "rows_exact_cached", "single_rows_exact",
            "single_rows_exact_cached", "chunk_rows_exact", "chunk_rows_exact_cached"]
 
 _lock = threading.Lock()
+log = logging.getLogger("dgr.control.prefix")
 
 
 #: How far into the context every check computes its rows a second time (or the last whole
@@ -202,28 +205,22 @@ def _cached(engine, suffix: str, measure, slot: int) -> bool:
     except Exception:  # noqa: BLE001 - an engine without a build or identity: not measured
         return False
     with _lock:
-        try:
-            table = json.loads(path.read_text())
-        except (OSError, ValueError):
-            table = {}
-        if not isinstance(table, dict):
-            table = {}
-        if isinstance(table.get(key), bool):
-            return table[key]
+        known = read_json(path).get(key)
+    if isinstance(known, bool):
+        return known
+    log.info("measuring whether layers [%d, %d) compute a prompt's rows alike however it is "
+             "cut into steps (%s; once for this build, model, range and settings: "
+             "remembered in %s)", *engine.layers, measure.__name__, path)
+    t0 = time.monotonic()
     try:
         exact = measure(engine, slot=slot)
     except Exception:  # noqa: BLE001 - an engine that cannot run the check reuses whole chunks
         return False
-    with _lock:
-        try:
-            table = json.loads(path.read_text())
-            table = table if isinstance(table, dict) else {}
-        except (OSError, ValueError):
-            table = {}
-        table[key] = exact
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(path, json.dumps(table, indent=0).encode())
-        except OSError:
-            pass  # a read-only cache only costs a measurement next time
+    log.info("%s: %s (%.1f s)", measure.__name__, "yes" if exact else "no",
+             time.monotonic() - t0)
+    try:
+        with _lock:  # other processes' entries stay (update_json)
+            update_json(path, lambda table: {**table, key: exact})
+    except OSError:
+        pass  # a read-only cache only costs a measurement next time
     return exact
