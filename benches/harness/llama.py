@@ -60,7 +60,22 @@ def llama_server() -> str:
 
 #: the engine settings llama-bench can mirror, and dgr.Engine's defaults for those not given
 _BENCH_DEFAULTS = {"n_ctx": 1024, "n_slots": 1, "n_threads": 1, "n_ubatch": 64,
-                   "flash_attn": True, "type_k": "f16", "type_v": "f16", "use_mmap": True}
+                   "flash_attn": True, "type_k": "f16", "type_v": "f16", "use_mmap": True,
+                   "batch_invariant": False}
+
+
+def _mirrored(settings: dict, tool: str) -> dict:
+    """dgr's engine ``settings`` over the defaults of those not given, where ``tool`` can run
+    them; ValueError for an unknown key, or ``batch_invariant`` on (dgr's batch-invariant
+    kernels: the llama.cpp tools run llama.cpp's own)."""
+    unknown = set(settings) - set(_BENCH_DEFAULTS)
+    if unknown:
+        raise ValueError(f"{tool} cannot mirror the settings {sorted(unknown)}")
+    s = {**_BENCH_DEFAULTS, **settings}
+    if s["batch_invariant"]:
+        raise ValueError(f"{tool} cannot mirror batch_invariant=True (dgr's batch-invariant "
+                         "kernels): it runs llama.cpp's own")
+    return s
 
 
 def llama_bench_commands(settings: dict, n_decode: int, prefills, model: str, *,
@@ -76,11 +91,8 @@ def llama_bench_commands(settings: dict, n_decode: int, prefills, model: str, *,
     --rpc ...``; then ``extra``. llama-bench sizes its context to prompt + generation + depth,
     which gives the same n_kv at every step as dgr's n_ctx only while that length fits in
     n_ctx: longer raises ValueError, as does a setting llama-bench cannot mirror (n_slots > 1,
-    an unknown key)."""
-    unknown = set(settings) - set(_BENCH_DEFAULTS)
-    if unknown:
-        raise ValueError(f"llama-bench cannot mirror the settings {sorted(unknown)}")
-    s = {**_BENCH_DEFAULTS, **settings}
+    an unknown key, ``batch_invariant`` on)."""
+    s = _mirrored(settings, "llama-bench")
     if s["n_slots"] != 1:
         raise ValueError(f"llama-bench runs one sequence; n_slots={s['n_slots']}")
     longest = max([*prefills, n_prompt_decode + n_decode])
@@ -165,11 +177,9 @@ def batched_bench_command(settings: dict, sessions, n_decode: int, threads: int,
     on|off``, ``-ctk/-ctv``, ``-lm auto|none`` (use_mmap), ``-ngl 0``, ``-t threads``;
     ``-npp n_prompt -ntg n_decode -npl <sessions>`` (a prompt per sequence, not shared),
     ``--output-format jsonl``. Raises ValueError for a setting it cannot mirror (an unknown
-    key, fewer slots than sequences) or a sequence longer than ``n_ctx``."""
-    unknown = set(settings) - set(_BENCH_DEFAULTS)
-    if unknown:
-        raise ValueError(f"llama-batched-bench cannot mirror the settings {sorted(unknown)}")
-    s = {**_BENCH_DEFAULTS, **settings}
+    key, ``batch_invariant`` on, fewer slots than sequences) or a sequence longer than
+    ``n_ctx``."""
+    s = _mirrored(settings, "llama-batched-bench")
     sessions = sorted(set(int(k) for k in sessions))
     if not sessions or sessions[0] < 1:
         raise ValueError(f"sessions must be >= 1, got {sessions}")

@@ -149,6 +149,18 @@ def test_llama_bench_commands_refuse_what_they_cannot_mirror():
         llama_tools.llama_bench_commands({**s, "n_slots": 4}, 8, (), "m.gguf")
     with pytest.raises(ValueError, match="mirror"):
         llama_tools.llama_bench_commands({**s, "mtp": True}, 8, (), "m.gguf")
+    with pytest.raises(ValueError, match="batch_invariant"):
+        llama_tools.llama_bench_commands({**s, "batch_invariant": True}, 8, (), "m.gguf")
+
+
+def test_llama_bench_commands_take_every_engine_setting_at_its_default():
+    """compare.py passes the engine's own settings (every numeric setting dgr has): one added
+    to dgr without the bench knowing it failed compare.py at its start (batch_invariant did)."""
+    from dgr.protocol import settings as engine_settings
+
+    s = {k: engine_settings.DEFAULTS[k] for k in engine_settings.NUMERIC_SETTINGS}
+    cmds = llama_tools.llama_bench_commands({**s, "n_slots": 1}, 8, (), "m.gguf")
+    assert _flag(cmds["decode"], "-ub") == str(s["n_ubatch"])
 
 
 def _bench_rec(n_prompt, n_gen, n_depth, ts, **kw):

@@ -58,6 +58,11 @@ def test_batched_bench_command_follows_other_settings():
 def test_batched_bench_command_refuses_what_it_cannot_mirror():
     with pytest.raises(ValueError, match="mtp"):
         llama_tools.batched_bench_command({**SETTINGS, "mtp": True}, [4], 8, 1, "m.gguf")
+    with pytest.raises(ValueError, match="batch_invariant"):
+        llama_tools.batched_bench_command({**SETTINGS, "batch_invariant": True}, [4], 8, 1,
+                                          "m.gguf")
+    llama_tools.batched_bench_command({**SETTINGS, "batch_invariant": False}, [4], 8, 1,
+                                      "m.gguf")
     with pytest.raises(ValueError, match="slots"):
         llama_tools.batched_bench_command({**SETTINGS, "n_slots": 16}, [4, 32], 8, 1, "m.gguf")
     with pytest.raises(ValueError, match="n_ctx"):
