@@ -81,7 +81,6 @@ def atomic_file(path: Path) -> Iterator[BinaryIO]:
         pass
 
 
-
 def read_json(path: Path) -> dict:
     """The JSON object in ``path``; ``{}`` where it is missing, unreadable or not an object."""
     try:
