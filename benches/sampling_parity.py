@@ -37,8 +37,13 @@ def cases(plain: list[int]) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = cli.parser(__doc__, json=True)
-    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=32,
+                    help="greedy tokens per case (at least 6: the logit_bias case biases the "
+                         "plain run's 2nd and 6th tokens; default 32)")
     a = ap.parse_args(argv)
+    if a.tokens < 6:
+        ap.error(f"--tokens {a.tokens}: at least 6 (the logit_bias case biases the plain run's "
+                 "2nd and 6th tokens)")
     import dgr
     from dgr.core.local import generate_local
     from dgr.protocol.sampling import SamplingParams

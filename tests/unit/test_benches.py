@@ -474,3 +474,13 @@ def test_hot_path_sink_takes_what_the_relay_sends():
     hot_path = pytest.importorskip("hot_path")
     assert (list(inspect.signature(hot_path._Sink.send).parameters)
             == list(inspect.signature(Links.send).parameters))
+
+
+def test_sampling_parity_refuses_too_few_tokens_before_starting_anything(monkeypatch, capsys):
+    """Its logit_bias case biases the plain run's 6th token: fewer tokens were an IndexError
+    after llama-server had started."""
+    sampling_parity = pytest.importorskip("sampling_parity")
+    monkeypatch.setattr("subprocess.Popen", lambda *a, **k: pytest.fail("started a server"))
+    with pytest.raises(SystemExit) as e:
+        sampling_parity.main(["--tokens", "4"])
+    assert e.value.code == 2 and "at least 6" in capsys.readouterr().err
