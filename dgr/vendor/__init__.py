@@ -691,6 +691,15 @@ class Vendor:
             args[:0] = ([f"-L{d}" for d in dirs] + [f"-Wl,-rpath,{d}" for d in dirs
                                                      if not d.endswith("stubs")]
                         + (found or ["-lcudart", "-lcublas", "-lcublasLt", "-lcuda"]))
+        if "cuda" in backends and re.search(r"^GGML_CUDA_NCCL:BOOL=ON", text, re.M):
+            # ggml-cuda links NCCL where its FindNCCL found both the header and the library
+            lib, inc = cached("NCCL_LIBRARY"), cached("NCCL_INCLUDE_DIR")
+            if lib and Path(lib).exists() and inc and not inc.endswith("NOTFOUND"):
+                args[:0] = [lib, f"-Wl,-rpath,{Path(lib).parent}"]
+        if re.search(r"^GGML_RPC_RDMA:BOOL=ON", text, re.M):
+            # ggml-rpc's RDMA transport: on by itself where cmake finds libibverbs
+            lib = cached("RDMA_LIB")
+            args[:0] = [lib] if lib and Path(lib).exists() else ["-libverbs"]
         if "hip" in backends:
             args[:0] = ["-L/opt/rocm/lib", "-Wl,-rpath,/opt/rocm/lib",
                         "-lamdhip64", "-lhipblas", "-lrocblas"]

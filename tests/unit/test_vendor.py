@@ -351,6 +351,34 @@ def test_a_cuda_build_links_the_libraries_its_cmake_cache_found(fake, tmp_path):
     assert f"-Wl,-rpath,{lib}" in args and f"-Wl,-rpath,{lib}/stubs" not in args
 
 
+def test_a_build_links_nccl_and_ibverbs_where_its_cmake_found_them(fake, tmp_path):
+    """On a machine with NCCL and libibverbs (the lent H200), ggml-cuda and ggml-rpc turn them
+    on by themselves; the extension then failed to import (undefined symbol ibv_dereg_mr,
+    then ncclAllReduce) until both were linked."""
+    root, cache = fake
+    v = Vendor(root, cache, backend="cuda")
+    _built_archives(v, "cuda")
+    lib = tmp_path / "sys"
+    lib.mkdir()
+    for f in ("libnccl.so", "libibverbs.so"):
+        (lib / f).write_bytes(b"")
+    cache_file = v.build_dir / "CMakeCache.txt"
+    cache_file.write_text(
+        f"GGML_CUDA_NCCL:BOOL=ON\nNCCL_LIBRARY:FILEPATH={lib}/libnccl.so\n"
+        f"NCCL_INCLUDE_DIR:PATH=/usr/include\nGGML_RPC_RDMA:BOOL=ON\n"
+        f"RDMA_LIB:FILEPATH={lib}/libibverbs.so\n")
+    args = v.link_args()
+    assert f"{lib}/libnccl.so" in args and f"-Wl,-rpath,{lib}" in args
+    assert f"{lib}/libibverbs.so" in args
+    # not found, or turned off: not linked
+    cache_file.write_text(
+        "GGML_CUDA_NCCL:BOOL=ON\nNCCL_LIBRARY:FILEPATH=NCCL_LIBRARY-NOTFOUND\n"
+        "NCCL_INCLUDE_DIR:PATH=NCCL_INCLUDE_DIR-NOTFOUND\nGGML_RPC_RDMA:BOOL=OFF\n"
+        "RDMA_LIB:FILEPATH=RDMA_LIB-NOTFOUND\n")
+    args = v.link_args()
+    assert not any("nccl" in a or "ibverbs" in a for a in args), args
+
+
 def test_an_external_projects_build_left_by_pip_is_configured_again(fake, monkeypatch, tmp_path):
     """pip install configures in a build environment whose cmake and ninja vanish; the Vulkan
     backend's vulkan-shaders-gen is an external project with a cache of its own, naming them.
