@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import threading
 from pathlib import Path
 from typing import Sequence
 
@@ -23,8 +22,6 @@ from dgr.vendor import cache_root, sha256_file
 
 __all__ = ["model_identity", "split_identity", "file_sha256", "remember_file_sha256",
            "remember_verified"]
-
-_lock = threading.Lock()
 
 
 def _cache_file() -> Path:
@@ -37,6 +34,7 @@ def _key(p: Path) -> str:
 
 
 def _load() -> dict[str, str]:
+    """The cache (its writes are atomic, and ``_store``'s are serialized: ``update_json``)."""
     return read_json(_cache_file())
 
 
@@ -59,13 +57,11 @@ def file_sha256(path: str | os.PathLike) -> str:
     """sha256 hex digest of one file, cached under ``$DGR_CACHE`` by path, size and mtime."""
     p = Path(path).resolve()
     key = _key(p)
-    with _lock:
-        hit = _load().get(key)
-        if hit and hit.startswith("sha256:"):
-            return hit[7:]
+    hit = _load().get(key)
+    if hit and hit.startswith("sha256:"):
+        return hit[7:]
     hexd = sha256_file(p)
-    with _lock:
-        _store({key: "sha256:" + hexd}, drop_prefixes=(f"{p}|",))
+    _store({key: "sha256:" + hexd}, drop_prefixes=(f"{p}|",))
     return hexd
 
 
@@ -73,8 +69,7 @@ def remember_file_sha256(path: str | os.PathLike, hexdigest: str) -> None:
     """Cache a digest computed elsewhere (``dgr.artifacts.manifest.build_manifest`` hashes
     every file)."""
     p = Path(path).resolve()
-    with _lock:
-        _store({_key(p): "sha256:" + hexdigest}, drop_prefixes=(f"{p}|",))
+    _store({_key(p): "sha256:" + hexdigest}, drop_prefixes=(f"{p}|",))
 
 
 def split_identity(file_sha256s: Sequence[str]) -> str:
@@ -94,9 +89,7 @@ def remember_verified(files: Sequence[str | os.PathLike], identity: str) -> None
     ``model_identity`` of the same, unchanged files answers without hashing them.
     """
     paths = [Path(f).resolve() for f in files]
-    with _lock:
-        _store({_verified_key(paths): identity},
-               drop_prefixes=(f"verified:{paths[0]}|",))
+    _store({_verified_key(paths): identity}, drop_prefixes=(f"verified:{paths[0]}|",))
 
 
 def model_identity(path: str | os.PathLike) -> str:
@@ -133,8 +126,7 @@ def model_identity(path: str | os.PathLike) -> str:
         if missing:
             raise ArtifactMissing(f"split model {files[0].name} is missing "
                                   f"{', '.join(missing)} (in {files[0].parent})")
-    with _lock:
-        hit = _load().get(_verified_key(files))
+    hit = _load().get(_verified_key(files))
     if hit:
         return hit
     if len(files) == 1:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import threading
 import time
 
 import numpy as np
@@ -37,7 +36,6 @@ from dgr.vendor import cache_root
 __all__ = ["FAR", "far_start", "rows_exact", "rows_exact_cached", "single_rows_exact",
            "single_rows_exact_cached", "chunk_rows_exact", "chunk_rows_exact_cached"]
 
-_lock = threading.Lock()
 log = logging.getLogger("dgr.control.prefix")
 
 
@@ -204,8 +202,7 @@ def _cached(engine, suffix: str, measure, slot: int) -> bool:
         key = _key(engine) + suffix
     except Exception:  # noqa: BLE001 - an engine without a build or identity: not measured
         return False
-    with _lock:
-        known = read_json(path).get(key)
+    known = read_json(path).get(key)
     if isinstance(known, bool):
         return known
     log.info("measuring whether layers [%d, %d) compute a prompt's rows alike however it is "
@@ -218,9 +215,8 @@ def _cached(engine, suffix: str, measure, slot: int) -> bool:
         return False
     log.info("%s: %s (%.1f s)", measure.__name__, "yes" if exact else "no",
              time.monotonic() - t0)
-    try:
-        with _lock:  # other processes' entries stay (update_json)
-            update_json(path, lambda table: {**table, key: exact})
+    try:  # other processes' entries stay (update_json)
+        update_json(path, lambda table: {**table, key: exact})
     except OSError:
         pass  # a read-only cache only costs a measurement next time
     return exact
