@@ -68,6 +68,29 @@ def test_the_driver_imports_without_the_compiled_core():
     assert r.returncode == 0 and r.stdout.strip() == "OK", r.stdout + r.stderr
 
 
+
+def test_each_compiled_module_keeps_its_llama_cpp_to_itself():
+    """The engine (``_core``) and the chat binding (``_chat``) each link a static copy of
+    llama.cpp. Exported, their symbols would be bound across the two modules: a C++ inline
+    function's static local (GNU_UNIQUE) became one object for both copies, and a module
+    loaded globally would take over the other's functions. Neither exports any."""
+    import importlib.util
+
+    nm = shutil.which("nm")
+    assert nm, "nm (binutils, installed with the compiler) is needed to read the modules"
+    for name in ("dgr._core._core", "dgr._chat._chat"):
+        path = importlib.util.find_spec(name).origin
+        r = subprocess.run([nm, "-D", "--defined-only", "-C", path], capture_output=True,
+                           text=True, timeout=60, check=True)
+        rows = [line.split(maxsplit=2) for line in r.stdout.splitlines()]
+        names = [row[-1] for row in rows if len(row) == 3]
+        leaked = [n for n in names if n.startswith(("ggml_", "gguf_", "llama_", "common_"))]
+        unique = [n for kind, n in ((row[1], row[-1]) for row in rows if len(row) == 3)
+                  if kind == "u" and not n.startswith("std::")]
+        assert not leaked, f"{name} exports {len(leaked)} llama.cpp symbols: {leaked[:5]}"
+        assert not unique, f"{name} shares statics process-wide: {unique[:5]}"
+        assert any(n == f"PyInit_{name.rpartition('.')[2]}" for n in names), names[:20]
+
 # --- benches/: the scripts and their harness -------------------------------------------------
 
 def bench_import_graph(benches: Path) -> dict[str, set[str]]:
