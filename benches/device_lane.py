@@ -78,6 +78,34 @@ def prompt(i: int, n: int = N_PROMPT) -> list[int]:
     return [1 + (17 * i + 7 * k) % 97 for k in range(n)]
 
 
+# an engine built after what a worker and the CLI import first (gRPC, the chat binding): on
+# the first CUDA run that order crashed (SIGSEGV in Engine.__new__), so the lane checks it first
+PROBE = ("import sys, grpc, dgr._chat._chat, dgr\n"
+         "dgr.Engine(sys.argv[1], device=sys.argv[2], n_ctx=256)\nprint('engine built')")
+
+
+def probe(model: str, device: str, code: str = PROBE) -> dict:
+    """Build an engine on ``device`` in a fresh process after ``code``'s imports; a process
+    killed by a signal is run again under gdb (or CUDA's cuda-gdb) for a native backtrace."""
+    import glob
+    import shutil
+
+    cmd = [sys.executable, "-c", code, model, device]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    out = {"command": shlex.join(cmd), "ok": p.returncode == 0, "returncode": p.returncode,
+           "stderr_tail": p.stderr[-1500:]}
+    if p.returncode < 0:
+        gdb = (shutil.which("gdb") or shutil.which("cuda-gdb")
+               or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/cuda-gdb"))), None))
+        if gdb is None:
+            out["backtrace"] = "no gdb on this machine"
+        else:
+            g = subprocess.run([gdb, "-q", "-batch", "-ex", "run", "-ex", "bt 40", "--args",
+                                *cmd], capture_output=True, text=True, timeout=600)
+            out["backtrace"] = (g.stdout + g.stderr)[-8000:]
+    return out
+
+
 def certify(model: str, device: str, store: str, tokens: int, slots: int) -> dict:
     cmd = [sys.executable, "-m", "dgr", "certify", "--model", model, "--stages", "2",
            "--device", device, "--store", store, "--max-tokens", str(min(tokens, 16)),
@@ -272,6 +300,16 @@ def main(argv: list[str] | None = None) -> int:
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
+        res["probe"] = probe(model_path("tiny", tmp), dev["name"])
+        if not res["probe"]["ok"]:
+            log(f"an engine built after importing grpc and the chat binding failed "
+                f"(exit {res['probe']['returncode']}):\n{res['probe']['stderr_tail']}\n"
+                f"{res['probe'].get('backtrace', '')}")
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(res, f, indent=2, default=str)
+            return 1
+        log("an engine builds after importing grpc and the chat binding")
         for name in args.models.split(","):
             path = model_path(name, tmp)
             log(f"{name}: {path}")

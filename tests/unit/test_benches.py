@@ -484,3 +484,31 @@ def test_sampling_parity_refuses_too_few_tokens_before_starting_anything(monkeyp
     with pytest.raises(SystemExit) as e:
         sampling_parity.main(["--tokens", "4"])
     assert e.value.code == 2 and "at least 6" in capsys.readouterr().err
+
+
+def test_device_lane_probe_builds_an_engine_after_grpc_and_the_chat_binding(tmp_path):
+    """The lane checks first that an engine builds after the imports that crashed the first
+    CUDA run (SIGSEGV in Engine.__new__ after importing grpc or dgr._chat)."""
+    from dgr.testing.fixtures import write_tiny_llama
+
+    device_lane = pytest.importorskip("device_lane")
+    model = str(write_tiny_llama(tmp_path / "tiny.gguf"))
+    r = device_lane.probe(model, "cpu")
+    assert r["ok"] and r["returncode"] == 0, r
+    assert "backtrace" not in r
+
+
+def test_device_lane_probe_gives_a_crash_its_native_backtrace(tmp_path):
+    """A probe process killed by a signal is reported with a backtrace from gdb, or says that
+    the machine has none (the lane then stops before the runs that would crash the same)."""
+    import shutil
+
+    device_lane = pytest.importorskip("device_lane")
+    crash = "import os, signal, sys\nos.kill(os.getpid(), signal.SIGSEGV)"
+    r = device_lane.probe("model.gguf", "cpu", code=crash)
+    assert not r["ok"] and r["returncode"] == -11, r
+    if shutil.which("gdb") or shutil.which("cuda-gdb"):
+        # gdb's run, unless the machine forbids tracing (a container without ptrace)
+        assert "SIGSEGV" in r["backtrace"] or "ptrace" in r["backtrace"], r["backtrace"]
+    else:
+        assert r["backtrace"] == "no gdb on this machine"
