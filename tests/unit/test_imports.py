@@ -68,7 +68,6 @@ def test_the_driver_imports_without_the_compiled_core():
     assert r.returncode == 0 and r.stdout.strip() == "OK", r.stdout + r.stderr
 
 
-
 def test_each_compiled_module_keeps_its_llama_cpp_to_itself():
     """The engine (``_core``) and the chat binding (``_chat``) each link a static copy of
     llama.cpp. Exported, their symbols would be bound across the two modules: a C++ inline
@@ -90,6 +89,7 @@ def test_each_compiled_module_keeps_its_llama_cpp_to_itself():
         assert not leaked, f"{name} exports {len(leaked)} llama.cpp symbols: {leaked[:5]}"
         assert not unique, f"{name} shares statics process-wide: {unique[:5]}"
         assert any(n == f"PyInit_{name.rpartition('.')[2]}" for n in names), names[:20]
+
 
 # --- benches/: the scripts and their harness -------------------------------------------------
 
