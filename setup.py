@@ -48,10 +48,12 @@ class BuildExt(build_ext):
                                  str(v.src / "vendor" / "hash")]  # xxhash/xxhash.h (frame.cpp)
             # static archives: dependents before their dependencies
             ext.extra_objects += [str(p) for p in v.libraries()]
-            # each module keeps its copy of llama.cpp to itself: the archives' symbols are not
-            # exported, so two modules' copies (the engine's, the chat binding's) never bind
-            # to each other (a C++ inline function's static is otherwise one object for both)
-            ext.extra_link_args += v.link_args() + ["-Wl,--exclude-libs,ALL"]
+            ext.extra_link_args += v.link_args()
+            if sys.platform != "darwin":  # GNU ld and lld (Apple's ld has no such option)
+                # each module keeps its copy of llama.cpp to itself: the archives' symbols are
+                # not exported, so two modules' copies (the engine's, the chat binding's) never
+                # bind to each other (an inline function's static is otherwise one for both)
+                ext.extra_link_args.append("-Wl,--exclude-libs,ALL")
             ext.define_macros += [("DGR_LAYER_RANGE", "1" if has_ranges else "0"),
                                   ("DGR_LLAMA_COMMIT", f'"{v.commit}"'),
                                   ("DGR_PATCH_STACK_HASH", f'"{v.patch_stack_hash()}"'),

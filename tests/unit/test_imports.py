@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 # lint-imports through this interpreter (a venv that is not activated has it off PATH)
 LINT = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "
@@ -68,6 +70,7 @@ def test_the_driver_imports_without_the_compiled_core():
     assert r.returncode == 0 and r.stdout.strip() == "OK", r.stdout + r.stderr
 
 
+@pytest.mark.skipif(sys.platform == "darwin", reason="the link option is GNU ld's and lld's")
 def test_each_compiled_module_keeps_its_llama_cpp_to_itself():
     """The engine (``_core``) and the chat binding (``_chat``) each link a static copy of
     llama.cpp. Exported, their symbols would be bound across the two modules: a C++ inline
