@@ -305,9 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"an engine built after importing grpc and the chat binding failed "
                 f"(exit {res['probe']['returncode']}):\n{res['probe']['stderr_tail']}\n"
                 f"{res['probe'].get('backtrace', '')}")
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(res, f, indent=2, default=str)
+            save(res, args.json)
             return 1
         log("an engine builds after importing grpc and the chat binding")
         for name in args.models.split(","):
@@ -330,11 +328,16 @@ def main(argv: list[str] | None = None) -> int:
             m["pp"] = pp(path, dev["name"], args.pp)
             m["llama_bench_pp"] = llama_bench_pp(path, args.pp)
     res["seconds"] = round(time.monotonic() - t0, 1)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2, default=str)
+    save(res, args.json)
     print(table(res))
     return 0 if all(m["certify"]["passed"] for m in res["models"].values()) else 1
+
+
+def save(res: dict, path: str | None) -> None:
+    """Every figure of the run, with the commands that gave them, as JSON (``--json``)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(res, f, indent=2, default=str)
 
 
 def table(res: dict) -> str:

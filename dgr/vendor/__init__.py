@@ -126,14 +126,17 @@ class Patch:
 EXTRA_TOOLS = ("llama-batched-bench",)
 
 
+def _cmake_var(text: str, var: str) -> str:
+    """A variable's value in a CMakeCache.txt's ``text`` ("" where it has none)."""
+    m = re.search(rf"^{var}:\w+=(.*)$", text, re.M)
+    return m.group(1).strip() if m else ""
+
+
 def _lost_programs(cache: Path) -> bool:
     """Whether a CMakeCache.txt names a make program or cmake that no longer exists."""
     text = cache.read_text(errors="replace")
-    for var in ("CMAKE_MAKE_PROGRAM", "CMAKE_COMMAND"):
-        m = re.search(rf"^{var}:\w+=(.*)$", text, re.M)
-        if m and m.group(1).strip() and not Path(m.group(1).strip()).exists():
-            return True
-    return False
+    return any((p := _cmake_var(text, var)) and not Path(p).exists()
+               for var in ("CMAKE_MAKE_PROGRAM", "CMAKE_COMMAND"))
 
 
 class Vendor:
@@ -470,8 +473,7 @@ class Vendor:
         gen = ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"] if ninja else []
         cache = self.build_dir / "CMakeCache.txt"
         if cache.exists():
-            was_ninja = re.search(r"^CMAKE_GENERATOR:\w+=Ninja$",
-                                  cache.read_text(errors="replace"), re.M) is not None
+            was_ninja = _cmake_var(cache.read_text(errors="replace"), "CMAKE_GENERATOR") == "Ninja"
             if was_ninja != bool(ninja):
                 shutil.rmtree(self.build_dir)  # the generator changed: start the build dir over
         self._drop_stale_subbuilds()
@@ -669,12 +671,12 @@ class Vendor:
         args = ["-lpthread", "-ldl", "-lm"]
         cache = self.build_dir / "CMakeCache.txt"
         text = cache.read_text(errors="replace") if cache.exists() else ""
-        if re.search(r"^GGML_OPENMP:BOOL=ON", text, re.M) and "OpenMP_CXX_FLAGS" in text:
-            args.insert(0, "-fopenmp")
 
         def cached(var: str) -> str:
-            m = re.search(rf"^{var}:\w+=(.*)$", text, re.M)
-            return m.group(1).strip() if m else ""
+            return _cmake_var(text, var)
+
+        if cached("GGML_OPENMP") == "ON" and "OpenMP_CXX_FLAGS" in text:
+            args.insert(0, "-fopenmp")
 
         backends = self.built_backends()
         if "vulkan" in backends:
@@ -691,12 +693,12 @@ class Vendor:
             args[:0] = ([f"-L{d}" for d in dirs] + [f"-Wl,-rpath,{d}" for d in dirs
                                                      if not d.endswith("stubs")]
                         + (found or ["-lcudart", "-lcublas", "-lcublasLt", "-lcuda"]))
-        if "cuda" in backends and re.search(r"^GGML_CUDA_NCCL:BOOL=ON", text, re.M):
+        if "cuda" in backends and cached("GGML_CUDA_NCCL") == "ON":
             # ggml-cuda links NCCL where its FindNCCL found both the header and the library
             lib, inc = cached("NCCL_LIBRARY"), cached("NCCL_INCLUDE_DIR")
             if lib and Path(lib).exists() and inc and not inc.endswith("NOTFOUND"):
                 args[:0] = [lib, f"-Wl,-rpath,{Path(lib).parent}"]
-        if re.search(r"^GGML_RPC_RDMA:BOOL=ON", text, re.M):
+        if cached("GGML_RPC_RDMA") == "ON":
             # ggml-rpc's RDMA transport: on by itself where cmake finds libibverbs
             lib = cached("RDMA_LIB")
             args[:0] = [lib] if lib and Path(lib).exists() else ["-libverbs"]

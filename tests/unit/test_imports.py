@@ -84,11 +84,11 @@ def test_each_compiled_module_keeps_its_llama_cpp_to_itself():
         path = importlib.util.find_spec(name).origin
         r = subprocess.run([nm, "-D", "--defined-only", "-C", path], capture_output=True,
                            text=True, timeout=60, check=True)
-        rows = [line.split(maxsplit=2) for line in r.stdout.splitlines()]
-        names = [row[-1] for row in rows if len(row) == 3]
+        rows = (line.split(maxsplit=2) for line in r.stdout.splitlines())
+        syms = [(row[1], row[2]) for row in rows if len(row) == 3]  # (kind, name)
+        names = [n for _, n in syms]
         leaked = [n for n in names if n.startswith(("ggml_", "gguf_", "llama_", "common_"))]
-        unique = [n for kind, n in ((row[1], row[-1]) for row in rows if len(row) == 3)
-                  if kind == "u" and not n.startswith("std::")]
+        unique = [n for kind, n in syms if kind == "u" and not n.startswith("std::")]
         assert not leaked, f"{name} exports {len(leaked)} llama.cpp symbols: {leaked[:5]}"
         assert not unique, f"{name} shares statics process-wide: {unique[:5]}"
         assert any(n == f"PyInit_{name.rpartition('.')[2]}" for n in names), names[:20]
