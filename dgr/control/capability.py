@@ -29,6 +29,7 @@ from dgr.protocol.capability import (
     PrefixStore,
     Seam,
 )
+from dgr.vendor import cpu_features  # one reader of the host's ISA (the build key's too)
 
 __all__ = ["build_info", "quantisation", "cpu_features", "record_for"]
 
@@ -78,30 +79,6 @@ def device_of(engine, pipeline=None) -> dict:
     return {"backend": f["backend"], "device": "" if cpu else f["description"],
             "device_type": f["type"], "driver": f["driver"], "software": bool(f["software"]),
             "compute": f["kind"]}
-
-
-# Flags that change which compute kernels ggml's CPU backend runs (hence the bits).
-_ISA_PREFIXES = ("sse", "ssse3", "avx", "fma", "f16c", "amx", "bmi", "vnni", "neon", "asimd",
-                 "sve", "dotprod", "i8mm", "fp16", "bf16")
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_features() -> tuple[str, tuple[str, ...], tuple[str, ...]]:
-    """(CPU model name, all /proc/cpuinfo flags, the kernel-selecting ISA subset)."""
-    model, flags = "", []
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, val = line.partition(":")
-                key = key.strip()
-                if key in ("model name", "Model") and not model:
-                    model = val.strip()
-                elif key in ("flags", "Features") and not flags:
-                    flags = val.split()
-    except OSError:
-        pass
-    isa = tuple(sorted(f for f in set(flags) if f.startswith(_ISA_PREFIXES)))
-    return model, tuple(sorted(set(flags))), isa
 
 
 _FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1",

@@ -4,8 +4,10 @@ The one pin is ``vendor-manifest.json`` at the repository root: the llama.cpp co
 PyPI sdist that vendors exactly that tree (with its sha256), the ordered patch stack (a
 sha256 per patch) and the cmake options. Everything this module writes lives in a workspace
 under ``$DGR_CACHE`` (default ``~/.cache/dgr``) keyed by a hash of the manifest, the patches,
-the cmake options (``CMAKE_ARGS`` included) and the compiler, so a rebuild with the same
-inputs costs nothing and a change of any input gets a fresh workspace.
+the cmake options (``CMAKE_ARGS`` included), the compiler and, for a native build (ggml's
+default: ``-march=native``), the host CPU's instruction sets, so a rebuild with the same
+inputs costs nothing and a change of any input gets a fresh workspace (a cache shared by
+hosts of different CPUs keeps a build for each).
 
 Only the standard library is used: ``setup.py`` imports this module before any dependency
 is installed.
@@ -13,9 +15,11 @@ is installed.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import platform
 import re
 import shlex
 import shutil
@@ -29,7 +33,7 @@ from pathlib import Path
 
 from dgr.errors import VendorError
 
-__all__ = ["Vendor", "BACKENDS", "cache_root", "repo_root", "sha256_file"]
+__all__ = ["Vendor", "BACKENDS", "cache_root", "repo_root", "sha256_file", "cpu_features"]
 
 STAMP_VERSION = 1
 
@@ -111,6 +115,41 @@ def _compiler_id() -> str:
     except (OSError, subprocess.SubprocessError):
         first = cxx
     return f"{cxx}: {first}"
+
+
+#: /proc/cpuinfo flags that change the code a native build compiles (``-march=native``) and
+#: which kernels ggml's CPU backend runs, hence the bits
+_ISA_PREFIXES = ("sse", "ssse3", "avx", "fma", "f16c", "amx", "bmi", "vnni", "neon", "asimd",
+                 "sve", "dotprod", "i8mm", "fp16", "bf16")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_features() -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """(CPU model name, all /proc/cpuinfo flags, the kernel-selecting ISA subset); empty
+    where the system has no /proc/cpuinfo."""
+    model, flags = "", []
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "Model") and not model:
+                    model = val.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = val.split()
+    except OSError:
+        pass
+    isa = tuple(sorted(f for f in set(flags) if f.startswith(_ISA_PREFIXES)))
+    return model, tuple(sorted(set(flags))), isa
+
+
+def _host_isa(cmake_args: list[str]) -> str:
+    """What a native build is compiled for: this CPU's instruction sets (``-march=native``),
+    or "" when the build is portable (``-DGGML_NATIVE=OFF`` in ``CMAKE_ARGS``)."""
+    if any(re.fullmatch(r"-DGGML_NATIVE(:BOOL)?=(OFF|0|FALSE|NO)", a, re.I) for a in cmake_args):
+        return ""
+    model, _, isa = cpu_features()
+    return " ".join(isa) if isa else f"{platform.machine()} {platform.processor() or model}"
 
 
 @dataclass(frozen=True)
@@ -210,6 +249,9 @@ class Vendor:
             h.update(f"backend={self.backend}".encode())
         h.update(json.dumps(self.extra_cmake_args).encode())
         h.update(_compiler_id().encode())
+        # a native build runs only on CPUs with what this one has (AMX code faults elsewhere)
+        if isa := _host_isa(self.extra_cmake_args):
+            h.update(f"isa={isa}".encode())
         return h.hexdigest()[:16]
 
     @property

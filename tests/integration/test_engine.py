@@ -300,3 +300,31 @@ def test_build_info_names_the_pinned_stack():
     assert BUILD_INFO["llama_cpp_commit"] == v.commit
     assert BUILD_INFO["patch_stack_hash"] == v.patch_stack_hash(), "rebuild: pip install -e ."
     assert BUILD_INFO["vendor_key"] == v.key()
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any("amx_int8" in line.split() for line in f if line.startswith("flags"))
+    except OSError:
+        return False
+
+
+def test_a_prompt_computes_on_this_cpus_quantized_matrix_kernels(tiny_q8):
+    """A prompt of 40 rows through q8_0 matrices, in a process of its own (a fault must fail
+    this test, not the run). On a CPU with AMX (Sapphire Rapids and later) a native build
+    repacks them for ggml's AMX kernels, whose tile path (more than four rows) faulted in
+    its first product before patch 0013: GCC dropped the stores of the tile config that
+    ``ldtilecfg`` then loaded. Elsewhere the same prompt checks the kernels the CPU has."""
+    code = textwrap.dedent(f"""
+        import numpy as np, dgr
+        eng = dgr.Engine({str(tiny_q8)!r}, n_ctx=64, n_ubatch=64, n_threads=2)
+        tokens = np.arange(1, 41, dtype=np.int32)
+        out = eng.forward(0, 0, tokens=tokens, logits="all")
+        print(out.shape, bool(np.isfinite(out).all()))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, (
+        f"exit status {proc.returncode} (amx: {_cpu_has_amx()}): {proc.stderr[-2000:]}")
+    assert proc.stdout.split() == ["(40,", "128)", "True"]

@@ -145,6 +145,25 @@ def test_key_changes_with_patches_and_cmake_args(fake, monkeypatch):
     assert Vendor(root, cache).workspace.name == f"llama.cpp-{k2}"
 
 
+def test_a_native_build_is_keyed_by_the_cpus_instruction_sets(fake, monkeypatch):
+    """ggml builds with -march=native by default: a cache shared by hosts of different CPUs
+    (a home directory on NFS, a restored CI cache) must not hand an AMX build to a CPU
+    without AMX. A portable build (-DGGML_NATIVE=OFF) runs anywhere: one key for all."""
+    import dgr.vendor as vendor
+
+    root, cache = fake
+
+    def key_on(isa: tuple[str, ...]) -> str:
+        monkeypatch.setattr(vendor, "cpu_features", lambda: ("a cpu", isa, isa))
+        return Vendor(root, cache).key()
+
+    avx2, amx = ("avx", "avx2", "fma"), ("amx_int8", "amx_tile", "avx", "avx2", "fma")
+    assert key_on(avx2) != key_on(amx)
+    assert key_on(amx) == key_on(amx)
+    monkeypatch.setenv("CMAKE_ARGS", "-DGGML_NATIVE=OFF")
+    assert key_on(avx2) == key_on(amx)
+
+
 def test_dgr_cache_env_moves_the_workspace(fake, monkeypatch, tmp_path):
     root, _ = fake
     monkeypatch.setenv("DGR_CACHE", str(tmp_path / "elsewhere"))
