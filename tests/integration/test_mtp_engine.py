@@ -17,6 +17,7 @@ import pytest
 import dgr
 from dgr import errors
 from dgr._core import HAS_LAYER_RANGES
+from dgr.control import prefix
 from dgr.testing.fixtures import TinyDeepseek4, write_tiny_deepseek4, write_tiny_llama
 
 needs_ranges = pytest.mark.skipif(not HAS_LAYER_RANGES,
@@ -237,8 +238,21 @@ def test_draft_stops_at_the_end_of_the_context(mtp_model):
                          ids=lambda v: str(v))
 def test_truncate_parity(mtp_model, mtp, k, keep):
     """Forward prompt, then a step of k+1 tokens; truncate to keep `keep` of them (0: the whole
-    step); then one token. The reference computed only the kept tokens (as one step)."""
+    step); then one token. The reference computed only the kept tokens (as one step).
+
+    Keeping one token compares a row of a (k+1)-row step with a one-row step's: the same bits
+    only where this CPU computes a one-row product as a many-row one does, which
+    ``prefix.single_rows_exact`` measures (on a Sapphire Rapids VM, AVX-512, it does not: the
+    logits then differ by about 1e-4). Where it does not, the two must agree to 1e-3."""
     a, b = dgr.Engine(mtp_model, mtp=mtp, **SETTINGS), dgr.Engine(mtp_model, mtp=mtp, **SETTINGS)
+    exact = keep != 1 or prefix.single_rows_exact(b)
+
+    def same(x, y) -> None:
+        if exact:
+            assert x.tobytes() == y.tobytes()
+        else:
+            np.testing.assert_allclose(x, y, rtol=0, atol=1e-3)
+
     a.forward(0, 0, PROMPT)
     b.forward(0, 0, PROMPT)
     p = len(PROMPT)
@@ -248,12 +262,12 @@ def test_truncate_parity(mtp_model, mtp, k, keep):
     if keep:
         b.forward(0, p, DRAFTS[:keep], logits="all")
     la, lb = a.forward(0, p + keep, [5]), b.forward(0, p + keep, [5])
-    assert la.tobytes() == lb.tobytes()
-    if mtp:
+    same(la, lb)
+    if mtp and exact:
         assert a.mtp_draft(0, _top(la), 8) == b.mtp_draft(0, _top(lb), 8)
     # and the decode goes on identically
     la, lb = a.forward(0, p + keep + 1, [_top(la)]), b.forward(0, p + keep + 1, [_top(lb)])
-    assert la.tobytes() == lb.tobytes()
+    same(la, lb)
 
 
 @pytest.mark.parametrize("mtp", [False, True], ids=["trunk", "mtp"])

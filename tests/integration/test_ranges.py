@@ -14,6 +14,7 @@ from dgr.control.parity import compare
 from dgr.core.local import LocalChain
 from dgr.protocol.ranges import split_layers
 from dgr.testing.archs import FAMILIES
+from dgr.vendor import cpu_features
 
 needs_ranges = pytest.mark.skipif(not HAS_LAYER_RANGES,
                                   reason="the built llama.cpp carries no layer-range patches")
@@ -113,12 +114,16 @@ def _owned_bytes(sizes, a, b, n_layer):
 @pytest.mark.slow
 def test_smollm2_weight_and_kv_bytes_follow_the_range(smollm2):
     sizes = _tensor_bytes(smollm2)
+    # ggml repacks the matrices for its AMX kernels where the CPU has them: a q8_0 matrix (the
+    # tied head) then takes 64 bytes of compensation per 16 rows of 32 columns more, 12 %
+    slack = 0.125 if "amx_int8" in cpu_features()[2] else 0.05
     whole = dgr.Engine(smollm2, **SMOL).describe()
     n_layer = whole["n_layer"]
     for a, b in [(0, 10), (10, 20), (20, 30), (0, 29), (1, 30)]:
         d = dgr.Engine(smollm2, layers=(a, b), **SMOL).describe()
         want = _owned_bytes(sizes, a, b, n_layer)
-        assert abs(d["weight_bytes"] - want) <= 0.05 * want, (a, b, d["weight_bytes"], want)
+        got = d["weight_bytes"] - want
+        assert -0.05 * want <= got <= slack * want, (a, b, d["weight_bytes"], want)
         assert d["kv_bytes"] == pytest.approx(whole["kv_bytes"] * (b - a) / n_layer, rel=0.01)
         if (a, b) == (10, 20):
             assert d["weight_bytes"] <= 0.40 * whole["weight_bytes"]
