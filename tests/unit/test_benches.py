@@ -512,3 +512,17 @@ def test_device_lane_probe_gives_a_crash_its_native_backtrace(tmp_path):
         assert "SIGSEGV" in r["backtrace"] or "ptrace" in r["backtrace"], r["backtrace"]
     else:
         assert r["backtrace"] == "no gdb on this machine"
+
+
+@pytest.mark.parametrize("layers", [None, (2, 4)], ids=["whole", "a later range"])
+def test_compute_gap_steps_a_first_or_later_range(tiny_llama, layers):
+    """benches/compute_gap.py decodes one slot, tokens on a first stage and a boundary on a
+    later one, each step followed by its pause (slept or spun)."""
+    import dgr
+
+    compute_gap = pytest.importorskip("compute_gap")
+    e = dgr.Engine(tiny_llama, layers=layers, n_ctx=64, n_threads=1)
+    for spin in (False, True):
+        ms = compute_gap.step_ms(e, 0.001, spin, 3)
+        assert ms > 0
+        assert e.next_pos(0) == compute_gap.PROMPT + 3
