@@ -249,7 +249,7 @@ class Vendor:
             h.update(f"backend={self.backend}".encode())
         h.update(json.dumps(self.extra_cmake_args).encode())
         h.update(_compiler_id().encode())
-        # a native build runs only on CPUs with what this one has (AMX code faults elsewhere)
+        # a native build runs only on CPUs with what this one has (elsewhere: SIGILL)
         if isa := _host_isa(self.extra_cmake_args):
             h.update(f"isa={isa}".encode())
         return h.hexdigest()[:16]

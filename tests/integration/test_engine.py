@@ -12,6 +12,7 @@ import pytest
 
 import dgr
 from dgr import errors
+from dgr.vendor import cpu_features
 
 
 @pytest.fixture(scope="module")
@@ -302,18 +303,10 @@ def test_build_info_names_the_pinned_stack():
     assert BUILD_INFO["vendor_key"] == v.key()
 
 
-def _cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any("amx_int8" in line.split() for line in f if line.startswith("flags"))
-    except OSError:
-        return False
-
-
 def test_a_prompt_computes_on_this_cpus_quantized_matrix_kernels(tiny_q8):
     """A prompt of 40 rows through q8_0 matrices, in a process of its own (a fault must fail
     this test, not the run). On a CPU with AMX (Sapphire Rapids and later) a native build
-    repacks them for ggml's AMX kernels, whose tile path (more than four rows) faulted in
+    repacks them for ggml's AMX kernels, whose tile path (more than one row) faulted in
     its first product before patch 0013: GCC dropped the stores of the tile config that
     ``ldtilecfg`` then loaded. Elsewhere the same prompt checks the kernels the CPU has."""
     code = textwrap.dedent(f"""
@@ -326,5 +319,6 @@ def test_a_prompt_computes_on_this_cpus_quantized_matrix_kernels(tiny_q8):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, (
-        f"exit status {proc.returncode} (amx: {_cpu_has_amx()}): {proc.stderr[-2000:]}")
+        f"exit status {proc.returncode} (amx: {'amx_int8' in cpu_features()[2]}): "
+        f"{proc.stderr[-2000:]}")
     assert proc.stdout.split() == ["(40,", "128)", "True"]
