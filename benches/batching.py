@@ -34,9 +34,10 @@
   and graphs reused per forward, and steps per forward. Also the driver's CPU per token (this
   process, which runs only the route's client during a measurement).
 - **Each stage's upper bound**: each stage's engine alone, in this process, one at a time
-  (the workers' settings): ``forward_batch`` of a decode step of ``b`` consecutive slots
-  after a ``N_PROMPT``-token prompt each, for ``b`` = 1 and ``ceil(k / stages)`` (the ring
-  groups' batch), the median of 16. Its tokens/s is what that stage could serve with nothing
+  (the workers' settings): decode steps of ``b`` consecutive slots after a ``N_PROMPT``-token
+  prompt each, for ``b`` = 1 and ``ceil(k / stages)`` (the ring groups' batch), as the route
+  runs them: every group of the ``k`` sessions in turn, over the same tokens per session
+  (the same contexts), the mean per token. Its tokens/s is what that stage could serve with nothing
   else on the machine; the slowest stage's is the route's bound (with more stages than
   cores, the cores over the stages' summed time per token is lower, and is the bound).
 
@@ -136,10 +137,14 @@ async def _sessions(endpoints, k: int, n: int, batching: bool, ports=()) -> dict
             "session_tokens": [list(g.tokens) for g in gens]}
 
 
-def stage_bounds(path: str, ranges, k_max: int, sizes: list[int], reps: int = 16) -> list:
-    """Each stage's engine alone (the workers' settings, ``k_max`` slots): ms per token of a
-    decode ``forward_batch`` of ``b`` consecutive slots at position ``N_PROMPT`` onwards,
-    for each ``b`` of ``sizes`` (the median of ``reps``). [{b: ms per token}] per stage."""
+def stage_bounds(path: str, ranges, k_max: int, groups: dict[int, int], n: int) -> list:
+    """Each stage's engine alone (the workers' settings, ``k_max`` slots): ms per token of
+    the route's decode steps. For each batch ``b`` of ``groups`` (``b`` -> the number of
+    ring groups ``g``), ``g`` groups of ``b`` consecutive slots, each after a
+    ``N_PROMPT``-token prompt, decode ``n`` steps in turn from position ``N_PROMPT``: the
+    contexts and the KV working set the route's sessions have (decode attention grows with
+    the context, and at a few hundred tokens it costs more than the weights on a CPU).
+    [{b: mean ms per token}] per stage."""
     import numpy as np
 
     import dgr
@@ -151,24 +156,25 @@ def stage_bounds(path: str, ranges, k_max: int, sizes: list[int], reps: int = 16
         w = e.n_embd_boundary
         gen = np.random.default_rng(0)
         res = {}
-        for b in sizes:
+        for b, g in sorted(groups.items()):
             for s in range(k_max):
                 e.release(s)
-            slots = np.arange(b, dtype=np.int32)
-            for s in range(b):  # each slot's prompt
+            for s in range(b * g):  # each slot's prompt
                 e.forward_batch(np.full(N_PROMPT, s, np.int32),
                                 np.arange(N_PROMPT, dtype=np.int32),
                                 np.ones(N_PROMPT, np.int32) if e.is_first else None,
                                 None if e.is_first else
                                 gen.standard_normal((N_PROMPT, w)).astype(np.float32))
-            ts = []
-            for r in range(reps):
-                bnd = None if e.is_first else gen.standard_normal((b, w)).astype(np.float32)
-                t0 = time.perf_counter()
-                e.forward_batch(slots, np.full(b, N_PROMPT + r, np.int32),
-                                np.ones(b, np.int32) if e.is_first else None, bnd)
-                ts.append(time.perf_counter() - t0)
-            res[b] = 1e3 * statistics.median(ts) / b
+            t = 0.0
+            for r in range(n):
+                for j in range(g):
+                    slots = np.arange(j * b, (j + 1) * b, dtype=np.int32)
+                    bnd = None if e.is_first else gen.standard_normal((b, w)).astype(np.float32)
+                    t0 = time.perf_counter()
+                    e.forward_batch(slots, np.full(b, N_PROMPT + r, np.int32),
+                                    np.ones(b, np.int32) if e.is_first else None, bnd)
+                    t += time.perf_counter() - t0
+            res[b] = 1e3 * t / (n * g * b)
         out.append(res)
         del e
     return out
@@ -247,10 +253,10 @@ def run(path: str, sessions: list[int], n: int, n_stages: int, threads: list[int
                  "dgr": [], "llama_batched_bench": {}}
     log(f"whole-model references of {k_max} sessions ...")
     refs = whole_refs(path, k_max, n)
-    sizes = sorted({1, *(-(-k // n_stages) for k in sessions)})
-    log(f"each stage's engine alone at batches of {sizes} ...")
+    groups = {1: 1} | {-(-k // n_stages): -(-k // -(-k // n_stages)) for k in sessions}
+    log(f"each stage's engine alone at batches of {sorted(groups)} ...")
     res["stage_bounds"] = [{str(b): ms for b, ms in st.items()}
-                           for st in stage_bounds(path, ranges, k_max, sizes)]
+                           for st in stage_bounds(path, ranges, k_max, groups, n)]
     log(f"starting {n_stages} workers with {k_max} slots, ranges {ranges} ...")
     def cluster_of(args):
         c = LocalCluster(path, ranges, settings={**SETTINGS, "n_slots": k_max}, args=args)

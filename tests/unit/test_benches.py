@@ -526,3 +526,38 @@ def test_compute_gap_steps_a_first_or_later_range(tiny_llama, layers):
         ms = compute_gap.step_ms(e, 0.001, spin, 3)
         assert ms > 0
         assert e.next_pos(0) == compute_gap.PROMPT + 3
+
+
+def test_the_stage_bound_decodes_every_ring_group_over_the_sessions_contexts(tiny_llama,
+                                                                               monkeypatch):
+    """benches/batching.py's bound for each stage runs the route's decode steps: each group of
+    b consecutive slots in turn, every step's position one further, from the prompt's end
+    over the session's tokens (the contexts the route's sessions attend over), on a first
+    and a later range."""
+    import dgr
+
+    batching = pytest.importorskip("batching")
+    calls, real = [], dgr.Engine
+
+    class Spy:
+        def __init__(self, *a, **kw):
+            self.e = real(*a, **kw)
+
+        def __getattr__(self, name):
+            return getattr(self.e, name)
+
+        def forward_batch(self, slots, pos, *rest):
+            calls.append((self.e.is_first, list(slots), list(pos)))
+            return self.e.forward_batch(slots, pos, *rest)
+
+    monkeypatch.setattr(dgr, "Engine", Spy)
+    monkeypatch.setitem(batching.SETTINGS, "n_ctx", 64)
+    p = batching.N_PROMPT
+    bounds = batching.stage_bounds(tiny_llama, [(0, 2), (2, 4)], 4, {1: 1, 2: 2}, 3)
+    assert [sorted(b) for b in bounds] == [[1, 2], [1, 2]]
+    assert all(ms > 0 for b in bounds for ms in b.values())
+    for first in (True, False):
+        steps = [(s, q) for f, s, q in calls if f is first and len(q) != p]
+        assert steps == [([0], [p]), ([0], [p + 1]), ([0], [p + 2]),
+                         ([0, 1], [p, p]), ([2, 3], [p, p]), ([0, 1], [p + 1] * 2),
+                         ([2, 3], [p + 1] * 2), ([0, 1], [p + 2] * 2), ([2, 3], [p + 2] * 2)]
