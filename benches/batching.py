@@ -139,12 +139,12 @@ async def _sessions(endpoints, k: int, n: int, batching: bool, ports=()) -> dict
 
 def stage_bounds(path: str, ranges, k_max: int, groups: dict[int, int], n: int) -> list:
     """Each stage's engine alone (the workers' settings, ``k_max`` slots): ms per token of
-    the route's decode steps. For each batch ``b`` of ``groups`` (``b`` -> the number of
-    ring groups ``g``), ``g`` groups of ``b`` consecutive slots, each after a
-    ``N_PROMPT``-token prompt, decode ``n`` steps in turn from position ``N_PROMPT``: the
-    contexts and the KV working set the route's sessions have (decode attention grows with
-    the context, and at a few hundred tokens it costs more than the weights on a CPU).
-    [{b: mean ms per token}] per stage."""
+    the route's decode steps. For each batch ``b`` of ``groups`` (``b`` -> the sessions
+    ``k``), slots ``0..k-1``, each after a ``N_PROMPT``-token prompt, cut into runs of ``b``
+    (the ring groups; the last may be shorter), decode ``n`` steps, the groups in turn, from
+    position ``N_PROMPT``: the contexts and the KV working set the route's sessions have
+    (decode attention grows with the context, and at a few hundred tokens it costs more
+    than the weights on a CPU). [{b: mean ms per token}] per stage."""
     import numpy as np
 
     import dgr
@@ -156,10 +156,10 @@ def stage_bounds(path: str, ranges, k_max: int, groups: dict[int, int], n: int) 
         w = e.n_embd_boundary
         gen = np.random.default_rng(0)
         res = {}
-        for b, g in sorted(groups.items()):
+        for b, k in sorted(groups.items()):
             for s in range(k_max):
                 e.release(s)
-            for s in range(b * g):  # each slot's prompt
+            for s in range(k):  # each slot's prompt
                 e.forward_batch(np.full(N_PROMPT, s, np.int32),
                                 np.arange(N_PROMPT, dtype=np.int32),
                                 np.ones(N_PROMPT, np.int32) if e.is_first else None,
@@ -167,14 +167,15 @@ def stage_bounds(path: str, ranges, k_max: int, groups: dict[int, int], n: int) 
                                 gen.standard_normal((N_PROMPT, w)).astype(np.float32))
             t = 0.0
             for r in range(n):
-                for j in range(g):
-                    slots = np.arange(j * b, (j + 1) * b, dtype=np.int32)
-                    bnd = None if e.is_first else gen.standard_normal((b, w)).astype(np.float32)
+                for j in range(0, k, b):
+                    slots = np.arange(j, min(j + b, k), dtype=np.int32)
+                    m = len(slots)
+                    bnd = None if e.is_first else gen.standard_normal((m, w)).astype(np.float32)
                     t0 = time.perf_counter()
-                    e.forward_batch(slots, np.full(b, N_PROMPT + r, np.int32),
-                                    np.ones(b, np.int32) if e.is_first else None, bnd)
+                    e.forward_batch(slots, np.full(m, N_PROMPT + r, np.int32),
+                                    np.ones(m, np.int32) if e.is_first else None, bnd)
                     t += time.perf_counter() - t0
-            res[b] = 1e3 * t / (n * g * b)
+            res[b] = 1e3 * t / (n * k)
         out.append(res)
         del e
     return out
@@ -253,7 +254,7 @@ def run(path: str, sessions: list[int], n: int, n_stages: int, threads: list[int
                  "dgr": [], "llama_batched_bench": {}}
     log(f"whole-model references of {k_max} sessions ...")
     refs = whole_refs(path, k_max, n)
-    groups = {1: 1} | {-(-k // n_stages): -(-k // -(-k // n_stages)) for k in sessions}
+    groups = {1: 1} | {-(-k // n_stages): k for k in sessions if k > 1}
     log(f"each stage's engine alone at batches of {sorted(groups)} ...")
     res["stage_bounds"] = [{str(b): ms for b, ms in st.items()}
                            for st in stage_bounds(path, ranges, k_max, groups, n)]

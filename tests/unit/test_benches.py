@@ -553,11 +553,13 @@ def test_the_stage_bound_decodes_every_ring_group_over_the_sessions_contexts(tin
     monkeypatch.setattr(dgr, "Engine", Spy)
     monkeypatch.setitem(batching.SETTINGS, "n_ctx", 64)
     p = batching.N_PROMPT
-    bounds = batching.stage_bounds(tiny_llama, [(0, 2), (2, 4)], 4, {1: 1, 2: 2}, 3)
-    assert [sorted(b) for b in bounds] == [[1, 2], [1, 2]]
+    # one session; 4 sessions in runs of 3, the last one shorter (as 5 sessions on 2 stages
+    # are cut into 3 and 2)
+    bounds = batching.stage_bounds(tiny_llama, [(0, 2), (2, 4)], 4, {1: 1, 3: 4}, 3)
+    assert [sorted(b) for b in bounds] == [[1, 3], [1, 3]]
     assert all(ms > 0 for b in bounds for ms in b.values())
     for first in (True, False):
         steps = [(s, q) for f, s, q in calls if f is first and len(q) != p]
         assert steps == [([0], [p]), ([0], [p + 1]), ([0], [p + 2]),
-                         ([0, 1], [p, p]), ([2, 3], [p, p]), ([0, 1], [p + 1] * 2),
-                         ([2, 3], [p + 1] * 2), ([0, 1], [p + 2] * 2), ([2, 3], [p + 2] * 2)]
+                         ([0, 1, 2], [p] * 3), ([3], [p]), ([0, 1, 2], [p + 1] * 3),
+                         ([3], [p + 1]), ([0, 1, 2], [p + 2] * 3), ([3], [p + 2])]
