@@ -37,8 +37,8 @@
   (the workers' settings): decode steps of ``b`` consecutive slots after a ``N_PROMPT``-token
   prompt each, for ``b`` = 1 and ``ceil(k / stages)`` (the ring groups' batch), as the route
   runs them: every group of the ``k`` sessions in turn, over the same tokens per session
-  (the same contexts), the mean per token. Its tokens/s is what that stage could serve with nothing
-  else on the machine; the slowest stage's is the route's bound (with more stages than
+  (the same contexts), the mean per token. Its tokens/s is what that stage could serve with
+  nothing else on the machine; the slowest stage's is the route's bound (with more stages than
   cores, the cores over the stages' summed time per token is lower, and is the bound).
 
 The stages' layer ranges: ``--split cost`` (default) balances the layers' and the output
