@@ -9,9 +9,9 @@ the median ms per step for each gap and way, per round.
 
 In a route a stage pauses between its steps while the others compute theirs: at one session
 each stage of two waits about as long as it computes. Where a pause alone makes the next
-forward slower (measured on a 2-core Sapphire Rapids VM: 2.6 ms back to back, 4.3 after
-10 ms, the same whether the thread slept or spun), that is what the stages' engines lose in a
-route against the same engine driven back to back, and no transport can win it back.
+forward slower (measured on a 2-core Sapphire Rapids VM: 2.6-2.8 ms back to back, 4.2-4.3
+after 10 ms, the same whether the thread slept or spun), that is what the stages' engines lose
+in a route against the same engine driven back to back, and no transport can win it back.
 """
 
 from __future__ import annotations

@@ -713,10 +713,7 @@ class Vendor:
         args = ["-lpthread", "-ldl", "-lm"]
         cache = self.build_dir / "CMakeCache.txt"
         text = cache.read_text(errors="replace") if cache.exists() else ""
-
-        def cached(var: str) -> str:
-            return _cmake_var(text, var)
-
+        cached = functools.partial(_cmake_var, text)  # a CMakeCache variable's value
         if cached("GGML_OPENMP") == "ON" and "OpenMP_CXX_FLAGS" in text:
             args.insert(0, "-fopenmp")
 
