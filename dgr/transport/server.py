@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
+import functools
 import logging
 from typing import Any, Protocol, Sequence
 
@@ -138,6 +141,20 @@ def _deny(exc: errors.Unauthenticated, method: str):
 class _Servicer(dgr_pb2_grpc.ShardServicer):
     def __init__(self, backend: StageBackend):
         self.b = backend
+        # Release, Reuse and Fork give out and take back slots, on one thread in the order
+        # the RPCs came. A front sends each of them to every stage at once, so each stage
+        # then makes the same choices: a session gets the same slot on every stage, and the
+        # stages form the same ring groups of slot runs (scheduler.RingLoad). On threads of
+        # a pool, concurrent adoptions that matched entries alike took them in whatever order
+        # the engine's lock let them, and the slots of a route's sessions diverged.
+        self._ordered = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="dgr-slots")
+
+    async def _in_order(self, fn, *args):
+        """``fn(*args)`` on the slots' thread (``__init__``), in the caller's context (its
+        credential)."""
+        call = functools.partial(contextvars.copy_context().run, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._ordered, call)
 
     async def Describe(self, request, context):
         try:
@@ -153,27 +170,27 @@ class _Servicer(dgr_pb2_grpc.ShardServicer):
 
     async def Release(self, request, context):
         try:
-            released, kept = self.b.release(
-                request.session, list(request.keep), request.chunk,
+            released, kept = await self._in_order(
+                self.b.release, request.session, list(request.keep), request.chunk,
                 request.whole if request.HasField("whole") else None)
             return dgr_pb2.ReleaseReply(released=released, kept=kept)
         except Exception as e:  # noqa: BLE001
             await _abort(context, e)
 
     async def Reuse(self, request, context):
-        # under the engine's lock, which a forward holds: off the event loop
+        # under the engine's lock, which a forward holds: off the event loop, in order
         try:
-            pos = await asyncio.to_thread(self.b.adopt, request.session, request.epoch,
-                                          list(request.keys), request.chunk)
+            pos = await self._in_order(self.b.adopt, request.session, request.epoch,
+                                       list(request.keys), request.chunk)
             return dgr_pb2.ReuseReply(next_pos=pos)
         except Exception as e:  # noqa: BLE001
             await _abort(context, e)
 
     async def Fork(self, request, context):
-        # under the engine's lock, which a forward holds: off the event loop
+        # under the engine's lock, which a forward holds: off the event loop, in order
         try:
-            pos = await asyncio.to_thread(self.b.fork, request.session, request.epoch,
-                                          list(request.into), request.into_epoch)
+            pos = await self._in_order(self.b.fork, request.session, request.epoch,
+                                       list(request.into), request.into_epoch)
             return dgr_pb2.ForkReply(next_pos=pos)
         except Exception as e:  # noqa: BLE001
             await _abort(context, e)
@@ -254,7 +271,7 @@ class ShardServer:
         self._server = grpc.aio.server(options=server_options(max_message),
                                        maximum_concurrent_rpcs=maximum_concurrent_rpcs,
                                        interceptors=interceptors)
-        servicer = _Servicer(backend)
+        self._servicer = servicer = _Servicer(backend)
         dgr_pb2_grpc.add_ShardServicer_to_server(servicer, self._server)
         # The Step method is not in the generated service (its messages are not protobuf):
         # a generic handler without (de)serializers hands the frame bytes through untouched.
@@ -305,3 +322,4 @@ class ShardServer:
     async def stop(self, grace: float | None = 1.0) -> None:
         """Stop: new RPCs are refused, open ones get ``grace`` seconds, then are cancelled."""
         await self._server.stop(grace)
+        self._servicer._ordered.shutdown(wait=False)
