@@ -3,7 +3,7 @@ cluster of ``--stages`` workers) and against ``llama-server`` of the pinned tree
 model, side by side in one run.
 
     python benches/serve_load.py [--clients 1,4,16] [--tokens 64] [--requests 2]
-                                 [--stages 3] [--json out.json]
+                                 [--rounds 3] [--stages 3] [--json out.json]
 
 Both servers get the same model (the registry's default), one thread per process, ``n_ubatch``
 = ``n_batch`` 64, flash attention on, 1024 context tokens per slot and as many slots as the
@@ -16,6 +16,13 @@ send it with ``stream_options.include_usage``). Per client count and server: req
 output tokens/s over the wall time of the whole batch, TTFT and TPOT p50 and p99, and CPU
 milliseconds per output token of each process over the batch (``/proc``: the server, then
 the processes it started: dgr's front, then its workers; llama-server is one process).
+
+Both servers stay up for the whole run, and ``--rounds`` repeats every client count on both,
+in turn: in even rounds dgr goes first, in odd rounds llama-server, so a drift of the machine
+(the cache a VM's host shares with other tenants moves the figures by a tenth between runs of
+a few seconds) weighs on both sides alike. The summary gives per client count each server's
+median over the rounds, and dgr's ratio to llama-server round by round (output tokens/s, TTFT
+p50) with its median, least and most.
 
 llama-server is built once from the pinned, patched tree into ``$DGR_CACHE/llama-server-<key>``
 (``LLAMA_BUILD_SERVER=ON``, no UI assets, no network). Note what differs: dgr runs a process
@@ -122,15 +129,18 @@ def _cpu_text(row: dict) -> str:
     return f"{row.get('cpu_ms_per_token', 0):.1f}" + (f" ({each})" if len(per) > 1 else "")
 
 
-def run_load(port: int, model: str, k: int, n_requests: int, max_tokens: int) -> dict:
-    """k clients at once, each ``n_requests`` requests in a row."""
+def run_load(port: int, model: str, k: int, n_requests: int, max_tokens: int,
+             tag: str = "") -> dict:
+    """k clients at once, each ``n_requests`` requests in a row. Every request's message is
+    its own (``tag``, client, request), so that no server answers one from a cached prompt
+    seen before (both cache a prompt's common prefix alike)."""
     results: list[dict] = []
     errors: list[str] = []
     lock = threading.Lock()
 
     def client(i: int) -> None:
         for j in range(n_requests):
-            msg = f"Write a short story about a robot named R{i}-{j} who learns to paint."
+            msg = f"Write a short story about a robot named R{tag}{i}-{j} who learns to paint."
             try:
                 res = one_request(port, model, msg, max_tokens)
             except Exception as e:  # noqa: BLE001 - the report counts failures
@@ -167,8 +177,57 @@ def run_load(port: int, model: str, k: int, n_requests: int, max_tokens: int) ->
             "tpot_ms_p99": 1e3 * pct(tpot, 0.99) if pct(tpot, 0.99) else None}
 
 
+def _median(xs: list) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per client count (in the order first seen): each server's median output tokens/s and
+    TTFT p50 over its rounds, and dgr / llama-server of both figures round by round
+    (``ratio_tokens_per_s``, ``ratio_ttft_p50``: lists in round order) with the medians."""
+    out = []
+    for k in dict.fromkeys(r["clients"] for r in rows):
+        by = {(r["server"], r["round"]): r for r in rows if r["clients"] == k}
+        rounds = sorted({rd for _, rd in by})
+        pairs = [(by[("dgr", rd)], by[("llama-server", rd)]) for rd in rounds
+                 if ("dgr", rd) in by and ("llama-server", rd) in by]
+        tok = [d["output_tokens_per_s"] / ls["output_tokens_per_s"] for d, ls in pairs
+               if ls["output_tokens_per_s"]]
+        ttft = [d["ttft_ms_p50"] / ls["ttft_ms_p50"] for d, ls in pairs
+                if d["ttft_ms_p50"] and ls["ttft_ms_p50"]]
+        row = {"clients": k, "rounds": len(pairs), "ratio_tokens_per_s": tok,
+               "ratio_ttft_p50": ttft, "ratio_tokens_per_s_median": _median(tok),
+               "ratio_ttft_p50_median": _median(ttft)}
+        for what in ("dgr", "llama-server"):
+            mine = [r for (w, _), r in by.items() if w == what]
+            row[what] = {f: _median([r[f] for r in mine if r[f] is not None])
+                         for f in ("output_tokens_per_s", "ttft_ms_p50")}
+        out.append(row)
+    return out
+
+
+def _num(x: float | None, fmt: str = ".1f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _summary_table(summary: list[dict]) -> str:
+    """``summarize``'s rows as a markdown table."""
+    lines = ["| clients | rounds | dgr tok/s | llama-server tok/s | dgr / llama-server tok/s: "
+             "median (each round) | TTFT p50 dgr / llama-server: median (each round) |",
+             "|---:|---:|---:|---:|---|---|"]
+    for s in summary:
+        ratios = [f"{_num(s[f + '_median'], '.2f')} ("
+                  + ", ".join(_num(x, ".2f") for x in s[f]) + ")"
+                  for f in ("ratio_tokens_per_s", "ratio_ttft_p50")]
+        lines.append(f"| {s['clients']} | {s['rounds']} | "
+                     f"{_num(s['dgr']['output_tokens_per_s'])} | "
+                     f"{_num(s['llama-server']['output_tokens_per_s'])} | "
+                     f"{ratios[0]} | {ratios[1]} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
-    ap = cli.parser(__doc__, stages=3, json=True)
+    ap = cli.parser(__doc__, stages=3, rounds=3, json=True)
     ap.add_argument("--clients", default="1,4,16")
     ap.add_argument("--tokens", type=int, default=64, help="max_tokens of each request")
     ap.add_argument("--requests", type=int, default=2, help="requests per client, in a row")
@@ -196,7 +255,7 @@ def main(argv=None) -> int:
              "llama-server": subprocess.Popen(ls_cmd, stdout=log, stderr=log)}
     ports = {"dgr": dgr_port, "llama-server": ls_port}
     out = {"model": model, "stages": args.stages, "tokens": args.tokens,
-           "requests_per_client": args.requests, "commands": {"dgr": dgr_cmd,
+           "requests_per_client": args.requests, "rounds": args.rounds, "commands": {"dgr": dgr_cmd,
                                                                "llama-server": ls_cmd},
            "rows": []}
     try:
@@ -204,14 +263,15 @@ def main(argv=None) -> int:
             _wait_healthy(ports[what], p, what)
         for what in procs:  # warm-up: one request each
             one_request(ports[what], name, "Hello.", 8)
-        for k in ks:
-            for what in procs:  # side by side: each client count on both, in turn
+        for rd, k in ((rd, k) for rd in range(args.rounds) for k in ks):
+            order = list(procs) if rd % 2 == 0 else list(procs)[::-1]
+            for what in order:  # side by side: each client count on both, in turn
                 pids = [procs[what].pid, *children(procs[what].pid)]
-                row = cpu_per_token(pids, lambda: run_load(ports[what], name, k,
-                                                           args.requests, args.tokens))
-                row["server"] = what
+                row = cpu_per_token(pids, lambda: run_load(ports[what], name, k, args.requests,
+                                                           args.tokens, tag=f"{rd}-"))
+                row["server"], row["round"] = what, rd
                 out["rows"].append(row)
-                print(f"{what:<13} k={k:<3} {row['requests_per_s']:6.2f} req/s "
+                print(f"round {rd} {what:<13} k={k:<3} {row['requests_per_s']:6.2f} req/s "
                       f"{row['output_tokens_per_s']:7.1f} tok/s  TTFT p50 "
                       f"{row['ttft_ms_p50'] or 0:8.1f} p99 {row['ttft_ms_p99'] or 0:8.1f} ms  "
                       f"TPOT p50 {row['tpot_ms_p50'] or 0:6.1f} p99 {row['tpot_ms_p99'] or 0:6.1f}"
@@ -224,14 +284,16 @@ def main(argv=None) -> int:
                 p.wait(60)
             except subprocess.TimeoutExpired:
                 p.kill()
-    print("\n| clients | server | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | "
+    print("\n| round | clients | server | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | "
           "TPOT p50 ms | TPOT p99 ms | CPU ms/token (each process) |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---|")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---|")
     for r in out["rows"]:
-        print(f"| {r['clients']} | {r['server']} | {r['requests_per_s']:.2f} | "
+        print(f"| {r['round']} | {r['clients']} | {r['server']} | {r['requests_per_s']:.2f} | "
               f"{r['output_tokens_per_s']:.1f} | {r['ttft_ms_p50'] or 0:.0f} | "
               f"{r['ttft_ms_p99'] or 0:.0f} | {r['tpot_ms_p50'] or 0:.1f} | "
               f"{r['tpot_ms_p99'] or 0:.1f} | {_cpu_text(r)} |")
+    out["summary"] = summarize(out["rows"])
+    print("\n" + _summary_table(out["summary"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
