@@ -162,3 +162,42 @@ def test_a_stage_lost_around_an_adoption_still_gives_the_whole_models_tokens(tin
                 await s.close()
 
         asyncio.run(go())
+
+
+
+def test_an_adoption_and_a_keep_take_effect_in_the_same_order_on_every_stage(tiny_llama):
+    """A front sends each adoption and each keep to every stage at once, and each stage takes
+    them in the order they came, whether or not its engine is busy: so every stage makes the
+    same choice, and a session gets the same entry and slot on every stage (the stages form
+    their ring groups from runs of slots). Here stage 0's engine is held, as by a forward,
+    while an adoption comes and then the keep of a session that holds more of its prompt.
+    (Before, the adoption waited on a pool thread while the keep ran at once: stage 0 gave
+    the new session the kept entry, the other stages an older one, and the route, finding
+    the stages apart, prefilled everything again.)"""
+    with threaded_stages(tiny_llama, RANGES, {**SETTINGS, "n_slots": 6}) as ws:
+        async def go():
+            async with AsyncRoute([w.address for w in ws]) as r:
+                shared = list(range(3, 23))
+                for i in range(4):  # four entries holding the same 20 positions, and more
+                    await run(r, shared + [40 + i] * 7, adopt=False, n=2)
+                x = r.session(tenant="t")  # holds 27 positions of the next prompt
+                [t async for t in x.generate(shared + [50] * 7, max_tokens=2,
+                                             stop_on_eog=False)]
+                a = r.session(tenant="t")
+                lock = ws[0].worker.pipeline.slots.engine.lock
+                lock.acquire()
+                try:
+                    adopting = asyncio.ensure_future(a.adopt(shared + [50] * 7 + [70] * 5))
+                    await asyncio.sleep(0.1)  # it reached every stage
+                    keeping = asyncio.ensure_future(x.close(keep=True))
+                    await asyncio.sleep(0.1)
+                finally:
+                    lock.release()
+                # before the keep, the entries hold two whole chunks of the prompt
+                assert await adopting == 16
+                await keeping
+                slots = {w.worker.pipeline.table.get(a.id).slot for w in ws}
+                assert len(slots) == 1, slots
+                await a.close()
+
+        asyncio.run(go())
