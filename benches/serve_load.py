@@ -22,7 +22,7 @@ in turn: in even rounds dgr goes first, in odd rounds llama-server, so a drift o
 (the cache a VM's host shares with other tenants moves the figures by a tenth between runs of
 a few seconds) weighs on both sides alike. The summary gives per client count each server's
 median over the rounds, and dgr's ratio to llama-server round by round (output tokens/s, TTFT
-p50) with its median, least and most.
+p50) with its median.
 
 llama-server is built once from the pinned, patched tree into ``$DGR_CACHE/llama-server-<key>``
 (``LLAMA_BUILD_SERVER=ON``, no UI assets, no network). Note what differs: dgr runs a process
@@ -233,6 +233,8 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=2, help="requests per client, in a row")
     ap.add_argument("--model", help="GGUF (default: the registry's default model)")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     from dgr.artifacts import models
 
     model = args.model or str(models.path(models.DEFAULT_MODEL))
@@ -255,9 +257,8 @@ def main(argv=None) -> int:
              "llama-server": subprocess.Popen(ls_cmd, stdout=log, stderr=log)}
     ports = {"dgr": dgr_port, "llama-server": ls_port}
     out = {"model": model, "stages": args.stages, "tokens": args.tokens,
-           "requests_per_client": args.requests, "rounds": args.rounds, "commands": {"dgr": dgr_cmd,
-                                                               "llama-server": ls_cmd},
-           "rows": []}
+           "requests_per_client": args.requests, "rounds": args.rounds,
+           "commands": {"dgr": dgr_cmd, "llama-server": ls_cmd}, "rows": []}
     try:
         for what, p in procs.items():
             _wait_healthy(ports[what], p, what)
