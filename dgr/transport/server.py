@@ -150,6 +150,10 @@ class _Servicer(dgr_pb2_grpc.ShardServicer):
         self._ordered = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="dgr-slots")
 
+    def close(self) -> None:
+        """Let the slots' thread end (the server stopped: no RPC comes any more)."""
+        self._ordered.shutdown(wait=False)
+
     async def _in_order(self, fn, *args):
         """``fn(*args)`` on the slots' thread (``__init__``), in the caller's context (its
         credential)."""
@@ -322,4 +326,4 @@ class ShardServer:
     async def stop(self, grace: float | None = 1.0) -> None:
         """Stop: new RPCs are refused, open ones get ``grace`` seconds, then are cancelled."""
         await self._server.stop(grace)
-        self._servicer._ordered.shutdown(wait=False)
+        self._servicer.close()
