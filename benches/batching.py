@@ -26,6 +26,13 @@
   ``batched_bench_command``, its records checked by ``parse_batched_bench``), at each
   ``--threads`` count. Its ``S_TG`` (generated tokens/s over the generation phase) is the
   reference figure.
+- **The pipeline figure** (``bb -t1 pipeline``): ``-t 1`` also runs at ``-npl`` = the rows
+  of a ring group, ``ceil(k / stages)``; its S_TG times the stages busy at once (at most k,
+  the stages and the cores) is what llama.cpp's own engine gives one-thread stages that each
+  compute a group of that many rows while the others compute theirs (``pipeline_tps``).
+  Where the matrix kernel costs as much for 8 rows as for 16 (AMX takes tiles of 16 rows),
+  this sits well below ``-t 2`` at 16 sessions, and ``batched/bb-t1 pipeline`` is what dgr
+  loses to its own work.
 
 - **Where each stage's time goes** (docs/performance.md): every worker serves Prometheus
   metrics, scraped before and after each measurement. Per stage and per output token: its
@@ -188,6 +195,22 @@ def bound_tps(stage_ms: list[float], cores: int) -> float:
     return min(slowest, cores * 1e3 / sum(stage_ms)) if len(stage_ms) > cores else slowest
 
 
+def pipeline_npl(sessions: list[int], n_stages: int) -> list[int]:
+    """The ``-npl`` values of ``llama-batched-bench -t 1``: the session counts and the rows of
+    their ring groups (``ceil(k / stages)``), for the pipeline figure."""
+    return sorted(set(sessions) | {-(-k // n_stages) for k in sessions})
+
+
+def pipeline_tps(s_tg_group: float, k: int, n_stages: int, cores: int) -> float:
+    """What the whole model's own engine gives a pipeline of one-thread stages at ``k``
+    sessions: ``llama-batched-bench -t 1``'s S_TG at the rows each stage computes per forward
+    (``s_tg_group``, npl = ``ceil(k / stages)``), times the stages busy at once (at most
+    ``k``, the stages and the cores). Each stage computes its share of the layers for one
+    group while the others compute theirs, so a group's pass through all of them takes as
+    long as the whole model's step at that many rows on one thread, over the stages busy."""
+    return min(k, n_stages, cores) * s_tg_group
+
+
 def plan_ranges(path: str, n_layer: int, n_stages: int, split: str):
     """The stages' ranges for ``--split`` (see the module docstring)."""
     from dgr.artifacts.manifest import layer_costs
@@ -293,11 +316,12 @@ def run(path: str, sessions: list[int], n: int, n_stages: int, threads: list[int
                             f"stage {i} {st['cpu_ms_per_token']:.2f}"
                             for i, st in enumerate(m["stages"]))
                         + f", driver {m['driver_cpu_ms_per_token']:.2f}")
-            for t in threads:
-                bb = batched_bench(path, sessions, n, t)
+            for t in threads:  # -t 1 also at the ring groups' rows (the pipeline figure)
+                bb = batched_bench(path, pipeline_npl(sessions, n_stages) if t == 1
+                                   else sessions, n, t)
                 res["llama_batched_bench"].setdefault(str(t), []).append(bb)
                 log(f"llama-batched-bench -t {t}: " + ", ".join(
-                    f"npl {k}: {bb[k]['speed_tg']:.1f}" for k in sessions if k in bb))
+                    f"npl {k}: {bb[k]['speed_tg']:.1f}" for k in sorted(bb)))
     finally:
         cluster.stop()
         for _, c in others:
@@ -353,6 +377,14 @@ def summarize(res: dict, sessions: list[int], threads: list[int]) -> list[dict]:
             if row[f"bb_e2e_t{t}"]:
                 row[f"batched_e2e_over_bb_t{t}"] = (row["batched"]["aggregate_tps"]
                                                    / row[f"bb_e2e_t{t}"])
+        meta = res.get("meta")
+        g = -(-k // meta["stages"]) if meta else None
+        runs = [r[g] for r in res["llama_batched_bench"].get("1", []) if g in r]
+        if runs:
+            row["pipeline_tps"] = pipeline_tps(
+                statistics.median(r["speed_tg"] for r in runs), k, meta["stages"],
+                meta["cpu_count"])
+            row["batched_over_pipeline"] = rates["batched"] / row["pipeline_tps"]
         bounds = res.get("stage_bounds")
         if bounds:
             b = -(-k // res["meta"]["stages"])
@@ -406,6 +438,7 @@ def table(rows: list[dict], threads: list[int], n_stages: int) -> str:
     ung = all("ungrouped" in r for r in rows)
     bp = all("busypoll" in r for r in rows)
     bnd = all("bound_tps" in r for r in rows)
+    pipe = all("pipeline_tps" in r for r in rows)
     e2e = [t for t in threads if all(r.get(f"bb_e2e_t{t}") for r in rows)]
     d = f"dgr{n_stages}"
     head = ["sessions", f"{d} batched tok/s", f"{d} solo tok/s",
@@ -416,6 +449,7 @@ def table(rows: list[dict], threads: list[int], n_stages: int) -> str:
             *(["stages alone bound tok/s", "batched/bound"] if bnd else []),
             *[f"batched-bench -t{t} S_TG tok/s" for t in threads],
             *[f"batched/bb-t{t}" for t in threads],
+            *(["bb -t1 pipeline tok/s", "batched/bb-t1 pipeline"] if pipe else []),
             f"{d} batched wall tok/s", *[f"bb -t{t} end-to-end tok/s" for t in e2e],
             *[f"wall/bb-t{t} end-to-end" for t in e2e],
             "TPOT p50 batched ms", "TPOT p50 solo ms",
@@ -432,6 +466,8 @@ def table(rows: list[dict], threads: list[int], n_stages: int) -> str:
                  *([f"{r['bound_tps']:.1f}", f"{r['batched_over_bound']:.2f}"] if bnd else []),
                  *[f"{r[f'bb_t{t}']:.1f}" if r[f"bb_t{t}"] else "-" for t in threads],
                  *[f"{r.get(f'batched_over_bb_t{t}', 0):.2f}" for t in threads],
+                 *([f"{r['pipeline_tps']:.1f}", f"{r['batched_over_pipeline']:.2f}"]
+                   if pipe else []),
                  f"{r['batched']['aggregate_tps']:.1f}",
                  *[f"{r[f'bb_e2e_t{t}']:.1f}" for t in e2e],
                  *[f"{r[f'batched_e2e_over_bb_t{t}']:.2f}" for t in e2e],
@@ -469,6 +505,9 @@ def main(argv=None) -> int:
     res["summary"] = summarize(res, sessions, threads)
     text = (f"ranges {res['meta']['ranges']} (--split {a.split})\n\n"
             + table(res["summary"], threads, a.stages)
+            + ("\n\nbb -t1 pipeline: llama-batched-bench -t 1's S_TG at npl = ceil(sessions"
+               " / stages) (a ring group's rows) times the stages busy at once (at most the"
+               " sessions, the stages and the cores)" if 1 in threads else "")
             + "\n\nWhere each stage's time went, ms per output token:\n\n" + breakdown(res))
     print(text)
     day = datetime.date.today().isoformat()

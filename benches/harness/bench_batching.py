@@ -21,6 +21,9 @@ reads that one run:
   ``track_batched<k>_wall_over_bb_e2e_t<T>_ratio``: the wall-time rate over batched-bench's
   tokens over its prompt and generation phases (NaN when it is not built:
   ``python -m dgr.vendor build --tools llama-batched-bench``);
+- ``track_batched<k>_over_pipeline_ratio``: the decode phase over the pipeline figure
+  (``batching.pipeline_tps``: ``-t 1``'s S_TG at a ring group's rows times the stages busy
+  at once; NaN without ``-t 1``);
 - ``track_batched<k>_tpot_ms_p50`` / ``_tpot_ms_max``: the median and slowest session's time
   per output token;
 - ``track_batched<k>_parity`` / ``track_solo<k>_parity``: every session's tokens equal the
@@ -113,6 +116,8 @@ for _k in SESSIONS:
                 _track(_k, (f"batched_e2e_over_bb_t{_t}",), "ratio"))
     setattr(BatchingSmolLM2, f"track_batched{_k}_over_bound_ratio",
             _track(_k, ("batched_over_bound",), "ratio"))
+    setattr(BatchingSmolLM2, f"track_batched{_k}_over_pipeline_ratio",
+            _track(_k, ("batched_over_pipeline",), "ratio"))
     for _i in range(STAGES):  # each stage's CPU per output token, batched
         setattr(BatchingSmolLM2, f"track_batched{_k}_stage{_i}_cpu_ms_per_token",
                 _track(_k, ("batched", "stage_cpu_ms_per_token", str(_i)), "ms"))

@@ -54,6 +54,37 @@ def test_summary_and_table_with_the_ungrouped_workers():
     assert cols["parity ungrouped"] == "False" and cols["batched/bb-t2"] == "0.62"
 
 
+def test_the_pipeline_figure_is_the_whole_model_at_the_rows_each_stage_computes():
+    """llama-batched-bench -t 1 at npl = ceil(k / stages) (the rows of a ring group), times
+    the stages busy at once (at most k, the stages and the cores): what the whole model's
+    own engine gives a pipeline of one-thread stages. 16 sessions on 2 stages: 2 x npl 8;
+    on 3 stages over 2 cores: 2 x npl 6; one session: one stage at a time, npl 1."""
+    bb1 = {1: {"speed_tg": 100.0}, 6: {"speed_tg": 200.0}, 8: {"speed_tg": 250.0},
+           16: {"speed_tg": 350.0}}
+    res = {"meta": {"stages": 2, "cpu_count": 2},
+           "dgr": [m(1, "batched", True, 90.0), m(1, "solo", False, 90.0),
+                   m(16, "batched", True, 450.0), m(16, "solo", False, 250.0)],
+           "llama_batched_bench": {"1": [bb1], "2": [{1: {"speed_tg": 150.0},
+                                                      16: {"speed_tg": 700.0}}]}}
+    one, many = batching.summarize(res, [1, 16], [1, 2])
+    assert one["pipeline_tps"] == pytest.approx(100.0)
+    assert many["pipeline_tps"] == pytest.approx(500.0)
+    assert many["batched_over_pipeline"] == pytest.approx(0.9)
+    assert many["batched_over_bb_t2"] == pytest.approx(450 / 700)
+    head, _, _, cells = batching.table([one, many], [1, 2], 2).splitlines()
+    cols = dict(zip([c.strip() for c in head.strip("|").split("|")],
+                    [c.strip() for c in cells.strip("|").split("|")]))
+    assert cols["bb -t1 pipeline tok/s"] == "500.0" and cols["batched/bb-t1 pipeline"] == "0.90"
+    res["meta"] = {"stages": 3, "cpu_count": 2}
+    (many,) = batching.summarize(res, [16], [1, 2])
+    assert many["pipeline_tps"] == pytest.approx(400.0)
+    assert batching.pipeline_npl([1, 16, 32], 3) == [1, 6, 11, 16, 32]
+    del res["llama_batched_bench"]["1"]  # no -t 1 run: no pipeline figure, no column
+    (many,) = batching.summarize(res, [16], [2])
+    assert "pipeline_tps" not in many
+    assert "pipeline" not in batching.table([many], [2], 3)
+
+
 def test_results_without_modes_still_summarize():
     """A results file from before the ungrouped mode (no "mode" keys) reads as before."""
     res = {"dgr": [{k: v for k, v in m(4, "batched", True, 60.0).items() if k != "mode"},

@@ -225,13 +225,15 @@ def test_bench_batching_tracks_read_the_summary_rows():
                                             "tpot_ms_p50": 30.0, "tpot_ms_max": 33.0},
                  "solo": {"aggregate_tps": 60.0, "parity": False},
                  "batched_over_solo": 2.0, "bb_t1": 100.0, "batched_over_bb_t1": 1.2,
-                 "bb_t2": None}}
+                 "bb_t2": None, "pipeline_tps": 150.0, "batched_over_pipeline": 0.8}}
     b = bb.BatchingSmolLM2()
     assert b.track_batched4_tokens_per_s(cache) == 120.0
     assert b.track_solo4_tokens_per_s(cache) == 60.0
     assert b.track_batched4_over_solo_ratio(cache) == 2.0
     assert b.track_batched4_over_bb_t1_ratio(cache) == 1.2
     assert math.isnan(b.track_batched4_over_bb_t2_ratio(cache))  # batched-bench not built
+    assert b.track_batched4_over_pipeline_ratio(cache) == 0.8
+    assert math.isnan(b.track_batched16_over_pipeline_ratio(cache))
     assert b.track_batched4_parity(cache) == 1.0 and b.track_solo4_parity(cache) == 0.0
     assert b.track_batched4_tpot_ms_p50(cache) == 30.0
     assert b.track_batched4_tpot_ms_max(cache) == 33.0
