@@ -31,8 +31,9 @@
   the stages and the cores) is what llama.cpp's own engine gives one-thread stages that each
   compute a group of that many rows while the others compute theirs (``pipeline_tps``).
   Where the matrix kernel costs as much for 8 rows as for 16 (AMX takes tiles of 16 rows),
-  this sits well below ``-t 2`` at 16 sessions, and ``batched/bb-t1 pipeline`` is what dgr
-  loses to its own work.
+  this sits well below ``-t 2`` at 16 sessions. ``batched/bb-t1 pipeline`` is the share of
+  it the route keeps (its own work, the stages' imbalance and their computing at once take
+  the rest).
 
 - **Where each stage's time goes** (docs/performance.md): every worker serves Prometheus
   metrics, scraped before and after each measurement. Per stage and per output token: its
