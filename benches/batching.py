@@ -196,10 +196,15 @@ def bound_tps(stage_ms: list[float], cores: int) -> float:
     return min(slowest, cores * 1e3 / sum(stage_ms)) if len(stage_ms) > cores else slowest
 
 
+def group_rows(k: int, n_stages: int) -> int:
+    """The rows of a ring group: ``k`` sessions over ``n_stages`` stages, ``ceil(k / n)``."""
+    return -(-k // n_stages)
+
+
 def pipeline_npl(sessions: list[int], n_stages: int) -> list[int]:
     """The ``-npl`` values of ``llama-batched-bench -t 1``: the session counts and the rows of
-    their ring groups (``ceil(k / stages)``), for the pipeline figure."""
-    return sorted(set(sessions) | {-(-k // n_stages) for k in sessions})
+    their ring groups, for the pipeline figure."""
+    return sorted(set(sessions) | {group_rows(k, n_stages) for k in sessions})
 
 
 def pipeline_tps(s_tg_group: float, k: int, n_stages: int, cores: int) -> float:
@@ -278,7 +283,7 @@ def run(path: str, sessions: list[int], n: int, n_stages: int, threads: list[int
                  "dgr": [], "llama_batched_bench": {}}
     log(f"whole-model references of {k_max} sessions ...")
     refs = whole_refs(path, k_max, n)
-    groups = {1: 1} | {-(-k // n_stages): k for k in sessions if k > 1}
+    groups = {1: 1} | {group_rows(k, n_stages): k for k in sessions if k > 1}
     log(f"each stage's engine alone at batches of {sorted(groups)} ...")
     res["stage_bounds"] = [{str(b): ms for b, ms in st.items()}
                            for st in stage_bounds(path, ranges, k_max, groups, n)]
@@ -379,7 +384,7 @@ def summarize(res: dict, sessions: list[int], threads: list[int]) -> list[dict]:
                 row[f"batched_e2e_over_bb_t{t}"] = (row["batched"]["aggregate_tps"]
                                                    / row[f"bb_e2e_t{t}"])
         meta = res.get("meta")
-        g = -(-k // meta["stages"]) if meta else None
+        g = group_rows(k, meta["stages"]) if meta else None
         runs = [r[g] for r in res["llama_batched_bench"].get("1", []) if g in r]
         if runs:
             row["pipeline_tps"] = pipeline_tps(
@@ -388,8 +393,7 @@ def summarize(res: dict, sessions: list[int], threads: list[int]) -> list[dict]:
             row["batched_over_pipeline"] = rates["batched"] / row["pipeline_tps"]
         bounds = res.get("stage_bounds")
         if bounds:
-            b = -(-k // res["meta"]["stages"])
-            row["bound_tps"] = bound_tps([st[str(b)] for st in bounds],
+            row["bound_tps"] = bound_tps([st[str(g)] for st in bounds],
                                          res["meta"]["cpu_count"])
             row["batched_over_bound"] = rates["batched"] / row["bound_tps"]
         row["batched_over_solo"] = rates["batched"] / rates["solo"]
@@ -416,7 +420,7 @@ def breakdown(res: dict) -> str:
         k = m["sessions"]
         for i, st in enumerate(m["stages"]):
             bounds = res.get("stage_bounds") or []
-            b = 1 if _mode(m) == "solo" else -(-k // n_stages)
+            b = 1 if _mode(m) == "solo" else group_rows(k, n_stages)
             alone = bounds[i].get(str(b)) if i < len(bounds) else None
             out.append("| " + " | ".join([
                 str(k), _mode(m), str(i), f"{st['cpu_ms_per_token']:.2f}",

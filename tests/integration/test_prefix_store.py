@@ -164,7 +164,6 @@ def test_a_stage_lost_around_an_adoption_still_gives_the_whole_models_tokens(tin
         asyncio.run(go())
 
 
-
 def test_an_adoption_and_a_keep_take_effect_in_the_same_order_on_every_stage(tiny_llama):
     """A front sends each adoption and each keep to every stage at once, and each stage takes
     them in the order they came, whether or not its engine is busy: so every stage makes the
