@@ -128,7 +128,15 @@ class Sampler:
 
     def __init__(self, params: SamplingParams | None = None):
         self.params = params or SamplingParams()
-        self._rng = np.random.default_rng(self.params.seed)
+        # The bit generator, not a Generator's methods: numpy keeps PCG64's stream (seeded
+        # through SeedSequence) the same in every release, not the algorithms of
+        # Generator.choice and the like (NEP 19), and a replay on another host must draw alike.
+        self._bits = np.random.PCG64(self.params.seed)
+
+    def uniform(self) -> float:
+        """The next draw in [0, 1): the top 53 bits of the stream's next 64 (as
+        ``Generator.random`` makes them today)."""
+        return (int(self._bits.random_raw()) >> 11) * (1.0 / 9007199254740992.0)
 
     def __call__(self, logits: np.ndarray, window: Sequence[int] = ()) -> int:
         """A token from ``logits``; ``window``: the sequence's tokens before it (for the
@@ -139,7 +147,7 @@ class Sampler:
             return int(np.argmax(row))
         n = row.shape[0]
         if 0 < p.top_k < n:
-            idx = np.argpartition(-row, p.top_k - 1)[: p.top_k]
+            idx = top_k(row, p.top_k)
         else:
             idx = np.arange(n)
         z = row[idx].astype(np.float64) / p.temperature
@@ -156,7 +164,18 @@ class Sampler:
             keep_mask = raw >= raw[0] + np.log(p.min_p)
             keep_mask[0] = True
             idx, probs = idx[keep_mask], probs[keep_mask] / probs[keep_mask].sum()
-        return int(idx[self._rng.choice(len(idx), p=probs)])
+        cdf = np.cumsum(probs)
+        pick = int(np.searchsorted(cdf, self.uniform() * cdf[-1], side="right"))
+        return int(idx[min(pick, len(idx) - 1)])
+
+
+def top_k(row: np.ndarray, k: int) -> np.ndarray:
+    """The ids of the ``k`` largest values of ``row``, lowest ids first among values tied at
+    the cut. ``argpartition`` alone keeps whichever tied ids its algorithm meets first, and
+    that differs between numpy releases and between CPUs (its SIMD kernels)."""
+    cut = np.partition(row, row.shape[0] - k)[row.shape[0] - k]  # a value: the same anywhere
+    above = np.flatnonzero(row > cut)
+    return np.concatenate([above, np.flatnonzero(row == cut)[: k - above.shape[0]]])
 
 
 _GOLDEN = 0x9E3779B97F4A7C15

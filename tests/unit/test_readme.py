@@ -46,6 +46,24 @@ def test_the_readme_has_two_commands_and_ci_runs_the_test_one():
     assert cmds[1][0] in ci.splitlines(), "'.ci/run' does not run the README's test command"
 
 
+def test_ci_runs_the_test_command_in_a_virtual_environment_made_afresh():
+    """A package left on the machine by hand must not stand in for a requirement: .ci/run
+    removes its venv, makes a new one and activates it, all before the README's command."""
+    cmd = re.findall(r"^    \$ (.+?)\s+# tests$", _section("Two commands"), re.M)[0]
+    lines = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    venv = [ln.split("=", 1)[1] for ln in lines if ln.startswith("venv=")]
+    assert venv and not venv[0].startswith("/"), "'.ci/run' names no venv inside the clone"
+    assert f"{venv[0]}/" in (ROOT / ".gitignore").read_text().splitlines()
+
+    def at(prefix: str) -> int:
+        found = [i for i, ln in enumerate(lines) if ln.startswith(prefix)]
+        assert len(found) == 1, (prefix, found)
+        return found[0]
+
+    assert (at('rm -rf "$venv"') < at('python3 -m venv "$venv"') < at('. "$venv/bin/activate"')
+            < lines.index(cmd))
+
+
 def test_every_project_path_the_docs_name_exists():
     """docs/*.md and the README name modules by path; a move must update them."""
     names = []

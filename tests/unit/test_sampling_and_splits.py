@@ -5,7 +5,7 @@ import pytest
 
 from dgr import errors
 from dgr.protocol.ranges import balance_layers, parse_splits, ranges_for, split_layers
-from dgr.protocol.sampling import Sampler, SamplingParams
+from dgr.protocol.sampling import Sampler, SamplingParams, sample_rows, top_k
 
 
 def test_greedy_is_argmax_lowest_id_on_ties():
@@ -25,6 +25,32 @@ def test_seeded_sampling_is_reproducible_and_respects_top_k():
     for r, t in zip(rows, seq1):
         assert t in set(np.argsort(-r)[:5])
     assert len(set(a)) > 1
+
+
+def test_a_seeded_draw_is_the_same_on_any_numpy_release_and_host():
+    """The draws are PCG64's stream through SeedSequence, which numpy keeps the same in every
+    release (NEP 19), unlike Generator.choice's algorithm: a failover's replay on a host with
+    another numpy draws the tokens a reference drew. These were drawn on numpy 2.4."""
+    s, bits = Sampler(SamplingParams(temperature=1.0, seed=1234)), np.random.PCG64(1234)
+    assert [s.uniform() for _ in range(4)] == [(int(bits.random_raw()) >> 11) / 2**53
+                                               for _ in range(4)]
+    rows = np.sin(np.arange(8 * 16, dtype=np.float32)).reshape(8, 16) * 2
+    p = SamplingParams(temperature=1.0, top_k=6, top_p=0.95, seed=99)
+    assert sample_rows(rows, range(8), p) == [14, 5, 7, 4, 1, 10, 0, 3]
+    p = SamplingParams(temperature=1.5, seed=5)
+    assert sample_rows(rows, range(100, 108), p) == [2, 11, 0, 15, 7, 15, 13, 15]
+
+
+def test_top_k_keeps_the_lowest_ids_among_values_tied_at_the_cut():
+    """argpartition keeps whichever tied ids its kernel meets first (numpy releases and CPUs
+    differ); the cut is by value, and ties go to the lowest ids, as greedy's do."""
+    row = np.zeros(10_000, dtype=np.float32)
+    row[[7, 5000]] = 1.0
+    assert top_k(row, 100).tolist() == [7, 5000, *range(7), *range(8, 99)]
+    assert top_k(row, 2).tolist() == [7, 5000]
+    assert top_k(row, 1).tolist() == [7]
+    s = Sampler(SamplingParams(temperature=1.0, top_k=5, seed=3))
+    assert {s(row) for _ in range(200)} <= {7, 5000, 0, 1, 2}
 
 
 def test_top_p_tiny_keeps_only_the_best():
