@@ -1122,7 +1122,14 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
         return Status(kEngineError, "this build's CPU backend has no reference kernels "
                       "(ggml_backend_cpu_set_use_ref): batch_invariant is not available");
     }
-    if (facts.arch == "deepseek4") m.rs_window = (int32_t) llama_n_rs_seq(m.ctx);
+    // Recurrent and hybrid memories (Mamba, Qwen3.5, Nemotron-H, ...) keep one state per
+    // sequence, not a history of it: a tail drops only from rollback snapshots, and this
+    // engine keeps none (n_rs_seq 0: each snapshot is a whole state per sequence, and
+    // llama-server widens it only for speculative drafts). So a partial Truncate is refused
+    // and the slot re-prefilled, no prefix entry is kept, and the stage drafts nothing.
+    if (facts.arch == "deepseek4" || llama_model_is_recurrent(m.model) || llama_model_is_hybrid(m.model)) {
+        m.rs_window = (int32_t) llama_n_rs_seq(m.ctx);
+    }
     m.rs_tail.assign(cfg.n_slots, 0);
     if (cfg.mtp) {
         // every row's hidden state after the last layer (not only the logits rows): the pairs
@@ -1433,6 +1440,9 @@ Status Engine::Impl::Truncate(int32_t slot, int32_t pos) {
         // The snapshots are of the slot's tokens in the last ubatch: past them (or after a
         // truncate with no forward since) llama.cpp's seq_rm would accept a rollback it cannot
         // restore exactly.
+        if (m.rs_window == 0) {
+            return refuse(m.info.arch + "'s recurrent state keeps no history of its positions");
+        }
         return refuse(m.info.arch + "'s compressed state rolls back at most " + std::to_string(m.rs_window) +
                       " positions, and only of the slot's last forward (" + std::to_string(m.rs_tail[slot]) +
                       " positions since its last forward or truncate)");

@@ -336,7 +336,8 @@ cdef class Engine:
         dgr.errors.RollbackUnsupported
             A cache of this stage cannot drop that tail; the slot was cleared (re-prefill).
             DeepSeek V4 drops at most ``describe()["rollback_window"]`` positions, and only of
-            the slot's last forward (not again before the next forward).
+            the slot's last forward (not again before the next forward); a recurrent or hybrid
+            model's stage (Mamba, Qwen3.5, Nemotron-H, ...) drops none (its window is 0).
         dgr.errors.UnknownSlot, dgr.errors.InvalidPosition
             No such slot; ``pos`` is negative.
         """

@@ -162,7 +162,10 @@ class AsyncRoute:
                 f"speculate={self.speculate!r}: the last stage {order[-1].endpoint} drafts with "
                 f"{', '.join(order[-1].drafters) or 'nothing'}"
                 + (" (start it with --mtp, on a model with a NextN block)"
-                   if self.speculate == "mtp" else ""))
+                   if self.speculate == "mtp" and order[-1].drafters else "")
+                + ("" if order[-1].drafters else
+                   " (a stage drafts nothing when its caches cannot roll a rejected draft back:"
+                   " a recurrent or hybrid model's state keeps no history)"))
         by_ep = {c.endpoint: c for c in self.clients}
         self.stages = order
         self.clients = [by_ep[s.endpoint] for s in order]

@@ -13,9 +13,11 @@ Two documented source tweaks are applied to a copy of the file before compiling
 :class:`~dgr.errors.VendorError`):
 
 1. ``uint32_t n_layer = 2;`` (the default for most architectures) becomes
-   :data:`N_LAYER` (4), so every fixture has a first, a middle and a last stage. The
-   per-layer hparams arrays the generator writes are built in loops over ``n_layer``, so they
-   follow; architectures with their own count (llama4 4, deepseek4 4, gemma3n 22, ...) keep it.
+   ``$DGR_ARCHS_N_LAYER``, else :data:`N_LAYER` (4), so every fixture has a first, a middle
+   and a last stage (``write(..., n_layer=8)`` writes deeper ones, for splits of 3 stages of
+   several layers each). The per-layer hparams arrays the generator writes are built in loops
+   over ``n_layer``, so they follow; architectures with their own count (llama4 4, deepseek4
+   4, nemotron_h 3, gemma3n 22, ...) keep it.
 2. Saving one model is wrapped in ``try``/``catch``: an architecture whose hparams do not
    fit the new layer count (upstream throws, which ends the whole run) is reported on stderr
    as ``DGR_ARCHS_FAILED <arch> <dense|moe>: <why>`` and the run goes on with the next.
@@ -26,6 +28,7 @@ The seed is fixed (:data:`SEED`), so the same vendor key always writes the same 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -47,6 +50,9 @@ __all__ = ["N_LAYER", "PROBE_SETTINGS", "SEED", "TWEAKS", "Written", "arch_of", 
            "generator", "probe", "probe_all", "tweaked_source", "write"]
 
 N_LAYER = 4
+#: the generator's default layer count, read at run time (``write``'s ``n_layer``)
+N_LAYER_ENV = ('std::getenv("DGR_ARCHS_N_LAYER") ? (uint32_t) std::atoi(std::getenv('
+               f'"DGR_ARCHS_N_LAYER")) : {N_LAYER}')
 SEED = 1234
 GENERATOR_SOURCE = "tests/test-llama-archs.cpp"
 FAILED_TAG = "DGR_ARCHS_FAILED"
@@ -70,7 +76,8 @@ _SAVE_NEW = """\
 
 #: (anchor, replacement) pairs applied to upstream's source, each anchor exactly once
 TWEAKS: tuple[tuple[str, str], ...] = (
-    ("    uint32_t n_layer = 2;\n", f"    uint32_t n_layer = {N_LAYER}; // dgr: was 2\n"),
+    ("    uint32_t n_layer = 2;\n",
+     f'    uint32_t n_layer = {N_LAYER_ENV}; // dgr: was 2\n'),
     (_SAVE_OLD, _SAVE_NEW),
 )
 
@@ -100,14 +107,47 @@ def _workspace(vendor) -> Path:
     return vendor.cache / f"archs-{vendor.key()}"
 
 
+#: the generator workspaces this process uses: each one's lock file, held shared until exit
+_HELD: dict[Path, int] = {}
+_LOCK = ".in-use"
+
+
+def _hold(ws: Path) -> None:
+    """Hold a shared lock on ``ws`` for the rest of this process, so that another process's
+    :func:`_prune_other_keys` (another checkout's build, sharing ``$DGR_CACHE``) leaves its
+    models alone while this one may still read them (it deleted a running suite's once)."""
+    if ws in _HELD:
+        return
+    ws.mkdir(parents=True, exist_ok=True)
+    fd = os.open(ws / _LOCK, os.O_CREAT | os.O_RDWR, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    _HELD[ws] = fd
+
+
 def _prune_other_keys(vendor) -> None:
     """Drop the generator workspaces of other vendor keys (about 1.7 GB of models each): they
-    belong to another llama.cpp build and are rewritten in seconds when needed again."""
+    belong to another llama.cpp build and are rewritten in seconds when needed again. One that
+    a live process holds (:func:`_hold`) is kept."""
     keep = _workspace(vendor).name
     for d in vendor.cache.glob("archs-*"):
-        if d.is_dir() and d.name != keep:
+        if not d.is_dir() or d.name == keep:
+            continue
+        try:
+            fd = os.open(d / _LOCK, os.O_RDWR)
+        except FileNotFoundError:
+            fd = None  # written before locks, or by nobody alive
+        try:
+            if fd is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    _say(f"keeping {d}: another process is using its models")
+                    continue
             _say(f"removing {d} (models of another llama.cpp build)")
             shutil.rmtree(d, ignore_errors=True)
+        finally:
+            if fd is not None:
+                os.close(fd)
 
 
 def _common_libraries(vendor) -> list[Path]:
@@ -126,6 +166,7 @@ def generator() -> Path:
     """
     v = _vendor()
     src = v.src / GENERATOR_SOURCE
+    _hold(_workspace(v))
     if not v.is_built():
         raise VendorError(f"llama.cpp is not built at {v.workspace}: "
                           "run `python -m dgr.vendor build`")
@@ -152,7 +193,7 @@ def generator() -> Path:
     cmd = [cxx, "-std=c++17", "-O1", str(cpp), "-o", str(tmp),
            *(f"-I{d}" for d in includes),
            *map(str, _common_libraries(v)), *map(str, v.libraries()), *v.link_args()]
-    _say(f"compiling {GENERATOR_SOURCE} (llama.cpp {v.commit[:12]}, {N_LAYER} layers) into {ws}")
+    _say(f"compiling {GENERATOR_SOURCE} (llama.cpp {v.commit[:12]}) into {ws}")
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -192,9 +233,10 @@ def arch_of(path: Path) -> str:
 
 
 def write(arch_regex: str = "", out_dir: str | Path | None = None, *,
-          timeout: float = 600) -> Written:
+          timeout: float = 600, n_layer: int = N_LAYER) -> Written:
     """Write the generator's models for every architecture whose name matches ``arch_regex``
-    (a ``std::regex`` search, as ``-a`` takes it; empty for all) into ``out_dir``.
+    (a ``std::regex`` search, as ``-a`` takes it; empty for all) into ``out_dir``, with
+    ``n_layer`` layers where the generator takes its default count.
 
     Without ``out_dir`` the models go to the cache (``$DGR_CACHE/archs-<vendor key>/``, one
     directory per regex) and a finished run is reused. With ``out_dir`` the generator always
@@ -209,7 +251,8 @@ def write(arch_regex: str = "", out_dir: str | Path | None = None, *,
     cached = out_dir is None
     if cached:
         _prune_other_keys(_vendor())
-        tag = hashlib.sha256(f"{exe.name}\0{SEED}\0{arch_regex}".encode()).hexdigest()[:12]
+        key = f"{exe.name}\0{SEED}\0{arch_regex}" + (f"\0{n_layer}" if n_layer != N_LAYER else "")
+        tag = hashlib.sha256(key.encode()).hexdigest()[:12]
         out = _workspace(_vendor()) / f"models-{tag}"
         stamp = out / "written.json"
         try:
@@ -229,7 +272,8 @@ def write(arch_regex: str = "", out_dir: str | Path | None = None, *,
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace",
-                              timeout=timeout)
+                              timeout=timeout,
+                              env={**os.environ, "DGR_ARCHS_N_LAYER": str(int(n_layer))})
     except subprocess.TimeoutExpired:
         shutil.rmtree(tmp, ignore_errors=True)
         raise VendorError(f"{' '.join(cmd)} ran over {timeout} s") from None
@@ -259,10 +303,12 @@ def write(arch_regex: str = "", out_dir: str | Path | None = None, *,
 
 #: engine settings of every probe (small, single-threaded, so runs are deterministic)
 #: the families people split across machines (DeepSeek V3/R1 and Kimi ``deepseek2``, Qwen3 MoE,
-#: GLM-4.5, gpt-oss, Llama 4, dense Qwen2/2.5/3, Gemma 3, Mistral 3, Phi-3, Llama, DeepSeek V4):
-#: the suite requires each to be written by the generator and to split bit-exact
+#: GLM-4.5, gpt-oss, Llama 4, dense Qwen2/2.5/3, Gemma 3, Mistral 3, Phi-3, Llama, DeepSeek V4,
+#: DeepSeek V3.2, and the hybrid Qwen3.5 dense and MoE, Qwen3-Next and Nemotron-H): the suite
+#: requires each to be written by the generator and to split bit-exact
 FAMILIES = ("qwen2", "qwen3", "qwen3moe", "gemma3", "deepseek2", "glm4moe", "gpt-oss", "llama4",
-            "phi3", "mistral3", "llama", "deepseek4")
+            "phi3", "mistral3", "llama", "deepseek4", "deepseek32", "qwen35", "qwen35moe",
+            "qwen3next", "nemotron_h")
 PROBE_SETTINGS = dict(n_ctx=256, n_threads=1, n_ubatch=8, flash_attn=True)
 PROBE_PROMPT = 11  # tokens: one full ubatch of 8 and a ragged tail of 3
 PROBE_DECODE = 3
@@ -492,6 +538,19 @@ def format_markdown(rows: list[dict], failed: Sequence[tuple[str, str, str]] = (
         "**split**: `pass N` (N splits compared bit for bit with the whole model); `refused` "
         "(a partial range raises `UnsupportedArchitecture` naming the architecture and the "
         "reason given here, `dgr.core.refusals`); `FAIL` (see the reason).",
+        "",
+        "**Recurrent and hybrid models** (Mamba, Jamba, Falcon-H1, Granite-Hybrid, Nemotron-H, "
+        "LFM2, PLaMo-2, Qwen3-Next, Qwen3.5, Kimi Linear, MiniMax-01): each stage keeps the "
+        "conv/SSM (delta-net, short-conv) state and the attention KV of its own layers only, "
+        "one state cell per session, and the state never crosses a seam (patches 0014, 0016). "
+        "Batched sessions each have their own cells; a failover re-prefills, as for any model; "
+        "`n` > 1 forks a session's state cell on every stage. A state keeps no history of its "
+        "positions, so such a stage keeps no prefix entries (a prefix cache hit re-prefills) "
+        "and drafts nothing: a route asked to speculate on it is refused by name (its "
+        "`rollback_window` is 0). `tests/integration/test_hybrid_splits.py` and "
+        "`tests/system/test_hybrid_workers.py` check them at 8 layers in 3 stages. The diffusion "
+        "models (dream, llada, llada-moe, rnd1) stay refused: a denoising step is a non-causal "
+        "forward over the whole sequence with no cache to keep per stage.",
         "",
         "| architecture | files | layers | whole load + forward | split |",
         "|---|---|---|---|---|",

@@ -239,8 +239,8 @@ class StagePipeline:
     @property
     def drafters(self) -> list[str]:
         """The drafters this stage runs as a route's last stage (``Describe.drafters``)."""
-        if self.speculator is None:
-            return []
+        if self.speculator is None or self.speculator.max_rollback == 0:
+            return []  # no stage of a route that cannot roll a rejected draft back drafts
         return ["ngram"] + (["mtp"] if self.speculator.mtp is not None else [])
 
     def _event(self, event: str, session: str, epoch: int, slot: int, detail: str) -> None:

@@ -51,7 +51,7 @@ def test_tweaks_apply_once_to_the_pinned_source():
 
     src = (Vendor().src / archs.GENERATOR_SOURCE).read_text()
     out = archs.tweaked_source(src)
-    assert f"uint32_t n_layer = {archs.N_LAYER};" in out and archs.FAILED_TAG in out
+    assert f"uint32_t n_layer = {archs.N_LAYER_ENV};" in out and archs.FAILED_TAG in out
     with pytest.raises(VendorError, match="anchor occurs 0 times"):
         archs.tweaked_source(src.replace("uint32_t n_layer = 2;", "uint32_t n_layer = 3;"))
 

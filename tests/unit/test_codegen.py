@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement

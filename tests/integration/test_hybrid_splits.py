@@ -1,0 +1,160 @@
+"""Recurrent and hybrid models split by layer range (patches 0014-0016): each stage keeps the
+conv/SSM (or delta-net, short-conv) state and the attention KV of its own layers only, and a
+route of three stages computes the whole model's bits.
+
+The fixtures are upstream's generator's (``dgr.testing.archs``) at 8 layers, so each of three
+stages holds several: Qwen3.5 and Qwen3-Next (gated delta net + attention, every second layer
+attention here), Mamba-2 (SSM only), Granite-Hybrid and Jamba (Mamba + attention), LFM2 (short
+convolutions + attention) and Falcon-H1 (attention and Mamba-2 in every layer). The prompts
+run 75 tokens in ubatches of 8 (10 pieces), then greedy decode; batched sessions of different
+lengths go through one forward per step, whole and split alike.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dgr import errors
+from dgr._core import HAS_LAYER_RANGES
+from dgr.control.parity import compare
+from dgr.core.engine import Engine
+from dgr.testing import archs
+
+pytestmark = pytest.mark.skipif(not HAS_LAYER_RANGES, reason="needs the patched llama.cpp")
+
+ARCHS = ("qwen35", "qwen3next", "mamba2", "granitehybrid", "lfm2", "jamba", "falcon-h1")
+N_LAYER = 8
+LAYOUTS = ([(0, 3), (3, 6), (6, 8)], [(0, 1), (1, 7), (7, 8)], [(0, 5), (5, 6), (6, 8)])
+SETTINGS = dict(n_ctx=128, n_threads=1, n_ubatch=8, flash_attn=True)
+PROMPT = 75
+SESSIONS = 8
+
+
+@pytest.fixture(scope="module")
+def models():
+    written = archs.write("^(" + "|".join(ARCHS) + ")$", n_layer=N_LAYER)
+    got = {archs.arch_of(f): f for f in written.files}
+    assert sorted(got) == sorted(ARCHS), (sorted(got), written.failed)
+    return got
+
+
+def _prompt(n: int, n_vocab: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, n_vocab, n).astype(np.int32)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda r: "-".join(f"{a}:{b}" for a, b in r))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_three_stages_compute_the_whole_models_bits(models, arch, layout):
+    whole = Engine(models[arch], **SETTINGS)
+    assert whole.n_layer == N_LAYER
+    prompt = _prompt(PROMPT, whole.n_vocab, 1)
+    rep = compare(models[arch], layout, prompt, decode_steps=6, whole=whole, **SETTINGS)
+    assert rep.prompt_rows_identical, f"{arch} {layout}: prompt rows differ"
+    assert rep.bit_identical, [(s.step, s.max_abs_diff) for s in rep.steps]
+
+
+def _stages(path, layout, n_slots):
+    return [Engine(path, layers=r, n_slots=n_slots, **SETTINGS) for r in layout]
+
+
+def _run(stages, slots, pos, tokens):
+    """One forward of a batch through a chain of engines (one engine: the whole model)."""
+    x = None
+    for e in stages:
+        x = e.forward_batch(slots, pos, tokens, boundary=x).copy()
+    return x
+
+
+def _greedy_batched(stages, prompts, steps):
+    """The sessions' prompts in one batch, then one batch a step: each session's logits rows."""
+    for e in stages:
+        for j in range(len(prompts)):
+            e.release(j)
+    slots = np.concatenate([np.full(len(p), j, np.int32) for j, p in enumerate(prompts)])
+    pos = np.concatenate([np.arange(len(p), dtype=np.int32) for p in prompts])
+    logits = _run(stages, slots, pos, np.concatenate(prompts))
+    out = [logits]
+    slots = np.arange(len(prompts), dtype=np.int32)
+    for i in range(steps):
+        pos = np.array([len(p) + i for p in prompts], np.int32)
+        logits = _run(stages, slots, pos, logits.argmax(1).astype(np.int32))
+        out.append(logits)
+    return np.stack(out, axis=1)  # [session, step, n_vocab]
+
+
+@pytest.mark.parametrize("arch", ("qwen35", "mamba2", "granitehybrid"))
+def test_eight_batched_sessions_of_different_lengths_split_as_the_whole_model(models, arch):
+    """Each session has its own state cells on every stage: the route's rows of 8 sessions
+    (prompts of 9 to 75 tokens, then decode) are the whole model's, bit for bit, in the same
+    batches; and each session's greedy tokens are those of the whole model run alone."""
+    layout = LAYOUTS[0]
+    whole = Engine(models[arch], n_slots=SESSIONS, **SETTINGS)
+    prompts = [_prompt(PROMPT - 9 * j, whole.n_vocab, 10 + j) for j in range(SESSIONS)]
+    assert len({len(p) for p in prompts}) == SESSIONS and min(map(len, prompts)) > 8
+    split = _greedy_batched(_stages(models[arch], layout, SESSIONS), prompts, 5)
+    ref = _greedy_batched([whole], prompts, 5)
+    assert split.tobytes() == ref.tobytes(), float(np.abs(split - ref).max())
+    for j, p in enumerate(prompts):  # alone: the same greedy tokens
+        alone = _greedy_batched([whole], [p], 5)[0]
+        assert (alone.argmax(1) == split[j].argmax(1)).all(), j
+
+
+def test_a_stage_keeps_the_state_of_its_own_layers_only(models):
+    """A stage allocates conv/SSM state and KV for its own layers: the three stages' state
+    and KV bytes add up to the whole model's."""
+    whole = Engine(models["qwen35"], **SETTINGS)
+    stages = _stages(models["qwen35"], LAYOUTS[0], 1)
+    parts = [s.describe()["kv_bytes"] for s in stages]
+    assert all(0 < p < whole.describe()["kv_bytes"] for p in parts), parts
+    assert sum(parts) == whole.describe()["kv_bytes"], (parts, whole.describe()["kv_bytes"])
+
+
+def test_a_recurrent_stage_refuses_to_drop_a_tail_and_is_re_prefilled(models):
+    """A recurrent state keeps no history: a partial truncate is refused (RollbackUnsupported,
+    the slot cleared), a whole one is not; the describe record says it rolls back nothing."""
+    stage = Engine(models["qwen35"], layers=(0, 3), **SETTINGS)
+    assert stage.describe()["rollback_window"] == 0
+    prompt = _prompt(20, stage.n_vocab, 3)
+    stage.forward(0, 0, prompt)
+    with pytest.raises(errors.RollbackUnsupported, match="keeps no history.*re-prefill"):
+        stage.truncate(0, 15)
+    assert stage.next_pos(0) == 0
+    stage.forward(0, 0, prompt)
+    stage.truncate(0, 0)
+    assert stage.next_pos(0) == 0
+
+
+@pytest.mark.parametrize("arch", ("qwen35", "mamba2"))
+def test_a_forked_session_continues_as_the_original_would(models, arch):
+    """``n`` > 1 forks a session's caches (``copy_slot``): on a recurrent stage the fork shares
+    the state cell until either side decodes, then each goes on with its own. Every stage of the
+    route forks alike, and both continuations are the whole model's."""
+    layout = LAYOUTS[0]
+    prompt = _prompt(40, 128, 5)
+    a, b = np.array([7], np.int32), np.array([11], np.int32)
+
+    def run(stages, fork):
+        for e in stages:
+            e.release(0), e.release(1)
+        _run(stages, np.zeros(len(prompt), np.int32), np.arange(len(prompt), dtype=np.int32),
+             prompt)
+        if fork:
+            for e in stages:
+                e.copy_slot(0, 1)
+        else:  # the reference: the prompt again in slot 1
+            _run(stages, np.ones(len(prompt), np.int32), np.arange(len(prompt), dtype=np.int32),
+                 prompt)
+        n = len(prompt)
+        out = [_run(stages, np.array([0, 1], np.int32), np.array([n, n], np.int32),
+                    np.concatenate([a, b]))]
+        for i in range(1, 4):
+            toks = out[-1].argmax(1).astype(np.int32)
+            out.append(_run(stages, np.array([0, 1], np.int32),
+                            np.array([n + i, n + i], np.int32), toks))
+        return np.stack(out)
+
+    whole = Engine(models[arch], n_slots=2, **SETTINGS)
+    ref = run([whole], fork=False)
+    assert run([whole], fork=True).tobytes() == ref.tobytes()
+    assert run(_stages(models[arch], layout, 2), fork=True).tobytes() == ref.tobytes()

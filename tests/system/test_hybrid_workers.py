@@ -1,0 +1,89 @@
+"""A hybrid model (Qwen3.5: gated delta net and attention layers) on a route of real worker
+processes: the whole model's tokens, a stage SIGKILLed mid-generation (its recurrent state is
+lost with it: the spare re-prefills), speculation refused by name (a recurrent state cannot
+roll rejected drafts back), and ``python -m dgr run`` showing parity on it."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+
+import dgr
+from dgr import errors
+from dgr._core import HAS_LAYER_RANGES
+from dgr.core.local import generate_local
+from dgr.driver.route import Route
+from dgr.testing import archs
+from dgr.worker.process import LocalCluster
+
+pytestmark = [pytest.mark.system,
+              pytest.mark.skipif(not HAS_LAYER_RANGES, reason="needs the layer-range patches")]
+
+SETTINGS = dict(n_ctx=160, n_slots=4, n_threads=1, n_ubatch=8, flash_attn=True)
+RANGES = [(0, 3), (3, 6), (6, 8)]
+N_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def qwen35():
+    written = archs.write("^qwen35$", n_layer=8)  # cached per vendor key
+    (path,) = written.files
+    return path
+
+
+def prompt(i: int) -> list[int]:
+    rng = random.Random(i)
+    return [rng.randrange(1, 128) for _ in range(70 + i)]  # 9+ ubatches of 8
+
+
+@pytest.fixture(scope="module")
+def refs(qwen35):
+    whole = dgr.Engine(qwen35, **{**SETTINGS, "n_slots": 1})
+    return [generate_local(whole, prompt(i), max_tokens=N_TOKENS, stop_on_eog=False)[0]
+            for i in range(2)]
+
+
+@pytest.fixture
+def cluster(qwen35):
+    """Workers for RANGES plus a spare for the middle range (index 3)."""
+    c = LocalCluster(str(qwen35), RANGES + [(3, 6)], settings=SETTINGS)
+    try:
+        c.start(timeout=60)
+        yield c
+    finally:
+        c.stop(timeout=10)
+
+
+def test_the_route_generates_the_whole_models_tokens_and_survives_a_sigkill(cluster, refs):
+    victim, spare = cluster.workers[1], cluster.workers[3]
+    with Route(cluster.endpoints[:3], spares=[spare.endpoint], connect_timeout=10) as r:
+        assert r.complete(prompt(0), max_tokens=N_TOKENS, stop_on_eog=False).tokens == refs[0]
+        s = r.session()
+        it = s.generate(prompt(1), max_tokens=N_TOKENS, stop_on_eog=False)
+        toks = [next(it) for _ in range(8)]
+        victim.kill()
+        toks += list(it)
+        assert s.recoveries == 1
+        assert r.stages[1].endpoint == spare.endpoint
+        s.close()
+    assert toks == refs[1]
+
+
+def test_speculation_on_a_hybrid_route_is_refused_by_name(cluster):
+    with pytest.raises(errors.RouteError, match="drafts with nothing.*cannot roll a rejected "
+                                                "draft back.*recurrent or hybrid"):
+        with Route(cluster.endpoints[:3], speculate="ngram", connect_timeout=10) as r:
+            r.complete(prompt(0), max_tokens=4)
+
+
+def test_cli_run_on_a_hybrid_model_shows_parity(qwen35):
+    r = subprocess.run([sys.executable, "-m", "dgr", "run", "--model", str(qwen35), "--stages",
+                        "3", "--max-tokens", "8", "--no-chat", "--prompt", "hello world",
+                        "--parity"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "matches the whole model (in-process dgr.Engine, same settings): yes" in r.stderr
+    assert "logits bit-identical over 8 steps: yes" in r.stderr, r.stderr
+    assert "workers stopped (exit status 0, 0, 0)" in r.stderr
