@@ -106,7 +106,12 @@ def certify(model: str | os.PathLike, ranges: Sequence[tuple[int, int]], *,
            if failover else ""))
     ref, ref_rows = generate_local(whole, tokens, max_tokens=max_tokens, logits=True)
     batching = _batching(model, whole, on, say)
-    speculation = _speculation(whole, on, say)
+    window = int(whole.describe().get("rollback_window", -1))
+    if window == 0:  # a recurrent state rolls no rejected draft back: no trip to measure
+        speculation = None
+        say(f"speculative trips: {speculation_line(None, window)}")
+    else:
+        speculation = _speculation(whole, on, say)
     procs = [None if r == (0, n_layer) else r for r in ranges]
     cluster = LocalCluster(model, procs + ([procs[mid]] if failover else []),
                            settings=on)
@@ -126,7 +131,7 @@ def certify(model: str | os.PathLike, ranges: Sequence[tuple[int, int]], *,
             rss = [_rss_bytes(w.proc.pid) for w in cluster.workers[:n_stages]]
             session.close()
             prefix = _prefix_cache(route, tokens, n_ctx=int(settings["n_ctx"]),
-                                   max_tokens=max_tokens, say=say)
+                                   max_tokens=max_tokens, say=say, rollback_window=window)
         if failover:
             fo = _failover(cluster, primaries, mid, whole, codec, relay, tokens, max_tokens,
                            ref, ref_rows, say)
@@ -164,7 +169,8 @@ def certify(model: str | os.PathLike, ranges: Sequence[tuple[int, int]], *,
         cpu_model=cpu_model, cpu_isa=list(isa), cpu_flags=list(flags), parity=par,
         certified_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         dgr_version=__version__, seconds=round(time.monotonic() - t0, 3), arch=whole.arch,
-        scenario=scenario, batching=batching, speculation=speculation, prefix_cache=prefix)
+        scenario=scenario, batching=batching, speculation=speculation, prefix_cache=prefix,
+        rollback_window=window)
     ok = passed and (fo is None or fo.passed)
     return rec, (write(rec, store) if ok else None)
 
@@ -216,7 +222,7 @@ def _speculation(whole, settings: dict, say, max_draft: int = 4) -> Speculation:
 
 
 def _prefix_cache(route, tokens: list[int], *, n_ctx: int, max_tokens: int,
-                  say) -> PrefixCache:
+                  say, rollback_window: int = -1) -> PrefixCache:
     """A chat's two turns through ``route`` (the lane's workers): a first prompt of a whole
     prefill chunk and a half (the parity prompt repeated, where the context allows), a short
     reply, then a next turn (that history plus the parity prompt) on the same session keeping
@@ -251,15 +257,17 @@ def _prefix_cache(route, tokens: list[int], *, n_ctx: int, max_tokens: int,
                                           for st in route.stages],
                       chunk_rows_exact=[bool(st.prefix_chunk_rows_exact)
                                         for st in route.stages])
-    say(f"prompt cache: {prefix_cache_line(rec)}")
+    say(f"prompt cache: {prefix_cache_line(rec, rollback_window)}")
     return rec
 
 
-def prefix_cache_line(p: PrefixCache | None) -> str:
-    """A record's prompt-cache figure in one line."""
+def prefix_cache_line(p: PrefixCache | None, rollback_window: int = -1) -> str:
+    """A record's prompt-cache figure in one line (``rollback_window``: the record's)."""
     if p is None:
         return "not measured (a record from before the prompt cache was measured)"
-    rule = ("every row, however cut into steps" if p.chunk_rows_exact and all(p.chunk_rows_exact)
+    rule = ("nothing: a recurrent state is not cut back to a shorter prefix"
+            if rollback_window == 0 else
+            "every row, however cut into steps" if p.chunk_rows_exact and all(p.chunk_rows_exact)
             and all(p.decoded_rows_exact)
             else "whole chunks, partial-chunk and decoded rows" if all(p.decoded_rows_exact)
             else "whole chunks and partial-chunk rows" if all(p.partial_rows_exact)
@@ -275,8 +283,11 @@ def prefix_cache_line(p: PrefixCache | None) -> str:
                    + ("match" if p.tokens_match else "differ"))
 
 
-def speculation_line(s: Speculation | None) -> str:
-    """A record's speculation figure in one line."""
+def speculation_line(s: Speculation | None, rollback_window: int = -1) -> str:
+    """A record's speculation figure in one line (``rollback_window``: the record's)."""
+    if s is None and rollback_window == 0:
+        return ("refused: the lane's recurrent state rolls no rejected draft back (a route "
+                "asked to speculate on it is refused by name)")
     if s is None:
         return "not measured (a record from before speculation was measured)"
     if s.bit_identical:
@@ -500,8 +511,8 @@ def _cmd_lanes(args) -> int:
                 + ("" if split_ok else f"  NOT SPLITTABLE here ({rec.arch or 'arch unknown'})"))
         print(f"  scenario: {scenario_line(rec.scenario)}")
         print(f"  batching: {batching_line(rec.batching)}")
-        print(f"  speculation: {speculation_line(rec.speculation)}")
-        print(f"  prompt cache: {prefix_cache_line(rec.prefix_cache)}")
+        print(f"  speculation: {speculation_line(rec.speculation, rec.rollback_window)}")
+        print(f"  prompt cache: {prefix_cache_line(rec.prefix_cache, rec.rollback_window)}")
     return 0
 
 

@@ -181,6 +181,10 @@ class Certification(msgspec.Struct, kw_only=True):
     #: a kept session's next turn against a fresh prefill (None: a record from before it was
     #: measured)
     prefix_cache: PrefixCache | None = None
+    #: the most positions the lane's stages roll back (``Describe.rollback_window``): 0 for a
+    #: recurrent or hybrid model, whose lane measures no speculation (a route refuses it
+    #: there) and reuses no kept prefix; -1 no limit (or a record from before it was kept)
+    rollback_window: int = -1
 
 
 def store_path(path: str | os.PathLike | None = None) -> Path:

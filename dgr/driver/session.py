@@ -257,6 +257,13 @@ class AsyncRouteSession:
             n += ub
         return n
 
+    def reuses(self) -> bool:
+        """Whether a later prompt may reuse any of this session's positions: not on a route
+        with a stage that rolls nothing back (``rollback_window`` 0): a recurrent state keeps
+        no history, so it is not cut back to a shorter prefix, and its bits depend on how the
+        prompt was cut into steps."""
+        return not any(getattr(st, "rollback_window", -1) == 0 for st in self.route.stages)
+
     def reusable(self, prompt: Sequence[int]) -> int:
         """How many of this session's positions a later ``prompt`` may keep (``generate``'s
         ``reuse``) and still get the bits a fresh prefill of it gives; 0 for none.
@@ -273,7 +280,11 @@ class AsyncRouteSession:
         partial chunk does (``prefix_single_rows_exact``), the kept rows may be any steps'
         (a reply's decode steps included: a chat's next turn holds them), and the rest may be
         one row; else decode steps' rows are never kept past whole chunks. Where every
-        stage computes any cut of a prompt alike (``_any_rows``), every row it shares."""
+        stage computes any cut of a prompt alike (``_any_rows``), every row it shares. None
+        on a route with a stage that rolls nothing back (``rollback_window`` 0: a recurrent or
+        hybrid model)."""
+        if not self.reuses():
+            return 0
         ub, n = self.route.n_ubatch, len(prompt)
         common = 0
         for a, b in zip(self.history, prompt):

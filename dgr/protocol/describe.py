@@ -80,6 +80,9 @@ class StageInfo:
     #: the prefix store's figures (``PREFIX_STORE_FIELDS``: size, entries, positions, bytes,
     #: hits, misses, evictions); empty from a worker older than the store (none)
     prefix_store: dict = field(default_factory=dict)
+    #: the most positions the stage's caches drop from a slot's tail: 0 none (a recurrent or
+    #: hybrid model's state), -1 no limit (unset: a worker older than the field)
+    rollback_window: int = -1
     extra: dict = field(default_factory=dict)
 
     @functools.cached_property
@@ -128,6 +131,7 @@ class StageInfo:
                                      and r.prefix_chunk_rows_exact),
             prefix_store=({k: int(getattr(r.prefix_store, k)) for k in PREFIX_STORE_FIELDS}
                           if r.HasField("prefix_store") else {}),
+            rollback_window=r.rollback_window if r.HasField("rollback_window") else -1,
             **{k: getattr(r, k) if r.HasField(k) else None for k in COUNTERS})
 
     def to_dict(self) -> dict:

@@ -104,8 +104,9 @@ class PrefixPool:
 
     def put(self, key: str | None, session) -> list:
         """Keep ``session`` (its request ended well; it holds its slot); returns the sessions
-        to close: beyond ``size``, the least recently kept."""
-        if not self.size:
+        to close: beyond ``size``, the least recently kept; ``session`` itself when no later
+        prompt may reuse it (``reuses``: a recurrent or hybrid model's route)."""
+        if not self.size or not getattr(session, "reuses", lambda: True)():
             return [session]
         self._kept[self._next] = _Kept(key, session)
         self._next += 1

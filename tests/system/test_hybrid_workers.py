@@ -87,3 +87,68 @@ def test_cli_run_on_a_hybrid_model_shows_parity(qwen35):
     assert "matches the whole model (in-process dgr.Engine, same settings): yes" in r.stderr
     assert "logits bit-identical over 8 steps: yes" in r.stderr, r.stderr
     assert "workers stopped (exit status 0, 0, 0)" in r.stderr
+
+
+def test_a_caching_front_on_a_hybrid_route_gives_an_uncached_fronts_text(qwen35):
+    """Chat-like turns (each prompt the last one grown) through a front with its prompt cache
+    and the stages' prefix stores on, and through one with neither, greedy and seeded: the
+    same text and log probabilities. A recurrent stage cannot cut a kept session back to a
+    shorter prefix, so such a reuse re-prefills (the stages keep no prefix entry); exact, not
+    faster, until a stage keeps state snapshots."""
+    from dgr.driver.route import AsyncRoute
+    from dgr.serve.app import create_app
+    from dgr.testing.serving import Served
+    from dgr.worker.process import ThreadedWorker
+
+    pytest.importorskip("openai")
+    engine = dict(SETTINGS, n_slots=4)
+    ws = [ThreadedWorker(dgr.Engine(qwen35, layers=r, **engine)) for r in RANGES]
+    addrs = [w.address for w in ws]
+    cached = Served(create_app(AsyncRoute(addrs), model="q", prompt_cache=2,
+                               prompt_cache_ttl=600))
+    plain = Served(create_app(AsyncRoute(addrs), model="q", prefix_store=False))
+    try:
+        rng = random.Random(53)
+        prompt = [rng.randrange(3, 128) for _ in range(70)]
+        for turn in range(6):
+            req = dict(prompt=prompt, max_tokens=6, logprobs=2)
+            req.update(temperature=0.8, seed=turn) if turn % 2 else req.update(temperature=0)
+            got = [c.completions.create(model="q", **req).choices[0]
+                   for c in (cached.openai(api_key="x"), plain.openai(api_key="x"))]
+            assert got[0].text == got[1].text, turn
+            assert got[0].logprobs.model_dump() == got[1].logprobs.model_dump(), turn
+            prompt = prompt + [rng.randrange(3, 128) for _ in range(rng.randrange(1, 9))]
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(cached.base + "/status") as r:
+            pc = json.load(r)["prompt_cache"]
+        # the route says its stages roll nothing back: no session kept (it would hold a slot
+        # on every stage for nothing), no reuse tried (each would fail and re-prefill)
+        assert pc["kept"] == 0 and pc["hits"] == 0 and pc["tokens_reused"] == 0, pc
+    finally:
+        for s in (cached, plain):
+            s.stop()
+        for w in ws:
+            w.stop()
+
+
+def test_certify_a_hybrid_lane_with_a_failover(qwen35, tmp_path):
+    """``python -m dgr certify`` on the hybrid fixture: parity through worker processes, a
+    stage SIGKILLed onto a spare, speculation recorded as refused (its state rolls nothing
+    back), the prompt cache keeping nothing, and the lane written to the store."""
+    import json
+
+    r = subprocess.run([sys.executable, "-m", "dgr", "certify", "--model", str(qwen35),
+                        "--stages", "3", "--failover", "--store", str(tmp_path), "--prompt",
+                        "hello world", "--max-tokens", "8"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "speculative trips: refused: the lane's recurrent state rolls no rejected draft" \
+        in r.stderr, r.stderr
+    assert "keeping 0 of its" in r.stderr and "a recurrent state is not cut back" in r.stderr
+    (path,) = tmp_path.glob("*.json")
+    rec = json.loads(path.read_text())
+    assert rec["arch"] == "qwen35" and rec["rollback_window"] == 0
+    assert rec["parity"]["passed"] and rec["speculation"] is None
+    assert rec["scenario"]["failover"]["passed"], rec["scenario"]["failover"]

@@ -12,7 +12,7 @@ from dgr.serve.prefix import PrefixPool, session_bytes
 
 
 def _session(history, steps, ub=4, chunks=None, rows_exact=(False,), single=None, chunk=None,
-             **route):
+             rollback_window=-1, **route):
     """An ``AsyncRouteSession``'s reuse state: ``chunks`` are the prompt chunks among
     ``steps`` (default: every step of more than one token), each stage's
     ``prefix_rows_exact`` from ``rows_exact``, ``prefix_single_rows_exact`` from ``single``
@@ -21,16 +21,32 @@ def _session(history, steps, ub=4, chunks=None, rows_exact=(False,), single=None
 
     n = len(rows_exact)
     stages = [SimpleNamespace(prefix_rows_exact=r, prefix_single_rows_exact=o,
-                              prefix_chunk_rows_exact=c)
+                              prefix_chunk_rows_exact=c, rollback_window=rollback_window)
               for r, o, c in zip(rows_exact, single or [False] * n, chunk or [False] * n)]
     s = SimpleNamespace(history=list(history), steps=list(steps), rollback=0, logits=[],
                         chunks=list(chunks if chunks is not None
                                     else [st for st in steps if st[1] > 1]),
                         route=SimpleNamespace(n_ubatch=ub, stages=stages, **route))
-    for name in ("aligned", "reusable", "_keep", "_row_rule", "_rows_end", "_any_rows",
+    for name in ("aligned", "reuses", "reusable", "_keep", "_row_rule", "_rows_end", "_any_rows",
                  "_computed"):
         setattr(s, name, getattr(AsyncRouteSession, name).__get__(s))
     return s
+
+
+def test_a_route_whose_stages_roll_nothing_back_reuses_nothing_and_keeps_nothing():
+    """A recurrent or hybrid model's stage (``rollback_window`` 0) cannot be cut back to a
+    shorter prefix: nothing is reusable, even rows every stage computes alike, and the pool
+    closes such a session at once instead of holding its slots."""
+    from dgr.serve.prefix import PrefixPool
+
+    steps = [(0, 4), (4, 4), (8, 2), (10, 1)]
+    assert _session(range(11), steps).reusable(list(range(20))) == 8
+    s = _session(range(11), steps, rollback_window=0, rows_exact=(True,), single=[True],
+                 chunk=[True])
+    assert not s.reuses() and s.reusable(list(range(20))) == 0
+    pool = PrefixPool(2)
+    assert pool.put(None, s) == [s] and len(pool) == 0
+    assert pool.take(None, list(range(20))) is None and pool.misses == 1
 
 
 def test_what_a_kept_session_may_reuse():
