@@ -166,12 +166,12 @@ def generator() -> Path:
     """
     v = _vendor()
     src = v.src / GENERATOR_SOURCE
-    _hold(_workspace(v))
     if not v.is_built():
         raise VendorError(f"llama.cpp is not built at {v.workspace}: "
                           "run `python -m dgr.vendor build`")
     if not src.exists():
         raise VendorError(f"{src} is missing from the pinned tree")
+    _hold(_workspace(v))
     text = tweaked_source(src.read_text())
     ws = _workspace(v)
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]

@@ -57,12 +57,13 @@ def test_tweaks_apply_once_to_the_pinned_source():
 
 
 @pytest.mark.slow
-def test_generator_writes_every_required_arch_with_4_layers(probed):
+def test_generator_writes_every_required_arch_with_a_middle_layer(probed):
     written, rows = probed
     missing = [a for a in REQUIRED if a not in written.archs]
     assert not missing, f"the generator wrote no model for {missing}"
-    # upstream writes 2 layers for these; the tweak makes first, middle and last stages exist
-    short = [(r["file"], r["n_layer"]) for r in rows if r["arch"] in REQUIRED and r["n_layer"] != 4]
+    # upstream writes 2 layers for most; the tweak makes 4, so first, middle and last stages
+    # exist (nemotron_h keeps the generator's own 3)
+    short = [(r["file"], r["n_layer"]) for r in rows if r["arch"] in REQUIRED and r["n_layer"] < 3]
     assert not short, short
     assert len(rows) == len(written.files)
     assert not [f for f in written.failed if f[0] in REQUIRED], written.failed

@@ -261,11 +261,14 @@ def _llama_cpp_archs() -> tuple[set[str], set[str]]:
 def test_splittable_architectures_are_llama_cpps_list():
     """dgr keeps no list of its own: the binding's answer, for every architecture llama.cpp
     knows, is the switch the stage-graph patches fill in (llama 0005, deepseek4 0006, qwen2 and
-    qwen3 0008, 76 more 0011), and it holds every family issue 16 names."""
+    qwen3 0008, 76 more 0011, the recurrent and hybrid 15 of 0016, 11 more 0017), and it holds
+    every family the suite requires (issue 16's, the hybrid ones of issue 53)."""
     listed, known = _llama_cpp_archs()
-    assert set(FAMILIES) <= listed and len(listed) == 80
+    assert set(FAMILIES) <= listed and len(listed) == 106
     assert {a for a in known if arch_supports_layer_range(a)} == listed
-    for arch in ("nanbeige", "mamba", "qwen3next", "llama-embed", "gemma3n", "", "no-such-arch"):
+    assert {"mamba", "qwen3next", "qwen35", "nemotron_h", "deepseek32", "bloom"} <= listed
+    for arch in ("nanbeige", "qwen3vl", "glm-dsa", "llada", "llama-embed", "gemma3n", "",
+                 "no-such-arch"):
         assert not arch_supports_layer_range(arch)
 
 
