@@ -147,6 +147,21 @@ std::once_flag g_backend_once;
 
 void backend_init() {
     std::call_once(g_backend_once, [] {
+        // ggml-vulkan reorders a graph's nodes before computing it (ggml_vk_graph_optimize), and
+        // the order it picks decides which ops it fuses: in a stage a layer could be fused other
+        // than in the whole model and compute other bits (deepseek2 decode steps split after
+        // layer 5, 6 or 7 of 8 on lavapipe: max |diff| 4.5e-08 to 6.0e-08). Left in the order the
+        // graph was built, every split computes the whole model's bits (docs/devices.md);
+        // DGR_VK_GRAPH_OPTIMIZE=1 keeps ggml's reordering. Set before any Vulkan device exists
+        // (ggml reads it when it creates one); a value the user set is kept.
+        const char * keep = std::getenv("DGR_VK_GRAPH_OPTIMIZE");
+        if (!(keep && std::string(keep) == "1")) {
+#ifndef _WIN32
+            setenv("GGML_VK_DISABLE_GRAPH_OPTIMIZE", "1", 0);
+#else
+            if (!std::getenv("GGML_VK_DISABLE_GRAPH_OPTIMIZE")) _putenv_s("GGML_VK_DISABLE_GRAPH_OPTIMIZE", "1");
+#endif
+        }
         llama_log_set(log_cb, nullptr);
         llama_backend_init();
     });
