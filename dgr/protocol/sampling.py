@@ -165,7 +165,8 @@ class Sampler:
             keep_mask[0] = True
             idx, probs = idx[keep_mask], probs[keep_mask] / probs[keep_mask].sum()
         cdf = np.cumsum(probs)
-        pick = int(np.searchsorted(cdf, self.uniform() * cdf[-1], side="right"))
+        cdf /= cdf[-1]  # as Generator.choice(p=...) draws: the same tokens as before
+        pick = int(np.searchsorted(cdf, self.uniform(), side="right"))
         return int(idx[min(pick, len(idx) - 1)])
 
 
