@@ -147,19 +147,20 @@ std::once_flag g_backend_once;
 
 void backend_init() {
     std::call_once(g_backend_once, [] {
-        // ggml-vulkan reorders a graph's nodes before computing it (ggml_vk_graph_optimize), and
-        // the order it picks decides which ops it fuses: in a stage a layer could be fused other
-        // than in the whole model and compute other bits (deepseek2 decode steps split after
-        // layer 5, 6 or 7 of 8 on lavapipe: max |diff| 4.5e-08 to 6.0e-08). Left in the order the
-        // graph was built, every split computes the whole model's bits (docs/devices.md);
-        // DGR_VK_GRAPH_OPTIMIZE=1 keeps ggml's reordering. Set before any Vulkan device exists
-        // (ggml reads it when it creates one); a value the user set is kept.
-        const char * keep = std::getenv("DGR_VK_GRAPH_OPTIMIZE");
-        if (!(keep && std::string(keep) == "1")) {
+        // ggml-vulkan fuses runs of neighbouring ops into one kernel where its checks allow, and
+        // whether a run qualifies depends on the rest of the graph: a stage's graph fused a layer
+        // other than the whole model's did (the tiny DeepSeek V4's MoE top-k in layers 3 and 4 of
+        // 6: fused in the stage [3, 6), not in the whole model), and those layers computed other
+        // bits (max |diff| 5.1e-07; deepseek2 cut after layer 5, 6 or 7 of 8: 4.5e-08 to 6.0e-08,
+        // on lavapipe). With fusion off every split computes the whole model's bits
+        // (docs/devices.md); DGR_VK_FUSION=1 keeps ggml's fusion. Set before any Vulkan device
+        // exists (ggml reads it when it creates one); a value the user set is kept.
+        const char * fuse = std::getenv("DGR_VK_FUSION");
+        if (!(fuse && std::string(fuse) == "1")) {
 #ifndef _WIN32
-            setenv("GGML_VK_DISABLE_GRAPH_OPTIMIZE", "1", 0);
+            setenv("GGML_VK_DISABLE_FUSION", "1", 0);
 #else
-            if (!std::getenv("GGML_VK_DISABLE_GRAPH_OPTIMIZE")) _putenv_s("GGML_VK_DISABLE_GRAPH_OPTIMIZE", "1");
+            if (!std::getenv("GGML_VK_DISABLE_FUSION")) _putenv_s("GGML_VK_DISABLE_FUSION", "1");
 #endif
         }
         llama_log_set(log_cb, nullptr);

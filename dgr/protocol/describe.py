@@ -81,7 +81,7 @@ class StageInfo:
     #: hits, misses, evictions); empty from a worker older than the store (none)
     prefix_store: dict = field(default_factory=dict)
     #: the most positions the stage's caches drop from a slot's tail: 0 none (a recurrent or
-    #: hybrid model's state), -1 no limit (unset: a worker older than the field)
+    #: hybrid model's state), -1 no limit (so too from a worker older than the field)
     rollback_window: int = -1
     extra: dict = field(default_factory=dict)
 

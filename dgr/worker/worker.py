@@ -147,8 +147,7 @@ class Worker:
             prefix_single_rows_exact=self.prefix_single_rows_exact,
             prefix_chunk_rows_exact=self.prefix_chunk_rows_exact,
             prefix_store=p.slots.prefix_store(),
-            **({} if int(p.info.get("rollback_window", -1)) < 0
-               else {"rollback_window": int(p.info["rollback_window"])}),
+            rollback_window=int(p.info.get("rollback_window", -1)),
         )
 
     def profile_snapshot(self) -> dict[str, Any]:

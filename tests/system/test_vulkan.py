@@ -94,11 +94,10 @@ def _parity(model, splits, vk, out, env=None) -> dict:
 
 def test_deepseek2_splits_the_whole_models_bits_at_every_cut_on_the_device(vk, tmp_path):
     """DeepSeek V3/R1 and Kimi K2 (deepseek2) at 8 layers, cut in two after every layer. With
-    ggml-vulkan's graph reordering on, the decode steps of the cuts after layer 5, 6 and 7
-    differed from the whole model's (max |diff| 4.5e-08 to 6.0e-08: the reordered graph fused
-    other ops in a stage than in the whole model); dgr's engine leaves the graph in the order
-    it was built (docs/devices.md), and ``DGR_VK_GRAPH_OPTIMIZE=1`` brings the reordering, and
-    the difference, back."""
+    ggml-vulkan's op fusion on, the decode steps of the cuts after layer 5, 6 and 7 differed
+    from the whole model's (max |diff| 4.5e-08 to 6.0e-08: a stage's graph fused other runs of
+    ops than the whole model's); dgr's engine turns the fusion off (docs/devices.md), and
+    ``DGR_VK_FUSION=1`` brings it, and the difference, back."""
     from dgr.testing import archs
 
     (model,) = archs.write("^deepseek2$", n_layer=8).files
@@ -106,8 +105,8 @@ def test_deepseek2_splits_the_whole_models_bits_at_every_cut_on_the_device(vk, t
         rep = _parity(model, cut, vk, tmp_path / f"cut{cut}.json")
         assert rep["settings"]["device"] == vk["name"]
         assert rep["bit_identical"] and rep["max_abs_diff"] == 0.0, (cut, rep["steps"])
-    rep = _parity(model, 6, vk, tmp_path / "reordered.json",
-                  env={**os.environ, "DGR_VK_GRAPH_OPTIMIZE": "1"})
+    rep = _parity(model, 6, vk, tmp_path / "fused.json",
+                  env={**os.environ, "DGR_VK_FUSION": "1"})
     assert rep["prompt_rows_identical"] and not rep["bit_identical"], rep
 
 
