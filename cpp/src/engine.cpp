@@ -459,8 +459,9 @@ Status inspect_gguf(const std::string & path, GgufFacts * facts) {
 bool HasLayerRanges() noexcept { return DGR_LAYER_RANGE != 0; }
 
 // The list is the patched llama.cpp's (the cases the stage-graph patches add: llama 0005,
-// deepseek4 0006, qwen2 and qwen3 0008, 76 more 0011; docs/architectures.md); its loader refuses the other archs
-// itself, this lets a load refuse them with a typed error before reading any weight.
+// deepseek4 0006, qwen2 and qwen3 0008, 76 more 0011, 26 more 0016 and 0017;
+// docs/architectures.md); its loader refuses the other archs itself, this lets a load refuse
+// them with a typed error before reading any weight.
 bool ArchSupportsLayerRange(const std::string & arch) noexcept {
 #if DGR_LAYER_RANGE
     try {

@@ -136,7 +136,8 @@ def test_a_forked_session_continues_as_the_original_would(models, arch):
 
     def run(stages, fork):
         for e in stages:
-            e.release(0), e.release(1)
+            e.release(0)
+            e.release(1)
         _run(stages, np.zeros(len(prompt), np.int32), np.arange(len(prompt), dtype=np.int32),
              prompt)
         if fork:

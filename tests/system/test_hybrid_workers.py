@@ -112,7 +112,7 @@ def test_a_caching_front_on_a_hybrid_route_gives_an_uncached_fronts_text(qwen35)
         prompt = [rng.randrange(3, 128) for _ in range(70)]
         for turn in range(6):
             req = dict(prompt=prompt, max_tokens=6, logprobs=2)
-            req.update(temperature=0.8, seed=turn) if turn % 2 else req.update(temperature=0)
+            req.update(dict(temperature=0.8, seed=turn) if turn % 2 else dict(temperature=0))
             got = [c.completions.create(model="q", **req).choices[0]
                    for c in (cached.openai(api_key="x"), plain.openai(api_key="x"))]
             assert got[0].text == got[1].text, turn
