@@ -66,14 +66,19 @@ class BuildExt(build_ext):
         super().build_extensions()
 
 
+# dgr::Engine's bodies, one file per concern (cpp/src/engine/impl.h says which holds what)
+_ENGINE_PARTS = [f"cpp/src/engine/{name}.cpp"
+                 for name in ("support", "devices", "load", "memory", "forward", "mtp")]
+
+
 def _extensions():
     from Cython.Build import cythonize
 
     ext = Extension(
         "dgr._core._core",
-        sources=["dgr/_core/_core.pyx", "cpp/src/engine.cpp"],
+        sources=["dgr/_core/_core.pyx", "cpp/src/engine.cpp", *_ENGINE_PARTS],
         language="c++",
-        depends=["cpp/include/dgr/engine.h", "cpp/include/dgr/status.h",
+        depends=["cpp/include/dgr/engine.h", "cpp/include/dgr/status.h", "cpp/src/engine/impl.h",
                  "cpp/include/dgr/build_info.h",
                  "dgr/_core/includes/engine.pxd", "vendor-manifest.json"],
     )

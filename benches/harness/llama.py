@@ -86,7 +86,7 @@ def llama_bench_commands(settings: dict, n_decode: int, prefills, model: str, *,
     <n_prompt_decode>``} (no "prefill" when ``prefills`` is empty).
 
     Both: ``-t n_threads``, ``-b n_ubatch -ub n_ubatch`` (dgr's n_batch is its n_ubatch,
-    engine.cpp), ``-fa 1|0``, ``-ctk/-ctv``, ``-lm auto|none`` (use_mmap), ``-r 1 -o json``;
+    cpp/src/engine/load.cpp), ``-fa 1|0``, ``-ctk/-ctv``, ``-lm auto|none`` (use_mmap), ``-r 1 -o json``;
     ``-ngl 0`` (dgr keeps every layer on the CPU) or, with ``rpc`` endpoints, ``-ngl 99
     --rpc ...``; then ``extra``. llama-bench sizes its context to prompt + generation + depth,
     which gives the same n_kv at every step as dgr's n_ctx only while that length fits in
@@ -173,7 +173,7 @@ def batched_bench_command(settings: dict, sessions, n_decode: int, threads: int,
     """The ``llama-batched-bench`` command line that runs ``sessions`` sequences on the whole
     model with dgr's engine ``settings`` (those of the session clusters): ``-c n_ctx *
     max(sessions)`` with ``-no-kvu`` (one KV stream per sequence, as dgr's slots:
-    ``kv_unified=false`` and ``n_ctx`` per slot, engine.cpp), ``-b -ub n_ubatch``, ``-fa
+    ``kv_unified=false`` and ``n_ctx`` per slot, cpp/src/engine/load.cpp), ``-b -ub n_ubatch``, ``-fa
     on|off``, ``-ctk/-ctv``, ``-lm auto|none`` (use_mmap), ``-ngl 0``, ``-t threads``;
     ``-npp n_prompt -ntg n_decode -npl <sessions>`` (a prompt per sequence, not shared),
     ``--output-format jsonl``. Raises ValueError for a setting it cannot mirror (an unknown

@@ -76,7 +76,7 @@ def n_layer_of(block_count: int, nextn: int | None, arch: str = "",
     """Layers a route splits: multi-token-prediction layers (``nextn``) are counted in
     ``block_count`` but sit after the last layer.
 
-    The rule is llama.cpp's, and the engine's (``cpp/src/engine.cpp``, which checks it against
+    The rule is llama.cpp's, and the engine's (``cpp/src/engine/load.cpp``, which checks it against
     llama.cpp's own count at load): ``nextn`` blocks are subtracted when ``0 < nextn <
     block_count``, and for ``deepseek4`` only when the first one is in the file
     (``blk.<block_count - nextn>.nextn.eh_proj.weight``; a conversion that drops the MTP
