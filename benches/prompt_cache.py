@@ -116,6 +116,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=N_CTX,
                     help=f"context tokens per slot, every server (default {N_CTX})")
     ap.add_argument("--model", help="GGUF (default: the registry's default model)")
+    ap.add_argument("--chat-template-file", metavar="FILE",
+                    help="a Jinja chat template for every server (dgr's fronts and "
+                         "llama-server), for a model without one such as the generator's "
+                         "fixtures (default: the GGUF's own)")
     ap.add_argument("--ubatch", type=int, default=N_UBATCH,
                     help=f"n_ubatch of every server (default {N_UBATCH}). Where every stage "
                          "measures a partial chunk's rows (and rows one per step) exact, dgr's "
@@ -147,13 +151,16 @@ def main(argv=None) -> int:
     common = ["--stages", str(args.stages), "--model-name", name, "--ctx", str(args.ctx),
               "--slots", "2", "--threads", "1", "--ubatch", str(args.ubatch), "--flash-attn",
               "on"]
+    template = ["--chat-template-file", args.chat_template_file] if args.chat_template_file \
+        else []
     cmds = {k: [sys.executable, "-m", "dgr", "serve", "--model", model, "--port", str(ports[k]),
-                *flags, *common, *engine[k]] for k, flags in fronts.items()}
+                *flags, *common, *template, *engine[k]] for k, flags in fronts.items()}
     cmds |= {
         "llama-server": [llama_server(), "-m", model, "--host", "127.0.0.1", "--port",
                          str(ports["llama-server"]), "-t", "1", "-tb", "1", "-c",
                          str(args.ctx * 2), "-np", "2", "-b", str(args.ubatch), "-ub",
-                         str(args.ubatch), "-fa", "on", "--alias", name, "--no-webui"]}
+                         str(args.ubatch), "-fa", "on", "--alias", name, "--no-webui",
+                         *(["--jinja", *template] if template else [])]}
     from harness.clusters import EmulatedCluster, worker_lines
 
     clusters = []
@@ -171,7 +178,7 @@ def main(argv=None) -> int:
             c.start()
             cmds[k] = [sys.executable, "-m", "dgr", "serve", "--model", model, "--route",
                        ",".join(c.endpoints), "--port", str(ports[k]), "--model-name", name,
-                       *flags]
+                       *flags, *template]
     log = open(os.devnull, "w")
     procs = {}
     rows = []

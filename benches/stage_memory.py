@@ -3,7 +3,9 @@
     python benches/stage_memory.py [--stages 3] [--json out.json]
 
 mmap must not pull in the layers a stage does not own: RssFile of a middle stage should be
-about its share of the file, not the whole file.
+about its share of the file, not the whole file. A recurrent or hybrid model's stage also
+reports its state bytes per session (its own layers' conv/SSM rows, inside the KV figure) and
+the host bytes of the state snapshots it holds after the 64-token prefill (one, at 64).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def stage_rss(path: str, a: int, b: int) -> dict:
                    n_ubatch=64)
     d = e.describe()
     after = _rss()
-    x = np.arange(64, dtype=np.int32) + 100
+    x = (np.arange(64, dtype=np.int32) + 100) % e.n_vocab
     if e.is_first:
         e.forward(0, 0, x)
     else:
@@ -43,9 +45,11 @@ def stage_rss(path: str, a: int, b: int) -> dict:
             e.forward(0, 64 + k, x[:1])
         else:
             e.forward(0, 64 + k, boundary=np.zeros((1, e.n_embd_boundary), np.float32))
+    used = _rss()
     return {"layers": d["layers"], "weight_bytes": d["weight_bytes"],
-            "kv_bytes": d["kv_bytes"], "rss_before": before, "rss_after": after,
-            "rss_used": _rss()}
+            "kv_bytes": d["kv_bytes"], "state_bytes": d.get("state_bytes", 0),
+            "state_snapshot_bytes": e.describe().get("state_snapshot_bytes", 0),
+            "rss_before": before, "rss_after": after, "rss_used": used}
 
 
 def measure(path: str, a: int, b: int) -> dict:
@@ -73,8 +77,13 @@ def main() -> int:
     rows = run(path, args.stages)
     whole = rows[0]
     mib = 1 / 2**20
-    print(f"{'layers':>10} {'weights MiB':>12} {'KV MiB':>8} {'RSS load':>9} {'RSS used':>9} "
-          f"{'RssFile used':>13} {'used/whole':>11}")
+    import platform
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
+                if ln.startswith("model name")), platform.processor())
+    print(f"CPU: {cpu}; model {path}")
+    print(f"{'layers':>10} {'weights MiB':>12} {'KV MiB':>8} {'state KiB':>10} {'snaps KiB':>10} "
+          f"{'RSS load':>9} {'RSS used':>9} {'RssFile used':>13} {'used/whole':>11}")
     base = whole["rss_before"]["VmRSS"]
     w_used = whole["rss_used"]["VmRSS"] - base
     for r in rows:
@@ -83,9 +92,11 @@ def main() -> int:
         used = r["rss_used"]["VmRSS"] - b0["VmRSS"]
         fil = r["rss_used"]["RssFile"] - b0["RssFile"]
         print(f"{str(r['layers']):>10} {r['weight_bytes'] * mib:>12.1f} {r['kv_bytes'] * mib:>8.1f} "
+              f"{r['state_bytes'] / 1024:>10.1f} {r['state_snapshot_bytes'] / 1024:>10.1f} "
               f"{load * mib:>9.1f} {used * mib:>9.1f} {fil * mib:>13.1f} {used / w_used:>11.2f}")
     print("RSS deltas are measured from just before the engine loads; 'used' is after a 64-token "
-          "prefill and 4 decode steps (every owned weight touched).")
+          "prefill and 4 decode steps (every owned weight touched); state: bytes per session "
+          "(in KV too), snaps: the state snapshots held then.")
     cli.write_json(args.json, rows, indent=2)
     return 0
 

@@ -197,6 +197,22 @@ Engine::Counters Engine::GetCounters() const {
     return out;
 }
 
+std::vector<int32_t> Engine::StateSnapshots(int32_t slot) const {
+    std::vector<int32_t> out;
+    const Impl & m = *impl_;
+    if (slot < 0 || (uint32_t) slot >= m.slot_state.size()) return out;
+    for (const auto & s : m.slot_state[slot].snaps) out.push_back(s.pos);
+    return out;
+}
+
+uint64_t Engine::StateSnapshotBytes() const {
+    uint64_t b = 0;
+    for (const auto & ss : impl_->slot_state) {
+        for (const auto & s : ss.snaps) b += s.data.size();
+    }
+    return b;
+}
+
 int32_t Engine::NextPos(int32_t slot) const {
     const Impl & m = *impl_;
     if (slot < 0 || (uint32_t) slot >= m.cfg.n_slots) return -1;

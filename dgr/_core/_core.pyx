@@ -150,7 +150,7 @@ cdef class Engine:
                   unsigned int n_ctx=1024, unsigned int n_slots=1, int n_threads=1,
                   unsigned int n_ubatch=64, bint flash_attn=True, str type_k="f16",
                   str type_v="f16", bint batch_invariant=False, bint use_mmap=True, bint mtp=False, str device="cpu",
-                  unsigned long long device_memory_limit=0):
+                  unsigned long long device_memory_limit=0, unsigned int state_snapshots=4):
         cdef CEngineConfig cfg
         cdef CStatus st
         cdef unique_ptr[CEngine] e
@@ -167,6 +167,7 @@ cdef class Engine:
         cfg.type_v = type_v.encode()
         cfg.use_mmap = use_mmap
         cfg.mtp = mtp
+        cfg.state_snapshots = state_snapshots
         cfg.device = device.encode("utf-8")
         cfg.device_memory_limit = device_memory_limit
         self.lock = threading.RLock()
@@ -204,6 +205,8 @@ cdef class Engine:
             "compute_bytes": i.compute_bytes, "token_bos": i.token_bos,
             "token_eos": i.token_eos, "add_bos": bool(i.add_bos), "mtp": bool(i.mtp),
             "n_layer_nextn": i.n_layer_nextn, "rollback_window": i.rollback_window,
+            "state_bytes": i.state_bytes, "state_snapshots": i.state_snapshots,
+            "state_snapshot_bytes": self._e.get().StateSnapshotBytes(),
             # "cpu" for the CPU device, else ggml's device name ("Vulkan0", "CUDA0")
             "device": "cpu" if i.device_type.decode() == "cpu" else i.device.decode(),
             "device_desc": i.device_desc.decode("utf-8", "replace"),
@@ -286,6 +289,14 @@ cdef class Engine:
                 f"slot {slot} does not exist; this engine has slots 0..{self.n_slots - 1}")
         return p
 
+    def state_snapshots(self, int slot):
+        """The positions at which a recurrent or hybrid stage keeps a snapshot of the slot's
+        state (oldest first: the ends of whole ``n_ubatch`` chunks prefilled from position 0,
+        the last ``describe()["state_snapshots"]`` of them); ``truncate`` to one restores it.
+        Empty on any other memory."""
+        with self.lock:
+            return list(self._e.get().StateSnapshots(slot))
+
     @property
     def graphs_reused(self):
         """Forwards that reused llama.cpp's previous graph (no graph build or scheduling: the
@@ -337,7 +348,8 @@ cdef class Engine:
             A cache of this stage cannot drop that tail; the slot was cleared (re-prefill).
             DeepSeek V4 drops at most ``describe()["rollback_window"]`` positions, and only of
             the slot's last forward (not again before the next forward); a recurrent or hybrid
-            model's stage (Mamba, Qwen3.5, Nemotron-H, ...) drops none (its window is 0).
+            model's stage (Mamba, Qwen3.5, Nemotron-H, ...) drops a tail only back to one of
+            its state snapshots (``state_snapshots(slot)``; its window is 0).
         dgr.errors.UnknownSlot, dgr.errors.InvalidPosition
             No such slot; ``pos`` is negative.
         """

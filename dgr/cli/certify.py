@@ -265,8 +265,8 @@ def prefix_cache_line(p: PrefixCache | None, rollback_window: int = -1) -> str:
     """A record's prompt-cache figure in one line (``rollback_window``: the record's)."""
     if p is None:
         return "not measured (a record from before the prompt cache was measured)"
-    rule = ("nothing: a recurrent state is not cut back to a shorter prefix"
-            if rollback_window == 0 else
+    rule = ("the state snapshots at the ends of whole chunks only: a recurrent state is cut "
+            "back to nothing shorter" if rollback_window == 0 else
             "every row, however cut into steps" if p.chunk_rows_exact and all(p.chunk_rows_exact)
             and all(p.decoded_rows_exact)
             else "whole chunks, partial-chunk and decoded rows" if all(p.decoded_rows_exact)

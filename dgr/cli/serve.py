@@ -10,11 +10,13 @@ It listens beyond loopback only with API keys, or with ``--insecure`` (docs/secu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
 import time
 
+from dgr import errors
 from dgr.cli.console import say
 from dgr.cli.speculate import add_speculate_arguments
 from dgr.protocol import settings as engine_settings
@@ -45,6 +47,10 @@ def add_serve_parser(sub) -> None:
                         "other than loopback needs API keys (--api-key-file, DGR_API_KEYS) "
                         "or --insecure")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    s.add_argument("--chat-template-file", metavar="FILE",
+                   help="a Jinja chat template to render chat requests with instead of the "
+                        "GGUF's own (llama-server's flag; for a model without one, or to "
+                        "override it)")
     s.add_argument("--model-name", help="the model id clients send (default: the GGUF's file "
                                         "name without .gguf)")
     s.add_argument("--queue-timeout", type=float, default=2.0,
@@ -125,6 +131,10 @@ def _cmd_serve(args) -> int:
         logging.getLogger("dgr.serve").warning(
             "--insecure: serving %s without API keys; anyone who can reach the port may use "
             "it", args.host)
+    try:
+        custom = _template_file(args)  # a bad file is refused before any worker starts
+    except errors.DgrError as e:
+        return errors.report(e)
     cluster = None
     try:
         if args.route:
@@ -133,7 +143,7 @@ def _cmd_serve(args) -> int:
             model, endpoints, cluster = _start_cluster(args)
         name = args.model_name or (os.path.basename(model).removesuffix(".gguf") if model
                                    else "dgr")
-        app = _app(args, model, name, endpoints, api_keys, front)
+        app = _app(args, model, name, endpoints, api_keys, front, custom)
         _say_serving(args, name, len(endpoints), api_keys)
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
         return 0
@@ -209,20 +219,43 @@ def _stop(cluster) -> None:
     say(f"workers stopped (exit status {', '.join(map(str, codes))})")
 
 
-def _app(args, model: str | None, name: str, endpoints: list[str], api_keys, front):
-    """The front's ASGI app over a route of ``endpoints``, with the model's chat template."""
+def _template_file(args) -> str | None:
+    """The text of ``--chat-template-file`` (None without it), compiled once to check it."""
+    if not args.chat_template_file:
+        return None
+    from dgr.serve.templates import ChatTemplate
+
+    try:
+        with open(args.chat_template_file, encoding="utf-8") as f:
+            source = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise errors.InvalidArgument(
+            f"--chat-template-file {args.chat_template_file}: {getattr(e, 'strerror', e)}"
+        ) from None
+    ChatTemplate(source=source, name=os.path.basename(args.chat_template_file)).check()
+    return source
+
+
+def _app(args, model: str | None, name: str, endpoints: list[str], api_keys, front,
+         custom: str | None = None):
+    """The front's ASGI app over a route of ``endpoints``, with the model's chat template
+    (``custom``: ``--chat-template-file``'s instead)."""
     from dgr.driver.route import AsyncRoute, RouteConfig
     from dgr.serve.app import create_app
 
+    from dgr.serve.templates import ChatTemplate
+
     template = None
     if model:
-        from dgr.serve.templates import ChatTemplate
-
-        template = ChatTemplate.from_gguf(model)
-        if not template.available:
-            say(f"{os.path.basename(model)} has no chat template: /v1/chat/completions "
-                "answers 400; /v1/completions works")
-            template = None
+        template = ChatTemplate.from_gguf(model)  # its BOS/EOS, whatever the template
+    if custom is not None:
+        template = dataclasses.replace(template or ChatTemplate(source=None), source=custom,
+                                       tool_use=None,
+                                       name=os.path.basename(args.chat_template_file))
+    elif model and not template.available:
+        say(f"{os.path.basename(model)} has no chat template: /v1/chat/completions answers "
+            "400; /v1/completions works (or give one: --chat-template-file)")
+        template = None
     if not args.pooling:
         front = front.with_(pooling=(model and gguf_pooling(model)) or "last")
     return create_app(AsyncRoute(endpoints, config=RouteConfig.from_args(args)), model=name,

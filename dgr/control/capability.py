@@ -131,6 +131,18 @@ def _percentile(values: list[float], q: float) -> float:
     return s[k]
 
 
+def _per_session(info: dict, n_slots: int, n_ctx: int) -> dict:
+    """The capacity a session takes: KV bytes per context token (the recurrent state set
+    apart) and a recurrent state's bytes per session, with its snapshots'."""
+    state = int(info.get("state_bytes", 0))
+    cells = n_slots * n_ctx
+    kv = max(int(info["kv_bytes"]) - state * n_slots, 0)
+    return {"kv_bytes_per_token": kv / cells if cells else 0.0,
+            "state_bytes_per_session": state,
+            "state_snapshots": int(info.get("state_snapshots", 0)),
+            "state_snapshot_bytes": int(info.get("state_snapshot_bytes", 0))}
+
+
 def _device_memory(engine, pipeline, weight: int, kv: int) -> dict[str, int]:
     f = _facts(engine, pipeline)
     if f is None:
@@ -203,7 +215,7 @@ def record_for(engine, *, pipeline=None, cert_store: str | os.PathLike | None = 
         is_first=is_first, is_last=is_last, slots_total=n_slots, slots_free=slots_free,
         context_tokens_total=n_slots * n_ctx, context_tokens_free=ctx_free,
         memory_bytes=weight + kv, weight_bytes=weight, kv_bytes=kv, rss_bytes=_rss_bytes(),
-        **_device_memory(engine, pipeline, weight, kv))
+        **_device_memory(engine, pipeline, weight, kv), **_per_session(info, n_slots, n_ctx))
     load = Load(queue_depth=max(inflight - computing, 0), in_flight_steps=inflight,
                 sessions=sessions, tokens_per_s=float(tps), window_s=float(span))
     per_codec = {c: wire.payload_size(c, 1, width) for c in wire.CODECS}

@@ -90,6 +90,12 @@ class Engine(_CoreEngine):
     device_memory_limit : int
         The most bytes this engine may hold on its device (weights, KV, compute buffers);
         0 for no cap but the device's free memory.
+    state_snapshots : int
+        A recurrent or hybrid model's stage keeps, per slot, a snapshot of its state at the
+        end of each whole ``n_ubatch`` chunk prefilled from position 0, the last
+        ``state_snapshots`` of them (host memory: ``describe()["state_bytes"]`` each), and
+        :meth:`truncate` to one restores it (llama-server's context checkpoints): a prompt
+        cache's next turn. 0 keeps none. Other models ignore it.
 
     Raises
     ------
@@ -113,7 +119,7 @@ class Engine(_CoreEngine):
                  n_ctx: int = 1024, n_slots: int = 1, n_threads: int = 1, n_ubatch: int = 64,
                  flash_attn: bool = True, type_k: str = "f16", type_v: str = "f16",
                  batch_invariant: bool = False, use_mmap: bool = True, mtp: bool = False, device: str = "cpu",
-                 device_memory_limit: int = 0):
+                 device_memory_limit: int = 0, state_snapshots: int = 4):
         self.model_path = os.fspath(model)
         self.settings = {"n_ctx": n_ctx, "n_slots": n_slots, "n_threads": n_threads,
                          "n_ubatch": n_ubatch, "flash_attn": bool(flash_attn),
@@ -144,6 +150,9 @@ class Engine(_CoreEngine):
         for name in ("n_ctx", "n_slots", "n_threads", "n_ubatch"):
             if name in kw and (not isinstance(kw[name], (int, np.integer)) or kw[name] < 1):
                 raise errors.InvalidArgument(f"{name} must be a positive integer, got {kw[name]!r}")
+        s = kw.get("state_snapshots", 0)
+        if not isinstance(s, (int, np.integer)) or not 0 <= s <= 1024:
+            raise errors.InvalidArgument(f"state_snapshots must be an integer in [0, 1024], got {s!r}")
         path = os.fspath(_load_path(model, layers, a, b))
         try:
             return super().__new__(cls, path, a, b, **kw)

@@ -45,6 +45,11 @@ class AsyncRouteSession:
         #: (first_pos, n_tokens) of the prompt chunks among them (``prefill``'s, not the
         #: decode steps'): what ``reusable`` may keep for a later prompt
         self.chunks: list[tuple[int, int]] = []
+        #: positions at which every stage keeps a snapshot of this session's recurrent state
+        #: (a recurrent or hybrid model's route, ``state_snapshots``): the ends of the whole
+        #: ``n_ubatch`` chunks prefilled from position 0, the last ones, as the engines keep
+        #: them (``Engine.state_snapshots``; a stage that keeps more holds these too)
+        self.snapshots: list[int] = []
         #: logits rows that sampled each token (only with ``logits=True``)
         self.logits: list[np.ndarray] = []
         #: positions the stages' caches hold past ``history`` (drafts a decode loop left
@@ -137,8 +142,14 @@ class AsyncRouteSession:
             self.accepted += made - 1
 
     def _extend(self, toks: list[int]) -> None:
-        self.steps.append((len(self.history), len(toks)))
+        first = len(self.history)
+        self.steps.append((first, len(toks)))
         self.history.extend(toks)
+        keep = self.route_snapshots()
+        if keep and len(toks) == self.route.n_ubatch and first == self.aligned() - len(toks):
+            # a whole chunk that continues the run of whole chunks from 0: every stage took
+            # a snapshot at its end, and dropped its oldest past ``keep``
+            self.snapshots = (self.snapshots + [first + len(toks)])[-keep:]
 
     def _take(self, f: wire.Frame, logits: bool) -> int:
         if logits:
@@ -151,6 +162,7 @@ class AsyncRouteSession:
         """Start over: the next step begins a new epoch at position 0."""
         self.epoch += 1
         self.history, self.steps, self.chunks, self.logits = [], [], [], []
+        self.snapshots = []
         self.rollback = 0
 
     async def prefill(self, tokens: Sequence[int], *, sample: bool = True,
@@ -244,6 +256,7 @@ class AsyncRouteSession:
         for f in forks:
             f.epoch = 1
             f.history, f.steps, f.chunks = list(self.history), list(self.steps), list(self.chunks)
+            f.snapshots = list(self.snapshots)  # each stage copied them with the slot
         return forks
 
     def aligned(self) -> int:
@@ -257,12 +270,23 @@ class AsyncRouteSession:
             n += ub
         return n
 
+    def recurrent(self) -> bool:
+        """Whether a stage of the route rolls nothing back (``rollback_window`` 0: a recurrent
+        or hybrid model): its state keeps no history, so it goes back only to a snapshot."""
+        return any(getattr(st, "rollback_window", -1) == 0 for st in self.route.stages)
+
+    def route_snapshots(self) -> int:
+        """How many state snapshots every stage of a recurrent route keeps per session (the
+        fewest any keeps; 0 on another route: none needed)."""
+        if not self.recurrent():
+            return 0
+        return min(int(getattr(st, "state_snapshots", 0)) for st in self.route.stages)
+
     def reuses(self) -> bool:
-        """Whether a later prompt may reuse any of this session's positions: not on a route
-        with a stage that rolls nothing back (``rollback_window`` 0): a recurrent state keeps
-        no history, so it is not cut back to a shorter prefix, and its bits depend on how the
-        prompt was cut into steps."""
-        return not any(getattr(st, "rollback_window", -1) == 0 for st in self.route.stages)
+        """Whether a later prompt may reuse any of this session's positions: on a recurrent
+        route only where every stage keeps state snapshots (``route_snapshots``), and then
+        only at one of them (``reusable``)."""
+        return not self.recurrent() or self.route_snapshots() > 0
 
     def reusable(self, prompt: Sequence[int]) -> int:
         """How many of this session's positions a later ``prompt`` may keep (``generate``'s
@@ -282,7 +306,10 @@ class AsyncRouteSession:
         one row; else decode steps' rows are never kept past whole chunks. Where every
         stage computes any cut of a prompt alike (``_any_rows``), every row it shares. None
         on a route with a stage that rolls nothing back (``rollback_window`` 0: a recurrent or
-        hybrid model)."""
+        hybrid model) but at a state snapshot every stage keeps (``snapshots``): the state at
+        the end of a whole chunk prefilled from 0 is a fresh prefill's there, bit for bit
+        (tests/integration/test_hybrid_splits.py), and rows past it are not (a recurrent
+        state after a partial chunk or decode steps is computed by other kernels)."""
         if not self.reuses():
             return 0
         ub, n = self.route.n_ubatch, len(prompt)
@@ -292,6 +319,8 @@ class AsyncRouteSession:
                 break
             common += 1
         common = min(common, n - 1)
+        if self.recurrent():
+            return max((p for p in self.snapshots if p <= common), default=0)
         if self._any_rows():
             return min(common, self._computed())
         aligned = self.aligned()
@@ -358,6 +387,7 @@ class AsyncRouteSession:
         self.rollback += len(self.history) - n
         self.history = self.history[:n]
         self.steps = [(a, min(c, n - a)) for a, c in self.steps if a < n]
+        self.snapshots = [p for p in self.snapshots if p <= n]
         self.chunks = [(a, min(c, n - a)) for a, c in self.chunks if a < n]
         self.logits = []
 
@@ -395,6 +425,12 @@ class AsyncRouteSession:
             return
         if reuse:
             ub, most = self.route.n_ubatch, self.reusable(prompt)
+            if self.recurrent() and reuse not in self.snapshots[:self.snapshots.index(most) + 1
+                                                                 if most else 0]:
+                raise errors.InvalidArgument(
+                    f"reuse={reuse}: on this recurrent route a session goes back only to a state "
+                    f"snapshot every stage keeps, and this prompt may keep "
+                    f"{[p for p in self.snapshots if p <= most]} positions")
             if reuse != most and (reuse % ub or reuse > most):
                 raise errors.InvalidArgument(
                     f"reuse={reuse}: this session can keep {most} positions for this prompt "

@@ -77,6 +77,15 @@ class Capacity(msgspec.Struct, kw_only=True):
     device_weight_bytes: int = 0
     device_kv_bytes: int = 0
     device_compute_bytes: int = 0
+    # what one more session costs, to size stages by both: the KV bytes per context token of
+    # the owned attention layers (kv_bytes less the recurrent state, over every slot's cells),
+    # and a recurrent or hybrid model's state bytes per session (its own layers' conv/SSM
+    # rows; 0 for others), with the host bytes of each state snapshot it keeps per session
+    # (state_snapshots of them: a prompt cache's restore points)
+    kv_bytes_per_token: float = 0.0
+    state_bytes_per_session: int = 0
+    state_snapshots: int = 0
+    state_snapshot_bytes: int = 0    # held now, every session's
 
 
 class Load(msgspec.Struct, kw_only=True):

@@ -83,6 +83,11 @@ class StageInfo:
     #: the most positions the stage's caches drop from a slot's tail: 0 none (a recurrent or
     #: hybrid model's state), -1 no limit (so too from a worker older than the field)
     rollback_window: int = -1
+    #: a recurrent or hybrid model's stage: its state bytes per session (counted in
+    #: ``kv_bytes`` too), and the state snapshots it keeps per session at the ends of whole
+    #: chunks prefilled from position 0 (0: none, so too from an older worker)
+    state_bytes: int = 0
+    state_snapshots: int = 0
     extra: dict = field(default_factory=dict)
 
     @functools.cached_property
@@ -132,6 +137,7 @@ class StageInfo:
             prefix_store=({k: int(getattr(r.prefix_store, k)) for k in PREFIX_STORE_FIELDS}
                           if r.HasField("prefix_store") else {}),
             rollback_window=r.rollback_window if r.HasField("rollback_window") else -1,
+            state_bytes=r.state_bytes, state_snapshots=r.state_snapshots,
             **{k: getattr(r, k) if r.HasField(k) else None for k in COUNTERS})
 
     def to_dict(self) -> dict:

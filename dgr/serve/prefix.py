@@ -16,7 +16,13 @@ A kept session holds one of the route's slots: a request that finds no free slot
 least recently used kept session first, and a kept session idle ``ttl`` seconds is closed
 (so a draining worker is not held). One tenant never reuses another's prefix: entries are
 per API key. What the kept sessions hold is counted (``bytes_held``): each position a kept
-session computed fills one KV cell on every stage.
+session computed fills one KV cell on every stage, and on a recurrent or hybrid model's route
+each stage holds its state and the snapshots of it a next turn may restore.
+
+On such a route (a stage whose ``rollback_window`` is 0) a kept session's caches go back only
+to a state snapshot: every stage keeps the state at the ends of the last few whole chunks
+prefilled from position 0 (``state_snapshots``, llama-server's context checkpoints), and a
+later prompt reuses the largest of them it shares (``AsyncRouteSession.reusable``).
 
 Behind it, with ``store`` (the default), are the stages' own prefix stores
 (``dgr.worker.sessions.SessionTable.keep``): a session the front closes after a request that
@@ -39,16 +45,22 @@ __all__ = ["PrefixPool", "session_bytes"]
 
 
 def session_bytes(session) -> int:
-    """The KV cache a session's computed positions fill over its route's stages: on each
-    stage, ``kv_bytes / (n_ctx * n_slots)`` (its whole KV cache over its cells) per position
-    (the positions its steps forwarded; the last sampled token was never forwarded)."""
+    """The caches a session holds over its route's stages: on each stage, its KV cache over
+    its cells (``kv_bytes`` less a recurrent state's, ``/ (n_ctx * n_slots)``) per position
+    its steps forwarded (the last sampled token was never forwarded), and a recurrent or
+    hybrid model's state (``state_bytes``) with the snapshots of it the stage keeps for the
+    session (``snapshots``, host memory)."""
     positions = max((first + count for first, count in session.steps), default=0)
-    per = 0.0
+    per, fixed = 0.0, 0
+    snaps = len(getattr(session, "snapshots", ()))
     for st in session.route.stages:
-        cells = int(st.settings.get("n_ctx", 0)) * int(st.settings.get("n_slots", 0))
+        slots = int(st.settings.get("n_slots", 0))
+        cells = int(st.settings.get("n_ctx", 0)) * slots
+        state = int(getattr(st, "state_bytes", 0))
         if cells > 0:
-            per += int(st.kv_bytes) / cells
-    return int(round(positions * per))
+            per += max(int(st.kv_bytes) - state * slots, 0) / cells
+        fixed += state * (1 + snaps)
+    return int(round(positions * per)) + fixed
 
 
 @dataclass

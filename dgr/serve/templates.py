@@ -237,6 +237,12 @@ class ChatTemplate:
         """Whether the model has a chat template."""
         return self.source is not None
 
+    def check(self) -> None:
+        """Compile the template now (``ChatTemplateError`` if it does not), not at the first
+        request."""
+        if self.source is not None:
+            self._template(self.source)
+
     def _template(self, src: str) -> jinja2.Template:
         t = self._compiled.get(src)
         if t is None:

@@ -103,7 +103,7 @@ async def _serve(args) -> int:
     log.info("loading %s layers %s", model, args.layers or "all")
     engine = await asyncio.get_running_loop().run_in_executor(None, lambda: Engine(
         model, layers=_parse_layers(args.layers), mtp=args.mtp,
-        **engine_settings.from_args(args)))
+        state_snapshots=args.state_snapshots, **engine_settings.from_args(args)))
     worker = Worker(engine, config=config, relay_allow=relay_allow, security=security)
     if args.trace:
         worker.trace = open(args.trace, "a", buffering=1 << 16)
@@ -245,6 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load the model's multi-token-prediction (NextN) block and draft with "
                         "it for routes that speculate with mtp (docs/speculative.md); only on "
                         "the last stage of a model that has one (DeepSeek V4)")
+    p.add_argument("--state-snapshots", type=int, default=4, metavar="N",
+                   help="a recurrent or hybrid model (Mamba, Qwen3.5, Nemotron-H, ...): keep a "
+                        "snapshot of each session's state at the ends of its last N whole "
+                        "--ubatch chunks prefilled from position 0, in host memory (the "
+                        "describe record's state_bytes each), so that a prompt cache's next "
+                        "turn restores one instead of prefilling from 0 (default 4; 0: none). "
+                        "Other models ignore it")
     p.add_argument("--batching", action=argparse.BooleanOptionalAction, default=True,
                    help="compute the ready steps of several sessions as one forward (default "
                         "on; steps marked solo, the parity mode's, always run alone): "

@@ -148,6 +148,8 @@ class Worker:
             prefix_chunk_rows_exact=self.prefix_chunk_rows_exact,
             prefix_store=p.slots.prefix_store(),
             rollback_window=int(p.info.get("rollback_window", -1)),
+            state_bytes=int(p.info.get("state_bytes", 0)),
+            state_snapshots=int(p.info.get("state_snapshots", 0)),
         )
 
     def profile_snapshot(self) -> dict[str, Any]:

@@ -110,19 +110,110 @@ def test_a_stage_keeps_the_state_of_its_own_layers_only(models):
     assert sum(parts) == whole.describe()["kv_bytes"], (parts, whole.describe()["kv_bytes"])
 
 
-def test_a_recurrent_stage_refuses_to_drop_a_tail_and_is_re_prefilled(models):
-    """A recurrent state keeps no history: a partial truncate is refused (RollbackUnsupported,
-    the slot cleared), a whole one is not; the describe record says it rolls back nothing."""
+def test_a_recurrent_stage_refuses_to_drop_a_tail_it_keeps_no_snapshot_of(models):
+    """A recurrent state keeps no history: a truncate to a position without a state snapshot is
+    refused (RollbackUnsupported, naming the snapshots, the slot cleared), a whole one is not;
+    with ``state_snapshots=0`` none is kept at all; the describe record says it rolls back
+    nothing (window 0) but to its snapshots."""
     stage = Engine(models["qwen35"], layers=(0, 3), **SETTINGS)
-    assert stage.describe()["rollback_window"] == 0
+    d = stage.describe()
+    assert d["rollback_window"] == 0 and d["state_snapshots"] == 4
     prompt = _prompt(20, stage.n_vocab, 3)
-    stage.forward(0, 0, prompt)
-    with pytest.raises(errors.RollbackUnsupported, match="keeps no history.*re-prefill"):
+    stage.forward(0, 0, prompt)  # decodes of 8, 8 and 4 tokens: snapshots at 8 and 16
+    assert stage.state_snapshots(0) == [8, 16]
+    with pytest.raises(errors.RollbackUnsupported,
+                       match=r"keeps no history.*snapshots only at the ends of whole chunks of 8.*"
+                             r"at 8, 16.*re-prefill"):
         stage.truncate(0, 15)
-    assert stage.next_pos(0) == 0
+    assert stage.next_pos(0) == 0 and stage.state_snapshots(0) == []
     stage.forward(0, 0, prompt)
     stage.truncate(0, 0)
     assert stage.next_pos(0) == 0
+    none = Engine(models["qwen35"], layers=(0, 3), state_snapshots=0, **SETTINGS)
+    assert none.describe()["state_snapshots"] == 0
+    none.forward(0, 0, prompt)
+    assert none.state_snapshots(0) == []
+    with pytest.raises(errors.RollbackUnsupported, match="keeps no state snapshots"):
+        none.truncate(0, 16)
+    with pytest.raises(errors.InvalidArgument, match="state_snapshots"):
+        Engine(models["qwen35"], layers=(0, 3), state_snapshots=-1, **SETTINGS)
+
+
+def _chunks(stages, slot, tokens, first):
+    """``tokens`` from position ``first`` in steps of ``n_ubatch`` (as the driver prefills),
+    through a chain of engines: the last step's output rows."""
+    ub = SETTINGS["n_ubatch"]
+    for a in range(0, len(tokens), ub):
+        x = None
+        piece = tokens[a:a + ub]
+        for e in stages:
+            x = e.forward(slot, first + a, piece, boundary=x).copy()
+    return x
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_truncate_to_a_snapshot_continues_with_a_fresh_prefills_bits(models, arch):
+    """Each stage keeps its state at the ends of whole chunks prefilled from position 0 (the
+    last four); a truncate back to one restores it and drops the attention cells past it, so a
+    next turn that shares the first 64 positions and prefills the rest gives, on every stage
+    of a three-way split and on the whole model, the bits of a fresh prefill of the new prompt,
+    and decodes as it does."""
+    layout, ub = LAYOUTS[0], SETTINGS["n_ubatch"]
+    n_vocab = Engine(models[arch], layers=(0, 1), **SETTINGS).n_vocab
+    turn1 = _prompt(PROMPT, n_vocab, 21)
+    turn2 = np.concatenate([turn1[:64], _prompt(23, n_vocab, 22)])
+
+    def go(stages, reuse):
+        for e in stages:
+            e.release(0)
+        if reuse:
+            x = _chunks(stages, 0, turn1, 0)
+            for i in range(3):  # a reply, decoded step by step (no snapshot past 72)
+                tok = np.array([int(x[-1].argmax())], np.int32)
+                for e in stages:
+                    x = e.forward(0, PROMPT + i, tok, boundary=None if e.is_first else x).copy()
+            assert [e.state_snapshots(0) for e in stages] == [[48, 56, 64, 72]] * len(stages)
+            for e in stages:
+                e.truncate(0, 64)
+                assert e.next_pos(0) == 64 and e.state_snapshots(0) == [48, 56, 64]
+            x = _chunks(stages, 0, turn2[64:], 64)
+        else:
+            x = _chunks(stages, 0, turn2, 0)
+        out = [x[-1:].copy()]
+        for i in range(4):
+            tok = np.array([int(out[-1][-1].argmax())], np.int32)
+            for e in stages:
+                x = e.forward(0, len(turn2) + i, tok, boundary=None if e.is_first else x).copy()
+            out.append(x[-1:].copy())
+        return np.concatenate(out)
+
+    whole = Engine(models[arch], **SETTINGS)
+    ref = go([whole], reuse=False)
+    assert go([whole], reuse=True).tobytes() == ref.tobytes()
+    got = go(_stages(models[arch], layout, 1), reuse=True)
+    assert got.tobytes() == ref.tobytes(), float(np.abs(got - ref).max())
+    assert 64 % ub == 0
+
+
+def test_the_state_bytes_of_the_stages_add_up_to_the_whole_models(models, tiny_llama):
+    """The capacity input beside KV bytes: each stage's recurrent state bytes per session (its
+    own layers' rows), adding up over a split to the whole model's, and none on an attention
+    model; the snapshots' host bytes are counted."""
+    for arch in ("qwen35", "mamba2", "falcon-h1"):
+        whole = Engine(models[arch], **SETTINGS).describe()["state_bytes"]
+        parts = [s.describe()["state_bytes"] for s in _stages(models[arch], LAYOUTS[0], 1)]
+        assert whole > 0 and sum(parts) == whole, (arch, parts, whole)
+    attn = Engine(tiny_llama, **SETTINGS).describe()
+    assert attn["state_bytes"] == 0 and attn["state_snapshots"] == 0
+    stage = Engine(models["mamba2"], layers=(0, 3), n_slots=2, **SETTINGS)
+    per = stage.describe()["state_bytes"]
+    assert stage.describe()["state_snapshot_bytes"] == 0
+    stage.forward(1, 0, _prompt(16, stage.n_vocab, 4))
+    assert stage.state_snapshots(1) == [8, 16]
+    held = stage.describe()["state_snapshot_bytes"]
+    assert 2 * per <= held < 2 * per + 4096, (per, held)  # two snapshots and their headers
+    stage.release(1)
+    assert stage.describe()["state_snapshot_bytes"] == 0
 
 
 @pytest.mark.parametrize("arch", ("qwen35", "mamba2"))

@@ -102,6 +102,9 @@ def test_record_fields_on_a_test_worker(last_stage):
     assert (cap.slots_total, cap.slots_free) == (3, 3)
     assert (cap.context_tokens_total, cap.context_tokens_free) == (384, 384)
     assert cap.memory_bytes == cap.weight_bytes + cap.kv_bytes > 0
+    # an attention model: all of its KV is per context token, no recurrent state
+    assert cap.kv_bytes_per_token == cap.kv_bytes / 384 and cap.state_bytes_per_session == 0
+    assert cap.state_snapshots == cap.state_snapshot_bytes == 0
     # seam cost: payload_size per codec, [1, 64] floats
     assert rec.seam.accepts == "boundary"
     assert rec.seam.boundary_bytes_per_token == {"raw": 256, "f16": 128, "bf16": 128, "q8": 68}

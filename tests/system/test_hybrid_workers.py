@@ -5,6 +5,7 @@ roll rejected drafts back), and ``python -m dgr run`` showing parity on it."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import subprocess
 import sys
@@ -92,9 +93,9 @@ def test_cli_run_on_a_hybrid_model_shows_parity(qwen35):
 def test_a_caching_front_on_a_hybrid_route_gives_an_uncached_fronts_text(qwen35):
     """Chat-like turns (each prompt the last one grown) through a front with its prompt cache
     and the stages' prefix stores on, and through one with neither, greedy and seeded: the
-    same text and log probabilities. A recurrent stage cannot cut a kept session back to a
-    shorter prefix, so such a reuse re-prefills (the stages keep no prefix entry); exact, not
-    faster, until a stage keeps state snapshots."""
+    same text and log probabilities. A recurrent stage cuts a kept session back only to a state
+    snapshot (the ends of its last whole chunks prefilled from 0), so every next turn reuses
+    the prompt's whole chunks and prefills the rest; the stages keep no prefix entry."""
     from dgr.driver.route import AsyncRoute
     from dgr.serve.app import create_app
     from dgr.testing.serving import Served
@@ -123,9 +124,10 @@ def test_a_caching_front_on_a_hybrid_route_gives_an_uncached_fronts_text(qwen35)
 
         with urllib.request.urlopen(cached.base + "/status") as r:
             pc = json.load(r)["prompt_cache"]
-        # the route says its stages roll nothing back: no session kept (it would hold a slot
-        # on every stage for nothing), no reuse tried (each would fail and re-prefill)
-        assert pc["kept"] == 0 and pc["hits"] == 0 and pc["tokens_reused"] == 0, pc
+        # turns 1..5 each restored the snapshot at the end of the last whole chunk the turn
+        # before prefilled (its prompt: 70 tokens and more, in chunks of 8)
+        assert pc["hits"] == 5 and pc["tokens_reused"] >= 5 * 64 and pc["rows_reused"] == 0, pc
+        assert pc["store_hits"] == 0, pc
     finally:
         for s in (cached, plain):
             s.stop()
@@ -136,7 +138,8 @@ def test_a_caching_front_on_a_hybrid_route_gives_an_uncached_fronts_text(qwen35)
 def test_certify_a_hybrid_lane_with_a_failover(qwen35, tmp_path):
     """``python -m dgr certify`` on the hybrid fixture: parity through worker processes, a
     stage SIGKILLed onto a spare, speculation recorded as refused (its state rolls nothing
-    back), the prompt cache keeping nothing, and the lane written to the store."""
+    back), the prompt cache's next turn restoring a state snapshot with a fresh prefill's bits,
+    and the lane written to the store."""
     import json
 
     r = subprocess.run([sys.executable, "-m", "dgr", "certify", "--model", str(qwen35),
@@ -146,9 +149,41 @@ def test_certify_a_hybrid_lane_with_a_failover(qwen35, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "speculative trips: refused: the lane's recurrent state rolls no rejected draft" \
         in r.stderr, r.stderr
-    assert "keeping 0 of its" in r.stderr and "a recurrent state is not cut back" in r.stderr
+    assert "a recurrent state is cut back to nothing shorter" in r.stderr, r.stderr
+    assert "bit-identical to a fresh prefill" in r.stderr, r.stderr
+    assert "keeping 0 of its" not in r.stderr, r.stderr
     (path,) = tmp_path.glob("*.json")
     rec = json.loads(path.read_text())
     assert rec["arch"] == "qwen35" and rec["rollback_window"] == 0
     assert rec["parity"]["passed"] and rec["speculation"] is None
     assert rec["scenario"]["failover"]["passed"], rec["scenario"]["failover"]
+
+
+def test_the_describe_and_capability_records_give_the_state_bytes(qwen35):
+    """The capacity inputs of a hybrid stage: its recurrent state bytes per session (its own
+    layers'; inside kv_bytes) beside the KV bytes per context token of its attention layers,
+    and the state snapshots it keeps per session, in Describe (as the driver reads it) and in
+    the capability record."""
+    from dgr.control import capability
+    from dgr.worker.process import ThreadedWorker
+
+    eng = dgr.Engine(qwen35, layers=(0, 3), **SETTINGS)
+    per = eng.describe()["state_bytes"]
+    assert per > 0
+    async def describe(address):
+        from dgr.transport.client import ShardClient
+
+        c = ShardClient(address)
+        try:
+            return await c.describe()
+        finally:
+            await c.close()
+
+    with ThreadedWorker(eng) as tw:
+        st = asyncio.run(describe(tw.address))
+        assert (st.state_bytes, st.state_snapshots, st.rollback_window) == (per, 4, 0)
+        cap = tw.worker.capability().capacity
+        assert cap.state_bytes_per_session == per and cap.state_snapshots == 4
+        cells = SETTINGS["n_ctx"] * SETTINGS["n_slots"]
+        assert cap.kv_bytes_per_token == (cap.kv_bytes - per * SETTINGS["n_slots"]) / cells > 0
+    assert capability.record_for(eng).capacity.state_bytes_per_session == per

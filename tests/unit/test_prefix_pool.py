@@ -12,31 +12,36 @@ from dgr.serve.prefix import PrefixPool, session_bytes
 
 
 def _session(history, steps, ub=4, chunks=None, rows_exact=(False,), single=None, chunk=None,
-             rollback_window=-1, **route):
+             rollback_window=-1, state_snapshots=0, snapshots=(), **route):
     """An ``AsyncRouteSession``'s reuse state: ``chunks`` are the prompt chunks among
     ``steps`` (default: every step of more than one token), each stage's
     ``prefix_rows_exact`` from ``rows_exact``, ``prefix_single_rows_exact`` from ``single``
-    and ``prefix_chunk_rows_exact`` from ``chunk`` (default: False everywhere); ``route``: the route's ``speculate`` and ``max_draft``."""
+    and ``prefix_chunk_rows_exact`` from ``chunk`` (default: False everywhere), each stage's
+    ``rollback_window`` and ``state_snapshots``, the session's ``snapshots``; ``route``: the
+    route's ``speculate`` and ``max_draft``."""
     from dgr.driver.session import AsyncRouteSession
 
     n = len(rows_exact)
     stages = [SimpleNamespace(prefix_rows_exact=r, prefix_single_rows_exact=o,
-                              prefix_chunk_rows_exact=c, rollback_window=rollback_window)
+                              prefix_chunk_rows_exact=c, rollback_window=rollback_window,
+                              state_snapshots=state_snapshots)
               for r, o, c in zip(rows_exact, single or [False] * n, chunk or [False] * n)]
     s = SimpleNamespace(history=list(history), steps=list(steps), rollback=0, logits=[],
+                        snapshots=list(snapshots),
                         chunks=list(chunks if chunks is not None
                                     else [st for st in steps if st[1] > 1]),
                         route=SimpleNamespace(n_ubatch=ub, stages=stages, **route))
     for name in ("aligned", "reuses", "reusable", "_keep", "_row_rule", "_rows_end", "_any_rows",
-                 "_computed"):
+                 "_computed", "recurrent", "route_snapshots", "_extend"):
         setattr(s, name, getattr(AsyncRouteSession, name).__get__(s))
     return s
 
 
-def test_a_route_whose_stages_roll_nothing_back_reuses_nothing_and_keeps_nothing():
+def test_a_route_whose_stages_roll_nothing_back_and_keep_no_snapshot_reuses_nothing():
     """A recurrent or hybrid model's stage (``rollback_window`` 0) cannot be cut back to a
-    shorter prefix: nothing is reusable, even rows every stage computes alike, and the pool
-    closes such a session at once instead of holding its slots."""
+    shorter prefix but to a state snapshot: with none kept (``state_snapshots`` 0, or a worker
+    older than the field) nothing is reusable, even rows every stage computes alike, and the
+    pool closes such a session at once instead of holding its slots."""
     from dgr.serve.prefix import PrefixPool
 
     steps = [(0, 4), (4, 4), (8, 2), (10, 1)]
@@ -47,6 +52,38 @@ def test_a_route_whose_stages_roll_nothing_back_reuses_nothing_and_keeps_nothing
     pool = PrefixPool(2)
     assert pool.put(None, s) == [s] and len(pool) == 0
     assert pool.take(None, list(range(20))) is None and pool.misses == 1
+
+
+def test_a_recurrent_route_reuses_only_a_snapshot_every_stage_keeps():
+    """With state snapshots (each stage keeps its state at the ends of the last few whole
+    chunks prefilled from 0) a recurrent route's session mirrors the stages' list as its steps
+    go: a whole chunk continuing the run from 0 adds one, the oldest goes past the fewest any
+    stage keeps, a partial chunk or a decode step ends the run, and a reuse keeps only those
+    up to it. A later prompt reuses the largest snapshot within the common prefix, never rows
+    past it (a recurrent state after a partial chunk or decode steps is not a fresh prefill's),
+    and the pool keeps such a session."""
+    s = _session([], [], rollback_window=0, state_snapshots=2, rows_exact=(True, True),
+                 single=[True, True])
+    s.route.stages[1].state_snapshots = 3
+    s.history, s.steps = [], []
+    assert s.reuses() and s.route_snapshots() == 2
+    for first in range(0, 12, 4):
+        s._extend(list(range(first, first + 4)))
+    assert s.snapshots == [8, 12]                  # the last two of 4, 8, 12
+    s._extend([12, 13])                            # a partial chunk: the run ends
+    s._extend([14, 15, 16, 17])                    # a whole chunk after it takes none
+    s._extend([18])
+    assert s.snapshots == [8, 12] and s.aligned() == 12
+    assert s.reusable(list(range(30))) == 12        # not the rows 12..18 every stage computes alike
+    assert s.reusable(list(range(11)) + [99]) == 8
+    assert s.reusable(list(range(7)) + [99]) == 0   # 4 was dropped
+    s._keep(8)
+    assert s.snapshots == [8] and s.aligned() == 8
+    pool = PrefixPool(2)
+    assert pool.put(None, s) == [] and pool.take(None, list(range(9)) + [99]) == (s, 8)
+    other = _session([], [], rollback_window=-1, state_snapshots=0)
+    other._extend([0, 1, 2, 3])
+    assert other.snapshots == [] and other.route_snapshots() == 0  # no recurrent stage
 
 
 def test_what_a_kept_session_may_reuse():
@@ -171,3 +208,14 @@ def test_what_the_kept_sessions_hold():
     assert p.bytes_held() == p.snapshot()["bytes"] == 15 * 1536
     p.take(None, list(range(11)))
     assert p.bytes_held() == 4 * 1536
+
+
+def test_what_a_kept_recurrent_session_holds():
+    """On a hybrid model's route each stage's KV cache holds its recurrent state too: a kept
+    session holds the attention cells of its positions (the KV bytes less the states, over the
+    cells), its state, and the snapshots of it the stage keeps."""
+    s = _session(range(9), [(0, 4), (4, 4), (8, 1)], rows_exact=(False, False),
+                 rollback_window=0, state_snapshots=4, snapshots=[4, 8])
+    for st, kv, state in zip(s.route.stages, (32 * 1024 + 2 * 1000, 32 * 512), (1000, 0)):
+        st.settings, st.kv_bytes, st.state_bytes = {"n_ctx": 16, "n_slots": 2}, kv, state
+    assert session_bytes(s) == 9 * (1024 + 512) + 1000 * 3

@@ -49,6 +49,13 @@ struct EngineConfig {
     // Only on the last stage (layer_end == n_layer) of a deepseek4 model with one NextN block;
     // it leaves the trunk's logits and boundary bit-identical to mtp=false.
     bool     mtp         = false;
+    // A recurrent or hybrid memory (Mamba, Qwen3.5, Nemotron-H, ...) keeps one state per
+    // sequence, not a history: per slot, the engine keeps a snapshot of that state (the
+    // recurrent rows, and an iswa hybrid's SWA cells) at the end of each whole n_ubatch chunk
+    // computed from position 0, the last `state_snapshots` of them, and Truncate to one of
+    // those positions restores it (llama-server's context checkpoints). 0: none (a partial
+    // Truncate is refused). Ignored by other memories. Host memory: StateSnapshotBytes.
+    uint32_t state_snapshots = 4;
 };
 
 struct EngineInfo {
@@ -97,6 +104,12 @@ struct EngineInfo {
     // last forward (DeepSeek V4: the trunk cache's n_rs_seq rollback snapshots); -1: dgr sets
     // no window (the cache decides: kRollbackUnsupported when it cannot drop the tail).
     int32_t  rollback_window = -1;
+    // A recurrent or hybrid memory: its state bytes per slot (every owned recurrent layer's
+    // rows, rollback groups included; counted in kv_bytes too, which holds all of the
+    // context's memory), and how many snapshots a slot keeps (EngineConfig::state_snapshots;
+    // 0 for any other memory).
+    uint64_t state_bytes = 0;
+    uint32_t state_snapshots = 0;
 };
 
 // One engine is used by one thread at a time: it keeps no lock of its own. The Python binding
@@ -180,9 +193,15 @@ public:
     // kRollbackUnsupported when a cache cannot drop that tail: DeepSeek V4's compressed
     // state outside its rollback window (more than info().rollback_window positions, or more
     // than the slot's last forward computed), or, with mtp, pos-1 older than the hidden rows
-    // kept (the last rollback_window+1 positions). The slot is then cleared and must
-    // re-prefill.
+    // kept (the last rollback_window+1 positions), or a recurrent or hybrid memory at a
+    // position where the slot keeps no state snapshot (EngineConfig::state_snapshots;
+    // StateSnapshots lists them). The slot is then cleared and must re-prefill.
     Status Truncate(int32_t slot, int32_t pos);
+
+    // The positions at which the slot keeps a state snapshot (oldest first; empty but for a
+    // recurrent or hybrid memory), and the host bytes all slots' snapshots hold.
+    std::vector<int32_t> StateSnapshots(int32_t slot) const;
+    uint64_t StateSnapshotBytes() const;
 
     // Greedy MTP draft (engines loaded with mtp): `token` is the token at NextPos(slot) (the
     // one sampled from the last logits); the NextN block decodes (token, the trunk's hidden

@@ -291,6 +291,7 @@ Status Engine::Impl::ForwardBatch(const int32_t * slots, const int32_t * pos, co
                 int32_t e = k + 1;
                 while (e < n && slots[idx[e]] == slots[idx[k]]) ++e;
                 m.rs_tail[slots[idx[k]]] = e - k;
+                m.AfterDecode(slots[idx[k]], pos[idx[k]], e - k);
                 k = e;
             }
             if (m.mtp) {

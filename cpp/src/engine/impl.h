@@ -10,6 +10,7 @@
 #pragma once
 
 #include <atomic>
+#include <deque>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -179,6 +180,29 @@ struct Engine::Impl {
     // drop (-1: no window of dgr's), and per slot how many the last llama_decode computed.
     int32_t rs_window = -1;
     std::vector<int32_t> rs_tail;
+
+    // A recurrent or hybrid memory's state snapshots (EngineConfig::state_snapshots), per
+    // slot: `aligned` is the end of the run of whole n_ubatch chunks the slot computed from
+    // position 0, one decode each (-1 once another step broke it: no more snapshots until the
+    // slot is cleared or restored); `snaps` the state (llama_state_seq_get_data_ext,
+    // LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) at the last n_snapshots of those ends, oldest first.
+    // memory.cpp keeps them.
+    struct Snapshot {
+        int32_t pos = 0;
+        std::vector<uint8_t> data;
+    };
+    struct SlotState {
+        int32_t aligned = 0;
+        std::deque<Snapshot> snaps;
+    };
+    uint32_t n_snapshots = 0;
+    std::vector<SlotState> slot_state;
+    // After a decode in which `slot` computed `count` positions from `first`: a snapshot
+    // when they were its next whole chunk.
+    void AfterDecode(int32_t slot, int32_t first, int32_t count);
+    // Restore the slot's snapshot at `pos` and drop its positions from there; false (the slot
+    // untouched) when it keeps none there or llama.cpp refuses the restore.
+    bool RestoreSnapshot(int32_t slot, int32_t pos);
 
     // MTP (NextN) drafting on the last stage (MtpDrafter); null without mtp
     std::unique_ptr<MtpDrafter> mtp;

@@ -10,6 +10,10 @@
 #include "gguf.h"
 #include "impl.h"
 #include "llama-context.h"  // llama_context::get_sched: its backends (UseReferenceKernels)
+// the recurrent memory's state tensors (recurrent_state_bytes): llama.cpp has no public call
+#include "llama-memory-hybrid-iswa.h"
+#include "llama-memory-hybrid.h"
+#include "llama-memory-recurrent.h"
 
 namespace dgr {
 using namespace detail;
@@ -182,6 +186,27 @@ bool UseReferenceKernels(llama_context * ctx) {
         any = true;
     }
     return any;
+}
+
+// The state bytes per sequence of a recurrent memory, or of a hybrid one's recurrent part (0
+// for any other): every owned layer's conv/SSM rows (r_l, s_l, p_l; a stage allocates its own
+// layers' only, patch 0014), rollback groups included, over the cells (one per sequence).
+uint64_t recurrent_state_bytes(llama_memory_t mem) {
+    const llama_memory_recurrent * r = dynamic_cast<const llama_memory_recurrent *>(mem);
+    if (!r) {
+        if (auto * h = dynamic_cast<const llama_memory_hybrid *>(mem)) r = h->get_mem_recr();
+    }
+    if (!r) {
+        if (auto * h = dynamic_cast<const llama_memory_hybrid_iswa *>(mem)) r = h->get_mem_recr();
+    }
+    if (!r || r->size == 0) return 0;
+    uint64_t b = 0;
+    for (const auto * v : {&r->r_l, &r->s_l, &r->p_l}) {
+        for (const ggml_tensor * x : *v) {
+            if (x) b += ggml_nbytes(x);
+        }
+    }
+    return b / r->size;
 }
 
 }  // namespace
@@ -388,6 +413,11 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
         m.rs_window = (int32_t) llama_n_rs_seq(m.ctx);
     }
     m.rs_tail.assign(cfg.n_slots, 0);
+    // ... except back to a state snapshot: at the ends of whole chunks (memory.cpp)
+    if (m.rs_window == 0 && (llama_model_is_recurrent(m.model) || llama_model_is_hybrid(m.model))) {
+        m.n_snapshots = cfg.state_snapshots;
+        m.slot_state.assign(cfg.n_slots, Impl::SlotState());
+    }
     if (cfg.mtp) {
         // every row's hidden state after the last layer (not only the logits rows): the pairs
         // of the catch-up decode. t_h_nextn is the residual the head reads; the logits do not
@@ -444,6 +474,8 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
     in.mtp = m.mtp != nullptr;
     in.n_layer_nextn = (int32_t) facts.n_layer_nextn;
     in.rollback_window = m.rs_window;
+    in.state_bytes = recurrent_state_bytes(llama_get_memory(m.ctx));
+    in.state_snapshots = m.n_snapshots;
     in.n_params = llama_model_n_params(m.model);
     in.token_bos = llama_vocab_bos(m.vocab);
     in.token_eos = llama_vocab_eos(m.vocab);

@@ -1,6 +1,7 @@
 // A slot's caches: released, copied, truncated (the rollback rules of each memory type).
 
 #include <algorithm>
+#include <string>
 
 #include "impl.h"
 
@@ -36,6 +37,7 @@ Status Engine::Impl::CopySlot(int32_t src, int32_t dst) {
     // at the start of the next decode (llama_kv_cache::seq_cp, update), the bytes as they are
     llama_memory_seq_cp(mem, src, dst, -1, -1);
     m.rs_tail[dst] = m.rs_tail[src];
+    if (m.n_snapshots) m.slot_state[dst] = m.slot_state[src];  // a fork restores as its source
     return Status();
 }
 
@@ -43,6 +45,10 @@ void Engine::Impl::ClearSlot(int32_t slot) {
     Impl & m = *this;
     llama_memory_seq_rm(llama_get_memory(m.ctx), slot, -1, -1);
     m.rs_tail[slot] = 0;
+    if (m.n_snapshots) {
+        m.slot_state[slot].aligned = 0;
+        m.slot_state[slot].snaps.clear();
+    }
     if (m.mtp) m.mtp->Clear(slot);
 }
 
@@ -73,7 +79,17 @@ Status Engine::Impl::Truncate(int32_t slot, int32_t pos) {
         // truncate with no forward since) llama.cpp's seq_rm would accept a rollback it cannot
         // restore exactly.
         if (m.rs_window == 0) {
-            return refuse(m.info.arch + "'s recurrent state keeps no history of its positions");
+            if (m.RestoreSnapshot(slot, pos)) return Status();
+            if (!m.n_snapshots) {
+                return refuse(m.info.arch + "'s recurrent state keeps no history of its positions, and this "
+                              "engine keeps no state snapshots (state_snapshots=0)");
+            }
+            std::string at;
+            for (const auto & s : m.slot_state[slot].snaps) at += (at.empty() ? "" : ", ") + std::to_string(s.pos);
+            return refuse(m.info.arch + "'s recurrent state keeps no history of its positions, and the slot "
+                          "keeps state snapshots only at the ends of whole chunks of " +
+                          std::to_string(m.cfg.n_ubatch) + " prefilled from position 0 (" +
+                          (at.empty() ? std::string("none yet") : "at " + at) + ")");
         }
         return refuse(m.info.arch + "'s compressed state rolls back at most " + std::to_string(m.rs_window) +
                       " positions, and only of the slot's last forward (" + std::to_string(m.rs_tail[slot]) +
@@ -121,6 +137,57 @@ Status Engine::Impl::MtpDraft(int32_t slot, int32_t token, int32_t n_max, std::v
     Status st = m.mtp->Draft(slot, pos0, token, n, out, &stuck);
     if (stuck) m.ClearSlot(slot);  // the MTP cache kept a draft it could not drop
     return st;
+}
+
+}  // namespace dgr
+
+namespace dgr {
+
+void Engine::Impl::AfterDecode(int32_t slot, int32_t first, int32_t count) {
+    if (!n_snapshots) return;
+    SlotState & ss = slot_state[slot];
+    if (ss.aligned < 0) return;
+    if (count != (int32_t) cfg.n_ubatch || first != ss.aligned) {
+        ss.aligned = -1;  // a partial chunk or a decode step: its state is not a fresh prefill's
+        return;
+    }
+    ss.aligned = first + count;
+    const llama_state_seq_flags fl = LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY;
+    Snapshot snap;
+    if (ss.snaps.size() >= n_snapshots) {  // the oldest goes; its buffer is reused
+        snap.data = std::move(ss.snaps.front().data);
+        ss.snaps.pop_front();
+    }
+    snap.pos = ss.aligned;
+    snap.data.resize(llama_state_seq_get_size_ext(ctx, slot, fl));
+    if (llama_state_seq_get_data_ext(ctx, snap.data.data(), snap.data.size(), slot, fl) != snap.data.size()) {
+        ss.aligned = -1;  // not taken: no later snapshot either (they must be a contiguous run)
+        return;
+    }
+    ss.snaps.push_back(std::move(snap));
+}
+
+bool Engine::Impl::RestoreSnapshot(int32_t slot, int32_t pos) {
+    if (!n_snapshots) return false;
+    SlotState & ss = slot_state[slot];
+    auto it = std::find_if(ss.snaps.begin(), ss.snaps.end(), [&](const Snapshot & s) { return s.pos == pos; });
+    if (it == ss.snaps.end()) return false;
+    const llama_state_seq_flags fl = LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY;
+    // the recurrent rows (and an iswa hybrid's SWA cells) as they were at `pos`, then the
+    // attention cells from `pos` on dropped: the caches of a slot that computed 0..pos-1
+    if (llama_state_seq_set_data_ext(ctx, it->data.data(), it->data.size(), slot, fl) != it->data.size()) {
+        ClearSlot(slot);  // a failed read leaves the state cleared (llama_memory_recurrent::state_read)
+        return false;
+    }
+    llama_memory_t mem = llama_get_memory(ctx);
+    if (!llama_memory_seq_rm(mem, slot, pos, -1) || llama_memory_seq_pos_max(mem, slot) + 1 != pos) {
+        ClearSlot(slot);
+        return false;
+    }
+    ss.snaps.erase(it + 1, ss.snaps.end());
+    ss.aligned = pos;
+    rs_tail[slot] = 0;
+    return true;
 }
 
 }  // namespace dgr

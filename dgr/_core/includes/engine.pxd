@@ -35,6 +35,7 @@ cdef extern from "dgr/engine.h" namespace "dgr" nogil:
         bool use_mmap
         uint64_t device_memory_limit
         bool mtp
+        uint32_t state_snapshots
 
     cdef cppclass CEngineCounters "dgr::Engine::Counters":
         int64_t forwards
@@ -85,6 +86,8 @@ cdef extern from "dgr/engine.h" namespace "dgr" nogil:
         bool mtp
         int32_t n_layer_nextn
         int32_t rollback_window
+        uint64_t state_bytes
+        uint32_t state_snapshots
 
     cdef cppclass CEngine "dgr::Engine":
         @staticmethod
@@ -114,6 +117,8 @@ cdef extern from "dgr/engine.h" namespace "dgr" nogil:
         CStatus Truncate(int32_t slot, int32_t pos) except +
         CStatus MtpDraft(int32_t slot, int32_t token, int32_t n_max, vector[int32_t] * out) except +
         int32_t NextPos(int32_t slot) except +
+        vector[int32_t] StateSnapshots(int32_t slot) except +
+        uint64_t StateSnapshotBytes() except +
         int64_t GraphsReused() except +
         CEngineCounters GetCounters() except +
         CStatus RefreshMemory() except +
