@@ -15,25 +15,11 @@ __all__ = ["refusal_reason"]
 #: the per-layer memory filters of 0003 and 0014 cover every other memory type
 MEMORY = frozenset({"rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
 
-#: sparse attention whose shared-indexer layers reuse the top-k of the last full-indexer layer
-SHARED_INDEXER = frozenset({"glm-dsa", "glm5-next", "hy_v4"})
-
 #: non-causal or diffusion models (no causal KV cache to keep per stage)
 NON_CAUSAL = frozenset({"dream", "llada", "llada-moe", "rnd1"})
 
-#: graphs that carry more than the residual across a seam, or read a global mid-trunk
+#: graphs that carry more than the residual across a seam, or run their layers out of order
 SPECIFIC = {
-    "talkie": "every layer adds the normed token embeddings again (a skip connection), which "
-              "would have to cross every seam",
-    "cogvlm": "its layers pick text or image weights by whether the batch carries token ids, "
-              "which a later stage does not receive",
-    "kimi-k3": "its attention residuals mix the outputs of every earlier block (a running sum "
-               "over the layers), which would have to cross a seam",
-    "hrm_text": "its layers run in nested cycles (the H and L modules reused in turn), not once "
-                "each in order",
-    "nanbeige": "its looped layers read the output norm in the middle of the trunk",
-    "qwen3vl": "its deepstack features are added to the outputs of early layers, which a "
-               "later stage would need at the seam",
     "gemma3n": "its per-layer inputs (computed from the token embeddings) would have to cross "
                "every seam",
     "gemma4": "its per-layer inputs (computed from the token embeddings) would have to cross "
@@ -46,9 +32,6 @@ def refusal_reason(arch: str) -> str:
     if arch in MEMORY:
         return ("its recurrent state's graph has not been cut into stages yet (RWKV-7 carries "
                 "v_first from its first layer through every other)")
-    if arch in SHARED_INDEXER:
-        return ("its shared-indexer layers reuse the top-k of the last full-indexer layer, "
-                "which would have to cross a seam")
     if arch in NON_CAUSAL:
         return "it is a non-causal, diffusion model: there is no causal cache to keep per stage"
     if arch in SPECIFIC:

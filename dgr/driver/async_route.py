@@ -39,6 +39,12 @@ from dgr.transport.security import Security, default_security
 
 log = logging.getLogger("dgr.driver.route")
 
+#: architectures whose boundary row may carry integers (cache cell indices: the last
+#: full-indexer layer's selection) beside the residual: only the raw codec keeps them (patches
+#: 0021, 0022; refused whether or not a model's layers share an indexer, which only its stages
+#: know)
+INDEX_SIDEBANDS = frozenset({"glm-dsa", "hy_v4", "glm5-next"})
+
 __all__ = ["AsyncRoute"]
 
 
@@ -151,6 +157,13 @@ class AsyncRoute:
                     "a mixed route have each their own (their kind of device); use relay=None "
                     "or False")
             self.relay = False
+        if self.codec != "raw" and any(s.arch in INDEX_SIDEBANDS for s in order[:-1]):
+            # the boundary row carries cache cell indices (a top-k sideband): a lossy codec
+            # would round them to other cells (docs/wire.md "Sidebands")
+            raise errors.RouteError(
+                f"codec={self.codec!r}: {order[0].arch}'s boundary carries the selection of its "
+                "last full-indexer layer as cache cell indices, which a lossy codec would change; "
+                "use codec='raw'")
         old = [s for s in order if s.wire_schema_version < 4]
         if self.speculate and old:
             # a stage before wire schema 4 would ignore Forward.rollback and drafts

@@ -308,7 +308,7 @@ def write(arch_regex: str = "", out_dir: str | Path | None = None, *,
 #: requires each to be written by the generator and to split bit-exact
 FAMILIES = ("qwen2", "qwen3", "qwen3moe", "gemma3", "deepseek2", "glm4moe", "gpt-oss", "llama4",
             "phi3", "mistral3", "llama", "deepseek4", "deepseek32", "qwen35", "qwen35moe",
-            "qwen3next", "nemotron_h")
+            "qwen3next", "nemotron_h", "kimi-k3", "glm-dsa")
 PROBE_SETTINGS = dict(n_ctx=256, n_threads=1, n_ubatch=8, flash_attn=True)
 PROBE_PROMPT = 11  # tokens: one full ubatch of 8 and a ragged tail of 3
 PROBE_DECODE = 3
@@ -545,12 +545,24 @@ def format_markdown(rows: list[dict], failed: Sequence[tuple[str, str, str]] = (
         "one state cell per session, and the state never crosses a seam (patches 0014, 0016). "
         "Batched sessions each have their own cells; a failover re-prefills, as for any model; "
         "`n` > 1 forks a session's state cell on every stage. A state keeps no history of its "
-        "positions, so such a stage keeps no prefix entries (a prefix cache hit re-prefills) "
-        "and drafts nothing: a route asked to speculate on it is refused by name (its "
+        "positions: each stage keeps state snapshots at the ends of a session's last whole "
+        "`n_ubatch` chunks prefilled from position 0, and a prompt cache's next turn restores "
+        "one (docs/serve.md \"Prompt cache\"); such a stage keeps no prefix-store entries and "
+        "drafts nothing: a route asked to speculate on it is refused by name (its "
         "`rollback_window` is 0). `tests/integration/test_hybrid_splits.py` and "
         "`tests/system/test_hybrid_workers.py` check them at 8 layers in 3 stages. The diffusion "
         "models (dream, llada, llada-moe, rnd1) stay refused: a denoising step is a non-causal "
         "forward over the whole sequence with no cache to keep per stage.",
+        "",
+        "**Sidebands** (docs/wire.md \"Sidebands\"): talkie, cogvlm and qwen4exp stages take the "
+        "token ids with the boundary (qwen4exp gathers its per-layer embeddings from them), "
+        "Kimi-K3's seams carry its banked residual checkpoints, hy_v4's, glm5-next's and "
+        "qwen4exp's their hyper-connection streams, and glm-dsa's, hy_v4's and glm5-next's the "
+        "last full-indexer layer's selection in a wider row, HRM-Text's its cycle state (its "
+        "layers are the cache slots of unrolled passes); qwen3vl's deepstack part of a token "
+        "row is zeros a later stage adds too (patches 0018-0024; "
+        "`tests/integration/test_sideband_splits.py` checks them at more layers: Kimi-K3 at 26, "
+        "the shared-indexer models with shared layers, HRM-Text with seams inside a pass).",
         "",
         "| architecture | files | layers | whole load + forward | split |",
         "|---|---|---|---|---|",

@@ -162,10 +162,11 @@ def test_malformed_range_argument(tiny_llama):
         dgr.Engine(tiny_llama, layers=(1,), **TINY)
 
 
-def write_tiny_dense(path, arch: str, qk_norm: bool = False):
+def write_tiny_dense(path, arch: str, qk_norm: bool = False, loops: int = 0):
     """A random 4-layer dense GGUF of a llama-like ``arch`` (qwen2, qwen3, mistral3, nanbeige:
     their loaders take the tiny llama's tensors; ``qk_norm`` adds qwen3's per-layer
-    ``attn_q_norm``/``attn_k_norm``), whose whole model llama.cpp loads."""
+    ``attn_q_norm``/``attn_k_norm``; ``loops`` sets nanbeige's ``num_loops``), whose whole
+    model llama.cpp loads."""
     from dgr.testing.fixtures import gguf_module
 
     gguf = gguf_module()
@@ -181,6 +182,8 @@ def write_tiny_dense(path, arch: str, qk_norm: bool = False):
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_file_type(0)
+    if loops:
+        w.add_uint32(f"{arch}.num_loops", loops)
     w.add_tokenizer_model("test")
     w.add_token_list([f"tok_{i}" for i in range(n_vocab)])
     w.add_token_scores([0.0] * n_vocab)
@@ -204,17 +207,16 @@ def write_tiny_dense(path, arch: str, qk_norm: bool = False):
     return path
 
 
-def test_partial_range_on_unadapted_architecture(tmp_path):
-    """An architecture outside llama.cpp's list (nanbeige: its looped layers read the output
-    norm mid-trunk, so no patch gives it a stage graph): a partial range is refused with the
-    typed error before any weight is read; the whole model (implicit or explicit) loads and
-    runs."""
-    p = write_tiny_dense(tmp_path / "tiny-nanbeige.gguf", "nanbeige")
-    assert not arch_supports_layer_range("nanbeige")
+def test_partial_range_of_a_looped_nanbeige_is_refused(tmp_path):
+    """nanbeige splits (0020), but a looped one (``num_loops`` > 1: its logical layers share the
+    weights of its physical ones, and the loops read the output norm between them) loads whole
+    only: a partial range is refused with the typed error before any weight is read, naming
+    why; the whole model (implicit or explicit) loads and runs all 8 logical layers."""
+    p = write_tiny_dense(tmp_path / "tiny-nanbeige-looped.gguf", "nanbeige", loops=2)
+    assert arch_supports_layer_range("nanbeige")
     for layers in [(0, 2), (2, 4), (1, 3)]:
         with pytest.raises(errors.UnsupportedArchitecture,
-                           match="nanbeige.*refused because its looped layers read the output "
-                                 "norm"):
+                           match=r"looped nanbeige model \(nanbeige.num_loops = 2\).*load it whole"):
             dgr.Engine(p, layers=layers, **TINY)
     for layers in [None, (0, 4)]:
         whole = dgr.Engine(p, layers=layers, **TINY)
@@ -222,13 +224,30 @@ def test_partial_range_on_unadapted_architecture(tmp_path):
             "nanbeige", (0, 4), True, True)
         row = whole.forward(0, 0, [1, 2, 3])
         assert row.shape == (1, 128) and np.isfinite(row).all()
+    once = dgr.Engine(write_tiny_dense(tmp_path / "tiny-nanbeige.gguf", "nanbeige"), **TINY)
+    assert not np.array_equal(once.forward(0, 0, [1, 2, 3]), row)  # the loops ran
+
+
+def test_partial_range_on_unadapted_architecture(tmp_path):
+    """An architecture outside llama.cpp's list (dream: a diffusion model, non-causal): a
+    partial range is refused with the typed error naming the reason; the whole model runs."""
+    from dgr.testing import archs
+
+    (p,) = archs.write("^dream$").files
+    assert not arch_supports_layer_range("dream")
+    for layers in [(0, 2), (2, 4)]:
+        with pytest.raises(errors.UnsupportedArchitecture,
+                           match="dream.*refused because it is a non-causal, diffusion model"):
+            dgr.Engine(p, layers=layers, **TINY)
+    whole = dgr.Engine(p, **TINY)
+    assert whole.arch == "dream" and np.isfinite(whole.forward(0, 0, [1, 2, 3])).all()
 
 
 @needs_ranges
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral3", "nanbeige"])
 @pytest.mark.parametrize("ranges", _all_splits(4), ids=lambda r: "-".join(f"{a}:{b}" for a, b in r))
 def test_tiny_llama_like_split_parity(tmp_path, arch, ranges):
-    """qwen2 and qwen3 (patch 0008), mistral3 (0011): every interior cut and single-layer stages
+    """qwen2 and qwen3 (patch 0008), mistral3 (0011), nanbeige (0020): every interior cut and single-layer stages
     give every prompt row and every decode step's logits bit for bit as the whole model."""
     p = write_tiny_dense(tmp_path / f"tiny-{arch}.gguf", arch, qk_norm=arch == "qwen3")
     assert arch_supports_layer_range(arch)
@@ -261,13 +280,16 @@ def _llama_cpp_archs() -> tuple[set[str], set[str]]:
 def test_splittable_architectures_are_llama_cpps_list():
     """dgr keeps no list of its own: the binding's answer, for every architecture llama.cpp
     knows, is the switch the stage-graph patches fill in (llama 0005, deepseek4 0006, qwen2 and
-    qwen3 0008, 76 more 0011, the recurrent and hybrid 15 of 0016, 11 more 0017), and it holds
-    every family the suite requires (issue 16's, the hybrid ones of issue 53)."""
+    qwen3 0008, 76 more 0011, the recurrent and hybrid 15 of 0016, 11 more 0017, 4 of 0018, 1
+    of 0019, 1 of 0020, 1 of 0021, 2 of 0022, 1 of 0023, 1 of 0024), and it holds every family the suite requires (issue 16's, the hybrid
+    ones of issue 53)."""
     listed, known = _llama_cpp_archs()
-    assert set(FAMILIES) <= listed and len(listed) == 106
+    assert set(FAMILIES) <= listed and len(listed) == 117
     assert {a for a in known if arch_supports_layer_range(a)} == listed
     assert {"mamba", "qwen3next", "qwen35", "nemotron_h", "deepseek32", "bloom"} <= listed
-    for arch in ("nanbeige", "qwen3vl", "glm-dsa", "llada", "llama-embed", "gemma3n", "",
+    assert {"qwen3vl", "talkie", "cogvlm", "kimi-k3", "nanbeige", "glm-dsa", "hy_v4",
+            "glm5-next", "qwen4exp", "hrm_text"} <= listed
+    for arch in ("dream", "llada-moe", "rnd1", "llada", "llama-embed", "gemma3n", "",
                  "no-such-arch"):
         assert not arch_supports_layer_range(arch)
 

@@ -32,9 +32,12 @@ Status Engine::Impl::CheckStageInputs(const int32_t * tokens, const float * boun
     if (!m.first && in.needs_token_ids && !tokens) {
         return Status(kMissingTokenIds, "stage [" + std::to_string(in.layer_start) + ", " +
                       std::to_string(in.layer_end) + ") " +
-                      (m.trunk_tokens ? "owns hash-routed layers (hash_layer_count=" +
-                                            std::to_string(in.hash_layer_count) + ")"
-                                      : std::string("drafts with MTP (its NextN block embeds the tokens)")) +
+                      (!m.trunk_tokens ? std::string("drafts with MTP (its NextN block embeds the tokens)")
+                       : in.hash_layer_count > in.layer_start
+                           ? "owns hash-routed layers (hash_layer_count=" + std::to_string(in.hash_layer_count) + ")"
+                           : in.arch == "cogvlm" ? std::string("cogvlm's layers take their text weights for rows of token ids")
+                           : in.arch == "qwen4exp" ? std::string("qwen4exp's layers read per-layer embeddings gathered by the token ids")
+                           : in.arch + "'s layers read the token embeddings (a skip connection)") +
                       " and needs the token ids with the boundary");
     }
     if (tokens) {

@@ -53,6 +53,7 @@ struct GgufFacts {
     int64_t n_layer = 0;           // transformer layers, without NextN (MTP) blocks
     int64_t n_layer_nextn = 0;     // NextN (MTP) blocks after them, counted in block_count
     int64_t hash_layer_count = 0;
+    int64_t num_loops = 1;              // nanbeige: logical passes over the physical layers
     std::vector<uint64_t> layer_bytes;  // tensor bytes of each block (blk.N.*), NextN included
     uint64_t head_bytes = 0;            // output*, the head's tensors (the last stage's)
     uint64_t embd_bytes = 0;            // token_embd: the head too when output.weight is absent
@@ -119,6 +120,7 @@ Status inspect_gguf(const std::string & path, GgufFacts * facts) {
         facts->arch = gguf_get_val_str(g, arch_id);
         facts->n_layer = gguf_int(g, facts->arch + ".block_count", -1);
         facts->hash_layer_count = gguf_int(g, facts->arch + ".hash_layer_count", 0);
+        facts->num_loops = gguf_int(g, facts->arch + ".num_loops", 1);
         if (facts->n_layer <= 0) {
             s = Status(kInvalidModel, path + " has no " + facts->arch + ".block_count");
         }
@@ -272,6 +274,11 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
         return Status(kUnsupportedArch, "layer ranges are not supported for architecture '" + facts.arch +
                       "' (its stage graph is not adapted by dgr's patch stack); load the whole model "
                       "(layers=None) or use a supported architecture");
+    }
+    if (partial && facts.num_loops > 1) {
+        return Status(kUnsupportedArch, "layer ranges are not supported for a looped " + facts.arch + " model (" +
+                      facts.arch + ".num_loops = " + std::to_string(facts.num_loops) + "): its logical layers share the "
+                      "weights of its physical ones, which a stage of logical layers does not own; load it whole");
     }
     if (cfg.mtp) {
         // MTP drafts from the hidden state after the last layer, with the head: the last stage
@@ -469,7 +476,13 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
     in.type_k = cfg.type_k;
     in.type_v = cfg.type_v;
     in.hash_layer_count = (int32_t) facts.hash_layer_count;
+    // ... and a stage that reads them itself: DeepSeek V4's hash-routed layers, talkie's token-embedding skip,
+    // cogvlm's text rows, qwen4exp's per-layer embeddings (llama_model_stage_needs_token_ids)
+#if DGR_LAYER_RANGE
+    m.trunk_tokens = m.first || start < facts.hash_layer_count || llama_model_stage_needs_token_ids(m.model);
+#else
     m.trunk_tokens = m.first || start < facts.hash_layer_count;
+#endif
     in.needs_token_ids = m.trunk_tokens || m.mtp != nullptr;  // the NextN block embeds the tokens
     in.mtp = m.mtp != nullptr;
     in.n_layer_nextn = (int32_t) facts.n_layer_nextn;
