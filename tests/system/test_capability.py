@@ -275,11 +275,11 @@ def test_a_split_lane_needs_an_architecture_this_build_splits(tiny_llama, store,
     # the listing: a record of a model whose arch does not split here is flagged
     (_, cert), = certify.load_store(store)
     other = store.parent / "certs-other-arch"
-    certificates.write(msgspec.structs.replace(cert, arch="hrm_text"), other)
+    certificates.write(msgspec.structs.replace(cert, arch="dream"), other)
     ls = subprocess.run([sys.executable, "-m", "dgr", "lanes", "--store", str(other)],
                         capture_output=True, text=True, timeout=60)
-    assert ls.returncode == 0 and "  hrm_text  " in ls.stdout
-    assert "NOT SPLITTABLE here (hrm_text)" in ls.stdout
+    assert ls.returncode == 0 and "  dream  " in ls.stdout
+    assert "NOT SPLITTABLE here (dream)" in ls.stdout
 
 
 def test_worker_process_serves_lanes_and_metrics(tiny_llama, store):
