@@ -80,14 +80,20 @@ def test_speculation_on_a_hybrid_route_is_refused_by_name(cluster):
             r.complete(prompt(0), max_tokens=4)
 
 
-def test_cli_run_on_a_hybrid_model_shows_parity(qwen35):
-    r = subprocess.run([sys.executable, "-m", "dgr", "run", "--model", str(qwen35), "--stages",
+def assert_cli_run_shows_parity(model) -> None:
+    """``python -m dgr run --parity`` through three worker processes on ``model``: the whole
+    model's tokens and logits, and every worker stopped cleanly."""
+    r = subprocess.run([sys.executable, "-m", "dgr", "run", "--model", str(model), "--stages",
                         "3", "--max-tokens", "8", "--no-chat", "--prompt", "hello world",
                         "--parity"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "matches the whole model (in-process dgr.Engine, same settings): yes" in r.stderr
     assert "logits bit-identical over 8 steps: yes" in r.stderr, r.stderr
     assert "workers stopped (exit status 0, 0, 0)" in r.stderr
+
+
+def test_cli_run_on_a_hybrid_model_shows_parity(qwen35):
+    assert_cli_run_shows_parity(qwen35)
 
 
 def test_a_caching_front_on_a_hybrid_route_gives_an_uncached_fronts_text(qwen35):

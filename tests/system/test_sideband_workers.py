@@ -7,13 +7,11 @@ refused on a route whose boundary carries cache cell indices."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from dgr._core import HAS_LAYER_RANGES
 from dgr.testing import archs
+from test_hybrid_workers import assert_cli_run_shows_parity  # noqa: E402  (its helper)
 
 pytestmark = [pytest.mark.system,
               pytest.mark.skipif(not HAS_LAYER_RANGES, reason="needs the layer-range patches")]
@@ -23,13 +21,7 @@ pytestmark = [pytest.mark.system,
                                           ("qwen4exp", 0), ("hrm_text", 0)])
 def test_cli_run_through_three_workers_shows_parity(arch, n_layer):
     (path,) = archs.write(f"^{arch}$", **({"n_layer": n_layer} if n_layer else {})).files
-    r = subprocess.run([sys.executable, "-m", "dgr", "run", "--model", str(path), "--stages",
-                        "3", "--max-tokens", "8", "--no-chat", "--prompt", "hello world",
-                        "--parity"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert "matches the whole model (in-process dgr.Engine, same settings): yes" in r.stderr
-    assert "logits bit-identical over 8 steps: yes" in r.stderr, r.stderr
-    assert "workers stopped (exit status 0, 0, 0)" in r.stderr
+    assert_cli_run_shows_parity(path)
 
 
 def test_a_lossy_codec_is_refused_on_a_route_whose_boundary_carries_cell_indices():
