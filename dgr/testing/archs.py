@@ -74,11 +74,46 @@ _SAVE_NEW = """\
             }
 """.replace("FAILED_TAG", FAILED_TAG)
 
+#: upstream skips the RWKV family ("FIXME RWKV models hang indefinitely"); RWKV-6, RWKV-7 and
+#: ARWKV-7 load and run here once given the hyperparameters they need (:data:`_RWKV_HPARAMS_NEW`).
+#: RWKV6-Qwen2 stays skipped: its fixture would crash the whole run
+_RWKV_SKIP_OLD = """\
+    if (arch == LLM_ARCH_RWKV6 || arch == LLM_ARCH_RWKV6QWEN2 || arch == LLM_ARCH_RWKV7 || arch == LLM_ARCH_ARWKV7) {
+        return false; // FIXME RWKV models hang indefinitely.
+    }
+"""
+_RWKV_SKIP_NEW = """\
+    if (arch == LLM_ARCH_RWKV6QWEN2) {
+        return false; // dgr: the generator gives it the optional time_mix_first, which QRWKV6 files lack, and its graph then reads an absent time_mix_ln (a segfault)
+    }
+"""
+_RWKV_HPARAMS_OLD = """\
+    if (arch == LLM_ARCH_MAPLE) {
+        ms.add_kv(LLM_KV_SWIGLU_CLAMP_EXP, 7.0f);
+    }
+"""
+#: RWKV-7's LoRA ranks (required keys); ARWKV-7 shifts one token (its graph asserts
+#: ``n_embd == n_embd_r()``, so ``token_shift_count`` is 1, not the default 2)
+_RWKV_HPARAMS_NEW = _RWKV_HPARAMS_OLD + """\
+    // dgr: the RWKV family's hyperparameters
+    if (arch == LLM_ARCH_RWKV7 || arch == LLM_ARCH_ARWKV7) {
+        ms.add_kv(LLM_KV_ATTENTION_DECAY_LORA_RANK,              uint32_t(16));
+        ms.add_kv(LLM_KV_ATTENTION_ICLR_LORA_RANK,               uint32_t(16));
+        ms.add_kv(LLM_KV_ATTENTION_VALUE_RESIDUAL_MIX_LORA_RANK, uint32_t(16));
+        ms.add_kv(LLM_KV_ATTENTION_GATE_LORA_RANK,               uint32_t(16));
+    }
+    if (arch == LLM_ARCH_ARWKV7) {
+        ms.add_kv(LLM_KV_TOKEN_SHIFT_COUNT, uint32_t(1));
+    }
+"""
+
 #: (anchor, replacement) pairs applied to upstream's source, each anchor exactly once
 TWEAKS: tuple[tuple[str, str], ...] = (
     ("    uint32_t n_layer = 2;\n",
      f'    uint32_t n_layer = {N_LAYER_ENV}; // dgr: was 2\n'),
     (_SAVE_OLD, _SAVE_NEW),
+    (_RWKV_SKIP_OLD, _RWKV_SKIP_NEW),
+    (_RWKV_HPARAMS_OLD, _RWKV_HPARAMS_NEW),
 )
 
 
@@ -308,7 +343,7 @@ def write(arch_regex: str = "", out_dir: str | Path | None = None, *,
 #: requires each to be written by the generator and to split bit-exact
 FAMILIES = ("qwen2", "qwen3", "qwen3moe", "gemma3", "deepseek2", "glm4moe", "gpt-oss", "llama4",
             "phi3", "mistral3", "llama", "deepseek4", "deepseek32", "qwen35", "qwen35moe",
-            "qwen3next", "nemotron_h", "kimi-k3", "glm-dsa")
+            "qwen3next", "nemotron_h", "kimi-k3", "glm-dsa", "rwkv7")
 PROBE_SETTINGS = dict(n_ctx=256, n_threads=1, n_ubatch=8, flash_attn=True)
 PROBE_PROMPT = 11  # tokens: one full ubatch of 8 and a ragged tail of 3
 PROBE_DECODE = 3
@@ -540,9 +575,9 @@ def format_markdown(rows: list[dict], failed: Sequence[tuple[str, str, str]] = (
         "reason given here, `dgr.core.refusals`); `FAIL` (see the reason).",
         "",
         "**Recurrent and hybrid models** (Mamba, Jamba, Falcon-H1, Granite-Hybrid, Nemotron-H, "
-        "LFM2, PLaMo-2, Qwen3-Next, Qwen3.5, Kimi Linear, MiniMax-01): each stage keeps the "
+        "LFM2, PLaMo-2, Qwen3-Next, Qwen3.5, Kimi Linear, MiniMax-01, RWKV-6/7, ARWKV-7): each stage keeps the "
         "conv/SSM (delta-net, short-conv) state and the attention KV of its own layers only, "
-        "one state cell per session, and the state never crosses a seam (patches 0014, 0016). "
+        "one state cell per session, and the state never crosses a seam (patches 0014, 0016, 0025). "
         "Batched sessions each have their own cells; a failover re-prefills, as for any model; "
         "`n` > 1 forks a session's state cell on every stage. A state keeps no history of its "
         "positions: each stage keeps state snapshots at the ends of a session's last whole "
@@ -559,8 +594,9 @@ def format_markdown(rows: list[dict], failed: Sequence[tuple[str, str, str]] = (
         "Kimi-K3's seams carry its banked residual checkpoints, hy_v4's, glm5-next's and "
         "qwen4exp's their hyper-connection streams, and glm-dsa's, hy_v4's and glm5-next's the "
         "last full-indexer layer's selection in a wider row, HRM-Text's its cycle state (its "
-        "layers are the cache slots of unrolled passes); qwen3vl's deepstack part of a token "
-        "row is zeros a later stage adds too (patches 0018-0024; "
+        "layers are the cache slots of unrolled passes), RWKV-7's and ARWKV-7's the first "
+        "layer's value `v_first`; qwen3vl's deepstack part of a token "
+        "row is zeros a later stage adds too (patches 0018-0025; "
         "`tests/integration/test_sideband_splits.py` checks them at more layers: Kimi-K3 at 26, "
         "the shared-indexer models with shared layers, HRM-Text with seams inside a pass).",
         "",

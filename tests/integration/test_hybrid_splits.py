@@ -5,7 +5,8 @@ route of three stages computes the whole model's bits.
 The fixtures are upstream's generator's (``dgr.testing.archs``) at 8 layers, so each of three
 stages holds several: Qwen3.5 and Qwen3-Next (gated delta net + attention, every second layer
 attention here), Mamba-2 (SSM only), Granite-Hybrid and Jamba (Mamba + attention), LFM2 (short
-convolutions + attention) and Falcon-H1 (attention and Mamba-2 in every layer). The prompts
+convolutions + attention), Falcon-H1 (attention and Mamba-2 in every layer) and RWKV-6, RWKV-7
+and ARWKV-7 (token shift and wkv state; RWKV-7's seams carry ``v_first``, patch 0025). The prompts
 run 75 tokens in ubatches of 8 (10 pieces), then greedy decode; batched sessions of different
 lengths go through one forward per step, whole and split alike.
 """
@@ -23,7 +24,8 @@ from dgr.testing import archs
 
 pytestmark = pytest.mark.skipif(not HAS_LAYER_RANGES, reason="needs the patched llama.cpp")
 
-ARCHS = ("qwen35", "qwen3next", "mamba2", "granitehybrid", "lfm2", "jamba", "falcon-h1")
+ARCHS = ("qwen35", "qwen3next", "mamba2", "granitehybrid", "lfm2", "jamba", "falcon-h1", "rwkv6",
+         "rwkv7", "arwkv7")
 N_LAYER = 8
 LAYOUTS = ([(0, 3), (3, 6), (6, 8)], [(0, 1), (1, 7), (7, 8)], [(0, 5), (5, 6), (6, 8)])
 SETTINGS = dict(n_ctx=128, n_threads=1, n_ubatch=8, flash_attn=True)
@@ -83,7 +85,7 @@ def _greedy_batched(stages, prompts, steps):
     return np.stack(out, axis=1)  # [session, step, n_vocab]
 
 
-@pytest.mark.parametrize("arch", ("qwen35", "mamba2", "granitehybrid"))
+@pytest.mark.parametrize("arch", ("qwen35", "mamba2", "granitehybrid", "rwkv7"))
 def test_eight_batched_sessions_of_different_lengths_split_as_the_whole_model(models, arch):
     """Each session has its own state cells on every stage: the route's rows of 8 sessions
     (prompts of 9 to 75 tokens, then decode) are the whole model's, bit for bit, in the same

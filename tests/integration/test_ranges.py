@@ -281,16 +281,16 @@ def test_splittable_architectures_are_llama_cpps_list():
     """dgr keeps no list of its own: the binding's answer, for every architecture llama.cpp
     knows, is the switch the stage-graph patches fill in (llama 0005, deepseek4 0006, qwen2 and
     qwen3 0008, 76 more 0011, the recurrent and hybrid 15 of 0016, 11 more 0017, 4 of 0018, 1
-    of 0019, 1 of 0020, 1 of 0021, 2 of 0022, 1 of 0023, 1 of 0024), and it holds every family the suite requires (issue 16's, the hybrid
+    of 0019, 1 of 0020, 1 of 0021, 2 of 0022, 1 of 0023, 1 of 0024, 3 of 0025), and it holds every family the suite requires (issue 16's, the hybrid
     ones of issue 53)."""
     listed, known = _llama_cpp_archs()
-    assert set(FAMILIES) <= listed and len(listed) == 117
+    assert set(FAMILIES) <= listed and len(listed) == 120
     assert {a for a in known if arch_supports_layer_range(a)} == listed
     assert {"mamba", "qwen3next", "qwen35", "nemotron_h", "deepseek32", "bloom"} <= listed
     assert {"qwen3vl", "talkie", "cogvlm", "kimi-k3", "nanbeige", "glm-dsa", "hy_v4",
-            "glm5-next", "qwen4exp", "hrm_text"} <= listed
+            "glm5-next", "qwen4exp", "hrm_text", "rwkv6", "rwkv7", "arwkv7"} <= listed
     for arch in ("dream", "llada-moe", "rnd1", "llada", "llama-embed", "gemma3n", "",
-                 "no-such-arch"):
+                 "no-such-arch", "rwkv6qwen2"):
         assert not arch_supports_layer_range(arch)
 
 

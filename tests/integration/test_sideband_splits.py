@@ -16,6 +16,8 @@
   and 5.1 do: it is rewritten here with shared layers); hy_v4 carries its hc residual streams
   and the top-k (its fixture shares every odd layer's indexer), glm5-next its hc streams and
   the pooled selection's cells (its fixture rewritten with shared layers too);
+- RWKV-7's layers (and ARWKV-7's) each mix in the first layer's value (``v_first``): a seam
+  carries it, [residual | v_first];
 - HRM-Text's layers are the cache slots of its unrolled cycles (a low and a high stack of
   ``layers_per_stack`` layers, reused): a seam carries the cycle state, [the running input of
   a pass it cuts | the high state | the low state]; its fixture (one layer a stack) is also
@@ -41,7 +43,7 @@ pytestmark = pytest.mark.skipif(not HAS_LAYER_RANGES, reason="needs the patched 
 
 SETTINGS = dict(n_ctx=128, n_threads=1, n_ubatch=8, flash_attn=True)
 ARCHS = ("talkie", "cogvlm", "qwen3vl", "qwen3tts", "nanbeige", "kimi-k3", "glm-dsa", "hy_v4",
-         "glm5-next", "qwen4exp", "hrm_text")
+         "glm5-next", "qwen4exp", "hrm_text", "rwkv7", "arwkv7")
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +82,28 @@ def test_every_cut_computes_the_whole_models_bits(models, arch):
         rep = compare(models[arch], layout, prompt, decode_steps=5, whole=whole, **SETTINGS)
         assert rep.prompt_rows_identical, (arch, layout)
         assert rep.bit_identical, (arch, layout, [(s.step, s.max_abs_diff) for s in rep.steps])
+
+
+@pytest.mark.parametrize("arch", ("rwkv7", "arwkv7"))
+def test_rwkv7_seams_carry_the_first_layers_value(models, arch):
+    """A seam's row is [residual | v_first], twice the residual's width; a later stage given a
+    row whose v_first half is changed computes other bits (it reads it), and the first stage,
+    which computes v_first itself, takes tokens only."""
+    whole = Engine(models[arch], **SETTINGS)
+    d = whole.describe()
+    assert d["n_embd_boundary"] == 2 * d["n_embd"]
+    first = Engine(models[arch], layers=(0, 2), **SETTINGS)
+    prompt = _prompt(9, whole.n_vocab, 5)
+    row = first.forward(0, 0, prompt).copy()
+    assert row.shape == (len(prompt), 2 * d["n_embd"])
+    assert np.abs(row[:, d["n_embd"]:]).max() > 0  # the first layer's value, not padding
+    outs = []
+    for half in (1.0, 0.5):
+        later = Engine(models[arch], layers=(2, whole.n_layer), **SETTINGS)
+        x = row.copy()
+        x[:, d["n_embd"]:] *= half
+        outs.append(later.forward(0, 0, boundary=x).copy())
+    assert outs[0].tobytes() != outs[1].tobytes()
 
 
 def test_kimi_k3_seams_carry_the_banked_checkpoints(kimi_k3_26):

@@ -63,7 +63,7 @@ def test_every_refused_architecture_has_its_reason_and_no_splittable_one_is_expl
         assert verdict == f"refused ({refusals.refusal_reason(arch)})", (arch, verdict)
     explained = refusals.MEMORY | refusals.NON_CAUSAL | set(refusals.SPECIFIC)
     assert not [a for a in explained if arch_supports_layer_range(a)]
-    assert "recurrent" in refusals.refusal_reason("rwkv7")
+    assert "recurrent" in refusals.refusal_reason("rwkv6qwen2")
     assert "per-layer inputs" in refusals.refusal_reason("gemma3n")
     assert "non-causal" in refusals.refusal_reason("llada")
     assert "not been cut" in refusals.refusal_reason("no-such-arch")
