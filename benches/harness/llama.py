@@ -96,7 +96,8 @@ def llama_bench_commands(settings: dict, n_decode: int, prefills, model: str, *,
     if s["n_slots"] != 1:
         raise ValueError(f"llama-bench runs one sequence; n_slots={s['n_slots']}")
     longest = max([*prefills, n_prompt_decode + n_decode])
-    if longest > s["n_ctx"]:
+    # n_ctx 0: the model's trained context (dgr.Engine's n_ctx=0), which holds any bench length
+    if s["n_ctx"] and longest > s["n_ctx"]:
         raise ValueError(f"{longest} tokens do not fit n_ctx={s['n_ctx']}: llama-bench's "
                          f"context would be larger than dgr's")
     ub = str(s["n_ubatch"])
@@ -186,6 +187,10 @@ def batched_bench_command(settings: dict, sessions, n_decode: int, threads: int,
     if s["n_slots"] < sessions[-1]:
         raise ValueError(f"{sessions[-1]} sequences need {sessions[-1]} slots; "
                          f"n_slots={s['n_slots']}")
+    if not s["n_ctx"]:
+        raise ValueError("n_ctx=0 (the model's trained context per slot) has no "
+                         "llama-batched-bench spelling (its -c 0 is one context for all "
+                         "sequences): give the n_ctx the engines chose (Engine.n_ctx)")
     if n_prompt + n_decode > s["n_ctx"]:
         raise ValueError(f"{n_prompt} + {n_decode} tokens do not fit n_ctx={s['n_ctx']}")
     ub = str(s["n_ubatch"])

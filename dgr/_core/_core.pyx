@@ -150,7 +150,8 @@ cdef class Engine:
                   unsigned int n_ctx=1024, unsigned int n_slots=1, int n_threads=1,
                   unsigned int n_ubatch=64, bint flash_attn=True, str type_k="f16",
                   str type_v="f16", bint batch_invariant=False, bint use_mmap=True, bint mtp=False, str device="cpu",
-                  unsigned long long device_memory_limit=0, unsigned int state_snapshots=4):
+                  unsigned long long device_memory_limit=0, unsigned int state_snapshots=4,
+                  unsigned long long kv_budget_mib=0):
         cdef CEngineConfig cfg
         cdef CStatus st
         cdef unique_ptr[CEngine] e
@@ -170,6 +171,7 @@ cdef class Engine:
         cfg.state_snapshots = state_snapshots
         cfg.device = device.encode("utf-8")
         cfg.device_memory_limit = device_memory_limit
+        cfg.kv_budget = kv_budget_mib << 20
         self.lock = threading.RLock()
         with nogil:
             st = CEngine.Load(cfg, &e)
@@ -196,6 +198,7 @@ cdef class Engine:
             "n_layer": i.n_layer, "layer_start": i.layer_start, "layer_end": i.layer_end,
             "n_embd": i.n_embd, "n_embd_boundary": i.n_embd_boundary, "n_vocab": i.n_vocab,
             "n_ctx_train": i.n_ctx_train, "n_ctx": i.n_ctx, "n_ctx_alloc": i.n_ctx_alloc,
+            "n_ctx_source": i.n_ctx_source.decode("utf-8", "replace"),
             "n_slots": i.n_slots, "n_ubatch": i.n_ubatch, "n_threads": i.n_threads,
             "flash_attn": bool(i.flash_attn), "batch_invariant": bool(i.batch_invariant),
             "type_k": i.type_k.decode(),

@@ -130,7 +130,7 @@ def certify(model: str | os.PathLike, ranges: Sequence[tuple[int, int]], *,
                                 max(len(got) - 1, 0), dec_s)
             rss = [_rss_bytes(w.proc.pid) for w in cluster.workers[:n_stages]]
             session.close()
-            prefix = _prefix_cache(route, tokens, n_ctx=int(settings["n_ctx"]),
+            prefix = _prefix_cache(route, tokens, n_ctx=route.n_ctx,
                                    max_tokens=max_tokens, say=say, rollback_window=window)
         if failover:
             fo = _failover(cluster, primaries, mid, whole, codec, relay, tokens, max_tokens,
@@ -175,13 +175,13 @@ def certify(model: str | os.PathLike, ranges: Sequence[tuple[int, int]], *,
     return rec, (write(rec, store) if ok else None)
 
 
-def _far(settings: dict, rows: int) -> int:
-    """How far into a context the batching and speculation checks measure a second time
-    (``dgr.control.prefix.far_start``; 0 for none): kernels may switch with the KV's
+def _far(engine, rows: int) -> int:
+    """How far into ``engine``'s context the batching and speculation checks measure a second
+    time (``dgr.control.prefix.far_start``; 0 for none): kernels may switch with the KV's
     length."""
     from dgr.control.prefix import far_start
 
-    return far_start(int(settings["n_ctx"]), int(settings["n_ubatch"]), rows)
+    return far_start(int(engine.n_ctx), int(engine.settings["n_ubatch"]), rows)
 
 
 def _batching(model: str, whole, settings: dict, say, sessions: int = 4) -> Batching:
@@ -193,9 +193,9 @@ def _batching(model: str, whole, settings: dict, say, sessions: int = 4) -> Batc
     eng = whole if whole.n_slots >= sessions else Engine(
         model, **{**settings, "n_slots": sessions})
     steps = 8
-    longest = max(2, min(40, int(settings["n_ctx"]) - steps))
+    longest = max(2, min(40, int(eng.n_ctx) - steps))
     m = measure(eng, sessions=sessions, decode_steps=steps, longest_prompt=longest,
-                far=_far(settings, longest + steps))
+                far=_far(eng, longest + steps))
     say(f"batched against alone ({m.sessions} sessions, {m.rows} rows): "
         + ("bit-identical" if m.bit_identical else
            f"differ: max |diff| {m.max_abs_diff:.3g}, top-1 agreement {m.top1_agreement:.3f}"))
@@ -208,11 +208,11 @@ def _speculation(whole, settings: dict, say, max_draft: int = 4) -> Speculation:
     """The lane's speculative-trips-against-single-steps record, on the whole model."""
     from dgr.control.speculation import measure
 
-    n_ctx = int(settings["n_ctx"])
+    n_ctx = int(whole.n_ctx)
     decode = max(2, min(32, n_ctx - 24 - max_draft))
     prompt = max(1, min(24, n_ctx - decode - max_draft))
     m = measure(whole, prompt_tokens=prompt, decode_tokens=decode, max_draft=max_draft,
-                far=_far(settings, prompt + decode + max_draft))  # (it releases its slot)
+                far=_far(whole, prompt + decode + max_draft))  # (it releases its slot)
     say(f"speculative trips against single steps ({m.trips} trips, {m.rows} rows): "
         + ("bit-identical" if m.bit_identical else
            f"differ: max |diff| {m.max_abs_diff:.3g}, top-1 agreement {m.top1_agreement:.3f}"))

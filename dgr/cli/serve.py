@@ -53,8 +53,14 @@ def add_serve_parser(sub) -> None:
                         "override it)")
     s.add_argument("--model-name", help="the model id clients send (default: the GGUF's file "
                                         "name without .gguf)")
-    s.add_argument("--queue-timeout", type=float, default=2.0,
-                   help="seconds a request waits for a free slot before a 429 (default 2)")
+    s.add_argument("--queue-timeout", type=float, default=600.0,
+                   help="seconds a request may wait in the queue for a free slot before a 503 "
+                        "with Retry-After (default 600: agents' sub-agents queue behind each "
+                        "other)")
+    s.add_argument("--max-queue", type=int, default=128, metavar="N",
+                   help="requests that may wait for a free slot at once, served in arrival "
+                        "order; one more gets a 429 with Retry-After at once (default 128; 0: "
+                        "no queue)")
     s.add_argument("--start-timeout", type=float, default=180.0,
                    help="seconds to wait for the local workers to listen")
     s.add_argument("--api-key-file", metavar="FILE",

@@ -174,7 +174,9 @@ def record_for(engine, *, pipeline=None, cert_store: str | os.PathLike | None = 
     width = int(engine.n_embd_boundary)
     layers = tuple(int(x) for x in engine.layers)
     is_first, is_last = bool(engine.is_first), bool(engine.is_last)
-    n_slots, n_ctx = int(settings["n_slots"]), int(settings["n_ctx"])
+    n_slots = int(settings["n_slots"])
+    n_ctx = int(pipeline.n_ctx if pipeline is not None else getattr(engine, "n_ctx", 0)
+                or settings["n_ctx"])
     model_path = info["model"]
     comp = Compatibility(
         model_identity=info["identity"], model_name=os.path.basename(model_path),
@@ -214,6 +216,7 @@ def record_for(engine, *, pipeline=None, cert_store: str | os.PathLike | None = 
         n_layer=int(info["n_layer"]), layer_start=layers[0], layer_end=layers[1],
         is_first=is_first, is_last=is_last, slots_total=n_slots, slots_free=slots_free,
         context_tokens_total=n_slots * n_ctx, context_tokens_free=ctx_free,
+        context_tokens_per_session=n_ctx, n_ctx_train=int(info.get("n_ctx_train", 0)),
         memory_bytes=weight + kv, weight_bytes=weight, kv_bytes=kv, rss_bytes=_rss_bytes(),
         **_device_memory(engine, pipeline, weight, kv), **_per_session(info, n_slots, n_ctx))
     load = Load(queue_depth=max(inflight - computing, 0), in_flight_steps=inflight,

@@ -56,6 +56,12 @@ def far_start(n_ctx: int, n_ubatch: int, rows: int) -> int:
     return far if far >= FAR // 2 else 0
 
 
+def _n_ctx(engine) -> int:
+    """The context tokens per slot the engine holds (``Engine.n_ctx``: as set, or as chosen
+    for ``n_ctx=0``)."""
+    return int(getattr(engine, "n_ctx", 0) or engine.settings["n_ctx"])
+
+
 def _out(engine, slot: int, tokens, boundary, a: int, b: int, logits: str = "all"
          ) -> np.ndarray:
     kw = {}
@@ -72,7 +78,7 @@ def _probe(engine, seed: int, n: int):
     """The checks' input for ``n`` rows computed from position 0 and from ``far``
     (``far_start``; 0: none): seeded token ids where the range takes
     them and a random boundary where it does not start the model; (far, tokens, boundary)."""
-    far = far_start(int(engine.settings["n_ctx"]), int(engine.settings["n_ubatch"]), n)
+    far = far_start(_n_ctx(engine), int(engine.settings["n_ubatch"]), n)
     rng = np.random.default_rng(seed)
     tokens = boundary = None
     if engine.is_first or engine.needs_token_ids:
@@ -132,7 +138,7 @@ def rows_exact(engine, *, slot: int = 0, seed: int = 7) -> bool:
     from position 0 and again ``FAR`` positions in. ``slot`` is released before and after.
     False when ``n_ubatch`` is below 4 (no two partial chunks of two rows or more) or the
     engine cannot run the check."""
-    n = min(int(engine.settings["n_ubatch"]) - 1, 255, int(engine.settings["n_ctx"]))
+    n = min(int(engine.settings["n_ubatch"]) - 1, 255, _n_ctx(engine))
     if n < 3:
         return False
     splits = sorted({max(2, n // 2), n - 2} - {0, n})
@@ -147,7 +153,7 @@ def single_rows_exact(engine, *, slot: int = 0, seed: int = 11) -> bool:
     a later prompt that holds the reply, past its whole chunks
     (``Describe.prefix_single_rows_exact``). ``slot`` is released before and after; False when
     ``n_ubatch`` is below 4."""
-    n = min(int(engine.settings["n_ubatch"]) - 1, 255, int(engine.settings["n_ctx"]))
+    n = min(int(engine.settings["n_ubatch"]) - 1, 255, _n_ctx(engine))
     if n < 3:
         return False
     return _alike(engine, seed, n, [[1] * n, [n // 2] + [1] * (n - n // 2)], slot)
@@ -162,7 +168,7 @@ def chunk_rows_exact(engine, *, slot: int = 0, seed: int = 13) -> bool:
     an earlier one (``Describe.prefix_chunk_rows_exact``). False when ``n_ubatch`` is below 4
     or above 256."""
     n = int(engine.settings["n_ubatch"])
-    if n < 4 or n > 256 or n > int(engine.settings["n_ctx"]):
+    if n < 4 or n > 256 or n > _n_ctx(engine):
         return False
     return _alike(engine, seed, n, [[n // 2, n - n // 2], [n - 2, 2]], slot)
 
@@ -174,7 +180,7 @@ def _key(engine) -> str:
     # "far": the checks since they also measure FAR positions in (earlier entries measured
     # only from position 0, and said alike where a long context is not)
     facts = ["far", FAR, build_info(), info["identity"], list(engine.layers),
-             dict(engine.settings),
+             dict(engine.settings), _n_ctx(engine),
              getattr(engine, "compute", "cpu"), list(cpu_features()[2])]
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:32]
 

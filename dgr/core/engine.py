@@ -56,7 +56,11 @@ class Engine(_CoreEngine):
         residual stream entering layer ``a``). The last stage (``b == n_layer``) returns
         logits; earlier stages return the boundary after layer ``b - 1``.
     n_ctx : int
-        Context tokens per slot.
+        Context tokens per slot; 0: the model's trained context (``n_ctx_train``), capped by
+        what ``kv_budget_mib`` holds. :attr:`n_ctx` is the one chosen (``describe()``'s
+        ``n_ctx_source`` says why); ``settings["n_ctx"]`` stays as asked, and the stage
+        identity spells it so (a cache's size does not change a row's bits: llama.cpp attends
+        over the cells in use, padded to 256).
     n_slots : int
         Concurrent sequences; each has its own KV stream.
     n_threads : int
@@ -90,6 +94,10 @@ class Engine(_CoreEngine):
     device_memory_limit : int
         The most bytes this engine may hold on its device (weights, KV, compute buffers);
         0 for no cap but the device's free memory.
+    kv_budget_mib : int
+        With ``n_ctx=0``: the most MiB the KV cache and recurrent state of all slots may take;
+        0 for half the memory free once the weights are in (the system's available memory on
+        the CPU, the device's free memory elsewhere).
     state_snapshots : int
         A recurrent or hybrid model's stage keeps, per slot, a snapshot of its state at the
         end of each whole ``n_ubatch`` chunk prefilled from position 0, the last
@@ -119,7 +127,7 @@ class Engine(_CoreEngine):
                  n_ctx: int = 1024, n_slots: int = 1, n_threads: int = 1, n_ubatch: int = 64,
                  flash_attn: bool = True, type_k: str = "f16", type_v: str = "f16",
                  batch_invariant: bool = False, use_mmap: bool = True, mtp: bool = False, device: str = "cpu",
-                 device_memory_limit: int = 0, state_snapshots: int = 4):
+                 device_memory_limit: int = 0, state_snapshots: int = 4, kv_budget_mib: int = 0):
         self.model_path = os.fspath(model)
         self.settings = {"n_ctx": n_ctx, "n_slots": n_slots, "n_threads": n_threads,
                          "n_ubatch": n_ubatch, "flash_attn": bool(flash_attn),
@@ -133,6 +141,8 @@ class Engine(_CoreEngine):
         self.n_layer: int = info["n_layer"]
         self.layers: tuple[int, int] = (info["layer_start"], info["layer_end"])
         self.n_embd: int = info["n_embd"]
+        #: context tokens per slot: ``n_ctx`` as given, or as chosen for ``n_ctx=0``
+        self.n_ctx: int = info["n_ctx"]
         self.arch: str = info["arch"]
         self._identity: str | None = None
 
@@ -147,9 +157,17 @@ class Engine(_CoreEngine):
                     f"layers must be a pair (start, end), got {layers!r}") from None
             if b < 0:
                 raise errors.InvalidLayerRange(f"layer range end must be >= 0, got {b}")
-        for name in ("n_ctx", "n_slots", "n_threads", "n_ubatch"):
+        for name in ("n_slots", "n_threads", "n_ubatch"):
             if name in kw and (not isinstance(kw[name], (int, np.integer)) or kw[name] < 1):
                 raise errors.InvalidArgument(f"{name} must be a positive integer, got {kw[name]!r}")
+        for name in ("n_ctx", "kv_budget_mib"):
+            if name in kw and (not isinstance(kw[name], (int, np.integer)) or kw[name] < 0):
+                raise errors.InvalidArgument(
+                    f"{name} must be a positive integer, or 0 for the default, got {kw[name]!r}")
+        if kw.get("kv_budget_mib") and kw.get("n_ctx", 1024) != 0:
+            raise errors.InvalidArgument(
+                f"kv_budget_mib sizes the context of n_ctx=0 only; n_ctx={kw.get('n_ctx', 1024)} "
+                "is set: give one or the other")
         s = kw.get("state_snapshots", 0)
         if not isinstance(s, (int, np.integer)) or not 0 <= s <= 1024:
             raise errors.InvalidArgument(f"state_snapshots must be an integer in [0, 1024], got {s!r}")

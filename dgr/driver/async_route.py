@@ -294,6 +294,12 @@ class AsyncRoute:
     def settings(self) -> dict:
         return dict(self.stages[0].settings)
 
+    @property
+    def n_ctx(self) -> int:
+        """Context tokens per session the route holds: the smallest of its stages' (each
+        its ``--ctx``, or the one it chose for ``--ctx 0``)."""
+        return min(int(st.n_ctx) for st in self.stages)
+
     async def describe(self) -> list[StageInfo]:
         """Fresh describe records of every stage, in route order."""
         return list(await asyncio.gather(*(c.describe() for c in self.clients)))

@@ -278,7 +278,7 @@ class DecodeLoop(Relay):
         pos = len(s.history)
         st0 = r.stages[0]
         left = n
-        n_ctx = int(r.settings.get("n_ctx") or 0)
+        n_ctx = int(r.n_ctx)
         # the parity mode (logits) keeps one row per token: it never speculates
         spec = "" if logits else r.speculate
         per_trip = 1 + (r.max_draft if spec else 0)  # tokens a trip's step may carry

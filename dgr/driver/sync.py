@@ -122,6 +122,10 @@ class Route:
         return self._r.settings
 
     @property
+    def n_ctx(self) -> int:
+        return self._r.n_ctx
+
+    @property
     def eog_tokens(self) -> frozenset:
         return self._r.eog_tokens
 

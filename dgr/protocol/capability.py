@@ -86,6 +86,11 @@ class Capacity(msgspec.Struct, kw_only=True):
     state_bytes_per_session: int = 0
     state_snapshots: int = 0
     state_snapshot_bytes: int = 0    # held now, every session's
+    # context tokens per session (context_tokens_total over slots_total): --ctx as set, or what
+    # the stage chose for --ctx 0 (its trained context within its KV budget), and that trained
+    # context (0 where unknown)
+    context_tokens_per_session: int = 0
+    n_ctx_train: int = 0
 
 
 class Load(msgspec.Struct, kw_only=True):

@@ -88,7 +88,17 @@ class StageInfo:
     #: chunks prefilled from position 0 (0: none, so too from an older worker)
     state_bytes: int = 0
     state_snapshots: int = 0
+    #: context tokens per session the stage holds: ``settings["n_ctx"]`` as set, or the one it
+    #: chose for ``n_ctx`` 0 (its trained context ``n_ctx_train``, capped by its KV budget;
+    #: ``n_ctx_source`` says how). 0 where not given (an older worker): ``settings["n_ctx"]``
+    n_ctx: int = 0
+    n_ctx_train: int = 0
+    n_ctx_source: str = ""
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.n_ctx:
+            object.__setattr__(self, "n_ctx", int(self.settings.get("n_ctx", 0)))
 
     @functools.cached_property
     def compute(self) -> str:
@@ -138,6 +148,7 @@ class StageInfo:
                           if r.HasField("prefix_store") else {}),
             rollback_window=r.rollback_window if r.HasField("rollback_window") else -1,
             state_bytes=r.state_bytes, state_snapshots=r.state_snapshots,
+            n_ctx=r.n_ctx, n_ctx_train=r.n_ctx_train, n_ctx_source=r.n_ctx_source,
             **{k: getattr(r, k) if r.HasField(k) else None for k in COUNTERS})
 
     def to_dict(self) -> dict:

@@ -38,7 +38,9 @@ class _Setting:
 
 
 _SETTINGS = (
-    _Setting("n_ctx", "ctx", "--ctx", 1024, "context tokens per session"),
+    _Setting("n_ctx", "ctx", "--ctx", 0,
+             "context tokens per session; 0: the model's trained context, capped by what "
+             "--kv-budget holds (the stage logs what it chose)"),
     _Setting("n_slots", "slots", "--slots", 4, "concurrent sessions per worker"),
     _Setting("n_threads", "t", "--threads", 1, "CPU threads per stage"),
     _Setting("n_ubatch", "ub", "--ubatch", 64, "tokens per compute chunk"),
@@ -58,10 +60,19 @@ NUMERIC_SETTINGS = tuple(s.key for s in _SETTINGS)
 _DEVICE = _Setting("device", "", "--device", "cpu",
                    "compute device: cpu, or a ggml device such as Vulkan0 or CUDA0 (python -m "
                    "dgr devices lists them); every owned layer, its KV cache and the head go there")
-#: Every setting an engine takes from the command line: the numeric ones and the device.
-ENGINE_SETTINGS = NUMERIC_SETTINGS + (_DEVICE.key,)
-#: The command line's defaults (a worker's; ``dgr.Engine`` defaults to one slot).
-DEFAULTS = {s.key: s.default for s in (*_SETTINGS, _DEVICE)}
+#: The memory the context of ``--ctx 0`` may take: not numeric (a cache's size does not change
+#: a row's bits), and not in the identity.
+_KV_BUDGET = _Setting("kv_budget_mib", "", "--kv-budget", 0,
+                      "MiB the KV cache of all sessions may take with --ctx 0 (0: half the "
+                      "memory free once the weights are in: the system's available memory "
+                      "on the cpu device, the device's free memory elsewhere)")
+_OTHER = (_DEVICE, _KV_BUDGET)
+#: Every setting an engine takes from the command line: the numeric ones, the device and the
+#: KV budget.
+ENGINE_SETTINGS = NUMERIC_SETTINGS + tuple(s.key for s in _OTHER)
+#: The command line's defaults (a worker's; ``dgr.Engine`` defaults to one slot and 1024
+#: context tokens).
+DEFAULTS = {s.key: s.default for s in (*_SETTINGS, *_OTHER)}
 #: The compute kind of the CPU device.
 CPU = "cpu"
 
@@ -137,6 +148,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, per: str = "stage") -> Non
     g = parser.add_argument_group("engine settings (every stage and the reference must agree)")
     g.add_argument(_DEVICE.flag, dest=_DEVICE.key, default=_DEVICE.default, metavar="DEVICE",
                    help=f"{_DEVICE.help} (default {_DEVICE.default})")
+    g.add_argument(_KV_BUDGET.flag, dest=_KV_BUDGET.key, type=int, default=_KV_BUDGET.default,
+                   metavar="MIB", help=_KV_BUDGET.help)
     for s in _SETTINGS:
         if isinstance(s.default, bool):
             g.add_argument(s.flag, dest=s.key, type=_on_off, metavar="{on,off}",
@@ -156,12 +169,12 @@ def from_args(args: argparse.Namespace) -> dict:
 def given(args: argparse.Namespace) -> list[str]:
     """The engine flags ``add_arguments`` parsed away from their defaults (a command that starts
     no engine refuses them rather than ignore them)."""
-    return [s.flag for s in (*_SETTINGS, _DEVICE) if getattr(args, s.key, s.default) != s.default]
+    return [s.flag for s in (*_SETTINGS, *_OTHER) if getattr(args, s.key, s.default) != s.default]
 
 
 def to_argv(settings: dict) -> list[str]:
     """The command-line arguments that give a worker ``settings`` (a subset is fine)."""
-    flags = {s.key: s for s in (*_SETTINGS, _DEVICE)}
+    flags = {s.key: s for s in (*_SETTINGS, *_OTHER)}
     argv = []
     for k, v in settings.items():
         if k not in flags:

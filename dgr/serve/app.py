@@ -13,8 +13,9 @@ same pipeline (``dgr.serve.anthropic``, ``dgr.serve.responses``). Every error
 has the OpenAI shape ``{"error": {"message", "type", "param", "code"}}`` (Anthropic's on
 ``/v1/messages``) and its HTTP status: a malformed request
 400, an unknown model 404, a prompt and completion longer than the context 400 naming both
-lengths, every slot busy 429 with ``Retry-After`` once a request waited ``queue_timeout``
-seconds, the route down 503. With API keys, a key with ``max_per_key`` generation requests in
+lengths, a full queue of requests waiting for a slot 429 with ``Retry-After``, a request
+that waited its ``queue_timeout`` seconds in the queue 503 with ``Retry-After``, the route
+down 503. With API keys, a key with ``max_per_key`` generation requests in
 flight gets a 429 for one more, without waiting and without holding anything.
 
 An error a client sees names no path, endpoint or other internals: the route's and the
@@ -23,8 +24,9 @@ header), and the detail goes to the ``dgr.serve`` log under that id.
 
 One route session per request, released on every stage when the request ends, however it
 ends: a client that disconnects mid-stream cancels its generation, and the session is
-released at once. Requests beyond the route's slots (the fewest any stage has) wait, at most
-``queue_timeout`` seconds, for one to free.
+released at once. Requests beyond the route's slots (the fewest any stage has) wait in a
+queue of at most ``max_queue``, in arrival order, each at most ``queue_timeout`` seconds
+(``dgr.serve.admission``).
 """
 
 from __future__ import annotations
@@ -128,13 +130,14 @@ class _Front:
         #: how /v1/embeddings pools a prompt's rows, and whether it scales them to unit length
         self.pooling, self.normalize = settings.pooling, bool(settings.normalize)
         self.m.watch_prefix(self.pool)
-        self.admission = Admission(settings.queue_timeout, settings.max_per_key, self.m)
+        self.admission = Admission(settings.queue_timeout, settings.max_per_key, self.m,
+                                   max_queue=settings.max_queue)
         self.traffic = serve_status.Traffic()
         self.watch = serve_status.StageWatch(route)
         self.history = serve_status.History()
         self.created = int(time.time())
-        self.card = {"id": model, "object": "model", "created": self.created,
-                     "owned_by": "dgr"}
+        self._card = {"id": model, "object": "model", "created": self.created,
+                      "owned_by": "dgr"}
         #: each token id's bytes (the route's pieces): the text of a generation and of its
         #: log probabilities
         self.vocab: list[bytes] = []
@@ -154,6 +157,11 @@ class _Front:
         if not r.stages:
             await r.connect()
         self.admission.open(min(int(s.settings["n_slots"]) for s in r.stages))
+        least = min(r.stages, key=lambda s: int(s.n_ctx))
+        log.info("context: %d tokens per session (the least of the %d stage(s)': %s, %s)",
+                 int(least.n_ctx), len(r.stages), least.endpoint,
+                 least.n_ctx_source if getattr(least, "n_ctx_source", "") not in ("", "set")
+                 else "--ctx as set")
         self.vocab = await r.pieces()
         sweep = asyncio.create_task(self._sweep()) if self.pool.size else None
         try:
@@ -185,7 +193,20 @@ class _Front:
                     self.admission.release()
 
     def n_ctx(self) -> int:
-        return min(int(s.settings["n_ctx"]) for s in self.route.stages)
+        """Context tokens per session the route holds: the smallest of its stages'."""
+        return min(int(s.n_ctx) for s in self.route.stages)
+
+    @property
+    def card(self) -> dict:
+        """The model's ``/v1/models`` entry, with the route's context as vLLM spells it
+        (``max_model_len``) and llama-server (``meta``: ``n_ctx``, ``n_ctx_train``)."""
+        stages = self.route.stages
+        if not stages:
+            return dict(self._card)
+        train = min((int(getattr(s, "n_ctx_train", 0)) for s in stages), default=0)
+        return {**self._card, "max_model_len": self.n_ctx(),
+                "meta": {"n_ctx": self.n_ctx(), "n_ctx_train": train,
+                         "n_vocab": int(stages[0].n_vocab)}}
 
     # -- a request's parts -------------------------------------------------------------------
 
@@ -492,23 +513,18 @@ class _Front:
         # schema, tools) reuses a kept session as any other does
         taken = None if slots > 1 else self.pool.take(key, prompts[0][0])
         if taken is None:
-            got = 0
-            try:
-                for _ in range(slots):
-                    await self._take_slot()
-                    got += 1
-            except BaseException:
-                for _ in range(got):
-                    self.admission.release()
-                raise
+            await self._take_slot(slots)
         return params, prompts, replies, taken
 
-    async def _take_slot(self) -> None:
-        """A free slot, waited for (a 429 after ``queue_timeout``); a kept session of the
-        prompt cache is closed first when none is free."""
-        if not self.admission.slot_free:
-            await self._close_kept([s for s in [self.pool.evict()] if s is not None])
-        await self.admission.acquire_slot()
+    async def _take_slot(self, n: int = 1) -> None:
+        """``n`` free slots at once, waited for in the queue (``dgr.serve.admission``); the
+        prompt cache's kept sessions are closed first while too few are free."""
+        for _ in range(n - self.admission.free_slots()):
+            kept = self.pool.evict()
+            if kept is None:
+                break
+            await self._close_kept([kept])
+        await self.admission.acquire_slot(n)
 
     async def _respond(self, gens: list[Generation], chat: bool, endpoint: str,
                        ident: dict) -> Response:
@@ -751,8 +767,9 @@ class _Front:
         self.history.add({**t, "waiting": a.waiting, "in_flight": a.in_flight,
                           "seam_ms": seam}, [s.get("compute_ms") for s in stages])
         return JSONResponse({
-            "model": self.model, "path": path, "capacity": a.capacity,
+            "model": self.model, "path": path, "capacity": a.capacity, "n_ctx": self.n_ctx(),
             "in_flight": a.in_flight, "waiting": a.waiting,
+            "queue": {"waiting": a.waiting, "max": a.max_queue, "timeout_s": a.queue_timeout},
             "healthy": all(s["health"] == "ok" for s in stages),
             "traffic": t, "stages": stages, "requests": reqs, "seam_ms": seam,
             "prompt_cache": self.pool.snapshot(),

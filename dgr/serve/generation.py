@@ -163,8 +163,13 @@ class Generation:
         # all), and the sessions it closes keep their caches in the stages' prefix stores;
         # every session closed gives its slot back
         keep = self.pool is not None and self.completed
-        closing = self.pool.put(self.key, self.session) if keep else [self.session]
-        store = keep and self.pool.stores(self.route)
+        if keep and self.admission.waiting:
+            # a queued request needs the slot more than the prompt cache does: the session
+            # closes (into the stages' prefix stores, where they keep it)
+            closing, store = [self.session], self.pool.stores(self.route)
+        else:
+            closing = self.pool.put(self.key, self.session) if keep else [self.session]
+            store = keep and self.pool.stores(self.route)
         self.admission.ended(self.rid, release=False)
         if self._on_close is not None:
             self._on_close()

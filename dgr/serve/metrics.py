@@ -16,7 +16,8 @@ __all__ = ["ServeMetrics"]
 
 class ServeMetrics:
     """Requests by endpoint and HTTP status, generated tokens, time to first token, decode-loop
-    trips and speculative drafts (sent, accepted: their ratio is the acceptance); with API
+    trips and speculative drafts (sent, accepted: their ratio is the acceptance), the queue of
+    requests waiting for a slot (its length, their waits, those refused full or timed out); with API
     keys, each key's generation requests in flight and those refused at its cap, labelled by
     the key's name (never its secret)."""
 
@@ -47,6 +48,21 @@ class ServeMetrics:
         self._key_refused = Counter("dgr_serve_key_requests_refused",
                                     "Generation requests refused (429) at their API key's cap "
                                     "of requests in flight", ["key"], registry=self.registry)
+        self._queue_length = Gauge("dgr_serve_queue_length",
+                                   "Generation requests waiting for a free slot",
+                                   registry=self.registry)
+        self._queue_wait = Histogram("dgr_serve_queue_wait_seconds",
+                                     "How long a generation request waited for its slots (0: "
+                                     "one was free)",
+                                     buckets=(0.001, 0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120,
+                                              300, 600), registry=self.registry)
+        self._queue_refused = Counter("dgr_serve_queue_refused",
+                                      "Generation requests refused (429) with the queue full",
+                                      registry=self.registry)
+        self._queue_timeouts = Counter("dgr_serve_queue_timeouts",
+                                       "Generation requests that waited their --queue-timeout "
+                                       "in the queue without a slot (503)",
+                                       registry=self.registry)
 
     def request(self, endpoint: str, status: int) -> None:
         self._requests.labels(endpoint=endpoint, status=str(status)).inc()
@@ -68,6 +84,19 @@ class ServeMetrics:
 
     def key_refused(self, key: str) -> None:
         self._key_refused.labels(key=key).inc()
+
+    def queue_length(self, n: int) -> None:
+        self._queue_length.set(n)
+
+    def queued(self, seconds: float) -> None:
+        """A request got its slots after ``seconds`` (0: at once)."""
+        self._queue_wait.observe(seconds)
+
+    def queue_refused(self) -> None:
+        self._queue_refused.inc()
+
+    def queue_timed_out(self) -> None:
+        self._queue_timeouts.inc()
 
     def watch_prefix(self, pool) -> None:
         """Export the prompt cache's counts (``dgr.serve.prefix.PrefixPool``) at each scrape."""

@@ -55,7 +55,7 @@ def session_bytes(session) -> int:
     snaps = len(getattr(session, "snapshots", ()))
     for st in session.route.stages:
         slots = int(st.settings.get("n_slots", 0))
-        cells = int(st.settings.get("n_ctx", 0)) * slots
+        cells = int(st.n_ctx) * slots
         state = int(getattr(st, "state_bytes", 0))
         if cells > 0:
             per += max(int(st.kv_bytes) - state * slots, 0) / cells

@@ -20,6 +20,7 @@ __all__ = ["ServeSettings", "SERVE_FLAGS"]
 #: the GGUF's own, is the command's to find: it passes ``pooling`` itself when unset)
 SERVE_FLAGS = {
     "queue_timeout": ("queue_timeout", lambda a: a.queue_timeout),
+    "max_queue": ("max_queue", lambda a: a.max_queue),
     "max_per_key": ("max_requests_per_key", lambda a: a.max_requests_per_key),
     "prompt_cache": ("prompt_cache", lambda a: a.prompt_cache),
     "prompt_cache_ttl": ("prompt_cache_ttl", lambda a: a.prompt_cache_ttl),
@@ -36,7 +37,11 @@ class ServeSettings(SettingsTable):
     Attributes
     ----------
     queue_timeout : float
-        Seconds a request waits for a free slot before a 429.
+        Seconds a request may wait in the queue for its slots before a 503 with
+        ``Retry-After`` (long: an agent's sub-agents queue behind each other).
+    max_queue : int
+        Requests that may wait for slots at once, in arrival order; one more gets a 429 with
+        ``Retry-After`` at once (0: no queue, every slot busy is a 429).
     max_per_key : int or None
         The requests (chat, completions, messages, responses, embeddings) one API key may
         have in flight, from arrival until the response or stream ends, however it ends; one
@@ -63,7 +68,8 @@ class ServeSettings(SettingsTable):
     KIND = "front"
     FLAGS = SERVE_FLAGS
 
-    queue_timeout: float = 2.0
+    queue_timeout: float = 600.0
+    max_queue: int = 128
     max_per_key: int | None = None
     prompt_cache: int = 0
     prompt_cache_ttl: float = 30.0
@@ -79,5 +85,7 @@ class ServeSettings(SettingsTable):
                              f"{self.prompt_cache} and {self.prompt_cache_ttl}")
         if self.max_per_key is not None and self.max_per_key < 0:
             raise InvalidArgument(f"max_per_key must be >= 0, got {self.max_per_key}")
+        if self.max_queue < 0:
+            raise InvalidArgument(f"max_queue must be >= 0, got {self.max_queue}")
         if not self.queue_timeout >= 0:
             raise InvalidArgument(f"queue_timeout must be >= 0, got {self.queue_timeout}")

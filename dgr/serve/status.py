@@ -156,7 +156,8 @@ class StageWatch:
         for i, (ep, info) in enumerate(zip(order, got)):
             static = known[ep]
             d: dict[str, Any] = {"index": i, "endpoint": ep, "layers": list(static.layers),
-                                 "n_slots": int(static.settings["n_slots"])}
+                                 "n_slots": int(static.settings["n_slots"]),
+                                 "n_ctx": int(static.n_ctx)}
             if isinstance(info, BaseException):
                 d.update(health="down", error=f"{type(info).__name__}: {info}"[:300])
                 out.append(d)

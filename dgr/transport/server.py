@@ -149,6 +149,8 @@ class _Servicer(dgr_pb2_grpc.ShardServicer):
         # the engine's lock let them, and the slots of a route's sessions diverged.
         self._ordered = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="dgr-slots")
+        #: the slot RPCs handed to that thread so far (in the order they came)
+        self.ordered_calls = 0
 
     def close(self) -> None:
         """Let the slots' thread end (the server stopped: no RPC comes any more)."""
@@ -158,6 +160,7 @@ class _Servicer(dgr_pb2_grpc.ShardServicer):
         """``fn(*args)`` on the slots' thread (``__init__``), in the caller's context (its
         credential)."""
         call = functools.partial(contextvars.copy_context().run, fn, *args)
+        self.ordered_calls += 1
         return await asyncio.get_running_loop().run_in_executor(self._ordered, call)
 
     async def Describe(self, request, context):

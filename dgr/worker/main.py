@@ -125,9 +125,11 @@ async def _serve(args) -> int:
     worker.name = addr
     p = worker.pipeline
     a, b = p.layers
-    log.info("serving %s layers [%d, %d) of %d, %s, %d slots, loaded in %.1f s", engine.arch, a,
-             b, p.n_layer, settings_tag(p.settings), engine.n_slots,
-             time.monotonic() - t0)
+    log.info("serving %s layers [%d, %d) of %d, %s, %d slots of %d context tokens, loaded in "
+             "%.1f s", engine.arch, a, b, p.n_layer, settings_tag(p.settings), engine.n_slots,
+             p.n_ctx, time.monotonic() - t0)
+    if p.info.get("n_ctx_source", "set") != "set":
+        log.info("context: %d tokens per session, chosen by %s", p.n_ctx, p.info["n_ctx_source"])
     metrics = None
     if args.metrics_port is not None:
         from dgr.control.metrics import MetricsServer

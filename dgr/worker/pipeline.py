@@ -136,6 +136,9 @@ class StagePipeline:
         info = engine.describe()
         self.info = info
         self.settings = complete(engine.settings)
+        #: context tokens per session: ``settings["n_ctx"]`` as set, or the one the engine
+        #: chose for 0 (its trained context within its KV budget)
+        self.n_ctx = int(info.get("n_ctx") or self.settings["n_ctx"])
         self.model_identity = info["identity"]
         #: the kind of the engine's device (``compute_kind``): part of the stage identity
         self.device_kind = getattr(engine, "compute", CPU)
@@ -158,7 +161,7 @@ class StagePipeline:
         self.releases = DeferredReleases()
         self._counts = threading.Lock()  # counters bumped by the loop and data threads
         self._tls = threading.local()  # per thread: reused output buffers
-        self.table = SessionTable(self.releases, engine.n_slots, self.settings["n_ctx"],
+        self.table = SessionTable(self.releases, engine.n_slots, self.n_ctx,
                                   ttl=c.ttl, evict_after=c.evict_after, listener=self._event)
         #: the prefix store's size (``SessionTable.keep``): every slot by default; none on an
         #: engine whose slots cannot be copied and cut back at any position (MTP, DeepSeek V4)
@@ -206,7 +209,7 @@ class StagePipeline:
         #: sessions' slots outside their steps: release and keep, adopt, fork, the prefix
         #: store's figures (dgr.worker.slots)
         self.slots = Slots(engine, self.table, self.lock, self.releases, self.history,
-                           n_ctx=int(self.settings["n_ctx"]), kv_bytes=int(info["kv_bytes"]))
+                           n_ctx=self.n_ctx, kv_bytes=int(info["kv_bytes"]))
         if self.is_last:
             mtp = None
             if getattr(engine, "mtp", False):
@@ -215,7 +218,7 @@ class StagePipeline:
             # a step's rollback never goes past what the caches can drop (DeepSeek V4's
             # compressed state keeps a window of snapshots; -1: no limit)
             window = int(info.get("rollback_window", -1))
-            self.speculator = Speculator(int(self.settings["n_ctx"]), mtp=mtp,
+            self.speculator = Speculator(self.n_ctx, mtp=mtp,
                                          max_rollback=window if window >= 0 else None)
         #: the stage's scheduler (``dgr.worker.scheduler``): every step of both planes computes
         #: through it

@@ -150,6 +150,8 @@ class Worker:
             rollback_window=int(p.info.get("rollback_window", -1)),
             state_bytes=int(p.info.get("state_bytes", 0)),
             state_snapshots=int(p.info.get("state_snapshots", 0)),
+            n_ctx=p.n_ctx, n_ctx_train=int(p.info.get("n_ctx_train", 0)),
+            n_ctx_source=str(p.info.get("n_ctx_source", "")),
         )
 
     def profile_snapshot(self) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP front (dgr.serve) over a real 2-stage SmolLM2 route, driven by
 the official ``openai`` client: models, chat and completions (streamed and not), stop strings,
 usage, the greedy text equal to the route's own greedy output, the error shapes and statuses,
-the slot limit (429), a client that disconnects mid-stream (its sessions released), API keys,
+the queue for slots (503 past its deadline, 429 full), a client that disconnects mid-stream (its sessions released), API keys,
 and one key at its cap of requests in flight while another key's generation is served."""
 
 from __future__ import annotations
@@ -303,21 +303,42 @@ def _open_stream(served, max_tokens=200):
     return conn, resp
 
 
-def test_every_slot_busy_is_429_with_retry_after(served, stages):
+def _post_completion(served) -> tuple[int, str | None, dict]:
+    conn = http.client.HTTPConnection(served.host, served.port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps(
+        {"model": NAME, "prompt": PROMPT, "max_tokens": 4}),
+        {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    data = json.loads(r.read())
+    conn.close()
+    return r.status, r.getheader("Retry-After"), data
+
+
+def test_every_slot_busy_queues_then_a_503_and_a_full_queue_is_429(served, stages, template):
+    """Beyond the route's 2 slots a request waits in the queue: past its deadline (0.5 s
+    here) a 503 with Retry-After; with no room in the queue a 429 with Retry-After at once."""
     held = [_open_stream(served) for _ in range(2)]  # the route has 2 slots
     try:
-        conn = http.client.HTTPConnection(served.host, served.port, timeout=30)
-        conn.request("POST", "/v1/completions", json.dumps(
-            {"model": NAME, "prompt": PROMPT, "max_tokens": 4}),
-            {"Content-Type": "application/json"})
-        r = conn.getresponse()
-        data = json.loads(r.read())
-        conn.close()
-        assert r.status == 429 and r.getheader("Retry-After") == "1"
-        assert data["error"]["type"] == "rate_limit_error" and "busy" in data["error"]["message"]
+        status, retry, data = _post_completion(served)
+        assert status == 503 and retry == "1", data
+        assert data["error"]["code"] == "queue_timeout" and "busy" in data["error"]["message"]
     finally:
         for c, _ in held:
             c.close()
+    wait_until(lambda: not any(_sessions(stages)), "the held streams' sessions gone", 10, 0.05)
+    full = _serve(stages, template, queue_timeout=30, max_queue=0)
+    held = [_open_stream(full) for _ in range(2)]
+    try:
+        t0 = time.monotonic()
+        status, retry, data = _post_completion(full)
+        assert time.monotonic() - t0 < 10  # at once, not after the queue's 30 s
+        assert status == 429 and retry == "1", data
+        assert data["error"]["type"] == "rate_limit_error"
+        assert data["error"]["code"] == "queue_full"
+    finally:
+        for c, _ in held:
+            c.close()
+        full.stop()
 
 
 def test_a_client_that_disconnects_mid_stream_releases_its_sessions(served, stages):

@@ -199,7 +199,7 @@ def test_what_the_kept_sessions_hold():
     t = _session(range(5), [(0, 4)], rows_exact=(False, False))  # token 4 never forwarded
     for x in (s, t):
         for st, kv in zip(x.route.stages, (32 * 1024, 32 * 512)):
-            st.settings, st.kv_bytes = {"n_ctx": 16, "n_slots": 2}, kv
+            st.settings, st.n_ctx, st.kv_bytes = {"n_ctx": 16, "n_slots": 2}, 16, kv
     assert session_bytes(s) == 11 * (1024 + 512) and session_bytes(t) == 4 * 1536
     p = PrefixPool(2)
     assert p.bytes_held() == 0 and p.snapshot()["bytes"] == 0
@@ -217,5 +217,5 @@ def test_what_a_kept_recurrent_session_holds():
     s = _session(range(9), [(0, 4), (4, 4), (8, 1)], rows_exact=(False, False),
                  rollback_window=0, state_snapshots=4, snapshots=[4, 8])
     for st, kv, state in zip(s.route.stages, (32 * 1024 + 2 * 1000, 32 * 512), (1000, 0)):
-        st.settings, st.kv_bytes, st.state_bytes = {"n_ctx": 16, "n_slots": 2}, kv, state
+        st.settings, st.n_ctx, st.kv_bytes, st.state_bytes = {"n_ctx": 16, "n_slots": 2}, 16, kv, state
     assert session_bytes(s) == 9 * (1024 + 512) + 1000 * 3

@@ -252,3 +252,24 @@ def test_a_model_is_retrieved_by_its_id():
     (s1, _, r1), (s2, _, r2) = asyncio.run(go())
     assert s1 == 200 and json.loads(r1)["id"] == "org/m" and json.loads(r1)["object"] == "model"
     assert s2 == 404 and json.loads(r2)["error"]["code"] == "model_not_found"
+
+
+def test_the_models_list_advertises_the_routes_context():
+    """/v1/models says how long a prompt may be, as vLLM (``max_model_len``) and llama-server
+    (``meta.n_ctx``, ``meta.n_ctx_train``) do: the smallest of the route's stages' contexts."""
+    route = FakeRoute()
+    route.stages[1].n_ctx = 48  # a stage whose budget held less
+    app = create_app(route, model="org/m", template=Template())
+
+    async def go():
+        async with app.router.lifespan_context(app):
+            return (await _call(app, "/v1/models", b"", method="GET"),
+                    await _call(app, "/v1/completions", json.dumps(
+                        {"model": "org/m", "prompt": [1] * 49, "max_tokens": 1}).encode()))
+
+    (s1, _, r1), (s2, _, r2) = asyncio.run(go())
+    card = json.loads(r1)["data"][0]
+    assert s1 == 200 and card["max_model_len"] == 48
+    assert card["meta"] == {"n_ctx": 48, "n_ctx_train": 64, "n_vocab": route.stages[0].n_vocab}
+    assert s2 == 400 and json.loads(r2)["error"]["code"] == "context_length_exceeded"
+    assert "maximum context length is 48" in json.loads(r2)["error"]["message"]

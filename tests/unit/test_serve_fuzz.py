@@ -68,7 +68,8 @@ class FakeRoute:
     def __init__(self):
         self.opened = self.closed = 0
         self.stages = [SimpleNamespace(endpoint=f"s{i}:1", layers=(i, i + 1), n_vocab=N_VOCAB,
-                                       settings={"n_slots": 2, "n_ctx": 64}) for i in range(2)]
+                                       settings={"n_slots": 2, "n_ctx": 64}, n_ctx=64, n_ctx_train=64)
+                       for i in range(2)]
         self.clients = []
 
     async def connect(self):

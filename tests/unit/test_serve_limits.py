@@ -228,7 +228,7 @@ def test_a_failed_request_gives_its_count_back(body, status):
 
 @pytest.mark.parametrize("cancel", [False, True], ids=["timed-out", "cancelled"])
 def test_a_request_waiting_for_a_slot_gives_its_count_back(cancel):
-    """Key-2 holds the only slot; alice's request waits for it, and either gets the 429 of
+    """Key-2 holds the only slot; alice's request waits for it, and either gets the 503 of
     the queue timeout or is cancelled (the server shutting the request down)."""
     route = HeldRoute(slots=1)
     app, reg = served(route, max_per_key=1, queue_timeout=30 if cancel else 0.05)
@@ -248,7 +248,8 @@ def test_a_request_waiting_for_a_slot_gives_its_count_back(cancel):
                     await waiter.task
             else:
                 await waiter.finished()
-                assert waiter.status == 429 and waiter.error()["code"] == "slots_busy"
+                assert waiter.status == 503 and waiter.error()["code"] == "queue_timeout"
+                assert waiter.headers["retry-after"] == "1"
             assert in_flight(reg, "alice") == 0
             route.go.set()
             await hog.finished()

@@ -85,7 +85,8 @@ def test_stage_watch_computes_between_polls_and_survives_a_stage_down():
     b = FakeClient("b:1", [_info(5, 0.05), errors.WorkerUnavailable("gone"),
                            _info(7, 0.07, draining=True, free_slots=1)])
     static = [SimpleNamespace(endpoint=e, layers=(i * 15, i * 15 + 15),
-                              settings={"n_slots": 2}) for i, e in enumerate(["a:1", "b:1"])]
+                              settings={"n_slots": 2}, n_ctx=128)
+              for i, e in enumerate(["a:1", "b:1"])]
     c = Clock()
     w = status.StageWatch(SimpleNamespace(clients=[b, a], stages=static), clock=c)
     first = asyncio.run(w.stages())

@@ -49,10 +49,13 @@ def test_slot_rpcs_take_effect_in_the_order_they_came():
             first = asyncio.ensure_future(c.reuse("a", 1, [b"k"], 8))
             assert await asyncio.to_thread(b.started.wait, 10)
             later = []
-            for call in (c.keep("b", [b"k"], 8), c.reuse("c", 1, [b"k"], 8),
-                         c.release("d"), c.fork("e", 1, ["f"], 1)):
+            for k, call in enumerate((c.keep("b", [b"k"], 8), c.reuse("c", 1, [b"k"], 8),
+                                      c.release("d"), c.fork("e", 1, ["f"], 1))):
                 later.append(asyncio.ensure_future(call))
-                await asyncio.sleep(0.05)  # each arrives after the one before
+                # each arrives after the one before: sent once the server has queued the last
+                # (a fixed sleep let a loaded machine deliver two in the other order)
+                while srv._servicer.ordered_calls < k + 2:
+                    await asyncio.sleep(0.005)
             await asyncio.sleep(0.2)
             assert b.calls == []  # nothing overtook the adoption that waits
             b.gate.set()

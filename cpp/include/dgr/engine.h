@@ -20,7 +20,11 @@ struct EngineConfig {
     int32_t  layer_start = 0;
     int32_t  layer_end   = -1;   // -1: n_layer
     // Settings that decide numerics: explicit, never "auto", identical on every stage of a route.
-    uint32_t n_ctx       = 1024; // context tokens per slot
+    // Context tokens per slot; 0: the model's trained context (n_ctx_train), capped by what
+    // kv_budget holds (EngineInfo::n_ctx is the one chosen, n_ctx_source says why). The tokens a
+    // slot holds do not change a row's bits (llama.cpp attends over the used cells, padded to
+    // 256, whatever the cache's size), but they are spelled in the identity as asked.
+    uint32_t n_ctx       = 1024;
     uint32_t n_slots     = 1;    // concurrent sequences (one KV stream each)
     int32_t  n_threads   = 1;    // n_threads == n_threads_batch
     uint32_t n_ubatch    = 64;   // n_batch == n_ubatch
@@ -45,6 +49,10 @@ struct EngineConfig {
     // The most bytes this engine may place on its device (weights, KV cache, compute buffers);
     // 0: the device's free memory is the only bound. Refused with kDeviceOutOfMemory.
     uint64_t device_memory_limit = 0;
+    // n_ctx 0 only: the most bytes the KV cache (and recurrent state) of all slots may take.
+    // 0: half the memory free once the weights are loaded (on the cpu device, the system's
+    // MemAvailable; elsewhere the device's free memory), within device_memory_limit.
+    uint64_t kv_budget = 0;
     // Multi-token prediction: load the model's NextN (MTP) block and draft with it (MtpDraft).
     // Only on the last stage (layer_end == n_layer) of a deepseek4 model with one NextN block;
     // it leaves the trunk's logits and boundary bit-identical to mtp=false.
@@ -68,7 +76,8 @@ struct EngineInfo {
     int32_t  n_embd_boundary = 0;
     int32_t  n_vocab = 0;
     int32_t  n_ctx_train = 0;
-    uint32_t n_ctx = 0;          // per slot, as configured
+    uint32_t n_ctx = 0;          // per slot: as configured, or chosen for n_ctx 0
+    std::string n_ctx_source;    // how n_ctx was chosen ("set", or the trained context and budget)
     uint32_t n_ctx_alloc = 0;    // per slot, as allocated by llama.cpp (may be padded up)
     uint32_t n_slots = 0;
     uint32_t n_ubatch = 0;

@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <sys/stat.h>
 
 #include "gguf.h"
@@ -211,6 +212,86 @@ uint64_t recurrent_state_bytes(llama_memory_t mem) {
     return b / r->size;
 }
 
+
+// The system's MemAvailable (Linux), or 0: ggml's CPU device reports all physical memory as
+// free (ggml_backend_cpu_device_get_memory), which no budget should trust.
+uint64_t host_available_bytes() {
+    std::ifstream f("/proc/meminfo");
+    std::string key;
+    uint64_t kib = 0;
+    while (f >> key >> kib) {
+        if (key == "MemAvailable:") return kib << 10;
+        f.ignore(1 << 10, '\n');
+    }
+    return 0;
+}
+
+constexpr uint32_t kContextProbe = 256;  // tokens of the probe context (llama.cpp pads n_ctx to 256)
+
+// n_ctx 0: the model's trained context per slot, capped by the KV budget. The bytes a token
+// takes in this stage's caches (its own layers only) are measured on a probe context of
+// kContextProbe cells and one sequence, less its recurrent state, which does not grow.
+Status choose_context(llama_model * model, llama_context_params cp, const EngineConfig & cfg,
+                      ggml_backend_dev_t dev, bool on_cpu, uint32_t * n_ctx, std::string * source) {
+    const int64_t train = llama_model_n_ctx_train(model);
+    const uint32_t want = (uint32_t) std::max<int64_t>(kContextProbe, train > 0 ? train : 4096);
+    cp.n_ctx = kContextProbe;
+    cp.n_seq_max = 1;
+    cp.n_rs_seq = std::min<uint32_t>(cp.n_rs_seq, kContextProbe / 4);
+    llama_context * probe = llama_init_from_model(model, cp);
+    if (!probe) {
+        const std::string why = log_last_error();
+        return Status(kEngineError, "llama.cpp could not create a " + std::to_string(kContextProbe) +
+                      "-token probe context to size n_ctx 0 for " + cfg.model_path +
+                      (why.empty() ? std::string() : ": " + why) + "; give n_ctx (--ctx N)");
+    }
+    uint64_t kv = 0;
+    for (const auto & kvp : llama_get_memory_breakdown(probe)) kv += kvp.second.context;
+    const uint64_t state = recurrent_state_bytes(llama_get_memory(probe));
+    llama_free(probe);
+    const uint64_t per_token = kv > state ? (kv - state + kContextProbe - 1) / kContextProbe : 0;
+    const uint64_t slots = cfg.n_slots;
+
+    uint64_t budget = cfg.kv_budget;
+    std::string whence = "as given";
+    if (!budget) {
+        size_t f = 0, t = 0;
+        ggml_backend_dev_memory(dev, &f, &t);
+        uint64_t free_now = on_cpu ? host_available_bytes() : (uint64_t) f;
+        if (on_cpu && !free_now) free_now = t;
+        if (!on_cpu && cfg.device_memory_limit) {
+            // what the limit leaves once the weights are in
+            const uint64_t w = llama_model_size(model);
+            free_now = std::min<uint64_t>(free_now, cfg.device_memory_limit > w ? cfg.device_memory_limit - w : 0);
+        }
+        budget = free_now / 2;
+        whence = "half of the " + mib(free_now) + (on_cpu ? " of memory available" : " free on the device");
+    }
+    uint32_t chosen = want;
+    if (per_token > 0) {
+        const uint64_t fixed = state * slots;
+        const uint64_t room = budget > fixed ? budget - fixed : 0;
+        const uint64_t fit = room / (per_token * slots) / kContextProbe * kContextProbe;
+        if (fit < kContextProbe) {
+            return Status(kDeviceOutOfMemory, "n_ctx 0: " + std::to_string(cfg.n_slots) + " slot(s) of " +
+                          std::to_string(kContextProbe) + " tokens need " +
+                          mib(fixed + per_token * slots * kContextProbe) + " of KV cache (" +
+                          std::to_string(per_token) + " bytes a token on this stage), more than the " +
+                          mib(budget) + " budget (" + whence + "): lower --slots, give --kv-budget, "
+                          "or --ctx N");
+        }
+        chosen = (uint32_t) std::min<uint64_t>(want, fit);
+    }
+    *n_ctx = chosen;
+    *source = chosen == want
+        ? "the model's trained context (n_ctx_train " + std::to_string(train) + "), " +
+          mib(per_token * slots * chosen + state * slots) + " of KV for " + std::to_string(cfg.n_slots) +
+          " slot(s) within " + mib(budget) + " (" + whence + ")"
+        : "the KV budget: " + mib(budget) + " (" + whence + ") holds " + std::to_string(chosen) +
+          " tokens per slot for " + std::to_string(cfg.n_slots) + " slot(s) at " + std::to_string(per_token) +
+          " bytes a token (n_ctx_train " + std::to_string(train) + ")";
+    return Status();
+}
 }  // namespace
 
 bool HasLayerRanges() noexcept { return DGR_LAYER_RANGE != 0; }
@@ -239,7 +320,6 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
     if (cfg.n_slots < 1 || cfg.n_slots > 256) {
         return Status(kInvalidArgument, "n_slots must be in [1, 256], got " + std::to_string(cfg.n_slots));
     }
-    if (cfg.n_ctx < 1) return Status(kInvalidArgument, "n_ctx (per slot) must be >= 1");
     if (cfg.n_ubatch < 1) return Status(kInvalidArgument, "n_ubatch must be >= 1");
     if (cfg.batch_invariant && cfg.device != "cpu") {
         return Status(kInvalidArgument, "batch_invariant runs ggml's CPU reference kernels: it needs the "
@@ -365,7 +445,6 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
     }
 
     llama_context_params cp = llama_context_default_params();
-    cp.n_ctx = cfg.n_ctx * cfg.n_slots;
     cp.n_batch = cfg.n_ubatch;
     cp.n_ubatch = cfg.n_ubatch;
     cp.n_seq_max = cfg.n_slots;
@@ -395,6 +474,14 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
     // op_offload moves an op on host weights to the device for large batches: on the CPU
     // there is no device to move it to
     cp.op_offload = !on_cpu;
+    uint32_t n_ctx = cfg.n_ctx;
+    std::string n_ctx_source = "set";
+    if (n_ctx == 0) {
+        s = choose_context(m.model, cp, cfg, dev, on_cpu, &n_ctx, &n_ctx_source);
+        if (!s.ok()) return s;
+        m.cfg.n_ctx = n_ctx;
+    }
+    cp.n_ctx = n_ctx * cfg.n_slots;
     m.ctx = llama_init_from_model(m.model, cp);
     if (!m.ctx) {
         const std::string oom = on_cpu ? std::string() : log_out_of_memory();
@@ -466,7 +553,8 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
 #endif
     in.n_vocab = llama_vocab_n_tokens(m.vocab);
     in.n_ctx_train = llama_model_n_ctx_train(m.model);
-    in.n_ctx = cfg.n_ctx;
+    in.n_ctx = n_ctx;
+    in.n_ctx_source = n_ctx_source;
     in.n_ctx_alloc = llama_n_ctx_seq(m.ctx);
     in.n_slots = cfg.n_slots;
     in.n_ubatch = cfg.n_ubatch;
@@ -493,9 +581,9 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
     in.token_bos = llama_vocab_bos(m.vocab);
     in.token_eos = llama_vocab_eos(m.vocab);
     in.add_bos = llama_vocab_get_add_bos(m.vocab);
-    if (in.n_ctx_alloc < cfg.n_ctx) {
+    if (in.n_ctx_alloc < n_ctx) {
         return Status(kInvalidArgument, "llama.cpp allocated " + std::to_string(in.n_ctx_alloc) +
-                      " context tokens per slot, fewer than the n_ctx=" + std::to_string(cfg.n_ctx) + " asked");
+                      " context tokens per slot, fewer than the n_ctx=" + std::to_string(n_ctx) + " asked");
     }
     {
         const DeviceInfo d = describe_device(dev);

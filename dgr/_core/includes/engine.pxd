@@ -34,6 +34,7 @@ cdef extern from "dgr/engine.h" namespace "dgr" nogil:
         string device
         bool use_mmap
         uint64_t device_memory_limit
+        uint64_t kv_budget
         bool mtp
         uint32_t state_snapshots
 
@@ -56,6 +57,7 @@ cdef extern from "dgr/engine.h" namespace "dgr" nogil:
         int32_t n_vocab
         int32_t n_ctx_train
         uint32_t n_ctx
+        string n_ctx_source
         uint32_t n_ctx_alloc
         uint32_t n_slots
         uint32_t n_ubatch

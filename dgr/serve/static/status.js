@@ -34,6 +34,7 @@ function stageItem(s, seam) {
   const rows = [["endpoint", s.endpoint]];
   if (s.health !== "down") {
     rows.push(["slots in use", s.slots_used + " / " + s.n_slots],
+              ["context / session", s.n_ctx + " tokens"],
               ["sessions", String(s.sessions)],
               ["queued steps", String(s.queue_depth)],
               ["compute / token", fmt(s.compute_ms, 2, "ms")],
@@ -107,14 +108,14 @@ function render(st) {
   $("model").textContent = st.model;
   document.title = "dgr: " + st.model;
   $("summary").textContent = st.stages.length + " stage(s), " + st.path + ", " +
-    st.capacity + " slot(s); " + (st.healthy ? "healthy" : "degraded");
+    st.capacity + " slot(s) of " + st.n_ctx + " context tokens; " + (st.healthy ? "healthy" : "degraded");
   $("window").textContent = "(last " + st.traffic.window_s + " s)";
   $("fig-tps").textContent = fmt(st.traffic.tokens_per_s, 1);
   $("fig-ttft").textContent = fmt(st.traffic.ttft_ms, 0, "ms");
   $("fig-tpot").textContent = fmt(st.traffic.tpot_ms, 1, "ms");
   $("fig-seam").textContent = fmt(st.seam_ms, 2, "ms");
   $("fig-inflight").textContent = String(st.in_flight);
-  $("fig-waiting").textContent = String(st.waiting);
+  $("fig-waiting").textContent = st.waiting + " (of " + st.queue.max + ")";
   $("fig-acceptance").textContent = st.traffic.acceptance === null ? "\u2013" :
     fmt(100 * st.traffic.acceptance, 0, "%") + " of " + st.traffic.drafted;
   $("fig-per-trip").textContent = fmt(st.traffic.tokens_per_trip, 2);
