@@ -26,9 +26,10 @@ __all__ = ["to_chat", "message", "events", "error_body", "error_response", "HONO
 #: the request fields dgr honours (anything else is a 400 naming it)
 HONOURED = frozenset({"model", "max_tokens", "messages", "system", "stop_sequences", "stream",
                       "temperature", "top_p", "top_k", "tools", "tool_choice", "metadata",
-                      "output_config"})
+                      "output_config", "thinking", "cache_control"})
 #: the fields of a count_tokens request dgr honours
-_COUNTED = frozenset({"model", "messages", "system", "tools", "tool_choice"})
+_COUNTED = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking",
+                      "cache_control"})
 #: Anthropic's error type of each HTTP status (docs.anthropic.com, "Errors")
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
@@ -49,12 +50,56 @@ def error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(error_body(e), status_code=e.status, headers=e.headers)
 
 
+def _cache_control(value, where: str) -> None:
+    """A ``cache_control`` breakpoint, checked and taken as a hint: the front's prompt cache
+    and the stages' prefix stores reuse every prefix by themselves (``usage`` says what a
+    request read: ``cache_read_input_tokens``)."""
+    if value is None:
+        return
+    if not isinstance(value, dict) or value.get("type") != "ephemeral" or \
+            set(value) - {"type", "ttl"} or value.get("ttl", "5m") not in ("5m", "1h"):
+        raise _bad(f"'{where}' must be {{'type': 'ephemeral'}} (with 'ttl' '5m' or '1h')",
+                   where)
+
+
+def _document(b: dict, where: str) -> str:
+    """A ``document`` block's text: a ``text`` source, a ``base64`` one of ``text/plain``
+    (UTF-8), or a ``content`` one of text blocks; its ``title`` and ``context`` lines before
+    it. Any other source (a PDF, a URL, a file id) is a 400."""
+    import base64
+    import binascii
+
+    src = b.get("source")
+    kind = src.get("type") if isinstance(src, dict) else None
+    if kind == "text" and isinstance(src.get("data"), str) and \
+            src.get("media_type", "text/plain") == "text/plain":
+        text = src["data"]
+    elif kind == "base64" and src.get("media_type") == "text/plain" and \
+            isinstance(src.get("data"), str):
+        try:
+            text = base64.b64decode(src["data"], validate=True).decode("utf-8")
+        except (binascii.Error, UnicodeDecodeError):
+            raise _bad(f"'{where}.source.data' is not base64 of UTF-8 text", "messages") from None
+    elif kind == "content":
+        text = _text_of(src.get("content"), f"{where}.source.content")
+    else:
+        what = kind if kind != "base64" else f"base64 {src.get('media_type')!r}"
+        raise _bad(f"'{where}': a document's source must be plain text ('text', 'content', or "
+                   f"'base64' of 'text/plain'); this server reads no {what or 'untyped'} "
+                   "documents", "messages")
+    _cache_control(b.get("cache_control"), f"{where}.cache_control")
+    head = [v for v in (b.get("title"), b.get("context")) if isinstance(v, str) and v]
+    return "\n\n".join([*head, text])
+
+
 def _text_of(content, where: str) -> str:
     """The text of a string or a list of text blocks (``system``, a tool result)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text"
                                          and isinstance(b.get("text"), str) for b in content):
+        for j, b in enumerate(content):
+            _cache_control(b.get("cache_control"), f"{where}[{j}].cache_control")
         return "".join(b["text"] for b in content)
     raise _bad(f"'{where}' must be a string or a list of text blocks", where)
 
@@ -65,16 +110,21 @@ def _user(blocks: list, i: int) -> list[dict]:
     out, text = [], []
     for j, b in enumerate(blocks):
         kind = b.get("type") if isinstance(b, dict) else None
+        if kind is not None:
+            _cache_control(b.get("cache_control"), f"messages[{i}].content[{j}].cache_control")
         if kind == "text" and isinstance(b.get("text"), str):
             text.append(b["text"])
+        elif kind == "document":
+            text.append(_document(b, f"messages[{i}].content[{j}]"))
         elif kind == "tool_result" and isinstance(b.get("tool_use_id"), str):
             content = _text_of(b.get("content", ""), f"messages[{i}].content[{j}].content")
             if b.get("is_error"):
                 content = f"Error: {content}"
             out.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": content})
         else:
-            raise _bad(f"messages[{i}].content[{j}]: a user block is 'text' or 'tool_result' "
-                       f"(this server takes no {kind or 'untyped'} blocks)", "messages")
+            raise _bad(f"messages[{i}].content[{j}]: a user block is 'text', 'document' or "
+                       f"'tool_result' (this server takes no {kind or 'untyped'} blocks)",
+                       "messages")
     if text:
         out.append({"role": "user", "content": "".join(text)})
     return out
@@ -85,6 +135,8 @@ def _assistant(blocks: list, i: int) -> dict:
     calls, thinking = [], []
     for j, b in enumerate(blocks):
         kind = b.get("type") if isinstance(b, dict) else None
+        if kind is not None:
+            _cache_control(b.get("cache_control"), f"messages[{i}].content[{j}].cache_control")
         if kind == "text" and isinstance(b.get("text"), str):
             msg["content"] += b["text"]
         elif kind == "tool_use" and isinstance(b.get("id"), str) and \
@@ -137,6 +189,7 @@ def _tools(body: dict, chat: dict) -> None:
                     t.get("type") not in (None, "custom"):
                 raise _bad(f"tools[{i}] must be a client tool with a 'name' and an "
                            "'input_schema' object (this server runs no server tools)", "tools")
+            _cache_control(t.get("cache_control"), f"tools[{i}].cache_control")
             fn = {"name": t["name"], "parameters": t["input_schema"]}
             if isinstance(t.get("description"), str):
                 fn["description"] = t["description"]
@@ -185,6 +238,31 @@ def _output_config(config, chat: dict) -> None:
         "name": "output", "schema": fmt["schema"], "strict": True}}
 
 
+def _thinking(thinking, chat: dict, max_tokens: int | None) -> None:
+    """``thinking`` as the template's reasoning switch: ``enabled`` (with ``budget_tokens``,
+    the most tokens the reasoning takes, less than ``max_tokens``), ``adaptive`` (the model's
+    own length) or ``disabled``. A template that does not think refuses the first two."""
+    if thinking is None:
+        return
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind == "disabled" and set(thinking) == {"type"}:
+        chat["chat_template_kwargs"] = {"enable_thinking": False}
+        return
+    if kind == "adaptive" and set(thinking) <= {"type", "display"}:
+        chat["chat_template_kwargs"] = {"enable_thinking": True}
+        return
+    budget = thinking.get("budget_tokens") if kind == "enabled" else None
+    if kind != "enabled" or set(thinking) - {"type", "budget_tokens", "display"} or \
+            not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise _bad("'thinking' must be {'type': 'enabled', 'budget_tokens': N}, "
+                   "{'type': 'adaptive'} or {'type': 'disabled'}", "thinking")
+    if max_tokens is not None and budget >= max_tokens:
+        raise _bad(f"'thinking.budget_tokens' ({budget}) must be less than 'max_tokens' "
+                   f"({max_tokens})", "thinking")
+    chat["chat_template_kwargs"] = {"enable_thinking": True}
+    chat["reasoning_budget"] = budget
+
+
 def to_chat(body: dict, *, count: bool = False) -> dict:
     """The chat completions body of a Messages request (``count``: a ``count_tokens`` request,
     which has no ``max_tokens``); an ``ApiError`` in the request's terms otherwise."""
@@ -194,13 +272,17 @@ def to_chat(body: dict, *, count: bool = False) -> dict:
     if not isinstance(body.get("model"), str):
         raise _bad("'model' is required", "model")
     chat: dict = {"model": body["model"], "messages": _messages(body)}
+    _cache_control(body.get("cache_control"), "cache_control")
     _tools(body, chat)
     if count:
+        _thinking(body.get("thinking"), chat, None)
+        chat.pop("reasoning_budget", None)  # (nothing is generated)
         return chat
     mt = body.get("max_tokens")
     if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
         raise _bad("'max_tokens' is required: a positive integer", "max_tokens")
     chat["max_tokens"] = mt
+    _thinking(body.get("thinking"), chat, mt)
     stops = body.get("stop_sequences")
     if stops is not None:
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or \
@@ -236,7 +318,14 @@ def _stop(gen: Generation, stops: list[str]) -> tuple[str, str | None]:
 
 
 def _tool_id(call_id: str | None) -> str:
-    return call_id or "toolu_" + uuid.uuid4().hex[:24]
+    """A ``tool_use`` block's id in Anthropic's spelling (``toolu_...``): the chat reply's
+    call id with its OpenAI prefix (``call_``) replaced, the same in a stream's events and a
+    whole message; a new one where the reply has none."""
+    if not call_id:
+        return "toolu_" + uuid.uuid4().hex[:24]
+    if call_id.startswith("toolu_"):
+        return call_id
+    return "toolu_" + (call_id[5:] if call_id.startswith("call_") else call_id)
 
 
 def _input(arguments: str) -> dict:

@@ -244,6 +244,11 @@ class _Front:
                                     "/v1/completions", param="messages",
                                code="no_chat_template")
             ask = ask or ToolAsk()
+            if ask.asks_reasoning and (self.native is None or not self.native.thinking):
+                raise ApiError(400, f"the model '{self.model}' has no reasoning in its chat "
+                                    "template (it does not think): a request to think, or a "
+                                    "reasoning budget, cannot be honoured",
+                               code="unsupported_parameter")
             if self.native is not None and self.native.wanted(ask):
                 rendered = self.native.render(messages, ask)
                 text, add_bos = rendered.prompt, rendered.add_bos
@@ -253,8 +258,8 @@ class _Front:
                                code="unsupported_parameter")
             else:
                 try:
-                    text, add_bos = self.template.render_prompt(messages,
-                                                                add_generation_prompt=True)
+                    text, add_bos = self.template.render_prompt(
+                        messages, add_generation_prompt=True, **dict(ask.template_kwargs))
                 except errors.DgrError as e:
                     raise ApiError(400, str(e), param="messages",
                                    code=type(e).__name__) from None
@@ -486,6 +491,10 @@ class _Front:
                            param="response_format" if body.get("response_format")
                            else "grammar" if body.get("grammar") else "json_schema",
                            code="unsupported_parameter")
+        if ask is not None and ask.reasoning_budget is not None and params.logprobs:
+            raise ApiError(400, "log probabilities are not given for a reply whose reasoning "
+                                "has a budget (its end is the front's, not sampled)",
+                           param="logprobs", code="unsupported_parameter")
         if chat:
             ids, text, rendered = await self.prompt_tokens(body, chat, ask)
             prompts = [(ids, text)]

@@ -21,7 +21,13 @@ other format llama-server knows, with a generic JSON format for templates that k
   allow more than one call.
 - A template that thinks (``<think>`` ...): the reasoning comes back apart, in
   ``message.reasoning_content`` (llama-server's ``reasoning_format`` ``auto``; ``none``
-  leaves it in the content).
+  leaves it in the content). Whether it thinks is the template's reasoning switch
+  (``enable_thinking``), set by OpenAI's ``reasoning_effort`` (``none`` off; ``minimal``,
+  ``low`` and ``medium`` cap the reasoning at ``EFFORT_BUDGETS`` tokens, ``high`` and
+  ``xhigh`` do not), by llama-server's ``chat_template_kwargs`` (passed to the template as
+  they are), and by ``reasoning_budget`` (the most tokens the reasoning takes: the front
+  then closes it itself, ``dgr.serve.generation``). A template with no reasoning refuses a
+  request to think, or to cap it, with a 400.
 
 A template the binding cannot read, or messages it refuses, is a 400 naming ``messages``.
 """
@@ -39,12 +45,18 @@ from dgr import errors
 from dgr.protocol.grammar import compile_grammar
 from dgr.serve.api_errors import ApiError
 
-__all__ = ["ToolAsk", "NativeChat", "Rendered", "Reply", "tool_ask", "REASONING_FORMATS"]
+__all__ = ["ToolAsk", "NativeChat", "Rendered", "Reply", "ThinkingCap", "tool_ask",
+           "REASONING_FORMATS", "EFFORT_BUDGETS"]
 
 log = logging.getLogger("dgr.serve")
 
 #: llama-server's ``reasoning_format`` values
 REASONING_FORMATS = ("auto", "none", "deepseek", "deepseek-legacy")
+#: OpenAI's ``reasoning_effort`` values: each one's cap on the reasoning's tokens (None: none;
+#: 0: no reasoning). A template that reads ``reasoning_effort`` itself (gpt-oss's harmony)
+#: is given the value too.
+EFFORT_BUDGETS = {"none": 0, "minimal": 256, "low": 1024, "medium": 4096, "high": None,
+                  "xhigh": None}
 #: OpenAI's rule for a function's name
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
@@ -58,6 +70,19 @@ class ToolAsk:
     choice: str = "none"
     parallel: bool = True
     reasoning_format: str = "auto"
+    #: the template's reasoning switch (``enable_thinking``): None leaves it at the
+    #: template's default (on)
+    thinking: bool | None = None
+    #: the most tokens the reasoning may take (None: no cap)
+    reasoning_budget: int | None = None
+    #: further template variables (llama-server's ``chat_template_kwargs``), as pairs
+    template_kwargs: tuple = ()
+
+    @property
+    def asks_reasoning(self) -> bool:
+        """Whether the request asks the template to think, or caps its thinking (a template
+        that has no reasoning refuses either)."""
+        return self.thinking is True or self.reasoning_budget is not None
 
     @property
     def calls(self) -> bool:
@@ -133,8 +158,52 @@ def tool_ask(body: dict) -> ToolAsk:
     if rf not in REASONING_FORMATS:
         raise ApiError(400, f"'reasoning_format' must be one of {list(REASONING_FORMATS)}, "
                             f"got {rf!r}", param="reasoning_format")
+    thinking, budget, kwargs = _reasoning(body)
     return ToolAsk(tools=tuple(tools), choice=choice,
-                   parallel=True if parallel is None else parallel, reasoning_format=rf)
+                   parallel=True if parallel is None else parallel, reasoning_format=rf,
+                   thinking=thinking, reasoning_budget=budget,
+                   template_kwargs=tuple(sorted(kwargs.items())))
+
+
+def _reasoning(body: dict) -> tuple[bool | None, int | None, dict]:
+    """``(thinking, reasoning budget, template variables)`` of a chat request's
+    ``reasoning_effort``, ``chat_template_kwargs`` and ``reasoning_budget``."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ApiError(400, "'chat_template_kwargs' must be an object of template variables",
+                       param="chat_template_kwargs")
+    kwargs = dict(kwargs)
+    thinking = kwargs.get("enable_thinking")
+    if thinking is not None and not isinstance(thinking, bool):
+        raise ApiError(400, "'chat_template_kwargs.enable_thinking' must be a boolean",
+                       param="chat_template_kwargs")
+    budget = body.get("reasoning_budget")
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)
+                               or budget < 1):
+        raise ApiError(400, f"'reasoning_budget' must be a positive integer, got {budget!r}",
+                       param="reasoning_budget")
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in EFFORT_BUDGETS:
+            raise ApiError(400, f"'reasoning_effort' must be one of {list(EFFORT_BUDGETS)}, "
+                                f"got {effort!r}", param="reasoning_effort")
+        cap = EFFORT_BUDGETS[effort]
+        if thinking is not None and thinking != (cap != 0):
+            raise ApiError(400, f"'reasoning_effort' {effort!r} and "
+                                f"'chat_template_kwargs.enable_thinking' {thinking} disagree",
+                           param="reasoning_effort")
+        thinking = cap != 0
+        if cap:
+            budget = cap if budget is None else min(budget, cap)
+        kwargs.setdefault("reasoning_effort", effort)
+    if thinking is False and budget is not None:
+        raise ApiError(400, "a reasoning budget is for a request that thinks; this one turns "
+                            "thinking off", param="reasoning_budget")
+    if thinking is not None:
+        kwargs["enable_thinking"] = thinking
+    return thinking, budget, kwargs
 
 
 @dataclass(frozen=True)
@@ -151,6 +220,31 @@ class Rendered:
     #: the parser's settings (``Reply``)
     parser: dict
     format_name: str
+    #: the request's cap on the reasoning (``ThinkingCap``; None: none)
+    cap: ThinkingCap | None = None
+
+
+@dataclass(frozen=True)
+class ThinkingCap:
+    """A reasoning budget: once a reply has made ``budget`` tokens and its reasoning is still
+    open, the front ends the reasoning itself, with the template's own end tag
+    (``close_text``), and generates the answer after it (``dgr.serve.generation``)."""
+
+    budget: int
+    start: str            # the template's thinking start tag
+    ends: tuple           # its end tags
+    opened: bool          # the generation prompt opened the reasoning (R1's "<think>\n")
+
+    def over(self, text: str, n_tokens: int) -> bool:
+        """Whether a reply of ``n_tokens`` tokens, ``text`` so far, is past the budget with
+        its reasoning open."""
+        if n_tokens < self.budget:
+            return False
+        return (self.opened or self.start in text) and not any(e in text for e in self.ends)
+
+    @property
+    def close_text(self) -> str:
+        return "\n" + self.ends[0] + "\n\n"
 
 
 class NativeChat:
@@ -186,7 +280,9 @@ class NativeChat:
             return self._generic(messages, ask)
         req = {"messages": messages, "tools": list(ask.tools), "tool_choice": ask.choice,
                "parallel_tool_calls": ask.parallel and ask.choice != "none",
-               "reasoning_format": ask.reasoning_format, "add_generation_prompt": True}
+               "reasoning_format": ask.reasoning_format, "add_generation_prompt": True,
+               "enable_thinking": ask.thinking is not False,
+               "chat_template_kwargs": dict(ask.template_kwargs)}
         try:
             out = self._t.apply(req)
         except (RuntimeError, ValueError) as e:
@@ -211,7 +307,7 @@ class NativeChat:
         return Rendered(prompt=out["prompt"], add_bos=self.add_bos, grammar=grammar,
                         stops=tuple(s for s in out["additional_stops"] if s),
                         parser=parser,
-                        format_name=out["format_name"])
+                        format_name=out["format_name"], cap=_cap(out, ask))
 
     def _generic(self, messages: list, ask: ToolAsk) -> Rendered:
         """A template that knows no tools (SmolLM2's): llama.cpp's former generic format.
@@ -233,6 +329,17 @@ class NativeChat:
         return Rendered(prompt=text, add_bos=add_bos, grammar=grammar, stops=(),
                         parser={"generic": ask.calls},
                         format_name="generic")
+
+
+def _cap(out: dict, ask: ToolAsk) -> ThinkingCap | None:
+    """The reasoning budget of a request rendered as ``out`` (None without one)."""
+    ends = tuple(e for e in out.get("thinking_end_tags", ()) if e)
+    start = out.get("thinking_start_tag") or ""
+    if ask.reasoning_budget is None or not ends or not start:
+        return None
+    gp = out.get("generation_prompt") or ""
+    opened = gp.rfind(start) > max(gp.rfind(e) for e in ends)
+    return ThinkingCap(ask.reasoning_budget, start, ends, opened)
 
 
 #: llama.cpp's instruction of its generic tool format (``{key}``: ``tool_call``, or
@@ -434,6 +541,8 @@ class Reply:
     """One reply's text parsed as it grows: content, reasoning and tool calls."""
 
     def __init__(self, rendered: Rendered, *, stream: bool):
+        #: the request's reasoning budget (``ThinkingCap``; None: none)
+        self.cap = rendered.cap
         self._text = ""
         self.message: dict = {"content": "", "reasoning_content": "", "tool_calls": []}
         p = dict(rendered.parser)

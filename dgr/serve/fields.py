@@ -66,6 +66,10 @@ CHAT: dict[str, tuple[Callable[[Any], bool], str] | None] = {
     # llama-server's: whether the reasoning of a thinking model comes back apart
     # (message.reasoning_content) or inline in the content
     "reasoning_format": HONOURED,
+    # the template's reasoning switch (dgr.serve.chat: none off, minimal/low/medium capped
+    # at EFFORT_BUDGETS tokens), llama-server's template variables (enable_thinking, ...),
+    # and the most tokens the reasoning takes (the front closes it: dgr.serve.generation)
+    "reasoning_effort": HONOURED, "chat_template_kwargs": HONOURED, "reasoning_budget": HONOURED,
     "functions": (_empty, "functions (deprecated: tools) are not supported"),
     "function_call": (_no_function_call, "function_call (deprecated: tool_choice) is not "
                                        "supported"),
@@ -74,7 +78,6 @@ CHAT: dict[str, tuple[Callable[[Any], bool], str] | None] = {
     "modalities": (_one_of(["text"]), "this model answers in text only"),
     "audio": (_absent, "audio output is not supported"),
     "prediction": (_absent, "predicted outputs are not supported"),
-    "reasoning_effort": (_absent, "reasoning_effort is not supported"),
     "verbosity": (_absent, "verbosity is not supported"),
     "web_search_options": (_absent, "web search is not supported"),
     "store": (_false, "stored completions are not supported"),

@@ -105,20 +105,47 @@ class Generation:
             # a new session: the stages' prefix stores may hold this prompt's first chunks
             self.reuse = await s.adopt(self.ids)
             self.pool.adopted(self.reuse)
-        tokens = s.generate(self.ids, max_tokens=self.max_tokens,
-                            sampling=self.params.sampling, logits=self.params.logprobs,
-                            **({"reuse": self.reuse} if self.reuse else {}))
-        try:
-            async for tok in tokens:
-                self._took(tok)
-                piece = text.push(tok)
+        cap = getattr(self.reply, "cap", None)
+        prompt, reuse, seen, full = self.ids, self.reuse, "", False
+        while True:
+            tokens = s.generate(prompt, max_tokens=self.max_tokens - len(self.tokens),
+                                sampling=self.params.sampling, logits=self.params.logprobs,
+                                **({"reuse": reuse} if reuse else {}))
+            capped = False
+            try:
+                async for tok in tokens:
+                    self._took(tok)
+                    piece = text.push(tok)
+                    if piece:
+                        seen += piece
+                        yield piece
+                    if text.stopped:
+                        break
+                    if cap is not None and cap.over(seen, len(self.tokens)):
+                        capped = True
+                        break
+            finally:
+                await tokens.aclose()  # a stop string (or the client) ended it: the loop stops
+            if not capped:
+                break
+            # the reasoning ran to its budget: end it with the template's own tag, as input,
+            # and generate the answer after it (a prefill of the text so far, from the
+            # session's reusable positions: the bits of a fresh prefill of that text)
+            close = [int(t) for t in await self.route.tokenize(cap.close_text, False, True)]
+            cap = None  # once
+            if len(self.tokens) + len(close) >= self.max_tokens:
+                full = True  # no room for the answer: the reply is cut, as at the limit
+                break
+            for t in close:
+                self.tokens.append(t)
+                piece = text.push(t)
                 if piece:
+                    seen += piece
                     yield piece
-                if text.stopped:
-                    break
-        finally:
-            await tokens.aclose()  # a stop string (or the client) ended it: the loop stops
-        reason = "stop" if text.stopped else getattr(s, "stop_reason", "length")
+            prompt = self.ids + self.tokens
+            reuse = _reusable(s, prompt)
+        reason = "stop" if text.stopped else "length" if full else getattr(s, "stop_reason",
+                                                                             "length")
         self.finish_reason = "length" if reason == "length" else "stop"
         self.stop_string = text.matched
         piece = text.finish()
@@ -179,6 +206,15 @@ class Generation:
                     await (s.close(keep=True) if store else s.close())
                 finally:
                     self.admission.release()
+
+
+def _reusable(session, prompt: list[int]) -> int:
+    """The positions of ``session`` a generation of ``prompt`` may keep (``reuse``): all its
+    caches allow, or on a recurrent route the latest state snapshot within them."""
+    most = session.reusable(prompt)
+    if session.recurrent():
+        return max((p for p in session.snapshots if p <= most), default=0)
+    return most
 
 
 class Stream(StreamingResponse):

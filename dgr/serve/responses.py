@@ -25,7 +25,8 @@ __all__ = ["to_chat", "Output", "response", "events", "HONOURED"]
 #: the request fields dgr honours (anything else is a 400 naming it)
 HONOURED = frozenset({"model", "input", "instructions", "tools", "tool_choice",
                       "parallel_tool_calls", "text", "max_output_tokens", "temperature",
-                      "top_p", "stream", "store", "previous_response_id", "metadata", "user"})
+                      "top_p", "stream", "store", "previous_response_id", "metadata", "user",
+                      "reasoning"})
 
 
 def _bad(message: str, param: str | None = None) -> ApiError:
@@ -178,11 +179,28 @@ def to_chat(body: dict) -> dict:
                      ("parallel_tool_calls", "parallel_tool_calls")):
         if body.get(src) is not None:
             chat[dst] = body[src]
+    _reasoning(body.get("reasoning"), chat)
     meta = body.get("metadata")
     if meta is not None and (not isinstance(meta, dict) or len(meta) > 16 or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in meta.items())):
         raise _bad("'metadata' must be an object of at most 16 string values", "metadata")
     return chat
+
+
+def _reasoning(r, chat: dict) -> None:
+    """``reasoning``: its ``effort`` as the chat body's ``reasoning_effort`` (the template's
+    reasoning switch and budget: ``dgr.serve.chat``). This server writes no reasoning
+    summaries: ``summary`` may be ``auto`` (the server's choice: none) or absent."""
+    if r is None:
+        return
+    if not isinstance(r, dict) or set(r) - {"effort", "summary", "generate_summary"}:
+        raise _bad("'reasoning' takes 'effort' and 'summary'", "reasoning")
+    for k in ("summary", "generate_summary"):
+        if r.get(k) not in (None, "auto"):
+            raise _bad(f"this server writes no reasoning summaries: 'reasoning.{k}' may be "
+                       "'auto' or absent", "reasoning")
+    if r.get("effort") is not None:
+        chat["reasoning_effort"] = r["effort"]
 
 
 def _id(prefix: str) -> str:

@@ -189,6 +189,33 @@ def test_a_thinking_templates_reasoning_comes_apart_streamed_and_not(thinking):
     assert reasoning.strip() in im.content
 
 
+def test_reasoning_effort_and_a_budget_on_a_thinking_template(thinking, smol):
+    """OpenAI's reasoning_effort through the official client: ``none`` turns R1's thinking
+    off (its template closes <think> in the prompt), a budget ends the reasoning after that
+    many tokens (the uncapped reasoning's first ones, greedy); SmolLM2's template, which does
+    not think, refuses a request to think with a 400 that says so."""
+    kw = dict(model=NAME, messages=ASK, temperature=0, max_tokens=24)
+
+    def reasoning_of(r):
+        return (r.choices[0].message.model_extra or {}).get("reasoning_content") or ""
+
+    free = reasoning_of(thinking.chat.completions.create(**kw))
+    off = thinking.chat.completions.create(reasoning_effort="none", **kw)
+    assert free.strip() and not reasoning_of(off).strip()
+    capped = thinking.chat.completions.create(extra_body={"reasoning_budget": 4}, **kw)
+    short = reasoning_of(capped)
+    assert short.strip() and free.strip().startswith(short.strip()) and len(short) < len(free)
+    assert capped.usage.completion_tokens <= 24
+    # a Responses request's reasoning.effort is the same switch
+    r = thinking.responses.create(model=NAME, input=ASK[0]["content"], temperature=0,
+                                  max_output_tokens=24, reasoning={"effort": "none"})
+    assert not [i for i in r.output if i.type == "reasoning"]
+    with pytest.raises(openai.BadRequestError) as e:
+        smol.chat.completions.create(reasoning_effort="high", **kw)
+    assert "has no reasoning in its chat template" in str(e.value)
+    assert smol.chat.completions.create(reasoning_effort="none", **kw).choices[0].message
+
+
 def test_an_agent_loops_turns_reuse_the_prompt_cache_under_the_tools_grammar(stages, smollm2,
                                                                             smol):
     """SmolLM2's template knows no tools: llama.cpp's generic format constrains every reply

@@ -193,3 +193,76 @@ def test_x_api_key_is_a_key(front):
         status, _, raw = call("/v1/messages", ASK, headers=headers)
         assert status == 401
         assert json.loads(raw)["error"]["type"] == "authentication_error"
+
+
+def test_thinking_maps_to_the_templates_reasoning_switch_and_budget():
+    chat = to_chat({**ASK, "max_tokens": 64, "thinking": {"type": "enabled",
+                                                          "budget_tokens": 16}})
+    assert chat["chat_template_kwargs"] == {"enable_thinking": True}
+    assert chat["reasoning_budget"] == 16
+    assert to_chat({**ASK, "thinking": {"type": "adaptive"}})["chat_template_kwargs"] == \
+        {"enable_thinking": True}
+    off = to_chat({**ASK, "thinking": {"type": "disabled"}})
+    assert off["chat_template_kwargs"] == {"enable_thinking": False}
+    assert "reasoning_budget" not in off
+    for bad in ({"type": "enabled", "budget_tokens": 6}, {"type": "enabled", "budget_tokens": 0},
+                {"type": "sometimes"}, {"type": "disabled", "budget_tokens": 4}, "on"):
+        with pytest.raises(ApiError) as e:
+            to_chat({**ASK, "thinking": bad})  # max_tokens 6: a budget must be below it
+        assert e.value.param == "thinking"
+
+
+def test_cache_control_is_accepted_where_the_api_puts_it_and_checked():
+    eph = {"type": "ephemeral"}
+    body = {**ASK, "cache_control": eph,
+            "system": [{"type": "text", "text": "sys", "cache_control": eph}],
+            "tools": [{"name": "w", "input_schema": {"type": "object"}, "cache_control": eph}],
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "hi", "cache_control": {**eph, "ttl": "1h"}}]}]}
+    chat = to_chat(body)
+    assert chat["messages"] == [{"role": "system", "content": "sys"},
+                                {"role": "user", "content": "hi"}]
+    assert to_chat({k: v for k, v in body.items() if k != "cache_control"}) == chat
+    for where, bad in (("top", {"type": "persistent"}), ("top", {**eph, "ttl": "1d"}),
+                       ("block", {"type": "ephemeral", "scope": "x"})):
+        b = {**body, "cache_control": bad} if where == "top" else {**body, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": bad}]}]}
+        with pytest.raises(ApiError) as e:
+            to_chat(b)
+        assert "cache_control" in e.value.message
+
+
+def test_document_blocks_of_text_become_text_and_others_are_refused():
+    import base64
+
+    def user(*blocks):
+        return to_chat({**ASK, "system": None, "messages": [
+            {"role": "user", "content": list(blocks)}]})["messages"]
+
+    doc = "line one\nline two"
+    want = [{"role": "user", "content": "T\n\n" + doc + "question"}]
+    for src in ({"type": "text", "media_type": "text/plain", "data": doc},
+                {"type": "base64", "media_type": "text/plain",
+                 "data": base64.b64encode(doc.encode()).decode()},
+                {"type": "content", "content": [{"type": "text", "text": doc}]}):
+        assert user({"type": "document", "source": src, "title": "T"},
+                    {"type": "text", "text": "question"}) == want
+    for src in ({"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="},
+                {"type": "url", "url": "https://example.com/a.pdf"},
+                {"type": "file", "file_id": "file_1"},
+                {"type": "base64", "media_type": "text/plain", "data": "not base64!"},
+                {"type": "base64", "media_type": "text/plain",
+                 "data": base64.b64encode(b"\xff\xfe").decode()}):
+        with pytest.raises(ApiError) as e:
+            user({"type": "document", "source": src})
+        assert e.value.status == 400 and e.value.param == "messages"
+
+
+def test_tool_use_ids_are_anthropics():
+    from dgr.serve.anthropic import _tool_id
+
+    assert _tool_id("call_abc123") == "toolu_abc123"
+    assert _tool_id("toolu_x") == "toolu_x"
+    assert _tool_id("7") == "toolu_7"
+    fresh = _tool_id(None)
+    assert fresh.startswith("toolu_") and len(fresh) == 30 and fresh != _tool_id(None)

@@ -300,6 +300,13 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
      "tool_choice"),
     ({"tools": [SPECIAL], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"reasoning_format": "verbose"}, "reasoning_format"),
+    ({"reasoning_effort": "maximal"}, "reasoning_effort"),
+    ({"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": False}},
+     "reasoning_effort"),
+    ({"reasoning_budget": 0}, "reasoning_budget"),
+    ({"reasoning_budget": 8, "reasoning_effort": "none"}, "reasoning_budget"),
+    ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"enable_thinking": "yes"}}, "chat_template_kwargs"),
 ])
 def test_bad_tool_fields_are_400s_naming_them(body, param):
     with pytest.raises(ApiError) as e:
@@ -319,3 +326,44 @@ def test_a_template_llama_cpp_cannot_read_is_a_typed_error():
 
     with pytest.raises(errors.ChatTemplateError):
         NativeChat(ChatTemplate(source="{% if %}", name="broken"))
+
+
+def test_reasoning_effort_is_the_templates_switch_and_a_budget():
+    """OpenAI's reasoning_effort: none turns the template's thinking off, minimal/low/medium
+    cap it (EFFORT_BUDGETS), high does not; a template that reads reasoning_effort itself
+    (gpt-oss) is given it; chat_template_kwargs and reasoning_budget set the same."""
+    from dgr.serve.chat import EFFORT_BUDGETS
+
+    off = tool_ask({"reasoning_effort": "none"})
+    assert (off.thinking, off.reasoning_budget, not off.asks_reasoning) == (False, None, True)
+    assert dict(off.template_kwargs) == {"enable_thinking": False, "reasoning_effort": "none"}
+    for effort in ("minimal", "low", "medium"):
+        a = tool_ask({"reasoning_effort": effort})
+        assert (a.thinking, a.reasoning_budget) == (True, EFFORT_BUDGETS[effort])
+    high = tool_ask({"reasoning_effort": "high"})
+    assert (high.thinking, high.reasoning_budget, high.asks_reasoning) == (True, None, True)
+    assert tool_ask({"reasoning_effort": "low", "reasoning_budget": 64}).reasoning_budget == 64
+    kw = tool_ask({"chat_template_kwargs": {"enable_thinking": False, "x": 1}})
+    assert kw.thinking is False and dict(kw.template_kwargs) == {"enable_thinking": False,
+                                                                 "x": 1}
+    assert tool_ask({}).thinking is None and not tool_ask({}).asks_reasoning
+
+
+def test_a_reasoning_budget_closes_the_reasoning_with_the_templates_tag():
+    """The cap (dgr.serve.chat.ThinkingCap) of R1's template, which opens <think> in its
+    generation prompt, and of Qwen 3's, where the model opens it."""
+    r1 = _native("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B")
+    qwen = _native("Qwen-Qwen3-0.6B")
+    msgs = [{"role": "user", "content": "Hi"}]
+    cap = r1.render(msgs, tool_ask({"reasoning_budget": 4})).cap
+    assert (cap.budget, cap.start, cap.ends, cap.opened) == (4, "<think>", ("</think>",), True)
+    assert cap.close_text == "\n</think>\n\n"
+    assert not cap.over("I am", 3) and cap.over("I am thinking", 4)
+    assert not cap.over("I am</think>Hello", 9)  # closed already
+    q = qwen.render(msgs, tool_ask({"reasoning_budget": 4})).cap
+    assert not q.opened and not q.over("Hello there, friend", 5)  # it never thought
+    assert q.over("<think>hmm, well", 5)
+    assert r1.render(msgs, tool_ask({})).cap is None
+    # thinking off: the template closes the reasoning in the prompt
+    off = r1.render(msgs, tool_ask({"reasoning_effort": "none"}))
+    assert off.prompt.endswith("</think>") and off.cap is None

@@ -90,9 +90,10 @@ LLAMA_SERVER = ["top_k", "min_p", "repeat_penalty", "repeat_last_n", "grammar", 
                                             (False, COMPLETIONS_REFERENCE)])
 def test_every_reference_field_is_classed(chat, reference):
     table = fields.CHAT if chat else fields.COMPLETIONS
-    # and chat's reasoning_format (llama-server's)
-    assert sorted(table) == sorted(reference + LLAMA_SERVER + (["reasoning_format"] if chat
-                                                               else []))
+    # and chat's reasoning_format and chat_template_kwargs (llama-server's), and its
+    # reasoning_budget (dgr's: Anthropic's thinking.budget_tokens on the chat endpoint)
+    extra = ["reasoning_format", "chat_template_kwargs", "reasoning_budget"] if chat else []
+    assert sorted(table) == sorted(reference + LLAMA_SERVER + extra)
 
 
 def _refused(chat: bool) -> list[str]:

@@ -95,7 +95,11 @@ class FakeRoute:
 
 
 class Template:
-    def render_prompt(self, messages, add_generation_prompt=True):
+    def render_prompt(self, messages, add_generation_prompt=True, **extra):
+        # (extra: the request's template variables, as dgr.serve.templates.ChatTemplate takes
+        # them; a name the template sets itself is refused there)
+        if set(extra) & {"messages", "tools", "add_generation_prompt"}:
+            raise errors.InvalidArgument(f"template variables {sorted(extra)} clash")
         if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
             raise errors.ChatTemplateError("a message needs a string content")
         return "".join(m["content"] for m in messages), True
@@ -133,7 +137,8 @@ async def _call(app, path: str, body: bytes, method: str = "POST",
 
 FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
           "top_p", "seed", "stop", "n", "stream", "stream_options", "logprobs",
-          "top_logprobs"]
+          "top_logprobs", "reasoning_effort", "chat_template_kwargs", "reasoning_budget"]
+EFFORTS = st.sampled_from(["none", "minimal", "low", "medium", "high", "xhigh", "maximal"])
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
     | st.text(max_size=12),
@@ -150,7 +155,10 @@ common = dict(max_tokens=st.integers(1, 40), stream=st.booleans(),
               seed=st.integers(-2**63, 2**63 - 1), n=st.just(1), model=st.just("m"))
 #: in-range requests (most answered 200), with or without each optional field
 valid_chat = st.fixed_dictionaries({"messages": good_messages}, optional={
-    **common, "max_completion_tokens": st.integers(1, 40), "logprobs": st.booleans()})
+    **common, "max_completion_tokens": st.integers(1, 40), "logprobs": st.booleans(),
+    "reasoning_effort": EFFORTS, "reasoning_budget": st.integers(-2, 64),
+    "chat_template_kwargs": st.fixed_dictionaries({}, optional={
+        "enable_thinking": st.booleans() | st.text(max_size=3)})})
 valid_completion = st.fixed_dictionaries(
     {"prompt": st.text(min_size=1, max_size=20) | st.lists(st.integers(0, 100), min_size=1,
                                                             max_size=5)},
@@ -245,9 +253,24 @@ def test_a_route_failing_mid_stream_ends_the_stream_with_an_error_and_closes(ser
 # -- Anthropic's Messages API (dgr.serve.anthropic) ------------------------------------------
 
 A_FIELDS = ["model", "max_tokens", "messages", "system", "stop_sequences", "stream",
-            "temperature", "top_p", "top_k", "tools", "tool_choice", "metadata", "thinking"]
+            "temperature", "top_p", "top_k", "tools", "tool_choice", "metadata", "thinking",
+            "cache_control"]
+cache_controls = st.sampled_from([{"type": "ephemeral"}, {"type": "ephemeral", "ttl": "1h"},
+                                  {"type": "ephemeral", "ttl": "1d"}, {"type": "other"}, None])
+doc_sources = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "media_type": st.just("text/plain"),
+                           "data": st.text(max_size=10)}),
+    st.fixed_dictionaries({"type": st.just("base64"),
+                           "media_type": st.sampled_from(["text/plain", "application/pdf"]),
+                           "data": st.sampled_from(["aGk=", "//4=", "not base64", ""])}),
+    st.fixed_dictionaries({"type": st.sampled_from(["url", "file", "content"])}),
+    json_values)
 blocks = st.lists(st.one_of(
-    st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=10)}),
+    st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=10)},
+                          optional={"cache_control": cache_controls}),
+    st.fixed_dictionaries({"type": st.just("document"), "source": doc_sources},
+                          optional={"title": st.text(max_size=5),
+                                    "cache_control": cache_controls}),
     st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": st.text(max_size=5),
                            "content": st.text(max_size=10)}),
     st.fixed_dictionaries({"type": st.just("tool_use"), "id": st.text(max_size=5),
@@ -262,7 +285,12 @@ valid_message = st.fixed_dictionaries(
               "temperature": st.floats(0, 1), "top_p": st.floats(0.01, 1),
               "top_k": st.integers(0, 50),
               "stop_sequences": st.lists(st.text(max_size=3), max_size=4),
-              "tool_choice": st.sampled_from([{"type": "auto"}, {"type": "none"}])})
+              "tool_choice": st.sampled_from([{"type": "auto"}, {"type": "none"}]),
+              "cache_control": cache_controls,
+              "thinking": st.one_of(
+                  st.sampled_from([{"type": "adaptive"}, {"type": "disabled"}]),
+                  st.fixed_dictionaries({"type": st.just("enabled"),
+                                         "budget_tokens": st.integers(-1, 50)}))})
 a_requests = st.one_of(
     st.dictionaries(st.sampled_from(A_FIELDS), json_values, max_size=8),
     valid_message,
@@ -312,7 +340,9 @@ valid_response = st.fixed_dictionaries(
     optional={"instructions": st.text(max_size=10), "stream": st.booleans(),
               "max_output_tokens": st.integers(1, 40), "temperature": st.floats(0, 2),
               "store": st.just(False),
-              "text": st.sampled_from([{"format": {"type": "text"}}])})
+              "text": st.sampled_from([{"format": {"type": "text"}}]),
+              "reasoning": st.fixed_dictionaries({}, optional={
+                  "effort": EFFORTS, "summary": st.sampled_from(["auto", "detailed", None])})})
 r_requests = st.one_of(
     st.dictionaries(st.sampled_from(R_FIELDS), json_values, max_size=8),
     valid_response,

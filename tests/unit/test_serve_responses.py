@@ -75,7 +75,7 @@ def test_a_request_becomes_the_chat_body_the_front_serves():
 
 @pytest.mark.parametrize("change,param", [
     ({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"reasoning": {"effort": "low"}}, "reasoning"), ({"include": []}, "include"),
+    ({"reasoning": {"summary": "detailed"}}, "reasoning"), ({"include": []}, "include"),
     ({"model": None}, "model"), ({"input": []}, "input"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]}, "input"),
