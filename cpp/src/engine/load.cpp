@@ -212,7 +212,6 @@ uint64_t recurrent_state_bytes(llama_memory_t mem) {
     return b / r->size;
 }
 
-
 // The system's MemAvailable (Linux), or 0: ggml's CPU device reports all physical memory as
 // free (ggml_backend_cpu_device_get_memory), which no budget should trust.
 uint64_t host_available_bytes() {
@@ -292,6 +291,7 @@ Status choose_context(llama_model * model, llama_context_params cp, const Engine
           " bytes a token (n_ctx_train " + std::to_string(train) + ")";
     return Status();
 }
+
 }  // namespace
 
 bool HasLayerRanges() noexcept { return DGR_LAYER_RANGE != 0; }
