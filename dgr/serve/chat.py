@@ -315,6 +315,12 @@ class NativeChat:
         history's calls and results into JSON text, and the output follows a JSON schema:
         ``{"tool_call": ...}`` (``{"tool_calls": [...]}`` with ``parallel_tool_calls``) or,
         unless a call is required, ``{"response": "..."}``."""
+        if ask.reasoning_budget is not None:
+            # the reply is one JSON object under a schema: no reasoning to end at a budget
+            raise ApiError(400, "a reasoning budget cannot be kept with tools on this model: "
+                                "its template renders no tools, and the generic tool format's "
+                                "JSON reply has no reasoning", param="reasoning_budget",
+                           code="unsupported_parameter")
         msgs = _generic_messages(messages, ask)
         try:
             text, add_bos = self.template.render_prompt(msgs, add_generation_prompt=True)

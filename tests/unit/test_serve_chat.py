@@ -364,6 +364,12 @@ def test_a_reasoning_budget_closes_the_reasoning_with_the_templates_tag():
     assert not q.opened and not q.over("Hello there, friend", 5)  # it never thought
     assert q.over("<think>hmm, well", 5)
     assert r1.render(msgs, tool_ask({})).cap is None
+    # tools on R1 (its template renders none): the generic JSON format, which has no
+    # reasoning to cap, so a budget is refused rather than ignored
+    with pytest.raises(ApiError) as e:
+        r1.render(msgs, tool_ask({"tools": [SPECIAL], "tool_choice": "required",
+                                  "reasoning_budget": 4}))
+    assert e.value.param == "reasoning_budget"
     # thinking off: the template closes the reasoning in the prompt
     off = r1.render(msgs, tool_ask({"reasoning_effort": "none"}))
     assert off.prompt.endswith("</think>") and off.cap is None
