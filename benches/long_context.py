@@ -15,32 +15,21 @@ docs/performance.md "Long context".
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import tempfile
 import time
 
 import numpy as np
+from harness import cli
 
 RANGES = [(0, 1), (1, 3), (3, 4)]
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def run(tokens: int, kv: str, threads: int, steps: int, ubatch: int) -> dict:
     from dgr.core.engine import Engine
     from dgr.testing.fixtures import TinyLlama, write_tiny_llama
+    from dgr.vendor import cpu_features
 
     with tempfile.TemporaryDirectory() as d:
         path = write_tiny_llama(os.path.join(d, "tiny-long.gguf"),
@@ -81,7 +70,7 @@ def run(tokens: int, kv: str, threads: int, steps: int, ubatch: int) -> dict:
             stages.append({"layers": [a, b], "n_ctx": e.n_ctx, "kv_bytes": kvb,
                            "kv_share_ratio": kvb / share, "prefill_s": s})
         return {"tokens": tokens, "prompt_tokens": prompt_len, "kv": kv, "threads": threads,
-                "n_ubatch": ubatch, "cpu": _cpu(), "cores": os.cpu_count(),
+                "n_ubatch": ubatch, "cpu": cpu_features()[0], "cores": os.cpu_count(),
                 "whole_n_ctx": whole.n_ctx, "whole_kv_bytes": wkv, "whole_prefill_s": whole_s,
                 "prompt_rows_bit_identical": rows_equal, "first_differing_row": first_diff,
                 "decode_steps": steps, "decode_bit_identical": decode_equal,
@@ -89,20 +78,16 @@ def run(tokens: int, kv: str, threads: int, steps: int, ubatch: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = cli.parser(__doc__, json=True)
     ap.add_argument("--tokens", type=int, default=131072, help="trained context and KV length")
     ap.add_argument("--kv", default="f16", help="KV cache type (type_k and type_v)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8, help="decode steps at the far end")
     ap.add_argument("--ubatch", type=int, default=512)
-    ap.add_argument("--json", help="write the record here too")
     a = ap.parse_args(argv)
     rec = run(a.tokens, a.kv, a.threads, a.steps, a.ubatch)
-    text = json.dumps(rec, indent=2)
-    print(text)
-    if a.json:
-        with open(a.json, "w") as f:
-            f.write(text + "\n")
+    print(json.dumps(rec, indent=2))
+    cli.write_json(a.json, rec, indent=2)
     return 0 if rec["prompt_rows_bit_identical"] and rec["decode_bit_identical"] else 1
 
 

@@ -23,13 +23,13 @@ one slot.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
 import time
 
-import numpy as np
+from harness import cli
+from harness.common import N_VOCAB, prompt_tokens, smollm2_path
 
 RANGES = [(0, 10), (10, 20), (20, 30)]
 
@@ -40,14 +40,6 @@ def _rss(pid: int | str = "self") -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-def _cpu() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def whole(model: str, settings: dict, prompt, decode: int) -> dict:
@@ -86,21 +78,20 @@ async def _route(endpoints, prompt, decode: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = cli.parser(__doc__, json=True)
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--decode", type=int, default=16)
     ap.add_argument("--ubatch", type=int, default=512)
     ap.add_argument("--model")
-    ap.add_argument("--json")
     a = ap.parse_args(argv)
-    from dgr.artifacts import models
+    from dgr.vendor import cpu_features
     from dgr.worker.process import LocalCluster
 
-    model = a.model or str(models.path(models.DEFAULT_MODEL))
+    model = a.model or smollm2_path()
     n_ctx = -(-(a.tokens + a.decode + 1) // 256) * 256
     base = dict(n_ctx=n_ctx, n_slots=1, n_ubatch=a.ubatch, flash_attn=True)
-    prompt = np.random.default_rng(1234).integers(100, 49152, a.tokens, dtype=np.int32)
-    rec: dict = {"cpu": _cpu(), "cores": os.cpu_count(), "model": os.path.basename(model),
+    prompt = prompt_tokens(a.tokens, N_VOCAB)
+    rec: dict = {"cpu": cpu_features()[0], "cores": os.cpu_count(), "model": os.path.basename(model),
                  "prompt_tokens": a.tokens, "decode_steps": a.decode, "settings": base}
     for t in (1, 2):
         rec[f"whole_t{t}"] = whole(model, {**base, "n_threads": t}, prompt, a.decode)
@@ -122,11 +113,8 @@ def main(argv=None) -> int:
     rec["parity"] = r["tokens"] == w1["tokens"]
     for k in ("whole_t1", "whole_t2", "relay_3"):
         rec[k].pop("tokens")
-    text = json.dumps(rec, indent=2)
-    print(text)
-    if a.json:
-        with open(a.json, "w") as f:
-            f.write(text + "\n")
+    print(json.dumps(rec, indent=2))
+    cli.write_json(a.json, rec, indent=2)
     return 0 if rec["parity"] else 1
 
 

@@ -186,7 +186,7 @@ def _reasoning(body: dict) -> tuple[bool | None, int | None, dict]:
                        param="reasoning_budget")
     effort = body.get("reasoning_effort")
     if effort is not None:
-        if effort not in EFFORT_BUDGETS:
+        if not isinstance(effort, str) or effort not in EFFORT_BUDGETS:
             raise ApiError(400, f"'reasoning_effort' must be one of {list(EFFORT_BUDGETS)}, "
                                 f"got {effort!r}", param="reasoning_effort")
         cap = EFFORT_BUDGETS[effort]

@@ -301,6 +301,7 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
     ({"tools": [SPECIAL], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"reasoning_format": "verbose"}, "reasoning_format"),
     ({"reasoning_effort": "maximal"}, "reasoning_effort"),
+    ({"reasoning_effort": ["low"]}, "reasoning_effort"),  # (unhashable: a TypeError once)
     ({"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": False}},
      "reasoning_effort"),
     ({"reasoning_budget": 0}, "reasoning_budget"),
