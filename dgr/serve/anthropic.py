@@ -248,11 +248,11 @@ def _thinking(thinking, chat: dict, max_tokens: int | None) -> None:
     if kind == "disabled" and set(thinking) == {"type"}:
         chat["chat_template_kwargs"] = {"enable_thinking": False}
         return
-    if kind == "adaptive" and set(thinking) <= {"type", "display"}:
+    if kind == "adaptive" and set(thinking) == {"type"}:
         chat["chat_template_kwargs"] = {"enable_thinking": True}
         return
     budget = thinking.get("budget_tokens") if kind == "enabled" else None
-    if kind != "enabled" or set(thinking) - {"type", "budget_tokens", "display"} or \
+    if kind != "enabled" or set(thinking) - {"type", "budget_tokens"} or \
             not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
         raise _bad("'thinking' must be {'type': 'enabled', 'budget_tokens': N}, "
                    "{'type': 'adaptive'} or {'type': 'disabled'}", "thinking")

@@ -206,7 +206,8 @@ def test_thinking_maps_to_the_templates_reasoning_switch_and_budget():
     assert off["chat_template_kwargs"] == {"enable_thinking": False}
     assert "reasoning_budget" not in off
     for bad in ({"type": "enabled", "budget_tokens": 6}, {"type": "enabled", "budget_tokens": 0},
-                {"type": "sometimes"}, {"type": "disabled", "budget_tokens": 4}, "on"):
+                {"type": "sometimes"}, {"type": "disabled", "budget_tokens": 4}, "on",
+                {"type": "adaptive", "display": "omitted"}):
         with pytest.raises(ApiError) as e:
             to_chat({**ASK, "thinking": bad})  # max_tokens 6: a budget must be below it
         assert e.value.param == "thinking"
