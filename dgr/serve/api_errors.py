@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import uuid
 
-from starlette.responses import JSONResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from dgr import errors
 
-__all__ = ["ApiError", "from_dgr", "mid_stream"]
+__all__ = ["ApiError", "from_dgr", "mid_stream", "EXCEPTION_HANDLERS"]
 
 log = logging.getLogger("dgr.serve")
 
@@ -60,3 +62,26 @@ def mid_stream(e: Exception, rid: str) -> ApiError:
     log.exception("request %s failed mid-stream: %s: %s", rid, type(e).__name__, e)
     return ApiError(500, f"internal error (request {rid})", type="server_error",
                     code="internal_error")
+
+
+async def _not_found(request: Request, exc) -> Response:
+    return ApiError(404, f"no route {request.method} {request.url.path}",
+                    code="not_found").response()
+
+
+async def _method_not_allowed(request: Request, exc) -> Response:
+    return ApiError(405, f"{request.method} is not allowed on {request.url.path}",
+                    code="method_not_allowed").response()
+
+
+async def _server_error(request: Request, exc) -> Response:
+    # the exception's class and text stay in the log (uvicorn logs the traceback after)
+    rid = "req-" + uuid.uuid4().hex
+    log.error("request %s (%s %s) failed: %s: %s", rid, request.method, request.url.path,
+              type(exc).__name__, exc)
+    return ApiError(500, f"internal error (request {rid})", type="server_error",
+                    code="internal_error", headers={"X-Request-Id": rid}).response()
+
+
+#: the app's own 404, 405 and 500, in OpenAI's shape (``create_app``)
+EXCEPTION_HANDLERS = {404: _not_found, 405: _method_not_allowed, 500: _server_error}

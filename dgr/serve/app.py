@@ -58,7 +58,7 @@ from dgr.serve import embeddings as embedding_fields
 from dgr.serve import responses as oai_responses
 from dgr.serve import status as serve_status
 from dgr.serve.admission import Admission, per_key_default
-from dgr.serve.api_errors import ApiError, from_dgr
+from dgr.serve.api_errors import EXCEPTION_HANDLERS, ApiError, from_dgr
 from dgr.serve.auth import KEY_SCOPE, ApiKeys
 from dgr.serve.chat import NativeChat, Rendered, Reply, ToolAsk, tool_ask
 from dgr.serve.generation import Generation, Stream, close_all, deltas, sse, usage_of
@@ -111,7 +111,7 @@ def create_app(route, *, model: str, template=None, settings: ServeSettings | No
                 HttpRoute("/v1/messages/count_tokens", f.count_tokens, methods=["POST"]),
                 HttpRoute("/health", f.health, methods=["GET"]),
                 HttpRoute("/metrics", f.metrics, methods=["GET"])],
-        exception_handlers={404: _not_found, 405: _method_not_allowed, 500: _server_error},
+        exception_handlers=EXCEPTION_HANDLERS,
         middleware=[Middleware(ApiKeys, keys=list(api_keys))] if api_keys else None,
         lifespan=f.lifespan)
 
@@ -157,11 +157,7 @@ class _Front:
         if not r.stages:
             await r.connect()
         self.admission.open(min(int(s.settings["n_slots"]) for s in r.stages))
-        least = min(r.stages, key=lambda s: int(s.n_ctx))
-        log.info("context: %d tokens per session (the least of the %d stage(s)': %s, %s)",
-                 int(least.n_ctx), len(r.stages), least.endpoint,
-                 least.n_ctx_source if getattr(least, "n_ctx_source", "") not in ("", "set")
-                 else "--ctx as set")
+        log.info(serve_status.context_line(r.stages))
         self.vocab = await r.pieces()
         sweep = asyncio.create_task(self._sweep()) if self.pool.size else None
         try:
@@ -198,15 +194,8 @@ class _Front:
 
     @property
     def card(self) -> dict:
-        """The model's ``/v1/models`` entry, with the route's context as vLLM spells it
-        (``max_model_len``) and llama-server (``meta``: ``n_ctx``, ``n_ctx_train``)."""
-        stages = self.route.stages
-        if not stages:
-            return dict(self._card)
-        train = min((int(getattr(s, "n_ctx_train", 0)) for s in stages), default=0)
-        return {**self._card, "max_model_len": self.n_ctx(),
-                "meta": {"n_ctx": self.n_ctx(), "n_ctx_train": train,
-                         "n_vocab": int(stages[0].n_vocab)}}
+        """The model's ``/v1/models`` entry (``serve_status.model_card``)."""
+        return serve_status.model_card(self._card, self.route.stages)
 
     # -- a request's parts -------------------------------------------------------------------
 
@@ -787,22 +776,3 @@ class _Front:
 
     async def page(self, request: Request) -> Response:
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
-
-
-async def _not_found(request: Request, exc) -> Response:
-    return ApiError(404, f"no route {request.method} {request.url.path}",
-                    code="not_found").response()
-
-
-async def _method_not_allowed(request: Request, exc) -> Response:
-    return ApiError(405, f"{request.method} is not allowed on {request.url.path}",
-                    code="method_not_allowed").response()
-
-
-async def _server_error(request: Request, exc) -> Response:
-    # the exception's class and text stay in the log (uvicorn logs the traceback after)
-    rid = "req-" + uuid.uuid4().hex
-    log.error("request %s (%s %s) failed: %s: %s", rid, request.method, request.url.path,
-              type(exc).__name__, exc)
-    return ApiError(500, f"internal error (request {rid})", type="server_error",
-                    code="internal_error", headers={"X-Request-Id": rid}).response()

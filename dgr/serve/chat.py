@@ -323,7 +323,8 @@ class NativeChat:
                            code="unsupported_parameter")
         msgs = _generic_messages(messages, ask)
         try:
-            text, add_bos = self.template.render_prompt(msgs, add_generation_prompt=True)
+            text, add_bos = self.template.render_prompt(msgs, add_generation_prompt=True,
+                                                        **dict(ask.template_kwargs))
         except errors.DgrError as e:
             raise ApiError(400, str(e), param="messages", code=type(e).__name__) from None
         try:

@@ -117,7 +117,8 @@ class Generation:
                     self._took(tok)
                     piece = text.push(tok)
                     if piece:
-                        seen += piece
+                        if cap is not None:  # the text so far, for the budget only
+                            seen += piece
                         yield piece
                     if text.stopped:
                         break
@@ -140,10 +141,9 @@ class Generation:
                 self.tokens.append(t)
                 piece = text.push(t)
                 if piece:
-                    seen += piece
                     yield piece
             prompt = self.ids + self.tokens
-            reuse = _reusable(s, prompt)
+            reuse = s.reusable(prompt)  # (a recurrent route: its latest state snapshot there)
         reason = "stop" if text.stopped else "length" if full else getattr(s, "stop_reason",
                                                                              "length")
         self.finish_reason = "length" if reason == "length" else "stop"
@@ -206,15 +206,6 @@ class Generation:
                     await (s.close(keep=True) if store else s.close())
                 finally:
                     self.admission.release()
-
-
-def _reusable(session, prompt: list[int]) -> int:
-    """The positions of ``session`` a generation of ``prompt`` may keep (``reuse``): all its
-    caches allow, or on a recurrent route the latest state snapshot within them."""
-    most = session.reusable(prompt)
-    if session.recurrent():
-        return max((p for p in session.snapshots if p <= most), default=0)
-    return most
 
 
 class Stream(StreamingResponse):

@@ -195,3 +195,23 @@ def seam_ms(tpot_ms: float | None, stages: list[dict[str, Any]], links: int
         return None
     rest = tpot_ms - sum(comp)
     return rest / links if rest >= 0 else None
+
+
+def model_card(card: dict, stages) -> dict:
+    """``card`` (the model's ``/v1/models`` entry) with the route's context, the smallest of
+    its ``stages``', as vLLM spells it (``max_model_len``) and llama-server (``meta``:
+    ``n_ctx``, ``n_ctx_train``); ``card`` alone before the route is connected."""
+    if not stages:
+        return dict(card)
+    n_ctx = min(int(s.n_ctx) for s in stages)
+    train = min(int(getattr(s, "n_ctx_train", 0)) for s in stages)
+    return {**card, "max_model_len": n_ctx,
+            "meta": {"n_ctx": n_ctx, "n_ctx_train": train, "n_vocab": int(stages[0].n_vocab)}}
+
+
+def context_line(stages) -> str:
+    """What the front logs at start: the route's context and the stage that set it."""
+    least = min(stages, key=lambda s: int(s.n_ctx))
+    why = getattr(least, "n_ctx_source", "")
+    return (f"context: {int(least.n_ctx)} tokens per session (the least of the {len(stages)} "
+            f"stage(s)': {least.endpoint}, {why if why not in ('', 'set') else '--ctx as set'})")
