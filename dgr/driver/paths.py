@@ -216,8 +216,12 @@ class Relay(StepPath):
                 links[0].send(wire.encode(h))
                 pos += len(toks)
                 total += len(toks)
-            # one timer for the whole batch (cheaper than asyncio.wait_for per step)
-            timer = loop.call_later(r.deadline(len(r.stages), total), _expire, keys)
+            # One timer at a time (cheaper than asyncio.wait_for per step), for progress, not
+            # for the whole batch: each chunk's reply is due within its own step's deadline of
+            # the one before it (the first's, of sending). The chunks queue on the stages, so
+            # a long prompt's last reply comes after all the others' compute: a deadline for
+            # the whole batch, capped at step_timeout, expired a 32k prompt on a slow machine.
+            timer = loop.call_later(r.deadline(len(r.stages), keys[0][1]), _expire, keys)
             for k, (key, n, fut) in enumerate(keys):
                 try:
                     f = await fut
@@ -234,6 +238,10 @@ class Relay(StepPath):
                     r.deadlines.measured_relay(n, time.perf_counter() - t0)
                 r.relay_steps += 1
                 s._extend(chunks[k])
+                timer.cancel()
+                if k + 1 < len(keys):
+                    timer = loop.call_later(r.deadline(len(r.stages), keys[k + 1][1]),
+                                            _expire, keys[k + 1:])
                 yield f
             if len(keys) > 1:
                 r.deadlines.measured_relay(total, time.perf_counter() - t0)

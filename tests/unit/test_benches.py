@@ -563,3 +563,19 @@ def test_the_stage_bound_decodes_every_ring_group_over_the_sessions_contexts(tin
         assert steps == [([0], [p]), ([0], [p + 1]), ([0], [p + 2]),
                          ([0, 1, 2], [p] * 3), ([3], [p]), ([0, 1, 2], [p + 1] * 3),
                          ([3], [p + 1]), ([0, 1, 2], [p + 2] * 3), ([3], [p + 2])]
+
+
+def test_the_agent_trace_is_the_same_each_run_and_shaped_as_the_issue_asks():
+    agent_trace = pytest.importorskip("agent_trace")
+    system, turns = agent_trace.trace(20, 12000, 200, 2000)
+    assert (system, turns) == agent_trace.trace(20, 12000, 200, 2000)
+    assert len(turns) == 20 and turns[0] == [{"role": "user", "content": agent_trace.TASK}]
+    cpt = agent_trace.CHARS_PER_TOKEN
+    assert 12000 <= len(system) / cpt < 12100
+    for k, messages in enumerate(turns[1:], 2):
+        assert len(messages) == 1 + 2 * (k - 1)  # each turn adds a call and its result
+        call, result = messages[-2]["content"][1], messages[-1]["content"][0]
+        assert call["type"] == "tool_use" and call["id"].startswith("toolu_")
+        assert result["tool_use_id"] == call["id"]
+        assert 200 <= len(result["content"]) / cpt < 2000 + 100
+        assert messages[:-2] == turns[k - 2]  # the history only grows

@@ -176,3 +176,65 @@ def test_the_header_asks_for_the_boundary_except_at_the_end():
     h = forward_header("s", 3, STAGE, 8, [5, 6], want="token", sampling=sampling)
     assert (h.want, h.sampling, h.tokens) == ("token", sampling, [5, 6])
     assert (h.relay, h.reply_to, h.loop, h.steps, h.stop_tokens) == (None, "", None, 0, None)
+
+
+class RelayRoute(types.SimpleNamespace):
+    """A route for ``Relay``: the first stage's link records each sent chunk, and the test
+    answers them (``answer``) as the last stage's replies would come back."""
+
+    def __init__(self, deadline: float):
+        sent = []
+        super().__init__(
+            stages=[STAGE], clients=[None], relay=True, loop=False, max_retries=0,
+            recovery=FakeRecovery(), n_ubatch=4, route_id="r", speculate="",
+            batching=True, relay_steps=0, sent=sent,
+            relay_links=types.SimpleNamespace(hops=lambda: None, pending={}),
+            deadlines=types.SimpleNamespace(measured_relay=lambda n, s: None))
+        self._deadline = deadline
+        self._link = types.SimpleNamespace(send=sent.append)
+
+    async def links(self):
+        return [self._link]
+
+    def deadline(self, i, n):
+        return self._deadline
+
+
+async def _answer(r: RelayRoute, gaps: list[float]) -> None:
+    """Answer the pending chunks in order, ``gaps[k]`` seconds before the k-th reply."""
+    await asyncio.sleep(0)
+    for (key, fut), gap in zip(list(r.relay_links.pending.items()), gaps):
+        await asyncio.sleep(gap)
+        if not fut.done():
+            fut.set_result(frame(7))
+
+
+def test_a_relayed_prefill_may_take_longer_than_one_deadline_while_each_chunk_keeps_its_own():
+    # the chunks queue on the stages: a long prompt's replies come one after another, and the
+    # batch takes far longer than a step's deadline; each reply is due within a deadline of
+    # the one before it (a deadline for the whole batch expired a 32k prompt)
+    async def run():
+        r = RelayRoute(deadline=0.3)
+        s = session(r, Relay)
+        chunks = [[1, 2, 3, 4]] * 6
+        answering = asyncio.ensure_future(_answer(r, [0.12] * 6))  # 0.72 s in all
+        got = [f async for f in s.path.prefill(chunks, "token", None)]
+        await answering
+        return len(got), len(r.sent), len(s.history)
+
+    assert asyncio.run(run()) == (6, 6, 24)
+
+
+def test_a_relayed_chunk_whose_reply_stalls_past_its_deadline_fails_the_step():
+    async def run():
+        r = RelayRoute(deadline=0.3)
+        s = session(r, Relay)
+        answering = asyncio.ensure_future(_answer(r, [0.05, 0.05, 0.6]))
+        got = []
+        with pytest.raises(errors.StepDeadlineExceeded, match="position 8"):
+            async for f in s.path.prefill([[1, 2, 3, 4]] * 3, "token", None):
+                got.append(f)
+        answering.cancel()
+        return len(got), len(s.history), r.relay_links.pending
+
+    assert asyncio.run(run()) == (2, 8, {})
