@@ -47,7 +47,6 @@ import http.client
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -55,7 +54,7 @@ import time
 from harness import cli
 from harness.clusters import free_port
 from harness.llama import llama_server
-from serve_load import _wait_healthy
+from serve_load import _median, _wait_healthy, stop_servers
 
 #: characters per token of the trace's text on a BPE vocabulary (code and English): sizes the
 #: system prompt and the tool results; the servers report the tokens they counted
@@ -185,11 +184,6 @@ def stream_message(port: int, body: dict) -> dict:
             "reply": "".join(reply)}
 
 
-def _median(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
 def main(argv=None) -> int:
     ap = cli.parser(__doc__, stages=3, json=True)
     ap.add_argument("--turns", type=int, default=20)
@@ -218,7 +212,7 @@ def main(argv=None) -> int:
     system, turns = trace(args.turns, args.system_tokens, args.tool_min, args.tool_max)
     chars = len(system) + len(json.dumps(turns[-1])) + len(json.dumps(TOOLS))
     need = int(chars / CHARS_PER_TOKEN * 1.25) + args.tokens * args.turns
-    ctx = args.ctx or max(trained, -(-need // 4096) * 4096 if need > trained else trained)
+    ctx = args.ctx or (trained if need <= trained else -(-need // 4096) * 4096)
     name = "bench"
     common = ["--stages", str(args.stages), "--model-name", name, "--ctx", str(ctx),
               "--slots", "1", "--threads", "1", "--ubatch", str(args.ubatch),
@@ -257,18 +251,13 @@ def main(argv=None) -> int:
                 f"{k} {row[k]['ttft_ms']:7.0f} ms ({row[k]['prompt_tokens']} tok)"
                 for k in cmds), flush=True)
     finally:
-        for p in procs.values():
-            p.send_signal(2)
-        for p in procs.values():
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_servers(procs)
     rows = rec["rows"]
     later = rows[1:]
     summary = {"ttft_ms_median_turns_2_on": {
         k: _median([r[k]["ttft_ms"] for r in later]) for k in cmds},
-        "output_tps_median": {k: _median([r[k]["output_tps"] for r in rows]) for k in cmds}}
+        "output_tps_median": {k: _median([r[k]["output_tps"] for r in rows
+                                          if r[k]["output_tps"] is not None]) for k in cmds}}
     for t in (1, 2):
         k = f"llama-server t{t}"
         summary[f"dgr_ttft_over_{k.replace(' ', '_').replace('-', '_')}_median"] = _median(

@@ -51,7 +51,7 @@ import time
 from harness import cli
 from harness.clusters import free_port
 from harness.llama import llama_server
-from serve_load import N_CTX, N_UBATCH, _wait_healthy, stream_chat
+from serve_load import N_CTX, N_UBATCH, _wait_healthy, stop_servers, stream_chat
 
 
 def system_prompt(rules: int = 18) -> str:
@@ -209,13 +209,7 @@ def main(argv=None) -> int:
                 f"{pc['bytes'] / 2**20:.1f} MiB; stores gave {ps['store_tokens_reused']} "
                 "tokens", flush=True)
     finally:
-        for p in procs.values():
-            p.send_signal(2)
-        for p in procs.values():
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_servers(procs)
         for c in clusters:
             c.stop()
     print("\n| turn | prompt tokens | dgr cache ms | dgr store ms | dgr no cache ms | "

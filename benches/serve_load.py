@@ -70,6 +70,17 @@ def _wait_healthy(port: int, proc: subprocess.Popen, what: str, timeout: float =
         time.sleep(0.25)
 
 
+def stop_servers(procs: dict) -> None:
+    """SIGINT to every server (dgr serve stops its workers), then wait; kill what lingers."""
+    for p in procs.values():
+        p.send_signal(2)
+    for p in procs.values():
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 def stream_chat(port: int, model: str, messages: list, max_tokens: int,
                 extra: dict | None = None):
     """A streamed greedy chat completion (``extra``: more request fields, tools say):
@@ -278,13 +289,7 @@ def main(argv=None) -> int:
                       f"TPOT p50 {row['tpot_ms_p50'] or 0:6.1f} p99 {row['tpot_ms_p99'] or 0:6.1f}"
                       f" ms  CPU/token {_cpu_text(row)} ms  failed {row['failed']}", flush=True)
     finally:
-        for p in procs.values():
-            p.send_signal(2)  # SIGINT: dgr serve stops its workers
-        for p in procs.values():
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_servers(procs)
     print("\n| round | clients | server | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | "
           "TPOT p50 ms | TPOT p99 ms | CPU ms/token (each process) |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---|")
