@@ -152,7 +152,7 @@ def stream_message(port: int, body: dict) -> dict:
     r = c.getresponse()
     if r.status != 200:
         raise RuntimeError(f"HTTP {r.status}: {r.read()[:400]!r}")
-    first, end, reply, n_out, n_in, deltas = None, None, [], 0, 0, 0
+    first, end, reply, n_out, n_in, n_cached, deltas = None, None, [], 0, 0, 0, 0
     for raw in r:
         line = raw.decode().strip()
         if not line.startswith("data: {"):
@@ -163,6 +163,7 @@ def stream_message(port: int, body: dict) -> dict:
             u = ev["message"].get("usage") or {}
             n_in = sum(int(u.get(k) or 0) for k in (
                 "input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"))
+            n_cached = int(u.get("cache_read_input_tokens") or 0)
         elif kind == "content_block_start":
             b = ev["content_block"]
             reply.append(b.get("name", "") if b.get("type") == "tool_use" else "")
@@ -178,7 +179,8 @@ def stream_message(port: int, body: dict) -> dict:
     c.close()
     end = end or time.perf_counter()
     first = first or end
-    return {"ttft_ms": 1e3 * (first - t0), "prompt_tokens": n_in, "output_tokens": n_out,
+    return {"ttft_ms": 1e3 * (first - t0), "prompt_tokens": n_in, "cached_tokens": n_cached,
+            "output_tokens": n_out,
             # a rate only where the reply streamed (more than one delta)
             "output_tps": (n_out - 1) / (end - first) if n_out > 1 and deltas > 1 else None,
             "reply": "".join(reply)}

@@ -42,9 +42,9 @@ N_UBATCH = 64
 
 
 # (case, prompt length of session j, prompts batched too): "short" prompts of 5..11 tokens
-# (every ubatch piece of a slot under 64 rows, the flash-attention tile), "p64" prompts of
-# 64..70 (alone: a first ubatch of 64 rows of one slot; batched: the equal split's smaller
-# pieces), "long" prompts of 300..306 computed alone both ways, then decode at a KV of 512
+# (every ubatch piece of a slot under 64 rows: the tiled flash attention's threshold until
+# patch 0026), "p64" prompts of 64..70 (alone: a first ubatch of 64 rows of one slot;
+# batched: the equal split's smaller pieces), "long" prompts of 300..306 computed alone both ways, then decode at a KV of 512
 # cells (ggml's split-KV flash attention takes a lone sequence's decode row there)
 CASES = (("short", lambda j: 5 + j % 7, True), ("p64", lambda j: 64 + j % 7, True),
          ("long", lambda j: 300 + j % 7, False))

@@ -122,9 +122,8 @@ def main(argv=None) -> int:
                          "fixtures (default: the GGUF's own)")
     ap.add_argument("--ubatch", type=int, default=N_UBATCH,
                     help=f"n_ubatch of every server (default {N_UBATCH}). Where every stage "
-                         "measures a partial chunk's rows (and rows one per step) exact, dgr's "
-                         "cache reuses to the row; ggml's CPU flash attention tiles whole "
-                         "chunks of 64 rows or more, so at 64 only rows past whole chunks")
+                         "measures a partial chunk's rows (and rows one per step, and a whole "
+                         "chunk's) exact, dgr's cache reuses to the row")
     ap.add_argument("--rtt", type=float, default=0.0, metavar="MS",
                     help="round-trip time of every link between a dgr front and its stages, "
                          "and between stages (the link emulator); 0: loopback (default)")

@@ -7,18 +7,20 @@ then one partial chunk of the ``n % n_ubatch`` tokens left. A kept session's cac
 later prompt past its whole chunks only where the rows it holds there are the rows the later
 prompt's own partial chunk would compute: the same bits although they came from a chunk of
 another length (the earlier prompt's), and although the later prompt's tail is prefilled as a
-chunk of its own. Whether that holds is the kernels' business (on the CPU, ggml's flash
-attention takes another path for a chunk of at least 64 rows than for fewer; matrix products
-may switch kernels by batch size), so it is measured on the stage's engine, never assumed:
+chunk of its own. Whether that holds is the kernels' business (on the CPU, matrix products
+may switch kernels by batch size; ggml's flash attention took another path for a chunk of
+at least 64 rows than for fewer until patch 0026), so it is measured on the stage's engine,
+never assumed:
 ``rows_exact`` computes ``n_ubatch - 1`` rows as one chunk and as two chunks split at several
 points, and compares every row's output bit for bit (boundary rows, or logits on the last
 stage). Every check runs from position 0 and again ``FAR`` positions in, since kernels may
 also switch with the KV's length (ggml's CPU flash attention splits a lone single-row step's
 KV of 512 cells or more over the threads: measured on SmolLM2 with two threads, decode rows
 alike a chunk's at position 100 differ at 300 and on). ``single_rows_exact`` compares rows
-computed one per step (a reply's), ``chunk_rows_exact`` a whole chunk's rows (which on the CPU
-are alike only with ``dgr.Engine(batch_invariant=True)``). A route reuses rows only when every
-stage says so (``dgr.driver.session.AsyncRouteSession.reusable``).
+computed one per step (a reply's), ``chunk_rows_exact`` a whole chunk's rows (on the CPU
+alike only with ``dgr.Engine(batch_invariant=True)`` before patch 0026; since, often with
+ggml's own kernels too, as on the tiny q8_0 llama: measured, never assumed). A route reuses
+rows only when every stage says so (``dgr.driver.session.AsyncRouteSession.reusable``).
 """
 
 from __future__ import annotations

@@ -75,10 +75,12 @@ class Engine(_CoreEngine):
         Compute with ggml's CPU reference kernels (CPU device only), whose rows do not
         depend on what else a forward computes: a row has the same bits alone, in a chunk of
         any length (a whole ``n_ubatch`` chunk too), batched with other slots' rows or with
-        drafts, at any KV length. Without it ggml's CPU flash attention takes a tiled path for
-        chunks of 64 rows or more and, with two threads or more, splits a lone single-row
-        step's KV of 512 cells or more over the threads, so those rows differ. Prefill is
-        slower (docs/performance.md "Batch-invariant kernels").
+        drafts, at any KV length. Without it, with two threads or more, ggml's CPU flash
+        attention splits a lone single-row step's KV of 512 cells or more over the threads,
+        and a product of f32 or f16 matrices takes another kernel for one row than for
+        several, so those rows differ (its flash attention computes a row alike in a batch of
+        any length: patch 0026). Prefill is slower (docs/performance.md "Batch-invariant
+        kernels").
     use_mmap : bool
         Map the file instead of reading it (does not change numerics).
     mtp : bool
@@ -334,10 +336,11 @@ class Engine(_CoreEngine):
 
         Whether a slot's rows are bit-identical to the same slot run alone through
         :meth:`forward` is measured per build by ``benches/batch_exactness.py``. On the CPU
-        build it holds for quantized weights while each slot's piece of a ubatch has under
-        64 rows both ways and, with ``n_threads >= 2``, its KV under 512 cells (flash
-        attention picks other kernels past those); never for f32/f16 weights (sgemm takes
-        two rows or more). Outside that, rows differ beyond rounding (top-1 may differ).
+        build it holds for quantized and f16 weights while, with ``n_threads >= 2``, its KV
+        is under 512 cells (flash attention splits a lone decode row's KV past that); not for
+        f32 weights (sgemm takes two rows or more). Until patch 0026 it held only while each
+        slot's piece of a ubatch had under 64 rows both ways. Outside that, rows differ beyond
+        rounding (top-1 may differ).
 
         Parameters
         ----------

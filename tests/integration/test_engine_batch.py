@@ -4,10 +4,11 @@ alone through ``forward``; its output order, logits masks and every typed error.
 What "the same" means is measured (``benches/batch_exactness.py``, CPU AVX2 build): a slot's
 rows in a batch are bit-identical to the slot alone when each of its ubatch pieces picks the
 same ggml kernels either way, which on this build holds for quantized weights (SmolLM2 Q4_1,
-Q8_0, Q4_0; threads 1 and 2; whole model and middle stage) as long as (a) a slot's piece
-of a ubatch has fewer than 64 rows both alone and batched (at 64 query rows flash attention
-takes its tiled kernel), and (b) with n_threads >= 2, the KV holds fewer than 512 cells (a
-lone sequence's decode row then takes the split-KV flash attention). Outside that, batched
+Q8_0, Q4_0; threads 1 and 2; whole model and middle stage) as long as, with n_threads >= 2,
+the KV holds fewer than 512 cells (a lone sequence's decode row then takes the split-KV flash
+attention). Until patch 0026 it also needed a slot's piece of a ubatch under 64 rows both
+alone and batched (flash attention took its tiled kernel at 64 query rows, a one-row path
+below; now the tiled one for every batch: benches/batch_exactness.py, 2026-12-07). Outside that, batched
 rows are not even top-1 safe (top-1 agreement 0.75-0.93 measured). The SmolLM2 tests here
 stay inside it and assert bit-identity. With f32 or f16 weights rows are never
 bit-identical: a lone decode row goes through ggml's vec_dot, several rows through

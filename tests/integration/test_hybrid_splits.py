@@ -153,6 +153,34 @@ def _chunks(stages, slot, tokens, first):
     return x
 
 
+def test_an_iswa_hybrids_snapshot_leaves_its_sliding_window_cells_in_place(models):
+    """The LFM2 fixture has sliding-window attention layers beside its conv layers (an iswa
+    hybrid). Its snapshots hold the conv rows alone: llama.cpp's own state would hold the
+    sequence's sliding-window cells too, which restored land in other cells than a fresh
+    prefill's, and the CPU flash attention's tiled rows (every chunk of 64 rows, and since patch
+    0026 every chunk) depend on where a sequence's cells are. In chunks of 64, a truncate back
+    to 128 of a 256-token turn, then a next turn's 128 new tokens: a fresh prefill's bits."""
+    ub = 64
+    settings = {**SETTINGS, "n_ctx": 512, "n_ubatch": ub}
+    e = Engine(models["lfm2"], **settings)
+    assert e.describe()["state_bytes"] > 0
+    turn1 = _prompt(256, e.n_vocab, 21)
+    turn2 = np.concatenate([turn1[:128], _prompt(128, e.n_vocab, 22)])
+
+    def rows(tokens, first):
+        return [np.array(e.forward(0, first + a, tokens[a:a + ub], logits="all"), copy=True)
+                for a in range(0, len(tokens), ub)]
+
+    e.release(0)
+    fresh = rows(turn2, 0)
+    e.release(0)
+    rows(turn1, 0)
+    e.truncate(0, 128)
+    assert e.next_pos(0) == 128
+    got = rows(turn2[128:], 128)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(got, fresh[2:]))
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_truncate_to_a_snapshot_continues_with_a_fresh_prefills_bits(models, arch):
     """Each stage keeps its state at the ends of whole chunks prefilled from position 0 (the

@@ -1,7 +1,8 @@
 """Whether a stage computes a partial prefill chunk's rows as any partial chunk does, and rows
 one per step (decode steps) as a partial chunk does (dgr.control.prefix): measured on every
 range of a split, refused where the kernels differ
-(ggml's CPU flash attention tiles a chunk of 64 rows or more), remembered per build and stage,
+(a one-row product of f32 matrices; a lone row's split-KV flash attention past 512 cells with
+two threads or more), remembered per build and stage,
 and served in Describe, where a route reads it before reusing kept rows."""
 
 from __future__ import annotations
@@ -39,10 +40,12 @@ def test_rows_one_per_step_are_a_partial_chunks_rows_on_every_range(tiny_q8, tin
                                                    **SMALL))
 
 
-def test_single_rows_against_a_tiled_chunk_are_not_alike(tiny_q8):
-    # 127 rows as one chunk take the tiled flash attention; one row per step does not
+def test_single_rows_are_a_long_chunks_rows(tiny_q8):
+    # 127 rows as one chunk and one row per step take the same tiled flash attention, which
+    # computes a row alike whatever its batch's length (patch 0026; without it a batch of 64
+    # rows or more took the tiled path and fewer the one-row path, so these differed)
     e = dgr.Engine(tiny_q8, n_ubatch=128, **SMALL)
-    assert not prefix.single_rows_exact(e)
+    assert prefix.single_rows_exact(e)
     assert not prefix.single_rows_exact(dgr.Engine(tiny_q8, n_ubatch=3, **SMALL))
 
 
@@ -81,10 +84,11 @@ def test_a_next_turn_keeps_the_replys_decoded_rows_with_a_fresh_prefills_bits(
             w.stop()
 
 
-def test_chunks_past_the_tiling_threshold_are_not_alike(tiny_llama):
-    # 127 rows as one chunk take the tiled flash attention; 125 + 2 do not, all of them
+def test_partial_chunks_either_side_of_64_rows_are_alike(tiny_llama):
+    # 127 rows as one chunk, as 63 + 64 and as 125 + 2: the same rows (patch 0026; before it
+    # the 127 and the 64 took the tiled flash attention, the others the one-row path)
     e = dgr.Engine(tiny_llama, n_ubatch=128, **SMALL)
-    assert not prefix.rows_exact(e)
+    assert prefix.rows_exact(e)
     # too small a chunk to hold two partial chunks of two rows: not claimed
     assert not prefix.rows_exact(dgr.Engine(tiny_llama, n_ubatch=3, **SMALL))
 
@@ -109,7 +113,8 @@ def test_the_measurement_is_remembered_per_stage(tiny_q8, tiny_llama, tmp_path, 
                                                **SMALL)) is False
 
 
-@pytest.mark.parametrize("ub,exact", [(16, True), (128, False)])
+# n_ubatch 3: too short a chunk to hold two partial chunks of two rows, so not claimed
+@pytest.mark.parametrize("ub,exact", [(16, True), (128, True), (3, False)])
 def test_a_worker_serves_its_measurement_in_describe(tiny_q8, ub, exact):
     w = ThreadedWorker(dgr.Engine(tiny_q8, layers=(0, 2), n_ubatch=ub, **SMALL))
 
@@ -148,9 +153,11 @@ def test_rows_far_into_a_context_are_measured_too(tiny_q8):
     assert prefix.rows_exact(bi) and prefix.single_rows_exact(bi) and prefix.chunk_rows_exact(bi)
 
 
-def test_a_tiled_chunk_is_not_a_partial_chunk_without_batch_invariant_kernels(tiny_q8):
-    # 128 rows as one chunk take the tiled flash attention; 64 + 64 and 126 + 2 do not
-    assert not prefix.chunk_rows_exact(dgr.Engine(tiny_q8, **{**SMALL, "n_ubatch": 128}))
+def test_a_whole_chunk_computes_its_rows_as_partial_chunks_do(tiny_q8):
+    # 128 rows as one chunk, as 64 + 64 and as 126 + 2: the same rows, with ggml's kernels
+    # (patch 0026: before it 126 + 2 took the one-row flash attention) and with the reference
+    # ones
+    assert prefix.chunk_rows_exact(dgr.Engine(tiny_q8, **{**SMALL, "n_ubatch": 128}))
     assert prefix.chunk_rows_exact(dgr.Engine(tiny_q8, batch_invariant=True,
                                               **{**SMALL, "n_ubatch": 128}))
 

@@ -4,8 +4,8 @@ through a 3-stage route, greedy and seeded, with eviction pressure (a cache of 2
 4 prompt families; stores of 4 slots each, shared with the cached front's closed sessions)
 give the text and the log probabilities of the same requests through a front that uses
 neither, bit for bit; and both were used, whole chunks and partial chunks' rows (n_ubatch 8,
-and 250 requests at 64, where a whole chunk takes other kernels than a partial one, and 250
-at 64 on stages with the batch-invariant kernels, where every row is kept)."""
+and 250 requests at 64, where the stages measure whether a whole chunk's rows are a partial
+chunk's, and 250 at 64 on stages with the batch-invariant kernels, where every row is kept)."""
 
 from __future__ import annotations
 
@@ -25,9 +25,10 @@ pytestmark = pytest.mark.slow
 TINY = dict(n_ctx=256, n_slots=4, n_threads=1)
 
 
-# n_ubatch 8: every chunk takes the same kernels, so rows are reused token by token; 64: ggml's
-# CPU flash attention tiles a whole chunk of 64 rows, so a whole chunk's rows are reused only
-# as the whole chunk, and a partial chunk's rows token by token; 64 with the batch-invariant
+# n_ubatch 8: every chunk takes the same kernels, so rows are reused token by token; 64: each
+# stage measures whether a whole chunk's rows are a partial chunk's (they are where its
+# kernels take one path for every batch, as ggml's flash attention does since patch 0026), and
+# the front reuses what it measured; 64 with the batch-invariant
 # kernels (q8_0 matrices, whose one-row products are a chunk's): every row, however cut
 @pytest.fixture(scope="module", params=[8, 64, "64bi"], ids=["ub8", "ub64", "ub64-invariant"])
 def fronts(tiny_llama, tiny_q8, request):

@@ -22,6 +22,8 @@
 #include "llama.h"
 #include "llama-ext.h"
 
+class llama_memory_recurrent;  // llama.cpp's (src/llama-memory-recurrent.h)
+
 // Patch 0001 adds llama_model_params::layer_start/layer_end; setup.py defines this when the
 // pinned tree carries it.
 #ifndef DGR_LAYER_RANGE
@@ -197,12 +199,24 @@ struct Engine::Impl {
     };
     uint32_t n_snapshots = 0;
     std::vector<SlotState> slot_state;
+    // An iswa hybrid's (LFM2 with sliding-window layers) recurrent rows, which its snapshots
+    // hold alone (memory.cpp); null for any other memory, whose snapshots are llama.cpp's
+    // PARTIAL_ONLY state. llama.cpp's would hold the sequence's sliding-window cells too, and
+    // restored they land in other cells than a fresh prefill's: the CPU flash attention's
+    // tiled rows depend on where a sequence's cells are, so a next turn's bits would not be a
+    // fresh prefill's. With swa_full those cells are all still there; a truncate drops their
+    // tail as for any attention cache.
+    ::llama_memory_recurrent * snap_recr = nullptr;
     // After a decode in which `slot` computed `count` positions from `first`: a snapshot
     // when they were its next whole chunk.
     void AfterDecode(int32_t slot, int32_t first, int32_t count);
     // Restore the slot's snapshot at `pos` and drop its positions from there; false (the slot
     // untouched) when it keeps none there or llama.cpp refuses the restore.
     bool RestoreSnapshot(int32_t slot, int32_t pos);
+    // One snapshot of `slot`'s state into `data`, and back (snap_recr's rows alone, or
+    // llama.cpp's PARTIAL_ONLY state); false where it failed.
+    bool WriteSnapshot(int32_t slot, std::vector<uint8_t> & data);
+    bool ReadSnapshot(int32_t slot, const std::vector<uint8_t> & data);
 
     // MTP (NextN) drafting on the last stage (MtpDrafter); null without mtp
     std::unique_ptr<MtpDrafter> mtp;

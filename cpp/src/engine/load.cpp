@@ -511,6 +511,9 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
     if (m.rs_window == 0 && (llama_model_is_recurrent(m.model) || llama_model_is_hybrid(m.model))) {
         m.n_snapshots = cfg.state_snapshots;
         m.slot_state.assign(cfg.n_slots, Impl::SlotState());
+        if (auto * h = dynamic_cast<llama_memory_hybrid_iswa *>(llama_get_memory(m.ctx))) {
+            m.snap_recr = h->get_mem_recr();
+        }
     }
     if (cfg.mtp) {
         // every row's hidden state after the last layer (not only the logits rows): the pairs

@@ -1,9 +1,13 @@
 // A slot's caches: released, copied, truncated (the rollback rules of each memory type).
 
 #include <algorithm>
+#include <cstring>
+#include <stdexcept>
 #include <string>
 
 #include "impl.h"
+#include "llama-io.h"
+#include "llama-memory-recurrent.h"
 
 namespace dgr {
 using namespace detail;
@@ -143,6 +147,75 @@ Status Engine::Impl::MtpDraft(int32_t slot, int32_t token, int32_t n_max, std::v
 
 namespace dgr {
 
+namespace {
+
+// A recurrent memory's rows of one sequence, written to and read from a host buffer
+// (Impl::snap_recr): llama.cpp's own host io classes are private to llama-context.cpp.
+struct SnapWriter : llama_io_write_i {
+    std::vector<uint8_t> & out;
+    explicit SnapWriter(std::vector<uint8_t> & o) : out(o) { out.clear(); }
+    void write(const void * src, size_t size) override {
+        const uint8_t * p = (const uint8_t *) src;
+        out.insert(out.end(), p, p + size);
+    }
+    void write_tensor(ggml_tensor * t, size_t offset, size_t size) override {
+        const size_t at = out.size();
+        out.resize(at + size);
+        ggml_backend_tensor_get(t, out.data() + at, offset, size);
+    }
+    size_t n_bytes() override { return out.size(); }
+};
+
+struct SnapReader : llama_io_read_i {
+    const std::vector<uint8_t> & in;
+    size_t at = 0;
+    explicit SnapReader(const std::vector<uint8_t> & i) : in(i) {}
+    const uint8_t * take(size_t size) {
+        if (size > in.size() - at) throw std::runtime_error("state snapshot too short");
+        const uint8_t * p = in.data() + at;
+        at += size;
+        return p;
+    }
+    void read(void * dst, size_t size) override { std::memcpy(dst, take(size), size); }
+    void read_tensor(ggml_tensor * t, size_t offset, size_t size) override {
+        ggml_backend_tensor_set(t, take(size), offset, size);
+    }
+    size_t n_bytes() override { return at; }
+};
+
+}  // namespace
+
+bool Engine::Impl::WriteSnapshot(int32_t slot, std::vector<uint8_t> & data) {
+    const llama_state_seq_flags fl = LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY;
+    if (snap_recr) {
+        llama_synchronize(ctx);
+        try {
+            SnapWriter io(data);
+            snap_recr->state_write(io, slot, fl);
+        } catch (const std::exception &) {
+            return false;
+        }
+        return true;
+    }
+    data.resize(llama_state_seq_get_size_ext(ctx, slot, fl));
+    return llama_state_seq_get_data_ext(ctx, data.data(), data.size(), slot, fl) == data.size();
+}
+
+bool Engine::Impl::ReadSnapshot(int32_t slot, const std::vector<uint8_t> & data) {
+    const llama_state_seq_flags fl = LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY;
+    if (snap_recr) {
+        llama_synchronize(ctx);
+        try {
+            SnapReader io(data);
+            snap_recr->state_read(io, slot, fl);
+            return io.n_bytes() == data.size();
+        } catch (const std::exception &) {
+            return false;
+        }
+    }
+    return llama_state_seq_set_data_ext(ctx, data.data(), data.size(), slot, fl) == data.size();
+}
+
 void Engine::Impl::AfterDecode(int32_t slot, int32_t first, int32_t count) {
     if (!n_snapshots) return;
     SlotState & ss = slot_state[slot];
@@ -152,15 +225,13 @@ void Engine::Impl::AfterDecode(int32_t slot, int32_t first, int32_t count) {
         return;
     }
     ss.aligned = first + count;
-    const llama_state_seq_flags fl = LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY;
     Snapshot snap;
     if (ss.snaps.size() >= n_snapshots) {  // the oldest goes; its buffer is reused
         snap.data = std::move(ss.snaps.front().data);
         ss.snaps.pop_front();
     }
     snap.pos = ss.aligned;
-    snap.data.resize(llama_state_seq_get_size_ext(ctx, slot, fl));
-    if (llama_state_seq_get_data_ext(ctx, snap.data.data(), snap.data.size(), slot, fl) != snap.data.size()) {
+    if (!WriteSnapshot(slot, snap.data)) {
         ss.aligned = -1;  // not taken: no later snapshot either (they must be a contiguous run)
         return;
     }
@@ -172,10 +243,9 @@ bool Engine::Impl::RestoreSnapshot(int32_t slot, int32_t pos) {
     SlotState & ss = slot_state[slot];
     auto it = std::find_if(ss.snaps.begin(), ss.snaps.end(), [&](const Snapshot & s) { return s.pos == pos; });
     if (it == ss.snaps.end()) return false;
-    const llama_state_seq_flags fl = LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY;
-    // the recurrent rows (and an iswa hybrid's SWA cells) as they were at `pos`, then the
-    // attention cells from `pos` on dropped: the caches of a slot that computed 0..pos-1
-    if (llama_state_seq_set_data_ext(ctx, it->data.data(), it->data.size(), slot, fl) != it->data.size()) {
+    // the recurrent rows as they were at `pos`, then the attention cells from `pos` on
+    // dropped: the caches of a slot that computed 0..pos-1
+    if (!ReadSnapshot(slot, it->data)) {
         ClearSlot(slot);  // a failed read leaves the state cleared (llama_memory_recurrent::state_read)
         return false;
     }
