@@ -86,7 +86,8 @@ def test_a_next_turn_keeps_the_replys_decoded_rows_with_a_fresh_prefills_bits(
 
 def test_partial_chunks_either_side_of_64_rows_are_alike(tiny_llama):
     # 127 rows as one chunk, as 63 + 64 and as 125 + 2: the same rows (patch 0026; before it
-    # the 127 and the 64 took the tiled flash attention, the others the one-row path)
+    # the 127, the 64 and the 125 took the tiled flash attention, the 63 and the 2 the one-row
+    # path)
     e = dgr.Engine(tiny_llama, n_ubatch=128, **SMALL)
     assert prefix.rows_exact(e)
     # too small a chunk to hold two partial chunks of two rows: not claimed
