@@ -99,6 +99,18 @@ class _Writer:
         self.w.add_token_types([1] * n_plain + [3] * len(specials))  # NORMAL, CONTROL
         return {s: n_plain + i for i, s in enumerate(specials)}
 
+    def trunk(self, name: str, cfg) -> None:
+        """The keys every text fixture's transformer has, from its config (f32 file)."""
+        w = self.w
+        w.add_name(name)
+        w.add_file_type(0)
+        w.add_context_length(cfg.n_ctx_train)
+        w.add_embedding_length(cfg.n_embd)
+        w.add_block_count(cfg.n_layer)
+        w.add_feed_forward_length(cfg.n_ff)
+        w.add_head_count(cfg.n_head)
+        w.add_head_count_kv(cfg.n_head_kv)
+
     def close(self) -> None:
         self.w.write_header_to_file()
         self.w.write_kv_data_to_file()
@@ -137,14 +149,7 @@ def write_tiny_qwen2vl(path: str | Path, cfg: TinyQwen2VL = TinyQwen2VL()) -> Pa
     path = Path(path)
     g = _Writer(path, "qwen2vl", cfg.seed)
     w = g.w
-    w.add_name("dgr-tiny-qwen2vl")
-    w.add_file_type(0)
-    w.add_context_length(cfg.n_ctx_train)
-    w.add_embedding_length(cfg.n_embd)
-    w.add_block_count(cfg.n_layer)
-    w.add_feed_forward_length(cfg.n_ff)
-    w.add_head_count(cfg.n_head)
-    w.add_head_count_kv(cfg.n_head_kv)
+    g.trunk("dgr-tiny-qwen2vl", cfg)
     w.add_rope_freq_base(1000000.0)
     w.add_rope_dimension_count(head_dim)
     w.add_rope_dimension_sections(list(cfg.rope_sections))
@@ -203,14 +208,7 @@ def write_tiny_gemma3(path: str | Path, cfg: TinyGemma3 = TinyGemma3()) -> Path:
     path = Path(path)
     g = _Writer(path, "gemma3", cfg.seed)
     w = g.w
-    w.add_name("dgr-tiny-gemma3")
-    w.add_file_type(0)
-    w.add_context_length(cfg.n_ctx_train)
-    w.add_embedding_length(cfg.n_embd)
-    w.add_block_count(cfg.n_layer)
-    w.add_feed_forward_length(cfg.n_ff)
-    w.add_head_count(cfg.n_head)
-    w.add_head_count_kv(cfg.n_head_kv)
+    g.trunk("dgr-tiny-gemma3", cfg)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
     w.add_rope_freq_base(1000000.0)
