@@ -270,6 +270,8 @@ def prefix_cache_line(p: PrefixCache | None, rollback_window: int = -1) -> str:
             "every row, however cut into steps" if p.chunk_rows_exact and all(p.chunk_rows_exact)
             and all(p.decoded_rows_exact)
             else "whole chunks, partial-chunk and decoded rows" if all(p.decoded_rows_exact)
+            else "every prompt row, however cut into chunks" if p.chunk_rows_exact
+            and all(p.chunk_rows_exact) and all(p.partial_rows_exact)
             else "whole chunks and partial-chunk rows" if all(p.partial_rows_exact)
             else "whole chunks only")
     head = (f"a next turn keeping {p.kept_positions} of its {p.prompt_tokens} prompt "

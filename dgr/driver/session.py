@@ -166,10 +166,12 @@ class AsyncRouteSession:
         self.rollback = 0
 
     async def prefill(self, tokens: Sequence[int], *, sample: bool = True,
-                      sampling: SamplingParams | None = None, logits: bool = False
-                      ) -> int | None:
+                      sampling: SamplingParams | None = None, logits: bool = False,
+                      align: bool = False) -> int | None:
         """Append ``tokens`` in chunks of at most ``n_ubatch``; returns the next token sampled
-        from the last row (None with ``sample=False``)."""
+        from the last row (None with ``sample=False``). With ``align`` the chunks end where a
+        fresh prefill's do (at multiples of ``n_ubatch`` from position 0), so only the first
+        may be shorter than a fresh prefill's."""
         toks = [int(t) for t in np.asarray(tokens, dtype=np.int64).reshape(-1)]
         if not toks:
             raise errors.InvalidArgument("prefill needs at least one token")
@@ -179,10 +181,14 @@ class AsyncRouteSession:
         want = ("token+logits" if logits else "token") if sample else (
             "logits" if logits else "boundary")
         ws = wire_sampling(sampling, start=len(self.history) + len(toks))
-        chunks = [toks[a:a + ub] for a in range(0, len(toks), ub)]
         start = len(self.history)
+        # ``align``: the first chunk ends where a fresh prefill's chunk does (the rest of a
+        # prompt that keeps rows of a chunk cut short), the others are a fresh prefill's
+        head = -start % ub if align else 0
+        edges = sorted({0, *range(head, len(toks), ub)})
+        chunks = [toks[a:b] for a, b in zip(edges, edges[1:] + [len(toks)])]
         f = await self._run_chunks(chunks, want, ws)
-        self.chunks.extend((start + a, len(toks[a:a + ub])) for a in range(0, len(toks), ub))
+        self.chunks.extend((start + a, len(c)) for a, c in zip(edges, chunks))
         return self._take(f, logits) if sample else None
 
     async def embed(self, tokens: Sequence[int]) -> np.ndarray:
@@ -304,7 +310,11 @@ class AsyncRouteSession:
         partial chunk does (``prefix_single_rows_exact``), the kept rows may be any steps'
         (a reply's decode steps included: a chat's next turn holds them), and the rest may be
         one row; else decode steps' rows are never kept past whole chunks. Where every
-        stage computes any cut of a prompt alike (``_any_rows``), every row it shares. None
+        stage computes a prompt's rows alike however it was cut into chunks of two rows or
+        more (``_chunk_rule``), every prompt row it shares, whole chunks or not (the rest is
+        prefilled up to the next multiple of ``n_ubatch``, then in a fresh prefill's chunks:
+        an agent's next turn keeps its last prompt's tail). Where every stage computes any
+        cut of a prompt alike (``_any_rows``), every row it shares, decode steps' too. None
         on a route with a stage that rolls nothing back (``rollback_window`` 0: a recurrent or
         hybrid model) but at a state snapshot every stage keeps (``snapshots``): the state at
         the end of a whole chunk prefilled from 0 is a fresh prefill's there, bit for bit
@@ -326,6 +336,8 @@ class AsyncRouteSession:
         aligned = self.aligned()
         base = max(0, min(common, aligned))
         base -= base % ub
+        if self._chunk_rule():
+            return max(base, self._prompt_rows(min(common, self._chunks_end()), n))
         full = n - n % ub  # where a fresh prefill of ``prompt`` ends its whole chunks
         rows, single, least = self._row_rule()
         if common <= full or aligned < full or not rows:
@@ -360,8 +372,45 @@ class AsyncRouteSession:
         ``dgr.Engine(batch_invariant=True)``). Then a later prompt keeps every row it shares
         (``reusable``), and the prefix stores name rows one key per position from 0."""
         _, single, _ = self._row_rule()
-        return single and all(getattr(st, "prefix_chunk_rows_exact", False)
-                              for st in self.route.stages)
+        return single and self._chunk_rule()
+
+    def _chunk_rule(self) -> bool:
+        """Whether a prompt row's bits on this route do not depend on how its prompt was cut
+        into chunks of two rows or more: every stage measured partial chunks' rows alike
+        (``prefix_rows_exact``) and a whole chunk's rows alike theirs
+        (``prefix_chunk_rows_exact``; on the CPU since patch 0026, often with ggml's own
+        kernels). Then a later prompt keeps every prompt row it shares (``reusable``), but not
+        a decode step's unless ``_any_rows``."""
+        return all(getattr(st, "prefix_rows_exact", False)
+                   and getattr(st, "prefix_chunk_rows_exact", False) for st in self.route.stages)
+
+    def _chunks_end(self) -> int:
+        """The end of the run of prompt chunks of two rows or more from position 0 (the
+        rows ``_chunk_rule`` lets a later prompt keep: a one-row chunk's may take another
+        kernel, a decode step's are never prompt rows)."""
+        end = 0
+        for first, count in self.chunks:
+            if first != end or count < 2:
+                break
+            end = first + count
+        return end
+
+    def _prompt_rows(self, p: int, n: int) -> int:
+        """``p`` kept positions of a prompt of ``n`` under ``_chunk_rule``, cut back so that
+        neither a kept chunk (recovery replays it as one step) nor the rest's first chunk
+        (``prefill(align=True)``: up to the next multiple of ``n_ubatch``, or the prompt's
+        end) is one row, which may take another kernel (a fresh prefill's own one-row chunk,
+        a last one at a multiple of ``n_ubatch``, is the same step either way)."""
+        ub = self.route.n_ubatch
+        while p > 0:
+            q = p - 1 if p % ub and min(n, p + -p % ub) - p == 1 else p
+            for first, count in self.chunks:
+                if q - first == 1 and count > 1:  # a kept chunk cut to one row: drop it
+                    q = first
+            if q == p:
+                return p
+            p = q
+        return 0
 
     def _computed(self) -> int:
         """How many of ``history``'s first positions every stage's cache holds (its steps')."""
@@ -445,7 +494,8 @@ class AsyncRouteSession:
         stops = [s for s in stop if s]
         text = TextStream(await r.pieces(), stops) if stops else None
         out: list[int] = []
-        tok = await self.prefill(prompt[reuse:], sampling=sampling, logits=logits)
+        tok = await self.prefill(prompt[reuse:], sampling=sampling, logits=logits,
+                                 align=True)
         tokens = None  # the tokens after the prefill's, made on demand
         try:
             while True:
@@ -583,6 +633,9 @@ class AsyncRouteSession:
             aligned = self.aligned()
             rows, single, least = self._row_rule()
             tail = self._rows_end(aligned, single, least) - aligned if rows else 0
+            if self._chunk_rule():  # every prompt row, however its chunks were cut
+                end = self._chunks_end()
+                aligned, tail = end - end % r.n_ubatch, end % r.n_ubatch
             if aligned or tail:
                 whole = aligned // r.n_ubatch
                 keys = self.prefix_keys(self.history, whole, tail)

@@ -75,7 +75,7 @@ class StageInfo:
     #: (measured when it started; False from a worker older than the field)
     prefix_single_rows_exact: bool = False
     #: whether the stage computes a whole chunk's rows as partial chunks do (measured when it
-    #: started where single rows are alike; False from a worker older than the field)
+    #: started where partial chunks' rows are alike; False from a worker older than the field)
     prefix_chunk_rows_exact: bool = False
     #: the prefix store's figures (``PREFIX_STORE_FIELDS``: size, entries, positions, bytes,
     #: hits, misses, evictions); empty from a worker older than the store (none)

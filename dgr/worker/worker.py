@@ -80,9 +80,10 @@ class Worker:
         #: a reply's decoded rows only where every stage says so)
         self.prefix_single_rows_exact = (self.prefix_rows_exact
                                          and prefix_single_rows_exact(engine))
-        #: and a whole chunk's rows (``Describe.prefix_chunk_rows_exact``: with the two above,
-        #: routes keep every row a later prompt shares); measured only where it could count
-        self.prefix_chunk_rows_exact = (self.prefix_single_rows_exact
+        #: and a whole chunk's rows (``Describe.prefix_chunk_rows_exact``: with the first,
+        #: routes keep every prompt row a later prompt shares, however its prompts were cut
+        #: into chunks; with both above, every row); measured only where it could count
+        self.prefix_chunk_rows_exact = (self.prefix_rows_exact
                                         and prefix_chunk_rows_exact(engine))
         # fast data plane (dgr.transport.dataplane): set by serve_data()
         self.data_server = None

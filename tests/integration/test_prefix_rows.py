@@ -172,8 +172,9 @@ def test_batch_invariant_kernels_need_the_cpu_device(tiny_q8):
 def test_a_long_chats_next_turn_keeps_what_the_kernels_allow_with_a_fresh_prefills_bits(
         tiny_q8, invariant):
     """A next turn past 512 positions, growing across a chunk boundary, on a 3-stage route
-    with two threads per stage. By default the reply's decoded rows (split-KV single rows) and
-    the rows past the last whole chunk are recomputed; with batch-invariant kernels every
+    with two threads per stage. By default the reply's decoded rows (split-KV single rows) are
+    recomputed and every prompt row is kept (a whole chunk's rows are partial chunks': the
+    next turn's rest starts inside one of its whole chunks); with batch-invariant kernels every
     shared row is kept, by the front's kind of kept session and by the stages' prefix stores.
     Either way the next reply's tokens and logits are a fresh prefill's, bit for bit."""
     rng = np.random.default_rng(5)
@@ -181,15 +182,16 @@ def test_a_long_chats_next_turn_keeps_what_the_kernels_allow_with_a_fresh_prefil
 
     async def go(ws):
         async with AsyncRoute([w.address for w in ws]) as r:
-            assert all(st.prefix_chunk_rows_exact is invariant for st in r.stages)
+            # a whole chunk's rows are partial chunks' with ggml's own kernels too (patch 0026)
+            assert all(st.prefix_chunk_rows_exact for st in r.stages)
+            assert all(st.prefix_single_rows_exact is invariant for st in r.stages)
             s = r.session("kept")
             reply = [t async for t in s.generate(prompt, max_tokens=12, stop_on_eog=False)]
             nxt = prompt + reply + [int(t) for t in rng.integers(3, 120, 20)]
             keep = s.reusable(nxt)
-            # every forwarded row (not the last reply token: sampled, never forwarded), or, as
-            # the next turn's whole chunks go past the kept ones, the kept whole chunks only
-            assert keep == (len(prompt) + len(reply) - 1 if invariant
-                            else len(prompt) - len(prompt) % 32)
+            # every forwarded row (not the last reply token: sampled, never forwarded), or
+            # every prompt row (the decoded ones are split-KV single rows), whole chunks or not
+            assert keep == (len(prompt) + len(reply) - 1 if invariant else len(prompt))
             got = [t async for t in s.generate(nxt, max_tokens=8, stop_on_eog=False,
                                                logits=True, reuse=keep)]
             await s.close(keep=True)
@@ -218,4 +220,42 @@ def test_a_long_chats_next_turn_keeps_what_the_kernels_allow_with_a_fresh_prefil
 
     with threaded_stages(tiny_q8, [(0, 1), (1, 3), (3, 4)],
                          {**LONG, "batch_invariant": invariant}) as ws:
+        asyncio.run(go(ws))
+
+
+def test_a_next_turn_that_edits_inside_a_whole_chunk_keeps_the_rows_before_the_edit(tiny_q8):
+    """Where every stage computes a prompt's rows alike however it was cut into chunks, a
+    later prompt that departs from the kept one inside a whole chunk keeps the rows before
+    it (not only the whole chunks before it), prefills up to the chunk's end and then in a
+    fresh prefill's chunks, and gets a fresh prefill's tokens and logits, bit for bit."""
+    rng = np.random.default_rng(9)
+    prompt = [int(t) for t in rng.integers(3, 120, 100)]  # 3 whole chunks of 32 and 4 rows
+
+    async def go(ws):
+        async with AsyncRoute([w.address for w in ws]) as r:
+            # split-KV single rows (two threads, FAR positions in): not a chunk's
+            assert all(st.prefix_chunk_rows_exact and not st.prefix_single_rows_exact
+                       for st in r.stages)
+            s = r.session("kept")
+            [t async for t in s.generate(prompt, max_tokens=4, stop_on_eog=False)]
+            for cut, grow in ((70, 50), (97, 60), (45, 3), (33, 40)):
+                new = [int(t) for t in rng.integers(3, 120, grow)]
+                new[0] = 120 + cut % 8  # departs at ``cut`` (no prompt token is 120 or more)
+                nxt = prompt[:cut] + new
+                keep = s.reusable(nxt)
+                # every shared row, but never a kept chunk cut to one row (97: the chunk
+                # [96, 120) would keep one; 33: [32, 45)), nor a one-row first chunk of the rest
+                assert keep == {97: 96, 33: 32}.get(cut, cut)
+                got = [t async for t in s.generate(nxt, max_tokens=4, stop_on_eog=False,
+                                                   logits=True, reuse=keep)]
+                fresh = r.session("fresh")
+                want = [t async for t in fresh.generate(nxt, max_tokens=4, stop_on_eog=False,
+                                                        logits=True)]
+                await fresh.close()
+                assert got == want
+                assert all(a.tobytes() == b.tobytes() for a, b in zip(s.logits, fresh.logits))
+                prompt[:] = nxt  # the session now holds ``nxt`` and its reply
+            await s.close()
+
+    with threaded_stages(tiny_q8, [(0, 1), (1, 3), (3, 4)], LONG) as ws:
         asyncio.run(go(ws))

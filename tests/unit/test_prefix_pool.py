@@ -32,7 +32,8 @@ def _session(history, steps, ub=4, chunks=None, rows_exact=(False,), single=None
                                     else [st for st in steps if st[1] > 1]),
                         route=SimpleNamespace(n_ubatch=ub, stages=stages, **route))
     for name in ("aligned", "reuses", "reusable", "_keep", "_row_rule", "_rows_end", "_any_rows",
-                 "_computed", "recurrent", "route_snapshots", "_extend"):
+                 "_chunk_rule", "_chunks_end", "_prompt_rows", "_computed", "recurrent",
+                 "route_snapshots", "_extend"):
         setattr(s, name, getattr(AsyncRouteSession, name).__get__(s))
     return s
 
@@ -167,9 +168,40 @@ def test_every_shared_row_is_reused_where_every_stage_computes_any_cut_alike():
     # one stage computes a whole chunk's rows otherwise: the rows past whole chunks' rule
     assert _session(range(10), steps, chunk=(True, False), **every).reusable(
         list(range(10)) + [99] * 6) == 4
-    # whole chunks alike but single rows not: the same
+    # whole chunks alike but single rows not: the prompt's rows (_chunk_rule), not the
+    # decoded ones, and not row 6 (the rest's first chunk would be the one row 7)
     assert _session(range(10), steps, ub=4, rows_exact=(True, True), single=(True, False),
-                    chunk=(True, True)).reusable(list(range(10)) + [99] * 6) == 4
+                    chunk=(True, True)).reusable(list(range(10)) + [99] * 6) == 6
+
+
+def test_prompt_rows_are_reused_where_every_stage_computes_any_chunking_of_a_prompt_alike():
+    # a whole chunk's rows and partial chunks' alike on every stage, single rows not (ggml's
+    # CPU kernels since patch 0026): a next turn keeps every prompt row it shares, inside
+    # whole chunks too, never a decoded row, never leaving a one-row chunk on either side
+    steps = [(0, 4), (4, 3), (7, 1), (8, 1)]  # n_ubatch 4: a whole chunk, a partial, 2 decoded
+    rule = dict(ub=4, rows_exact=(True, True), chunk=(True, True))
+    s = _session(range(10), steps, **rule)
+    assert s.reusable(list(range(10)) + [99] * 6) == 6  # 7 would leave [7, 8) one row
+    assert s.reusable(list(range(6)) + [99] * 6) == 6   # [6, 8) then whole chunks
+    assert s.reusable(list(range(5)) + [99] * 6) == 4   # not the chunk (4, 3) cut to one row
+    assert s.reusable(list(range(3)) + [99] * 6) == 2   # into a whole chunk, the rest [2, 4)
+    assert s.reusable(list(range(2)) + [99] * 6) == 2
+    assert s.reusable([0] + [99] * 6) == 0              # (0, 4) cut to one row: nothing
+    assert s.reusable(list(range(6)) + [99]) == 4       # not 6 (a one-row rest) nor 5
+    assert s.reusable(list(range(7)) + [99]) == 6       # the rest [6, 8): two rows
+    long = _session(range(14), [(0, 8), (8, 5), (13, 1)], ub=8, rows_exact=(True,),
+                    chunk=(True,))
+    assert long.reusable(list(range(6)) + [99] * 20) == 6   # before: 0 (the whole chunk's)
+    assert long.reusable(list(range(13)) + [99] * 20) == 13
+    # a prompt's one-row chunk ends the run (its row may take another kernel)
+    one = _session(range(10), [(0, 4), (4, 4), (8, 1), (9, 1)], **rule)
+    assert one.reusable(list(range(10)) + [99] * 3) == 8
+    # a stage that computes a whole chunk's rows otherwise: the old rule (whole chunks here)
+    assert _session(range(10), steps, ub=4, rows_exact=(True, True), chunk=(True, False)
+                    ).reusable(list(range(10)) + [99] * 6) == 4
+    # and one whose partial chunks' rows differ: whole chunks only, whatever it says of chunks
+    assert _session(range(10), steps, ub=4, rows_exact=(True, False), chunk=(True, True)
+                    ).reusable(list(range(10)) + [99] * 6) == 4
 
 
 def test_tenants_eviction_and_age():
