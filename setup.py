@@ -76,11 +76,12 @@ def _extensions():
 
     ext = Extension(
         "dgr._core._core",
-        sources=["dgr/_core/_core.pyx", "cpp/src/engine.cpp", *_ENGINE_PARTS],
+        sources=["dgr/_core/_core.pyx", "cpp/src/engine.cpp", *_ENGINE_PARTS, "cpp/src/media.cpp"],
         language="c++",
         depends=["cpp/include/dgr/engine.h", "cpp/include/dgr/status.h", "cpp/src/engine/impl.h",
                  "cpp/include/dgr/build_info.h",
-                 "dgr/_core/includes/engine.pxd", "vendor-manifest.json"],
+                 "dgr/_core/includes/engine.pxd", "dgr/_core/_media.pxi",
+                 "cpp/include/dgr/media.h", "vendor-manifest.json"],
     )
     frame = Extension(  # the wire frame codec: no llama.cpp symbols, but built the same way
         "dgr._core._frame",

@@ -3,13 +3,14 @@
 from dgr import errors
 from dgr.errors import DgrError
 
-__all__ = ["errors", "DgrError", "Engine", "devices", "Route", "RouteSession", "RouteConfig",
+__all__ = ["errors", "DgrError", "Engine", "Media", "devices", "Route", "RouteSession", "RouteConfig",
            "AsyncRoute", "AsyncRouteSession"]
 __version__ = "0.1.0"
 
 # Heavy or compiled parts load on first use, so `python -m dgr.vendor` works before any build.
 _LAZY = {
     "Engine": ("dgr.core.engine", "Engine"),
+    "Media": ("dgr.core.media", "Media"),
     "devices": ("dgr.core", "devices"),
     "Route": ("dgr.driver.route", "Route"),
     "RouteSession": ("dgr.driver.route", "RouteSession"),

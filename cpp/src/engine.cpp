@@ -64,6 +64,16 @@ Status Engine::ForwardBatch(const int32_t * slots, const int32_t * pos, const in
     }));
 }
 
+Status Engine::ForwardMedia(int32_t slot, const MediaStep & step, int32_t n_tokens, const uint8_t * want,
+                            float * out, size_t out_capacity, int32_t * n_out_rows) {
+    *n_out_rows = 0;
+    if (impl_->lost) return impl_->Refuse();
+    log_clear();
+    return impl_->Checked(guarded("forward_media", [&] {
+        return impl_->ForwardMedia(slot, step, n_tokens, want, out, out_capacity, n_out_rows);
+    }));
+}
+
 Status Engine::Embed(int32_t slot, const int32_t * pos, const int32_t * tokens, const float * boundary,
                      int32_t n_tokens, float * out, size_t out_capacity, int32_t * n_out_rows) {
     *n_out_rows = 0;
@@ -216,7 +226,7 @@ uint64_t Engine::StateSnapshotBytes() const {
 int32_t Engine::NextPos(int32_t slot) const {
     const Impl & m = *impl_;
     if (slot < 0 || (uint32_t) slot >= m.cfg.n_slots) return -1;
-    return llama_memory_seq_pos_max(llama_get_memory(m.ctx), slot) + 1;
+    return m.SlotNext(slot);
 }
 
 }  // namespace dgr

@@ -1,8 +1,9 @@
 """Private compiled core of dgr (Cython over cpp/). Import ``dgr`` instead."""
 
 try:
-    from dgr._core._core import (BUILD_INFO, HAS_LAYER_RANGES, Engine, arch_supports_layer_range,
-                                 backends, devices)
+    from dgr._core._core import (BUILD_INFO, HAS_LAYER_RANGES, Engine, Media,
+                                 arch_supports_layer_range, backends, devices,
+                                 mtmd_helper_logits)
 except ImportError as _e:  # pragma: no cover - exercised by tests with a hidden build
     from dgr.errors import CoreNotBuilt
 
@@ -12,5 +13,5 @@ except ImportError as _e:  # pragma: no cover - exercised by tests with a hidden
         "and builds the pinned llama.cpp; `python -m dgr.vendor status` shows the cache)."
     ) from _e
 
-__all__ = ["Engine", "BUILD_INFO", "HAS_LAYER_RANGES", "arch_supports_layer_range", "backends",
-           "devices"]
+__all__ = ["Engine", "Media", "BUILD_INFO", "HAS_LAYER_RANGES", "arch_supports_layer_range",
+           "backends", "devices", "mtmd_helper_logits"]

@@ -15,8 +15,9 @@ import numpy as np
 
 from dgr._core.includes.engine cimport (
     DGR_LLAMA_COMMIT, DGR_PATCH_STACK_HASH, DGR_VENDOR_KEY, CDeviceInfo, CEngine, CEngineConfig,
-    CEngineCounters,
+    CEngineCounters, CMedia, CMediaChunk, CMediaConfig, CMediaInfo, CMediaStep,
     CEngineInfo, CStatus, ArchSupportsLayerRange, BuiltBackends, HasLayerRanges, ListDevices,
+    MtmdHelperLogits,
 )
 from dgr import errors as _errors
 
@@ -209,6 +210,7 @@ cdef class Engine:
             "token_eos": i.token_eos, "add_bos": bool(i.add_bos), "mtp": bool(i.mtp),
             "n_layer_nextn": i.n_layer_nextn, "rollback_window": i.rollback_window,
             "state_bytes": i.state_bytes, "state_snapshots": i.state_snapshots,
+            "n_embd_inp": i.n_embd_inp, "n_pos_per_embd": i.n_pos_per_embd,
             "state_snapshot_bytes": self._e.get().StateSnapshotBytes(),
             # "cpu" for the CPU device, else ggml's device name ("Vulkan0", "CUDA0")
             "device": "cpu" if i.device_type.decode() == "cpu" else i.device.decode(),
@@ -429,6 +431,51 @@ cdef class Engine:
         check_status(st)
         return o
 
+    def _forward_media(self, int slot, object pos, object rows, bint causal, object want,
+                       object out):
+        """Validated-array media step of one slot (an image or audio chunk); see
+        ``dgr.Engine.forward_media``: ``pos`` int32 ``[n]`` or ``[n_pos_per_embd, n]``
+        (section-major), ``rows`` float32 ``[n, width]`` (the first stage's embedding rows,
+        ``n_embd_inp`` wide, or the boundary)."""
+        cdef const CEngineInfo * info = &self._e.get().info()
+        cdef cnp.ndarray r = _array(rows, "rows", np.float32, 2, _errors.InvalidBoundary)
+        cdef int32_t width = info.n_embd_inp if self.is_first else self.n_embd_boundary
+        if r.shape[1] != width:
+            raise _errors.InvalidBoundary(
+                f"{'embedding rows' if self.is_first else 'boundary'} must have shape "
+                f"[n_rows, {width}], got {list(rows.shape)}")
+        if r.shape[0] > INT32_MAX or r.shape[0] < 1:
+            raise _errors.InvalidArgument(f"a media step of {r.shape[0]} rows")
+        cdef int32_t n = <int32_t> r.shape[0]
+        p = np.asarray(pos)
+        cdef cnp.ndarray pa = _array(p.reshape(1, -1) if p.ndim == 1 else p, "positions",
+                                     np.int32, 2, _errors.InvalidPosition)
+        if pa.shape[1] != n:
+            raise _errors.InvalidPosition(f"{pa.shape[1]} positions for {n} rows")
+        cdef CMediaStep step
+        step.rows = <const float *> cnp.PyArray_DATA(r)
+        step.pos = <const int32_t *> cnp.PyArray_DATA(pa)
+        step.n_sections = <int32_t> pa.shape[0]
+        step.causal = causal
+        cdef const uint8_t * pwant = NULL
+        cdef cnp.ndarray a
+        cdef int32_t nrows = 1 if self.is_last else n
+        if want is not None:
+            a = _mask(want, n)
+            pwant = <const uint8_t *> cnp.PyArray_DATA(a)
+            nrows = <int32_t> np.count_nonzero(want) if self.is_last else n
+        out = _out(out, nrows, self.output_width)
+        cdef cnp.ndarray o = <cnp.ndarray> out
+        cdef float * pout = <float *> cnp.PyArray_DATA(o)
+        cdef size_t cap = <size_t> o.shape[0] * <size_t> o.shape[1]
+        cdef int32_t n_rows = 0
+        cdef CStatus st
+        with self.lock:
+            with nogil:
+                st = self._e.get().ForwardMedia(slot, step, n, pwant, pout, cap, &n_rows)
+        check_status(st)
+        return out if o.shape[0] == n_rows else out[:n_rows]
+
     def _forward_batch(self, object slots, object pos, object tokens, object boundary,
                        object want, object out):
         """Validated-array batched forward; see ``dgr.Engine.forward_batch``."""
@@ -510,3 +557,6 @@ cdef class Engine:
                                                     &n_rows)
         check_status(st)
         return out if o.shape[0] == n_rows else out[:n_rows]
+
+
+include "_media.pxi"

@@ -297,6 +297,39 @@ class Engine(_CoreEngine):
         return self._forward(int(slot), pos, tok, bnd, want, out)
 
 
+    def forward_media(self, slot: int, positions: Sequence[int] | np.ndarray, rows: np.ndarray,
+                      *, causal: bool = True,
+                      logits: str | Sequence[bool] | np.ndarray = "last",
+                      out: np.ndarray | None = None) -> np.ndarray:
+        """Run one slot's media rows (an image or audio chunk: ``dgr.Media``) through the
+        owned layers, on any stage: every stage of a route runs the same step.
+
+        Parameters
+        ----------
+        positions : int array ``[n]``, or ``[n_pos_per_embd, n]``
+            The rows' positions (``Media.positions``): consecutive from the slot's next one,
+            or on an M-RoPE model (``describe()["n_pos_per_embd"]`` 4) mtmd's (t, y, x, z)
+            per row, section-major; text after them continues at the highest + 1.
+        rows : float32 array ``[n, width]``
+            The first stage: the encoder's embedding rows (``n_embd_inp`` wide,
+            ``Media.encode``); later stages: the boundary.
+        causal : bool
+            False (``Media.tokenize``'s ``non_causal``): the rows attend to each other both
+            ways; the step must fit in one ``n_ubatch`` chunk.
+        logits, out
+            As for ``forward``.
+
+        Raises
+        ------
+        dgr.errors.InvalidBoundary, dgr.errors.InvalidPosition, dgr.errors.ContextFull,
+        dgr.errors.UnknownSlot, dgr.errors.MissingTokenIds (a stage that reads token ids),
+        dgr.errors.InvalidArgument (a non-causal step longer than ``n_ubatch``)
+        """
+        r = np.ascontiguousarray(rows) if isinstance(rows, np.ndarray) else rows
+        pos = np.ascontiguousarray(positions, dtype=np.int32)
+        n = pos.shape[-1] if pos.ndim else 0
+        return self._forward_media(int(slot), pos, r, bool(causal), self._want(logits, n), out)
+
     def embed(self, slot: int, positions: int | Sequence[int] | np.ndarray,
               tokens: Sequence[int] | np.ndarray | None = None,
               boundary: np.ndarray | None = None) -> np.ndarray:

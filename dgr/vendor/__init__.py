@@ -658,7 +658,9 @@ class Vendor:
         # llama.cpp's common library (chat templates, tool-call formats and their parsers:
         # ``common/chat``), then llama itself
         common = [b / "common" / "libllama-common.a", b / "common" / "libllama-common-base.a"]
-        libs = common + [b / "src" / "libllama.a", b / "ggml" / "src" / "libggml.a"]
+        # libmtmd: the tree's own image and audio encoders (``mmproj`` projectors)
+        media = [b / "tools" / "mtmd" / "libmtmd.a", b / "vendor" / "hash" / "libvendor-hash.a"]
+        libs = common + media + [b / "src" / "libllama.a", b / "ggml" / "src" / "libggml.a"]
         # backend archives (ggml-cpu, ggml-rpc, ggml-cuda, ...) sit between ggml and ggml-base
         backends = sorted(p for p in (b / "ggml" / "src").rglob("libggml-*.a")
                           if p.name != "libggml-base.a")
@@ -674,7 +676,7 @@ class Vendor:
 
     def include_dirs(self) -> list[Path]:
         return [self.src / "include", self.src / "ggml" / "include", self.src / "src",
-                self.src / "common", self.src / "vendor"]
+                self.src / "common", self.src / "vendor", self.src / "tools" / "mtmd"]
 
     def tool_path(self, name: str) -> Path:
         return self.build_dir / "bin" / name

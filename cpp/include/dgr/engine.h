@@ -119,6 +119,27 @@ struct EngineInfo {
     // 0 for any other memory).
     uint64_t state_bytes = 0;
     uint32_t state_snapshots = 0;
+    // An embedding row's width on the first stage (llama_model_n_embd_inp: n_embd, or more
+    // where an encoder's rows carry extra features), and how many positions a row of an
+    // embedding step has (4 on an M-RoPE model, whose image rows have (t, y, x, z); else 1).
+    int32_t  n_embd_inp = 0;
+    int32_t  n_pos_per_embd = 1;
+};
+
+// A step of media rows (an image or audio chunk that libmtmd encoded: dgr::Media) of one slot.
+struct MediaStep {
+    // The first stage: n_tokens * n_embd_inp embedding rows (the encoder's output), which
+    // enter where token embeddings would. Any other stage: the boundary, as for Forward.
+    const float * rows = nullptr;
+    // n_sections * n_tokens positions, section-major (pos[j * n_tokens + i]): n_sections 1
+    // (consecutive positions, as Forward's), or info().n_pos_per_embd on an M-RoPE model
+    // (mtmd's decoder positions: t, y, x, z), whose rows' first sections need only not go
+    // back and whose text after them continues at the highest position + 1.
+    const int32_t * pos = nullptr;
+    int32_t n_sections = 1;
+    // false: the rows attend to each other both ways within the step
+    // (mtmd_decode_use_non_causal: the whole step must fit in one n_ubatch chunk)
+    bool causal = true;
 };
 
 // One engine is used by one thread at a time: it keeps no lock of its own. The Python binding
@@ -181,6 +202,11 @@ public:
     Status ForwardBatch(const int32_t * slots, const int32_t * pos, const int32_t * tokens,
                         const float * boundary, int32_t n_tokens, const uint8_t * want, float * out,
                         size_t out_capacity, int32_t * n_out_rows);
+
+    // Forward of one slot's media rows (MediaStep), on any stage: every stage of a route runs
+    // the same step (the same positions and causality). want/out as for Forward.
+    Status ForwardMedia(int32_t slot, const MediaStep & step, int32_t n_tokens, const uint8_t * want,
+                        float * out, size_t out_capacity, int32_t * n_out_rows);
 
     // Forward on the last stage that returns every row's final normed hidden state (llama.cpp's
     // embeddings, t_embd: n_embd floats a row, never pooled) instead of logits; the slot's
@@ -252,6 +278,7 @@ public:
     Status InjectFault(const std::string & what);
 
 private:
+    friend class Media;  // opens libmtmd on the engine's model (media.cpp)
     Engine();
     struct Impl;
     std::unique_ptr<Impl> impl_;

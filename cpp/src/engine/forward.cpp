@@ -63,9 +63,17 @@ int32_t Engine::Impl::Decode(int32_t n) {
     llama_pos * const own_pos = b.pos;
     if (!b.token && b.embd && n_pos_sections > 1) {
         llama_pos * ps = pos_sections.data();
-        for (int32_t i = 0; i < n; ++i) {
-            ps[i] = ps[n + i] = ps[2 * n + i] = own_pos[i];
-            ps[3 * n + i] = 0;
+        if (media && media->n_sections > 1) {  // the step's own sections (mtmd's t, y, x, z)
+            const int32_t * mp = media->pos;
+            const size_t total = (size_t) media_total;
+            for (int32_t j = 0; j < n_pos_sections; ++j) {
+                for (int32_t i = 0; i < n; ++i) ps[(size_t) j * n + i] = mp[j * total + media_row + i];
+            }
+        } else {
+            for (int32_t i = 0; i < n; ++i) {
+                ps[i] = ps[n + i] = ps[2 * n + i] = own_pos[i];
+                ps[3 * n + i] = 0;
+            }
         }
         b.pos = ps;
     }
@@ -104,6 +112,58 @@ Status Engine::Impl::Forward(int32_t slot, const int32_t * pos, const int32_t * 
     m.one_slot.assign((size_t) n_tokens, slot);
     return m.ForwardBatch(m.one_slot.data(), pos, tokens, boundary, n_tokens, want, out, out_capacity,
                           n_out_rows);
+}
+
+Status Engine::Impl::ForwardMedia(int32_t slot, const MediaStep & step, int32_t n_tokens,
+                                  const uint8_t * want, float * out, size_t out_capacity,
+                                  int32_t * n_out_rows) {
+    Impl & m = *this;
+    const EngineInfo & in = m.info;
+    *n_out_rows = 0;
+    if (slot < 0 || (uint32_t) slot >= m.cfg.n_slots) {
+        return Status(kUnknownSlot, "slot " + std::to_string(slot) + " does not exist; this engine has slots 0.." +
+                      std::to_string(m.cfg.n_slots - 1));
+    }
+    if (n_tokens <= 0) return Status(kInvalidArgument, "a media step needs at least one row");
+    if (!step.rows) {
+        return Status(kInvalidBoundary, m.first ? "a media step on the first stage needs its embedding rows"
+                                                : "a media step needs the boundary from the stage before it");
+    }
+    if (!step.pos) return Status(kInvalidPosition, "positions are required");
+    if (step.n_sections != 1 && step.n_sections != in.n_pos_per_embd) {
+        return Status(kInvalidPosition, "a media step's positions have 1 or " + std::to_string(in.n_pos_per_embd) +
+                      " sections on this model, not " + std::to_string(step.n_sections));
+    }
+    // layers that read the token ids themselves (hash-routed experts, a token-embedding skip,
+    // per-layer embeddings, the NextN block): media rows have none
+    bool reads_tokens = in.hash_layer_count > in.layer_start || m.mtp != nullptr;
+#if DGR_LAYER_RANGE
+    reads_tokens = reads_tokens || llama_model_stage_needs_token_ids(m.model);
+#endif
+    if (reads_tokens) {
+        return Status(kMissingTokenIds, "stage [" + std::to_string(in.layer_start) + ", " +
+                      std::to_string(in.layer_end) + ") reads token ids, which media rows have none of");
+    }
+    if (!step.causal && n_tokens > (int32_t) m.cfg.n_ubatch) {
+        return Status(kInvalidArgument, "a non-causal media step of " + std::to_string(n_tokens) +
+                      " rows must fit in one chunk of n_ubatch " + std::to_string(m.cfg.n_ubatch) + " rows");
+    }
+    m.one_slot.assign((size_t) n_tokens, slot);
+    m.media = &step;
+    m.media_total = n_tokens;
+    if (!step.causal) llama_set_causal_attn(m.ctx, false);
+    struct Done {
+        Impl & m;
+        bool causal;
+        ~Done() {
+            if (!causal) llama_set_causal_attn(m.ctx, true);
+            m.media = nullptr;
+            m.media_row = m.media_total = 0;
+        }
+    } done{m, step.causal};
+    // the first section is each row's cell position (llama.cpp's ubatch.pos[i])
+    return m.ForwardBatch(m.one_slot.data(), step.pos, nullptr, step.rows, n_tokens, want, out,
+                          out_capacity, n_out_rows);
 }
 
 Status Engine::Impl::Embed(int32_t slot, const int32_t * pos, const int32_t * tokens,
@@ -148,8 +208,15 @@ Status Engine::Impl::ForwardBatch(const int32_t * slots, const int32_t * pos, co
                           " does not exist; this engine has slots 0.." + std::to_string(n_slots - 1));
         }
     }
-    Status in_ok = CheckStageInputs(tokens, boundary, n_tokens);
+    // a media step (ForwardMedia, checked there): rows on every stage, the first's included
+    Status in_ok = m.media ? Status() : CheckStageInputs(tokens, boundary, n_tokens);
     if (!in_ok.ok()) return in_ok;
+    // an M-RoPE media step: its rows' cell positions (the t section) need only not go back
+    const bool sectioned = m.media && m.media->n_sections > 1;
+    int32_t media_end = -1;  // its highest position + 1, where the slot continues
+    if (sectioned) {
+        for (int32_t k = 0; k < m.media->n_sections * n_tokens; ++k) media_end = std::max(media_end, pos[k] + 1);
+    }
 
     // Each slot's tokens, in input order, continue it: the first at its next position, each
     // later one at the position after the one before it.
@@ -160,7 +227,7 @@ Status Engine::Impl::ForwardBatch(const int32_t * slots, const int32_t * pos, co
     for (int32_t i = 0; i < n_tokens; ++i) {
         const int32_t s = slots[i];
         if (expect[s] < 0) {
-            expect[s] = start[s] = llama_memory_seq_pos_max(llama_get_memory(m.ctx), s) + 1;
+            expect[s] = start[s] = m.SlotNext(s);
             seen.push_back(s);
             if (pos[i] != expect[s]) {
                 return Status(kInvalidPosition, "slot " + std::to_string(s) + " continues at position " +
@@ -169,6 +236,12 @@ Status Engine::Impl::ForwardBatch(const int32_t * slots, const int32_t * pos, co
                               (pos[i] > expect[s] ? " (a gap: send the missing tokens first)"
                                                   : " (already computed: release the slot and re-prefill)"));
             }
+        } else if (sectioned) {
+            if (pos[i] < pos[i - 1]) {
+                return Status(kInvalidPosition, "a media step's positions go back at index " + std::to_string(i) +
+                              " (" + std::to_string(pos[i - 1]) + " then " + std::to_string(pos[i]) + ")");
+            }
+            expect[s] = pos[i];
         } else if (pos[i] != expect[s]) {
             return Status(kInvalidPosition, "slot " + std::to_string(s) + " appears again at index " +
                           std::to_string(i) + " with position " + std::to_string(pos[i]) + ", but its "
@@ -178,6 +251,7 @@ Status Engine::Impl::ForwardBatch(const int32_t * slots, const int32_t * pos, co
         ++expect[s];
         last_idx[s] = i;
     }
+    if (sectioned) expect[slots[0]] = std::max(expect[slots[0]], media_end);
     for (const int32_t s : seen) {
         if ((int64_t) expect[s] > (int64_t) in.n_ctx) {
             return Status(kContextFull, "slot " + std::to_string(s) + " holds " + std::to_string(start[s]) +
@@ -207,7 +281,10 @@ Status Engine::Impl::ForwardBatch(const int32_t * slots, const int32_t * pos, co
     std::stable_sort(order.begin(), order.end(),
                      [&](int32_t a, int32_t b) { return slots[a] < slots[b]; });
 
-    const int32_t W = in.n_embd_boundary;
+    // a row's width: the boundary's, or on the first stage a media step's embedding rows'
+    const int32_t W = m.first && m.media ? in.n_embd_inp : in.n_embd_boundary;
+    const float * rows_in = boundary;
+    const bool rows = !m.first || m.media;
     const int32_t U = (int32_t) m.cfg.n_ubatch;
     const bool pass_tokens = tokens && m.trunk_tokens;
     // A failure once llama_decode may have run: no slot of the batch keeps a half-computed step.
@@ -244,18 +321,20 @@ Status Engine::Impl::ForwardBatch(const int32_t * slots, const int32_t * pos, co
             } else {
                 b.token = nullptr;
             }
-            if (m.first) {
+            if (!rows) {
                 b.embd = nullptr;
             } else if (in_place) {
-                b.embd = const_cast<float *>(boundary + (size_t) idx[0] * W);
+                b.embd = const_cast<float *>(rows_in + (size_t) idx[0] * W);
             } else {
                 m.embd_gather.resize((size_t) U * W);
                 for (int32_t k = 0; k < n; ++k) {
-                    std::memcpy(m.embd_gather.data() + (size_t) k * W, boundary + (size_t) idx[k] * W,
+                    std::memcpy(m.embd_gather.data() + (size_t) k * W, rows_in + (size_t) idx[k] * W,
                                 sizeof(float) * (size_t) W);
                 }
                 b.embd = m.embd_gather.data();
             }
+            m.media_row = c0;  // a media step is one slot's rows in order: chunk c0 is its rows c0..
+
             for (int32_t k = 0; k < n; ++k) {
                 b.pos[k] = pos[idx[k]];
                 b.seq_id[k][0] = slots[idx[k]];
@@ -346,6 +425,12 @@ Status Engine::Impl::ForwardBatch(const int32_t * slots, const int32_t * pos, co
         clear_all();
         return Status(kEngineError, "llama.cpp threw during the forward of a batch of slots " + slot_list() +
                       " (" + why + "); they were cleared and must be re-prefilled");
+    }
+    if (sectioned) {
+        const int32_t s = slots[0];
+        m.media_next[s] = media_end > llama_memory_seq_pos_max(llama_get_memory(m.ctx), s) + 1 ? media_end : -1;
+    } else {
+        for (const int32_t s : seen) m.media_next[s] = -1;  // the slot's cells are past it now
     }
     *n_out_rows = rows_out;
     m.counters.forwards.fetch_add(1, std::memory_order_relaxed);

@@ -42,6 +42,9 @@ namespace detail {
 // ---- support.cpp ------------------------------------------------------------------------
 // llama_log_set is process-global: the last warning and error lines are kept so a failure
 // can say why (DGR_LLAMA_LOG echoes the log: 1 warnings and errors, 2 all).
+void log_cb(ggml_log_level level, const char * text, void * user_data);  // llama.cpp's and mtmd's
+// a KV cache type's name ("f16", "q8_0", ...) as a ggml_type; false for an unknown one
+bool parse_type(const std::string & name, ggml_type * out);
 void log_clear();
 std::string log_last_error();       // the last line that says error/failed ("" if none)
 std::string log_out_of_memory();    // the first line since log_clear that says an allocation failed
@@ -265,7 +268,19 @@ struct Engine::Impl {
     Status ForwardBatch(const int32_t * slots, const int32_t * pos, const int32_t * tokens,
                         const float * boundary, int32_t n_tokens, const uint8_t * want, float * out,
                         size_t out_capacity, int32_t * n_out_rows);
+    Status ForwardMedia(int32_t slot, const MediaStep & step, int32_t n_tokens, const uint8_t * want,
+                        float * out, size_t out_capacity, int32_t * n_out_rows);
     Status CheckStageInputs(const int32_t * tokens, const float * boundary, int32_t n_tokens) const;
+    // ForwardMedia's step while it runs (ForwardBatch and Decode read it; null otherwise), and
+    // the row of it where the chunk being decoded starts
+    const MediaStep * media = nullptr;
+    int32_t media_row = 0;
+    int32_t media_total = 0;  // its rows
+    // per slot: where it continues after an M-RoPE media step whose positions ran past its
+    // cells' (mtmd's n_pos: an image's rows share t, their y and x go further), else -1
+    std::vector<int32_t> media_next;
+    // the position a slot's next step starts at: its cells', or media_next past them
+    int32_t SlotNext(int32_t slot) const;
     // llama_decode of the first n rows of `batch` (its token/embd pointers set by the caller,
     // cleared after); on an M-RoPE model an embedding batch gets the sectioned positions.
     int32_t Decode(int32_t n);

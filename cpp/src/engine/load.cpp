@@ -19,7 +19,7 @@
 namespace dgr {
 using namespace detail;
 
-namespace {
+namespace detail {
 
 bool parse_type(const std::string & name, ggml_type * out) {
     static const struct { const char * n; ggml_type t; } kTypes[] = {
@@ -32,6 +32,10 @@ bool parse_type(const std::string & name, ggml_type * out) {
     }
     return false;
 }
+
+}  // namespace detail
+
+namespace {
 
 int64_t gguf_int(const gguf_context * g, const std::string & key, int64_t dflt) {
     const int64_t id = gguf_find_key(g, key.c_str());
@@ -615,10 +619,13 @@ Status Engine::Impl::Load(const EngineConfig & cfg, std::unique_ptr<Engine> * ou
     m.batch_token = m.batch.token;
     m.batch.token = nullptr;
     const llama_rope_type rope = llama_model_rope_type(m.model);
-    if (!m.first && (rope == LLAMA_ROPE_TYPE_MROPE || rope == LLAMA_ROPE_TYPE_IMROPE)) {
+    if (rope == LLAMA_ROPE_TYPE_MROPE || rope == LLAMA_ROPE_TYPE_IMROPE) {
         m.n_pos_sections = 4;  // GGML_MROPE_SECTIONS
         m.pos_sections.assign((size_t) cfg.n_ubatch * m.n_pos_sections, 0);
     }
+    in.n_pos_per_embd = m.n_pos_sections;
+    in.n_embd_inp = llama_model_n_embd_inp(m.model);
+    m.media_next.assign(cfg.n_slots, -1);
     for (uint32_t i = 0; i < cfg.n_ubatch; ++i) m.batch.n_seq_id[i] = 1;
     if (m.mtp) m.mtp->Size(in.n_embd_boundary, in.n_vocab);
     *out = std::move(e);

@@ -41,14 +41,20 @@ Status Engine::Impl::CopySlot(int32_t src, int32_t dst) {
     // at the start of the next decode (llama_kv_cache::seq_cp, update), the bytes as they are
     llama_memory_seq_cp(mem, src, dst, -1, -1);
     m.rs_tail[dst] = m.rs_tail[src];
+    m.media_next[dst] = m.media_next[src];
     if (m.n_snapshots) m.slot_state[dst] = m.slot_state[src];  // a fork restores as its source
     return Status();
+}
+
+int32_t Engine::Impl::SlotNext(int32_t slot) const {
+    return std::max(llama_memory_seq_pos_max(llama_get_memory(ctx), slot) + 1, media_next[slot]);
 }
 
 void Engine::Impl::ClearSlot(int32_t slot) {
     Impl & m = *this;
     llama_memory_seq_rm(llama_get_memory(m.ctx), slot, -1, -1);
     m.rs_tail[slot] = 0;
+    m.media_next[slot] = -1;
     if (m.n_snapshots) {
         m.slot_state[slot].aligned = 0;
         m.slot_state[slot].snaps.clear();
@@ -64,8 +70,10 @@ Status Engine::Impl::Truncate(int32_t slot, int32_t pos) {
     }
     if (pos < 0) return Status(kInvalidPosition, "truncate position " + std::to_string(pos) + " is negative");
     llama_memory_t mem = llama_get_memory(m.ctx);
+    if (pos >= m.SlotNext(slot)) return Status();  // nothing past pos
+    if (m.media_next[slot] > pos) m.media_next[slot] = -1;  // back into a media step's span
     const int32_t next = llama_memory_seq_pos_max(mem, slot) + 1;
-    if (pos >= next) return Status();  // nothing past pos
+    if (pos >= next) return Status();  // past the media step's cells: they stay
     const std::string span = "positions " + std::to_string(pos) + ".." + std::to_string(next - 1) + " of slot " +
                              std::to_string(slot);
     auto refuse = [&](const std::string & why) {

@@ -90,6 +90,14 @@ cdef extern from "dgr/engine.h" namespace "dgr" nogil:
         int32_t rollback_window
         uint64_t state_bytes
         uint32_t state_snapshots
+        int32_t n_embd_inp
+        int32_t n_pos_per_embd
+
+    cdef cppclass CMediaStep "dgr::MediaStep":
+        const float * rows
+        const int32_t * pos
+        int32_t n_sections
+        bool causal
 
     cdef cppclass CEngine "dgr::Engine":
         @staticmethod
@@ -111,6 +119,9 @@ cdef extern from "dgr/engine.h" namespace "dgr" nogil:
         CStatus ForwardBatch(const int32_t * slots, const int32_t * pos, const int32_t * tokens,
                              const float * boundary, int32_t n_tokens, const uint8_t * want,
                              float * out, size_t out_capacity, int32_t * n_out_rows) except +
+        CStatus ForwardMedia(int32_t slot, const CMediaStep & step, int32_t n_tokens,
+                             const uint8_t * want, float * out, size_t out_capacity,
+                             int32_t * n_out_rows) except +
         CStatus Embed(int32_t slot, const int32_t * pos, const int32_t * tokens,
                       const float * boundary, int32_t n_tokens, float * out, size_t out_capacity,
                       int32_t * n_out_rows) except +
@@ -146,3 +157,41 @@ cdef extern from "dgr/build_info.h":
     const char * DGR_LLAMA_COMMIT
     const char * DGR_PATCH_STACK_HASH
     const char * DGR_VENDOR_KEY
+
+
+cdef extern from "dgr/media.h" namespace "dgr" nogil:
+    cdef cppclass CMediaConfig "dgr::MediaConfig":
+        string mmproj_path
+        int32_t n_threads
+        bool flash_attn
+        bool warmup
+
+    cdef cppclass CMediaInfo "dgr::MediaInfo":
+        bool vision
+        bool audio
+        bool mrope
+        int32_t audio_sample_rate
+        int32_t n_embd_inp
+        string marker
+
+    cdef cppclass CMediaChunk "dgr::MediaChunk":
+        int32_t kind
+        vector[int32_t] tokens
+        int32_t n_rows
+        int32_t n_pos
+        string id
+        bool non_causal
+
+    cdef cppclass CMedia "dgr::Media":
+        @staticmethod
+        CStatus Open(const CEngine & engine, const CMediaConfig & cfg,
+                     unique_ptr[CMedia] * out) except +
+        const CMediaInfo & info()
+        CStatus Tokenize(const string & prompt, const vector[string] & media, bool add_special,
+                         bool parse_special, vector[CMediaChunk] * out) except +
+        CStatus Encode(size_t i, vector[float] * rows) except +
+        CStatus Positions(size_t i, int32_t pos0, vector[int32_t] * pos) except +
+
+    CStatus MtmdHelperLogits(const CEngineConfig & cfg, const CMediaConfig & media,
+                             const string & prompt, const vector[string] & files,
+                             bool add_special, bool parse_special, vector[float] * logits) except +
