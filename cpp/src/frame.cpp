@@ -385,7 +385,10 @@ bool read_forward(Reader& r, uint64_t n, Forward* h) {
     F(26, r.read_i32(0, &h->drafts));
     F(27, r.read_str(&h->speculate));
     F(28, r.read_i32(0, &h->max_draft));
-    return n <= 29 || r.skip(n - 29);
+    F(29, r.read_str(&h->media));  // schema 6: media steps
+    F(30, r.read_i32_list(&h->has_sections, &h->sections));
+    F(31, r.read_bool(&h->causal));
+    return n <= 32 || r.skip(n - 32);
 }
 
 bool read_result(Reader& r, uint64_t n, Result* h) {
@@ -539,6 +542,22 @@ std::string check_forward(const Forward& h, int32_t width) {
         return "unknown Forward.speculate " + py_repr(h.speculate) + " (known: ngram, mtp)";
     if (h.max_draft > kMaxDraft || h.drafts > kMaxDraft)
         return "Forward.max_draft / drafts may be at most " + num(kMaxDraft);
+    if (!h.media.empty() && h.media != "image" && h.media != "audio")
+        return "unknown Forward.media " + py_repr(h.media) + " (known: image, audio)";
+    if (!h.media.empty()) {
+        if (width == 0 || h.has_tokens) return "Forward.media carries rows (width > 0) and no token ids";
+        if (h.steps > 1 || h.drafts) return "a Forward.media step is one step of prompt rows: no loop, no drafts";
+    } else if (h.has_sections || !h.causal) {
+        return "Forward.sections and causal=False are a media step's (Forward.media)";
+    }
+    if (h.has_sections) {
+        if (static_cast<int64_t>(h.sections.size()) != kMropeSections * n)
+            return "Forward.sections has " + num(static_cast<int64_t>(h.sections.size())) +
+                   " entries but n_tokens is " + num(n) + " (" + num(kMropeSections) + " per row)";
+        if (h.sections[0] != h.first_pos)
+            return "Forward.sections[0] is " + num(h.sections[0]) + " but first_pos is " + num(h.first_pos);
+        if (h.has_positions) return "Forward.sections replaces positions: one of them";
+    }
     return std::string();
 }
 
@@ -569,12 +588,12 @@ Status fail(int code, std::string msg) { return Status(code, std::move(msg)); }
 void Forward::reset() {
     // The vectors keep their capacity; everything else takes its default.
     std::vector<int32_t> p = std::move(positions), t = std::move(tokens), r = std::move(rows),
-                         s = std::move(stop_tokens);
+                         s = std::move(stop_tokens), se = std::move(sections);
     std::vector<Hop> re = std::move(relay), lo = std::move(loop);
     *this = Forward{};
-    p.clear(); t.clear(); r.clear(); s.clear(); re.clear(); lo.clear();
+    p.clear(); t.clear(); r.clear(); s.clear(); se.clear(); re.clear(); lo.clear();
     positions = std::move(p); tokens = std::move(t); rows = std::move(r);
-    stop_tokens = std::move(s); relay = std::move(re); loop = std::move(lo);
+    stop_tokens = std::move(s); sections = std::move(se); relay = std::move(re); loop = std::move(lo);
 }
 
 void Result::reset() {
@@ -867,7 +886,7 @@ Status encode_forward(const Forward& h, const float* array, int64_t rows, int64_
     }
     start(out);
     Writer w(&out->head);
-    w.array(30);  // the tag and Forward's 29 fields
+    w.array(33);  // the tag and Forward's 32 fields
     w.u(kForward);
     w.u(h.schema);
     w.str(h.model);
@@ -919,6 +938,9 @@ Status encode_forward(const Forward& h, const float* array, int64_t rows, int64_
     w.i(h.drafts);
     w.str(h.speculate);
     w.i(h.max_draft);
+    w.str(h.media);
+    w.list(h.has_sections, h.sections);
+    w.b(h.causal);
     finish_head(out);
     out->payload = reinterpret_cast<const uint8_t*>(array);
     out->payload_len = static_cast<size_t>(plen);

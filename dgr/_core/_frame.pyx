@@ -89,7 +89,8 @@ cdef dict _forward(const CForward & h):
         "loop": _hops(h.loop) if h.has_loop else None, "steps": h.steps,
         "stop_tokens": _ints(h.stop_tokens) if h.has_stop_tokens else None,
         "solo": h.solo, "rollback": h.rollback, "drafts": h.drafts,
-        "speculate": _s(h.speculate), "max_draft": h.max_draft,
+        "speculate": _s(h.speculate), "max_draft": h.max_draft, "media": _s(h.media),
+        "sections": _ints(h.sections) if h.has_sections else None, "causal": h.causal,
     }
 
 
@@ -232,7 +233,7 @@ cdef object _fill(object header, CForward * f, CResult * r, list keep):
         if name == "Forward":
             keep += [header.model.encode("utf-8"), header.session.encode("utf-8"),
                      header.want.encode("utf-8"), header.reply_to.encode("utf-8"),
-                     header.speculate.encode("utf-8")]
+                     header.speculate.encode("utf-8"), header.media.encode("utf-8")]
             f.schema = header.schema
             f.model = _sv(keep[0])
             f.session = _sv(keep[1])
@@ -276,6 +277,9 @@ cdef object _fill(object header, CForward * f, CResult * r, list keep):
             f.drafts = header.drafts
             f.speculate = _sv(keep[4])
             f.max_draft = header.max_draft
+            f.media = _sv(keep[5])
+            f.has_sections = _list(header.sections, &f.sections)
+            f.causal = header.causal
         else:
             keep += [header.session.encode("utf-8"), header.kind.encode("utf-8")]
             r.schema = header.schema
@@ -595,7 +599,8 @@ cdef object _message(CFrameView * v):
             loop=_hop_objs(f.loop) if f.has_loop else None, steps=f.steps,
             stop_tokens=_ints_or(f.has_stop_tokens, f.stop_tokens), solo=f.solo,
             rollback=f.rollback, drafts=f.drafts, speculate=_s(f.speculate),
-            max_draft=f.max_draft)
+            max_draft=f.max_draft, media=_s(f.media),
+            sections=_ints_or(f.has_sections, f.sections), causal=f.causal)
     if v.tag == kResult:
         r = &v.result
         return _wire.Result(

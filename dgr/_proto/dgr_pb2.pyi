@@ -57,7 +57,7 @@ class ComputeDevice(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., name: _Optional[str] = ..., type: _Optional[str] = ..., description: _Optional[str] = ..., driver: _Optional[str] = ..., software: _Optional[bool] = ..., memory_free: _Optional[int] = ..., memory_total: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., compute_bytes: _Optional[int] = ...) -> None: ...
 
 class DescribeReply(_message.Message):
-    __slots__ = ("model_identity", "model_name", "arch", "n_layer", "layer_start", "layer_end", "is_first", "is_last", "needs_token_ids", "boundary_width", "boundary_dtype", "n_vocab", "settings", "eog_tokens", "add_bos", "free_slots", "sessions", "free_context", "queue_depth", "recent_tokens_per_s", "recent_step_ms", "draining", "dgr_version", "wire_format_version", "wire_schema_version", "weight_bytes", "kv_bytes", "steps_total", "errors_total", "uptime_s", "capability_json", "data_port", "decode_steps_total", "decode_compute_s_total", "tokens_computed_total", "compute_s_total", "drafters", "device", "prefix_rows_exact", "prefix_single_rows_exact", "prefix_store", "prefix_chunk_rows_exact", "rollback_window", "state_bytes", "state_snapshots", "n_ctx", "n_ctx_train", "n_ctx_source")
+    __slots__ = ("model_identity", "model_name", "arch", "n_layer", "layer_start", "layer_end", "is_first", "is_last", "needs_token_ids", "boundary_width", "boundary_dtype", "n_vocab", "settings", "eog_tokens", "add_bos", "free_slots", "sessions", "free_context", "queue_depth", "recent_tokens_per_s", "recent_step_ms", "draining", "dgr_version", "wire_format_version", "wire_schema_version", "weight_bytes", "kv_bytes", "steps_total", "errors_total", "uptime_s", "capability_json", "data_port", "decode_steps_total", "decode_compute_s_total", "tokens_computed_total", "compute_s_total", "drafters", "device", "prefix_rows_exact", "prefix_single_rows_exact", "prefix_store", "prefix_chunk_rows_exact", "rollback_window", "state_bytes", "state_snapshots", "n_ctx", "n_ctx_train", "n_ctx_source", "media_marker", "media_vision", "media_audio")
     MODEL_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCH_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,9 @@ class DescribeReply(_message.Message):
     N_CTX_FIELD_NUMBER: _ClassVar[int]
     N_CTX_TRAIN_FIELD_NUMBER: _ClassVar[int]
     N_CTX_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_MARKER_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_VISION_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_AUDIO_FIELD_NUMBER: _ClassVar[int]
     model_identity: str
     model_name: str
     arch: str
@@ -154,7 +157,10 @@ class DescribeReply(_message.Message):
     n_ctx: int
     n_ctx_train: int
     n_ctx_source: str
-    def __init__(self, model_identity: _Optional[str] = ..., model_name: _Optional[str] = ..., arch: _Optional[str] = ..., n_layer: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., needs_token_ids: _Optional[bool] = ..., boundary_width: _Optional[int] = ..., boundary_dtype: _Optional[str] = ..., n_vocab: _Optional[int] = ..., settings: _Optional[_Union[EngineSettings, _Mapping]] = ..., eog_tokens: _Optional[_Iterable[int]] = ..., add_bos: _Optional[bool] = ..., free_slots: _Optional[int] = ..., sessions: _Optional[int] = ..., free_context: _Optional[int] = ..., queue_depth: _Optional[int] = ..., recent_tokens_per_s: _Optional[float] = ..., recent_step_ms: _Optional[float] = ..., draining: _Optional[bool] = ..., dgr_version: _Optional[str] = ..., wire_format_version: _Optional[int] = ..., wire_schema_version: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., steps_total: _Optional[int] = ..., errors_total: _Optional[int] = ..., uptime_s: _Optional[float] = ..., capability_json: _Optional[bytes] = ..., data_port: _Optional[int] = ..., decode_steps_total: _Optional[int] = ..., decode_compute_s_total: _Optional[float] = ..., tokens_computed_total: _Optional[int] = ..., compute_s_total: _Optional[float] = ..., drafters: _Optional[_Iterable[str]] = ..., device: _Optional[_Union[ComputeDevice, _Mapping]] = ..., prefix_rows_exact: _Optional[bool] = ..., prefix_single_rows_exact: _Optional[bool] = ..., prefix_store: _Optional[_Union[PrefixStore, _Mapping]] = ..., prefix_chunk_rows_exact: _Optional[bool] = ..., rollback_window: _Optional[int] = ..., state_bytes: _Optional[int] = ..., state_snapshots: _Optional[int] = ..., n_ctx: _Optional[int] = ..., n_ctx_train: _Optional[int] = ..., n_ctx_source: _Optional[str] = ...) -> None: ...
+    media_marker: str
+    media_vision: bool
+    media_audio: bool
+    def __init__(self, model_identity: _Optional[str] = ..., model_name: _Optional[str] = ..., arch: _Optional[str] = ..., n_layer: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., needs_token_ids: _Optional[bool] = ..., boundary_width: _Optional[int] = ..., boundary_dtype: _Optional[str] = ..., n_vocab: _Optional[int] = ..., settings: _Optional[_Union[EngineSettings, _Mapping]] = ..., eog_tokens: _Optional[_Iterable[int]] = ..., add_bos: _Optional[bool] = ..., free_slots: _Optional[int] = ..., sessions: _Optional[int] = ..., free_context: _Optional[int] = ..., queue_depth: _Optional[int] = ..., recent_tokens_per_s: _Optional[float] = ..., recent_step_ms: _Optional[float] = ..., draining: _Optional[bool] = ..., dgr_version: _Optional[str] = ..., wire_format_version: _Optional[int] = ..., wire_schema_version: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., steps_total: _Optional[int] = ..., errors_total: _Optional[int] = ..., uptime_s: _Optional[float] = ..., capability_json: _Optional[bytes] = ..., data_port: _Optional[int] = ..., decode_steps_total: _Optional[int] = ..., decode_compute_s_total: _Optional[float] = ..., tokens_computed_total: _Optional[int] = ..., compute_s_total: _Optional[float] = ..., drafters: _Optional[_Iterable[str]] = ..., device: _Optional[_Union[ComputeDevice, _Mapping]] = ..., prefix_rows_exact: _Optional[bool] = ..., prefix_single_rows_exact: _Optional[bool] = ..., prefix_store: _Optional[_Union[PrefixStore, _Mapping]] = ..., prefix_chunk_rows_exact: _Optional[bool] = ..., rollback_window: _Optional[int] = ..., state_bytes: _Optional[int] = ..., state_snapshots: _Optional[int] = ..., n_ctx: _Optional[int] = ..., n_ctx_train: _Optional[int] = ..., n_ctx_source: _Optional[str] = ..., media_marker: _Optional[str] = ..., media_vision: _Optional[bool] = ..., media_audio: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session", "keep", "chunk", "whole")
@@ -245,6 +251,48 @@ class TokenizeReply(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EncodeMediaRequest(_message.Message):
+    __slots__ = ("prompt", "media", "add_special", "parse_special", "first_pos")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_FIELD_NUMBER: _ClassVar[int]
+    PARSE_SPECIAL_FIELD_NUMBER: _ClassVar[int]
+    FIRST_POS_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    media: _containers.RepeatedScalarFieldContainer[bytes]
+    add_special: bool
+    parse_special: bool
+    first_pos: int
+    def __init__(self, prompt: _Optional[str] = ..., media: _Optional[_Iterable[bytes]] = ..., add_special: _Optional[bool] = ..., parse_special: _Optional[bool] = ..., first_pos: _Optional[int] = ...) -> None: ...
+
+class MediaChunk(_message.Message):
+    __slots__ = ("kind", "tokens", "n_rows", "n_pos", "id", "non_causal", "width", "rows", "positions")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    N_ROWS_FIELD_NUMBER: _ClassVar[int]
+    N_POS_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NON_CAUSAL_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    n_rows: int
+    n_pos: int
+    id: str
+    non_causal: bool
+    width: int
+    rows: bytes
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kind: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., n_rows: _Optional[int] = ..., n_pos: _Optional[int] = ..., id: _Optional[str] = ..., non_causal: _Optional[bool] = ..., width: _Optional[int] = ..., rows: _Optional[bytes] = ..., positions: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EncodeMediaReply(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[MediaChunk]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[MediaChunk, _Mapping]]] = ...) -> None: ...
 
 class DetokenizeRequest(_message.Message):
     __slots__ = ("tokens", "remove_special", "unparse_special")

@@ -83,6 +83,11 @@ class ShardStub:
                 request_serializer=dgr__pb2.TokenPiecesRequest.SerializeToString,
                 response_deserializer=dgr__pb2.TokenPiecesReply.FromString,
                 _registered_method=True)
+        self.EncodeMedia = channel.unary_unary(
+                '/dgr.v1.Shard/EncodeMedia',
+                request_serializer=dgr__pb2.EncodeMediaRequest.SerializeToString,
+                response_deserializer=dgr__pb2.EncodeMediaReply.FromString,
+                _registered_method=True)
 
 
 class ShardServicer:
@@ -156,6 +161,15 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EncodeMedia(self, request, context):
+        """The projector beside the first stage (`--mmproj`, libmtmd): a prompt with media markers
+        cut into text and media chunks, each media chunk encoded on this stage's device into the
+        embedding rows a media step carries (wire Forward.media), with its positions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -193,6 +207,11 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.TokenPieces,
                     request_deserializer=dgr__pb2.TokenPiecesRequest.FromString,
                     response_serializer=dgr__pb2.TokenPiecesReply.SerializeToString,
+            ),
+            'EncodeMedia': grpc.unary_unary_rpc_method_handler(
+                    servicer.EncodeMedia,
+                    request_deserializer=dgr__pb2.EncodeMediaRequest.FromString,
+                    response_serializer=dgr__pb2.EncodeMediaReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -398,6 +417,33 @@ class Shard:
             '/dgr.v1.Shard/TokenPieces',
             dgr__pb2.TokenPiecesRequest.SerializeToString,
             dgr__pb2.TokenPiecesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EncodeMedia(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dgr.v1.Shard/EncodeMedia',
+            dgr__pb2.EncodeMediaRequest.SerializeToString,
+            dgr__pb2.EncodeMediaReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,6 +25,7 @@ from dgr.driver.checks import check_route
 from dgr.driver.config import RouteConfig
 from dgr.driver.deadlines import Deadlines
 from dgr.driver.links import RelayLinks
+from dgr.driver.media import MediaStep
 from dgr.driver.provider import RouteProvider, StaticPool, parse_endpoints
 from dgr.driver.recovery import Recovery
 from dgr.driver.results import Generation
@@ -320,6 +321,33 @@ class AsyncRoute:
 
     async def detokenize(self, tokens: Sequence[int]) -> str:
         return await self.tokenizer.detokenize(tokens)
+
+    async def encode_media(self, prompt: str, media: Sequence[bytes], *,
+                           add_special: bool = True, parse_special: bool = True,
+                           first_pos: int = 0) -> list:
+        """``prompt`` (one ``stages[0].media_marker`` per item of ``media``, each a file's
+        bytes) cut and encoded by the projector beside the first stage (its ``--mmproj``, on
+        its device): a list of its chunks from ``first_pos`` on, each a text chunk's token
+        ids or a ``dgr.driver.media.MediaStep``, for ``AsyncRouteSession.prefill_media`` /
+        ``generate_media``.
+
+        Raises
+        ------
+        dgr.errors.InvalidArgument
+            The first stage has no projector, or it refused the media (not an image or audio
+            file it decodes, one it does not take, a marker count that is not the media's).
+        """
+        if not self.stages[0].media_marker:
+            raise errors.InvalidArgument(
+                f"the first stage ({self.stages[0].endpoint}) has no projector: start it with "
+                "--mmproj (the model's mmproj GGUF)")
+        got = await self.clients[0].encode_media(prompt, media, add_special=add_special,
+                                                 parse_special=parse_special,
+                                                 first_pos=first_pos,
+                                                 timeout=self.step_timeout)
+        return [c["tokens"] if c["kind"] == "text" else
+                MediaStep(c["rows"], c["positions"], c["kind"], causal=not c["non_causal"],
+                          id=c["id"]) for c in got]
 
     async def pieces(self) -> list[bytes]:
         """Every token id's bytes (``token_pieces``), fetched once and kept: what

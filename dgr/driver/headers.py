@@ -7,7 +7,7 @@ from dgr.protocol.describe import StageInfo
 from dgr.protocol.grammar import grammar_id
 from dgr.protocol.sampling import SamplingParams
 
-__all__ = ["forward_header", "wire_sampling", "solo_of"]
+__all__ = ["forward_header", "media_header", "wire_sampling", "solo_of"]
 
 
 def wire_sampling(p: SamplingParams | None, start: int = 0) -> wire.Sampling | None:
@@ -66,3 +66,18 @@ def solo_of(route, want: str) -> bool:
     that returns logits: they must be the whole model's own, bit for bit), and an embedding
     step (the last stage returns every row)."""
     return not route.batching or want in ("logits", "token+logits", "embedding")
+
+
+def media_header(session: str, epoch: int, stage: StageInfo, step, *, want: str,
+                 sampling: wire.Sampling | None, last: bool = True,
+                 rollback: int = 0) -> wire.Forward:
+    """The media step ``step`` (``dgr.driver.session.MediaStep``: an encoded image or audio
+    chunk's rows, positions and causality) of ``session`` sent to ``stage``: no token ids,
+    the array the rows (the first stage's) or the boundary, every position section, alone
+    on every stage (never batched with other sessions' steps)."""
+    sections = step.sections()
+    return wire.Forward(model=stage.identity, session=session, epoch=epoch,
+                        first_pos=step.first_pos, n_tokens=step.n_rows, layer=stage.layers[0],
+                        want=want if last else "boundary", sampling=sampling if last else None,
+                        solo=True, rollback=rollback, media=step.kind, sections=sections,
+                        causal=step.causal)

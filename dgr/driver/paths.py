@@ -22,7 +22,8 @@ from typing import Any, AsyncIterator
 
 from dgr import errors
 from dgr.driver.checks import stage_error
-from dgr.driver.headers import forward_header, solo_of
+from dgr.driver.headers import forward_header, media_header, solo_of
+from dgr.driver.media import MediaStep
 from dgr.driver.recovery import release_quietly
 from dgr.protocol import wire
 from dgr.transport.client import ShardClient, StepStream, timeout_after
@@ -82,22 +83,29 @@ class HopByHop(StepPath):
         return stream.client if stream is not None else self.s.route.clients[i]
 
     async def forward(self, toks: list[int], pos: int, want: str,
-                      sampling: wire.Sampling | None) -> wire.Frame:
-        """One step of ``toks`` at ``pos`` through every stage; the last stage's reply."""
+                      sampling: wire.Sampling | None, media: MediaStep | None = None
+                      ) -> wire.Frame:
+        """One step of ``toks`` at ``pos`` through every stage; the last stage's reply. With
+        ``media`` (``toks`` unused), the media step's rows instead: the first stage takes
+        them as embedding rows, every stage its positions and causality."""
         s = self.s
         r = s.route
-        n = len(toks)
+        n = media.n_rows if media is not None else len(toks)
         rollback = s.take_rollback(pos)
-        x = None
+        x = None if media is None else media.rows
         last = len(r.stages) - 1
         for i, st in enumerate(r.stages):
-            h = forward_header(s.id, s.epoch, st, pos, toks, want=want, sampling=sampling,
-                               last=i == last,
-                               # the last stage keeps the session's tokens (its drafter
-                               # and the penalties read them)
-                               tokens=i == 0 or i == last or st.needs_token_ids,
-                               solo=solo_of(r, want), rollback=rollback,
-                               speculate=r.speculate if i == last else "")
+            if media is not None:
+                h = media_header(s.id, s.epoch, st, media, want=want, sampling=sampling,
+                                 last=i == last, rollback=rollback)
+            else:
+                h = forward_header(s.id, s.epoch, st, pos, toks, want=want, sampling=sampling,
+                                   last=i == last,
+                                   # the last stage keeps the session's tokens (its drafter
+                                   # and the penalties read them)
+                                   tokens=i == 0 or i == last or st.needs_token_ids,
+                                   solo=solo_of(r, want), rollback=rollback,
+                                   speculate=r.speculate if i == last else "")
             if x is None:
                 data = wire.encode(h)
             else:

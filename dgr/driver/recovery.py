@@ -161,4 +161,4 @@ class Recovery:
         s.rollback = 0  # the new epoch starts from empty caches
         hist = s.history
         for p, n in s.steps:
-            await hops.forward(hist[p:p + n], p, "boundary", None)
+            await hops.forward(hist[p:p + n], p, "boundary", None, media=s.media.get(p))

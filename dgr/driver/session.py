@@ -11,6 +11,7 @@ import numpy as np
 
 from dgr import errors
 from dgr.driver.headers import wire_sampling
+from dgr.driver.media import MediaStep
 from dgr.driver.paths import HopByHop, StepPath, path_for
 from dgr.driver.recovery import release_quietly, retryable
 from dgr.driver.results import Generation, StageStats
@@ -50,6 +51,11 @@ class AsyncRouteSession:
         #: ``n_ubatch`` chunks prefilled from position 0, the last ones, as the engines keep
         #: them (``Engine.state_snapshots``; a stage that keeps more holds these too)
         self.snapshots: list[int] = []
+        #: the media steps among ``steps``, by their first position (``prefill_media``):
+        #: ``history`` holds None at each position they advance (no token id: never a later
+        #: prompt's, so a prompt cache keeps nothing past the first one), recovery replays
+        #: their rows
+        self.media: dict[int, MediaStep] = {}
         #: logits rows that sampled each token (only with ``logits=True``)
         self.logits: list[np.ndarray] = []
         #: positions the stages' caches hold past ``history`` (drafts a decode loop left
@@ -87,6 +93,25 @@ class AsyncRouteSession:
                 err = e
                 continue
             return f
+        assert err is not None
+        raise err
+
+    async def _run_media(self, step: MediaStep, want: str, sampling: wire.Sampling | None
+                         ) -> wire.Frame:
+        """A media step at the end of ``history``, hop by hop over gRPC on any path (the
+        direct relay carries token steps), repaired as ``_run_chunks`` repairs a step."""
+        recovery = self.route.recovery
+        err: BaseException | None = None
+        for attempt in range(self.route.max_retries + 1):
+            try:
+                if err is not None:
+                    await recovery.recover(self, err, attempt)
+                return await self.hop_by_hop.forward([], step.first_pos, want, sampling,
+                                                     media=step)
+            except errors.DgrError as e:
+                if not retryable(e):
+                    raise
+                err = e
         assert err is not None
         raise err
 
@@ -162,7 +187,7 @@ class AsyncRouteSession:
         """Start over: the next step begins a new epoch at position 0."""
         self.epoch += 1
         self.history, self.steps, self.chunks, self.logits = [], [], [], []
-        self.snapshots = []
+        self.snapshots, self.media = [], {}
         self.rollback = 0
 
     async def prefill(self, tokens: Sequence[int], *, sample: bool = True,
@@ -190,6 +215,48 @@ class AsyncRouteSession:
         f = await self._run_chunks(chunks, want, ws)
         self.chunks.extend((start + a, len(c)) for a, c in zip(edges, chunks))
         return self._take(f, logits) if sample else None
+
+    async def prefill_media(self, step: MediaStep, *, sample: bool = False,
+                            sampling: SamplingParams | None = None, logits: bool = False
+                            ) -> int | None:
+        """Append a media step (``dgr.driver.media.MediaStep``: an image or audio chunk that
+        ``dgr.Media`` encoded, its positions from the end of ``history``) on every stage:
+        the first stage takes its rows instead of token embeddings. Returns the token sampled
+        from its last row with ``sample`` (a prompt that ends with the media), else None.
+
+        Raises
+        ------
+        dgr.errors.InvalidPosition
+            The step does not start at the end of ``history`` (``len(history)``).
+        dgr.errors.InvalidArgument
+            A route of a recurrent or hybrid model (its state snapshots are per whole chunk
+            of token ids: not carried yet), or with a stage older than wire schema 6.
+        """
+        if step.first_pos != len(self.history):
+            raise errors.InvalidPosition(
+                f"the media step starts at position {step.first_pos}; this session continues "
+                f"at {len(self.history)}")
+        if self.recurrent():
+            raise errors.InvalidArgument("media steps on a route of a recurrent or hybrid "
+                                         "model are not carried yet")
+        old = [st.endpoint for st in self.route.stages if st.wire_schema_version < 6]
+        if old:  # it would refuse the rows, or compute them with text positions, causally
+            raise errors.InvalidArgument(
+                f"stage(s) {', '.join(old)} speak a wire schema older than 6: no media steps")
+        if self.epoch == 0:
+            self.epoch = 1
+        want = ("token+logits" if logits else "token") if sample else (
+            "logits" if logits else "boundary")
+        f = await self._run_media(step, want,
+                                  wire_sampling(sampling, start=step.first_pos + step.span))
+        self._extend_media(step)
+        return self._take(f, logits) if sample else None
+
+    def _extend_media(self, step: MediaStep) -> None:
+        first = len(self.history)
+        self.steps.append((first, step.span))
+        self.history.extend([None] * step.span)  # type: ignore[list-item]
+        self.media[first] = step
 
     async def embed(self, tokens: Sequence[int]) -> np.ndarray:
         """Every row's final hidden state, after the model's output norm, of ``tokens``
@@ -262,6 +329,7 @@ class AsyncRouteSession:
         for f in forks:
             f.epoch = 1
             f.history, f.steps, f.chunks = list(self.history), list(self.steps), list(self.chunks)
+            f.media = dict(self.media)
             f.snapshots = list(self.snapshots)  # each stage copied them with the slot
         return forks
 
@@ -438,6 +506,7 @@ class AsyncRouteSession:
         self.steps = [(a, min(c, n - a)) for a, c in self.steps if a < n]
         self.snapshots = [p for p in self.snapshots if p <= n]
         self.chunks = [(a, min(c, n - a)) for a, c in self.chunks if a < n]
+        self.media = {a: m for a, m in self.media.items() if a + m.span <= n}
         self.logits = []
 
     async def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 64,
@@ -487,15 +556,52 @@ class AsyncRouteSession:
             self._keep(reuse)
         else:
             await self.reset()
+        tok = await self.prefill(prompt[reuse:], sampling=sampling, logits=logits,
+                                 align=True)
+        async for t in self._from(tok, max_tokens, sampling, stop, stop_on_eog, logits):
+            yield t
+
+    async def generate_media(self, chunks: Sequence, *, max_tokens: int = 64,
+                             sampling: SamplingParams | None = None, stop: Sequence[str] = (),
+                             stop_on_eog: bool = True, logits: bool = False
+                             ) -> AsyncIterator[int]:
+        """``generate`` of a prompt with media: ``chunks`` (``AsyncRoute.encode_media``'s,
+        from position 0: text chunks' token ids and ``MediaStep``s) prefilled from position 0
+        (a new epoch), each text chunk in a fresh prefill's chunks, each media step as one
+        step (``prefill_media``), then the tokens sampled from the last row, as
+        ``generate``'s."""
+        if not chunks:
+            raise errors.InvalidArgument("the prompt has no chunks")
+        if max_tokens < 1:
+            return
+        await self.reset()
+        tok = None
+        for k, c in enumerate(chunks):
+            last = k == len(chunks) - 1
+            if isinstance(c, MediaStep):
+                tok = await self.prefill_media(c, sample=last, sampling=sampling,
+                                               logits=logits)
+            elif len(c):
+                tok = await self.prefill(c, sample=last, sampling=sampling, logits=logits,
+                                         align=True)
+            elif last:
+                raise errors.InvalidArgument("the prompt's last chunk has no tokens")
+        async for t in self._from(tok, max_tokens, sampling, stop, stop_on_eog, logits):
+            yield t
+
+    async def _from(self, tok: int, max_tokens: int, sampling: SamplingParams | None,
+                    stop: Sequence[str], stop_on_eog: bool, logits: bool
+                    ) -> AsyncIterator[int]:
+        """``tok`` (sampled from a prompt's last row) and the tokens after it, as
+        ``generate`` yields them (its stop rules)."""
+        r = self.route
         self.stop_reason = "length"
         want = "token+logits" if logits else "token"
-        ws = wire_sampling(sampling, start=len(prompt))
+        ws = wire_sampling(sampling, start=len(self.history))
         eog = r.eog_tokens if stop_on_eog else frozenset()
         stops = [s for s in stop if s]
         text = TextStream(await r.pieces(), stops) if stops else None
         out: list[int] = []
-        tok = await self.prefill(prompt[reuse:], sampling=sampling, logits=logits,
-                                 align=True)
         tokens = None  # the tokens after the prefill's, made on demand
         try:
             while True:
@@ -622,6 +728,7 @@ class AsyncRouteSession:
         that does not releases it."""
         await self.hop_by_hop.close()
         r = self.route
+        keep = keep and not self.media  # a media step's rows have no token ids to name them
         if keep and r.prefix_store and self._any_rows():
             n = self._computed()
             if n:

@@ -94,6 +94,11 @@ class StageInfo:
     n_ctx: int = 0
     n_ctx_train: int = 0
     n_ctx_source: str = ""
+    #: the projector beside this stage (the first, ``--mmproj``): its prompt marker ("": none)
+    #: and whether it takes images and audio (``AsyncRoute.encode_media``)
+    media_marker: str = ""
+    media_vision: bool = False
+    media_audio: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -149,6 +154,8 @@ class StageInfo:
             rollback_window=r.rollback_window if r.HasField("rollback_window") else -1,
             state_bytes=r.state_bytes, state_snapshots=r.state_snapshots,
             n_ctx=r.n_ctx, n_ctx_train=r.n_ctx_train, n_ctx_source=r.n_ctx_source,
+            media_marker=r.media_marker, media_vision=r.media_vision,
+            media_audio=r.media_audio,
             **{k: getattr(r, k) if r.HasField(k) else None for k in COUNTERS})
 
     def to_dict(self) -> dict:

@@ -40,6 +40,9 @@ __all__ = [
     "MAGIC",
     "FORMAT_VERSION",
     "SCHEMA_VERSION",
+    "MEDIA",
+    "MROPE_SECTIONS",
+    "span",
     "PREFIX_SIZE",
     "PAYLOAD_ALIGN",
     "MAX_PAYLOAD",
@@ -80,7 +83,8 @@ FORMAT_VERSION = 1
 #: 5: ``Sampling.min_p`` / ``bias_ids`` / ``bias`` (min-p and logit bias) and
 #: ``penalty_last_n`` / ``repeat_penalty`` / ``frequency_penalty`` / ``presence_penalty``,
 #: and ``grammar`` / ``grammar_id`` / ``grammar_from`` (constrained decoding).
-SCHEMA_VERSION = 5
+#: 6: media steps: ``Forward.media`` / ``sections`` / ``causal`` (docs/media.md).
+SCHEMA_VERSION = 6
 #: magic[4] version:u8 flags:u8 reserved:u16 header_len:u32 header_sum:u32, little endian.
 _PREFIX = struct.Struct("<4sBBHII")
 PREFIX_SIZE = _PREFIX.size  # 16
@@ -96,6 +100,10 @@ WANTS = ("boundary", "logits", "token", "token+logits", "embedding")
 DRAFTERS = ("", "ngram", "mtp")
 #: the most drafts one step may carry (``Forward.max_draft``)
 MAX_DRAFT = 32
+#: a media step's kind (``Forward.media``; "" is a step of token ids or a text boundary)
+MEDIA = ("", "image", "audio")
+#: positions per row of an M-RoPE media step (``Forward.sections``: t, y, x, z)
+MROPE_SECTIONS = 4
 RESULT_KINDS = ("none", "boundary", "logits", "embedding")
 _DTYPES = ("f32",)
 
@@ -214,6 +222,16 @@ class Forward(msgspec.Struct, tag=1, array_like=True, frozen=True, kw_only=True)
     speculate: str = ""
     #: at most this many drafts per step of the loop (``MAX_DRAFT`` at most)
     max_draft: _NonNeg32 = 0
+    #: a media step (``MEDIA``: "image", "audio"): the array is the rows of an encoded
+    #: media chunk (``dgr.Media``): on the first stage its embedding rows (the stage's
+    #: ``n_embd_inp`` wide), on the others the boundary; no token ids
+    media: str = ""
+    #: an M-RoPE media step's positions, ``MROPE_SECTIONS`` per row, section-major
+    #: (``sections[j * n_tokens + i]``: mtmd's t, y, x, z; ``sections[0] == first_pos``);
+    #: None: the rows' positions are ``positions`` (or consecutive from ``first_pos``)
+    sections: Union[list[_NonNeg32], None] = None
+    #: False: the media step's rows attend to each other both ways (on every stage)
+    causal: bool = True
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -319,6 +337,15 @@ _DECODER = msgspec.msgpack.Decoder(Message)
 # --- header semantics, shared by encode and decode ------------------------------
 
 
+def span(h: Forward) -> int:
+    """How many positions step ``h`` advances its session by: its rows, or an M-RoPE media
+    step's highest position + 1 less its first (an image's rows share their t position and
+    its (y, x) go further: mtmd's ``n_pos``)."""
+    if h.sections is None:
+        return h.n_tokens
+    return max(h.sections) + 1 - h.first_pos
+
+
 def _check_forward(h: Forward) -> str | None:
     n = h.n_tokens
     if n < 1:
@@ -361,6 +388,23 @@ def _check_forward(h: Forward) -> str | None:
         return f"unknown Forward.speculate {h.speculate!r} (known: ngram, mtp)"
     if h.max_draft > MAX_DRAFT or h.drafts > MAX_DRAFT:
         return f"Forward.max_draft / drafts may be at most {MAX_DRAFT}"
+    if h.media not in MEDIA:
+        return f"unknown Forward.media {h.media!r} (known: image, audio)"
+    if h.media:
+        if h.width == 0 or h.tokens is not None:
+            return "Forward.media carries rows (width > 0) and no token ids"
+        if h.steps > 1 or h.drafts:
+            return "a Forward.media step is one step of prompt rows: no loop, no drafts"
+    elif h.sections is not None or not h.causal:
+        return "Forward.sections and causal=False are a media step's (Forward.media)"
+    if h.sections is not None:
+        if len(h.sections) != MROPE_SECTIONS * n:
+            return (f"Forward.sections has {len(h.sections)} entries but n_tokens is {n} "
+                    f"({MROPE_SECTIONS} per row)")
+        if h.sections[0] != h.first_pos:
+            return f"Forward.sections[0] is {h.sections[0]} but first_pos is {h.first_pos}"
+        if h.positions is not None:
+            return "Forward.sections replaces positions: one of them"
     return None
 
 

@@ -32,6 +32,7 @@ _METHODS = {"describe": f"/{SERVICE}/Describe", "release": f"/{SERVICE}/Release"
             "fork": f"/{SERVICE}/Fork", "reuse": f"/{SERVICE}/Reuse",
             "tokenize": f"/{SERVICE}/Tokenize", "detokenize": f"/{SERVICE}/Detokenize",
             "token_pieces": f"/{SERVICE}/TokenPieces",
+            "encode_media": f"/{SERVICE}/EncodeMedia",
             "health": "/grpc.health.v1.Health/Check"}
 
 if sys.version_info >= (3, 11):
@@ -252,6 +253,32 @@ class ShardClient:
         r = await self._unary("tokenize", self._stub.Tokenize, dgr_pb2.TokenizeRequest(
             text=text, add_special=add_special, parse_special=parse_special), timeout)
         return np.asarray(r.tokens, dtype=np.int32)
+
+    async def encode_media(self, prompt: str, media: Sequence[bytes], *,
+                           add_special: bool = True, parse_special: bool = True,
+                           first_pos: int = 0, timeout: float | None = None) -> list[dict]:
+        """``prompt``'s chunks by the first stage's projector (``Worker.encode_media``): a
+        dict each (``kind``, ``tokens``, ``n_rows``, ``n_pos``, ``id``, ``non_causal``; a
+        media chunk's ``rows`` float32 ``[n_rows, width]`` and ``positions`` int32 ``[n_rows]``
+        or ``[4, n_rows]``)."""
+        r = await self._unary("encode_media", self._stub.EncodeMedia, dgr_pb2.EncodeMediaRequest(
+            prompt=prompt, media=[bytes(m) for m in media], add_special=add_special,
+            parse_special=parse_special, first_pos=first_pos), timeout)
+        out = []
+        for c in r.chunks:
+            d = {"kind": c.kind, "tokens": list(c.tokens), "n_rows": c.n_rows, "n_pos": c.n_pos,
+                 "id": c.id, "non_causal": c.non_causal}
+            if c.kind != "text":
+                rows = np.frombuffer(c.rows, dtype="<f4").astype(np.float32)
+                if not c.width or rows.size != c.n_rows * c.width:
+                    raise errors.FrameError(
+                        f"EncodeMedia: a {c.kind} chunk of {c.n_rows} rows came with "
+                        f"{rows.size} floats of width {c.width}")
+                pos = np.asarray(c.positions, dtype=np.int32)
+                d["rows"] = rows.reshape(c.n_rows, c.width)
+                d["positions"] = (pos.reshape(-1, c.n_rows) if pos.size != c.n_rows else pos)
+            out.append(d)
+        return out
 
     async def detokenize(self, tokens: Sequence[int], remove_special: bool = False,
                          unparse_special: bool = False, timeout: float | None = None) -> str:

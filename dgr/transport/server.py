@@ -10,6 +10,7 @@ import logging
 from typing import Any, Protocol, Sequence
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health as _health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -51,6 +52,10 @@ class StageBackend(Protocol):
         thread: it may wait for the engine)."""
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> Sequence[int]: ...
+
+    def encode_media(self, prompt: str, media: list[bytes], add_special: bool,
+                     parse_special: bool, first_pos: int) -> list[dict]:
+        """``prompt``'s text and media chunks, the media ones encoded (``Worker``'s)."""
 
     def detokenize(self, tokens: Sequence[int], remove_special: bool,
                    unparse_special: bool) -> str: ...
@@ -211,6 +216,26 @@ class _Servicer(dgr_pb2_grpc.ShardServicer):
             toks = await asyncio.to_thread(self.b.tokenize, request.text, request.add_special,
                                            request.parse_special)
             return dgr_pb2.TokenizeReply(tokens=[int(t) for t in toks])
+        except Exception as e:  # noqa: BLE001
+            await _abort(context, e)
+
+    async def EncodeMedia(self, request, context):
+        # the projector computes on the stage's device, under the engine's lock: on a thread
+        try:
+            chunks = await asyncio.to_thread(self.b.encode_media, request.prompt,
+                                             list(request.media), request.add_special,
+                                             request.parse_special, request.first_pos)
+            out = []
+            for c in chunks:
+                m = dgr_pb2.MediaChunk(kind=c["kind"], tokens=c["tokens"], n_rows=c["n_rows"],
+                                       n_pos=c["n_pos"], id=c["id"],
+                                       non_causal=c["non_causal"])
+                if "rows" in c:
+                    rows = np.ascontiguousarray(c["rows"], dtype="<f4")
+                    m.width, m.rows = rows.shape[1], rows.tobytes()
+                    m.positions.extend(int(p) for p in np.asarray(c["positions"]).reshape(-1))
+                out.append(m)
+            return dgr_pb2.EncodeMediaReply(chunks=out)
         except Exception as e:  # noqa: BLE001
             await _abort(context, e)
 

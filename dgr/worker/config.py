@@ -34,6 +34,7 @@ WORKER_FLAGS = {
                                   lambda a: a.max_queued_per_credential or None),
     "busy_poll_s": ("busy_poll_us", lambda a: a.busy_poll_us * 1e-6),
     "prefix_entries": ("prefix_entries", lambda a: a.prefix_entries),
+    "mmproj": ("mmproj", lambda a: a.mmproj or ""),
 }
 
 
@@ -56,6 +57,9 @@ class WorkerConfig(SettingsTable):
     batching : bool
         Run the ready steps of several sessions as one forward (``dgr.worker.scheduler``);
         False: one step per forward.
+    mmproj : str
+        The model's projector (an ``mmproj`` GGUF) beside this stage, the first: it encodes
+        images and audio on this stage's device for ``EncodeMedia`` (docs/media.md); "": none.
     ring_groups : bool
         Group a decode ring's steps by slot run when batching (docs/batching.md).
     native_frames : bool
@@ -92,6 +96,7 @@ class WorkerConfig(SettingsTable):
     max_queued_per_credential: int | None = None
     prefix_entries: int | None = None
     cert_store: str | None = None
+    mmproj: str = ""
     max_message: int = MAX_MESSAGE
 
     def __post_init__(self):
@@ -124,4 +129,5 @@ FLAG_NAMES = {"ttl": "--ttl", "evict_after": "--evict-after", "inline": "--inlin
               "ring_groups": "--no-ring-groups",
               "max_sessions_per_credential": "--max-sessions-per-credential",
               "max_queued_per_credential": "--max-queued-per-credential",
-              "busy_poll_s": "--busy-poll-us", "prefix_entries": "--prefix-entries"}
+              "busy_poll_s": "--busy-poll-us", "prefix_entries": "--prefix-entries",
+              "mmproj": "--mmproj"}

@@ -243,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "a stage's next forward faster; for a stage that owns its cores: "
                         "with more stages than cores, polling takes CPU from their compute "
                         "(docs/performance.md)")
+    p.add_argument("--mmproj", default="", metavar="GGUF",
+                   help="the model's projector (an mmproj GGUF) beside this stage, which must "
+                        "be the first (layers from 0): it encodes images and audio on this "
+                        "stage's device for the route (libmtmd; docs/media.md)")
     p.add_argument("--mtp", action="store_true",
                    help="load the model's multi-token-prediction (NextN) block and draft with "
                         "it for routes that speculate with mtp (docs/speculative.md); only on "

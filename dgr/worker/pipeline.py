@@ -355,7 +355,7 @@ class StagePipeline:
         """
         h = step.header
         with self.lock:
-            step.lease = self.table.acquire(h.session, h.epoch, h.first_pos, h.n_tokens,
+            step.lease = self.table.acquire(h.session, h.epoch, h.first_pos, wire.span(h),
                                             step.credential, rollback=h.rollback)
 
     def _check(self, h) -> None:
@@ -402,11 +402,13 @@ class StagePipeline:
         session table gives it a slot: a frame that cannot run must not take a slot or evict
         an idle session for one. The engine checks the same again when it runs (it guards
         its inputs for every caller); this check is admission, and raises the same classes."""
+        if h.media and array is None:
+            raise errors.InvalidBoundary(f"a {h.media} step carries its rows: the frame has none")
         if self.is_first:
-            if array is not None:
+            if array is not None and not h.media:
                 raise errors.InvalidBoundary(
                     "this worker is the first stage: it takes token ids, not a boundary")
-            return
+            return  # a media step's embedding rows: the engine checks their width
         if array is None:
             raise errors.InvalidBoundary(
                 f"this stage starts at layer {self.layers[0]}: the frame needs a boundary "
@@ -414,7 +416,7 @@ class StagePipeline:
         if array.shape[1] != self.width:
             raise errors.InvalidBoundary(
                 f"boundary width {array.shape[1]} differs from this stage's {self.width}")
-        if self.engine.needs_token_ids and h.tokens is None:
+        if self.engine.needs_token_ids and h.tokens is None and not h.media:
             raise errors.MissingTokenIds(
                 f"layers [{self.layers[0]}, {self.layers[1]}) route by token id: send the "
                 "token ids with the boundary")
@@ -559,12 +561,12 @@ class StagePipeline:
 
     def _forward_batch(self, steps: list[Step]) -> None:
         """One ``Engine.forward_batch`` over ``steps`` (the engine's lock held), then each
-        step's rows, sampled tokens and share of the compute time. An embedding step is
-        never batched (``InvalidArgument``: the caller runs each step alone)."""
+        step's rows, sampled tokens and share of the compute time. An embedding or media step
+        is never batched (``InvalidArgument``: the caller runs each step alone)."""
         eng = self.engine
         hs = [s.header for s in steps]
-        if any(h.want == "embedding" for h in hs):
-            raise errors.InvalidArgument("an embedding step runs alone")
+        if any(h.want == "embedding" or h.media for h in hs):
+            raise errors.InvalidArgument("an embedding or media step runs alone")
         n = sum(h.n_tokens for h in hs)
         slots = np.concatenate([np.full(h.n_tokens, s.lease.slot, np.int32)
                                 for s, h in zip(steps, hs)])
@@ -623,14 +625,30 @@ class StagePipeline:
         positions = (np.asarray(h.positions, dtype=np.int32) if h.positions is not None
                      else h.first_pos)
         kw: dict[str, Any] = {} if out is None else {"out": out}
+        if h.media:  # an encoded media chunk's rows, its positions (all sections), causality
+            sections = (np.asarray(h.sections, dtype=np.int32).reshape(wire.MROPE_SECTIONS, n)
+                        if h.sections is not None else None)
+            media_pos = sections if sections is not None else (
+                positions if not isinstance(positions, int)
+                else np.arange(positions, positions + n, dtype=np.int32))
+
+            def run(**more):
+                return eng.forward_media(lease.slot, media_pos, step.array, causal=h.causal,
+                                         **more, **kw)
+        else:
+            def run(**more):
+                return eng.forward(lease.slot, positions, tokens, boundary=step.array, **more,
+                                   **kw)
         t0 = time.perf_counter()
         if not self.is_last:
-            step.result = eng.forward(lease.slot, positions, tokens, boundary=step.array, **kw)
+            step.result = run()
             step.seconds = time.perf_counter() - t0
             self.profile.add("engine", step.seconds)
             step.kind = "boundary"
             return
         want = h.want
+        if want == "embedding" and h.media:
+            raise errors.InvalidArgument("an embedding step takes token ids or a text boundary")
         if want == "embedding":  # every row's final normed hidden state, not logits
             step.kind, step.result = "embedding", eng.embed(lease.slot, positions, tokens,
                                                             boundary=step.array)
@@ -644,8 +662,7 @@ class StagePipeline:
         else:  # (none, for a boundary: the last stage has none to return)
             mask = np.zeros(n, dtype=bool)
             mask[rows] = True
-        logits = eng.forward(lease.slot, positions, tokens, boundary=step.array, logits=mask,
-                             **kw)
+        logits = run(logits=mask)
         t1 = time.perf_counter()
         step.seconds = t1 - t0
         self.profile.add("engine", step.seconds)

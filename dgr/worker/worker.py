@@ -85,6 +85,19 @@ class Worker:
         #: into chunks; with both above, every row); measured only where it could count
         self.prefix_chunk_rows_exact = (self.prefix_rows_exact
                                         and prefix_chunk_rows_exact(engine))
+        #: the projector beside this stage (``mmproj``, the first stage only: ``dgr.Media``
+        #: on its engine, its device), which ``encode_media`` runs; None without one
+        self.media = None
+        if c.mmproj:
+            if not engine.is_first:
+                raise errors.InvalidArgument(
+                    "--mmproj: a projector runs beside the first stage (layers from 0), "
+                    "which embeds the tokens")
+            from dgr.core.media import Media
+
+            info = engine.describe()
+            self.media = Media(engine, c.mmproj, n_threads=int(info["n_threads"]),
+                               flash_attn=bool(info["flash_attn"]))
         # fast data plane (dgr.transport.dataplane): set by serve_data()
         self.data_server = None
         self.forwarder = None
@@ -153,6 +166,9 @@ class Worker:
             state_snapshots=int(p.info.get("state_snapshots", 0)),
             n_ctx=p.n_ctx, n_ctx_train=int(p.info.get("n_ctx_train", 0)),
             n_ctx_source=str(p.info.get("n_ctx_source", "")),
+            media_marker=self.media.marker if self.media is not None else "",
+            media_vision=self.media is not None and self.media.vision,
+            media_audio=self.media is not None and self.media.audio,
         )
 
     def profile_snapshot(self) -> dict[str, Any]:
@@ -217,6 +233,26 @@ class Worker:
     def fork(self, session: str, epoch: int, into: list[str], into_epoch: int) -> int:
         """``Slots.fork`` of the caller's session."""
         return self.pipeline.slots.fork(session, epoch, into, into_epoch, CALLER.get())
+
+    def encode_media(self, prompt: str, media: list[bytes], add_special: bool,
+                     parse_special: bool, first_pos: int) -> list[dict]:
+        """``prompt``'s chunks by the projector beside this stage (``--mmproj``): each a
+        dict of ``Media.tokenize``'s, a media chunk with its ``rows`` (``Media.encode``, on
+        this stage's device) and ``positions`` from ``first_pos`` on. Serialized by the
+        engine's lock (libmtmd's context is not thread-safe), as a forward is."""
+        m = self.media
+        if m is None:
+            raise errors.InvalidArgument(
+                "this worker has no projector: start the first stage with --mmproj "
+                "(the model's mmproj GGUF)")
+        with self.pipeline.engine.lock:
+            chunks = m.tokenize(prompt, media, add_special, parse_special)
+            p = int(first_pos)
+            for i, c in enumerate(chunks):
+                if c["kind"] != "text":
+                    c["rows"], c["positions"] = m.encode(i), m.positions(i, p)
+                p += c["n_pos"]
+        return chunks
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool):
         return self.pipeline.engine.tokenize(text, add_special, parse_special)

@@ -161,3 +161,41 @@ def test_bad_media_and_bad_steps_are_refused_with_clear_errors(tmp_path, image):
     gm.tokenize(f"x {gm.marker}", [image])
     with pytest.raises(errors.InvalidArgument, match="one chunk"):  # 36 rows, n_ubatch 16
         g[0].forward_media(0, gm.positions(1, 0), gm.encode(1), causal=False)
+
+
+def test_corrupt_images_are_refused_or_decoded_never_a_crash(tmp_path, image):
+    """Fuzz: the pinned test image with bytes flipped, runs zeroed, cut short or spliced, and
+    random bytes: libmtmd (stb_image) decodes each or refuses it with InvalidArgument; a
+    decoded one encodes to finite rows of the image's shape. Nothing crashes or leaks a
+    C++ exception."""
+    text, mmproj = write_tiny_vlm(tmp_path, "gemma3")  # fixed-size images: 36 rows each
+    engine = dgr.Engine(str(text), **SETTINGS)
+    media = Media(engine, str(mmproj))
+    rng = np.random.default_rng(55)
+    outcomes = {"refused": 0, "decoded": 0}
+    for k in range(120):
+        b = bytearray(image)
+        how = k % 5
+        if how == 0:
+            for i in rng.integers(0, len(b), 1 + k % 7):
+                b[i] ^= 1 << int(rng.integers(0, 8))
+        elif how == 1:
+            a = int(rng.integers(0, len(b)))
+            b[a:a + int(rng.integers(1, 4096))] = bytes(min(4096, len(b) - a))
+        elif how == 2:
+            b = b[:int(rng.integers(1, len(b)))]
+        elif how == 3:
+            a = int(rng.integers(0, len(b)))
+            b = b[:a] + bytearray(rng.integers(0, 256, int(rng.integers(1, 512)), np.uint8))
+        else:
+            b = bytearray(rng.integers(0, 256, int(rng.integers(1, 2048)), np.uint8))
+        try:
+            chunks = media.tokenize(f"a {media.marker} b", [bytes(b)])
+        except errors.InvalidArgument:
+            outcomes["refused"] += 1
+            continue
+        outcomes["decoded"] += 1
+        i = next(j for j, c in enumerate(chunks) if c["kind"] == "image")
+        rows = media.encode(i)
+        assert rows.shape == (36, media.n_embd_inp) and np.isfinite(rows).all()
+    assert outcomes["refused"] >= 20 and outcomes["decoded"] >= 20, outcomes

@@ -753,3 +753,56 @@ def test_the_wire_fuzzers_corpus_and_mutations_decode_alike():
     rng = random.Random(wirefuzz.SEED + 7)
     for _ in range(3000):
         check_agree(wirefuzz.mutate(rng), {})
+
+
+MEDIA_BASE = {"model": "m", "session": "s", "epoch": 1, "first_pos": 4, "n_tokens": 2,
+              "layer": 0, "media": "image", "causal": False,
+              "sections": [4, 4, 4, 5, 4, 5, 0, 0]}
+
+
+def test_a_media_step_round_trips_natively():
+    """Forward.media / sections / causal (schema 6): the C++ encoder writes wire.encode's
+    bytes, both decoders read them back, and a relayed head keeps them."""
+    a = np.arange(8, dtype=np.float32).reshape(2, 4)
+    h = wire.Forward(**MEDIA_BASE)
+    frame = wire.encode(h, a)
+    assert _frame.encode_frame(h, a) == frame
+    py, c = _both(frame)
+    assert py == c and (c.media, c.sections, c.causal) == ("image", MEDIA_BASE["sections"], False)
+    relayed = wire.Forward(**{**MEDIA_BASE, "relay": [wire.Hop(endpoint="a:1"),
+                                                      wire.Hop(endpoint="b:2")],
+                              "reply_to": "r"})
+    head, payload = _frame.relay_head(relayed, a, 2, False)
+    got = wire.decode(bytes(head) + bytes(payload)).header
+    assert (got.layer, got.media, got.sections, got.causal) == (2, "image",
+                                                                MEDIA_BASE["sections"], False)
+    assert [hop.endpoint for hop in got.relay] == ["b:2"]
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"media": "video"}, "unknown Forward.media 'video' (known: image, audio)"),
+    ({"tokens": [1, 2]}, "Forward.media carries rows (width > 0) and no token ids"),
+    ({"media": "", "sections": None}, "Forward.sections and causal=False are a media step's "
+                                      "(Forward.media)"),
+    ({"sections": [4] * 6}, "Forward.sections has 6 entries but n_tokens is 2 (4 per row)"),
+    ({"sections": [3] + [4] * 7}, "Forward.sections[0] is 3 but first_pos is 4"),
+    ({"positions": [4, 5]}, "Forward.sections replaces positions: one of them"),
+    ({"steps": 2, "reply_to": "r", "loop": [wire.Hop(endpoint="a:1")], "want": "token"},
+     "a Forward.media step is one step of prompt rows: no loop, no drafts"),
+])
+def test_the_media_rules_refuse_alike(fields, message):
+    """Each cross-field rule of the schema-6 fields broken: both encoders refuse with
+    InvalidArgument and the same message, both decoders with FrameError and that message."""
+    h = wire.Forward(**{**MEDIA_BASE, **fields})
+    a = np.zeros((2, 4), np.float32)
+    for enc in (wire.encode, _frame.encode_frame):
+        with pytest.raises(errors.InvalidArgument) as e:
+            enc(h, a)
+        assert str(e.value) == message
+    hb, _ = split(wire.encode(wire.Forward(**MEDIA_BASE), a))
+    items = msgspec.msgpack.decode(hb)
+    for name, v in fields.items():
+        items[FORWARD_ITEM[name]] = (v if name not in ("relay", "loop")
+                                     else [[x.endpoint, x.tokens] for x in v])
+    py, c = _both(build(msgspec.msgpack.encode(items), a.tobytes()))
+    assert py == c and py[0] is FrameError and message in py[1]

@@ -27,6 +27,7 @@ def _session(history, steps, ub=4, chunks=None, rows_exact=(False,), single=None
                               state_snapshots=state_snapshots)
               for r, o, c in zip(rows_exact, single or [False] * n, chunk or [False] * n)]
     s = SimpleNamespace(history=list(history), steps=list(steps), rollback=0, logits=[],
+                        media={},
                         snapshots=list(snapshots),
                         chunks=list(chunks if chunks is not None
                                     else [st for st in steps if st[1] > 1]),

@@ -36,7 +36,7 @@ FORWARD_FIELDS = (
     "schema", "model", "session", "epoch", "first_pos", "n_tokens", "layer", "width",
     "_reserved", "dtype", "codec", "compression", "payload_len", "checksum", "positions",
     "tokens", "want", "rows", "sampling", "relay", "reply_to", "loop", "steps", "stop_tokens",
-    "solo", "rollback", "drafts", "speculate", "max_draft",
+    "solo", "rollback", "drafts", "speculate", "max_draft", "media", "sections", "causal",
 )
 RESULT_FIELDS = (
     "schema", "session", "epoch", "first_pos", "n_tokens", "kind", "layer", "rows", "cols",
@@ -87,7 +87,7 @@ def fwd_list(payload: bytes = b"", **kw: object) -> list:
         checksum=xxhash.xxh3_64_intdigest(payload), positions=None, tokens=None,
         want="boundary", rows=None, sampling=None, relay=None, reply_to="", loop=None,
         steps=0, stop_tokens=None, solo=False, rollback=0, drafts=0, speculate="",
-        max_draft=0,
+        max_draft=0, media="", sections=None, causal=True,
     )
     for k, v in kw.items():
         assert k in f, k
@@ -143,7 +143,7 @@ def test_speculative_fields_match_the_document() -> None:
     # independent spelling of docs/wire.md: Forward fields 26-29, Result field 17 (schema 4)
     raw = fwd_list(P8, tokens=[4, 5], want="token", rollback=3, drafts=1, speculate="mtp",
                    max_draft=6)
-    assert raw[26:30] == [3, 1, "mtp", 6] and len(raw) == 30
+    assert raw[26:30] == [3, 1, "mtp", 6] and len(raw) == 33
     h = wire.decode(build(raw, P8)).header
     assert (h.rollback, h.drafts, h.speculate, h.max_draft) == (3, 1, "mtp", 6)
     assert wire.encode(h, wire.decode(build(raw, P8)).array) == build(raw, P8)
@@ -162,6 +162,30 @@ def test_speculative_fields_match_the_document() -> None:
             wire.decode(build(fwd_list(P8, tokens=[4, 5], **kw), P8))
     with pytest.raises(FrameError, match=r"\(Forward.rollback\)"):
         wire.decode(build(fwd_list(P8, rollback=-1), P8))
+
+
+def test_media_fields_match_the_document() -> None:
+    # independent spelling of docs/wire.md: Forward fields 30-32 (schema 6)
+    sections = [5, 5, 6, 6, 5, 6, 0, 0]  # 2 rows' t, then y, x, z (section-major)
+    raw = fwd_list(P8, first_pos=5, media="image", sections=sections, causal=False)
+    assert raw[30:33] == ["image", sections, False] and len(raw) == 33
+    h = wire.decode(build(raw, P8)).header
+    assert (h.media, h.sections, h.causal) == ("image", sections, False)
+    assert wire.span(h) == 2 and wire.encode(h, wire.decode(build(raw, P8)).array) == build(raw, P8)
+    # a schema-5 sender (no items 30-32): a step of token ids or a boundary, causal
+    h = wire.decode(build(fwd_list(P8, schema=5)[:30], P8)).header
+    assert (h.media, h.sections, h.causal) == ("", None, True) and wire.span(h) == 2
+    for kw, msg in (({"media": "video"}, "unknown Forward.media 'video'"),
+                    ({"media": "image", "tokens": [1, 2]}, "no token ids"),
+                    ({"sections": [0] * 8}, "a media step's"),
+                    ({"causal": False}, "a media step's"),
+                    ({"media": "image", "sections": [0] * 10}, "10 entries but n_tokens is 2"),
+                    ({"media": "image", "sections": [1] + [0] * 7},
+                     r"sections\[0\] is 1 but first_pos is 0"),
+                    ({"media": "image", "sections": [0] * 8, "positions": [0, 1]},
+                     "one of them")):
+        with pytest.raises(FrameError, match=msg):
+            wire.decode(build(fwd_list(P8, **kw), P8))
 
 
 def test_relay_fields_and_hello_match_the_document() -> None:

@@ -32,8 +32,9 @@ namespace dgr {
 namespace wire {
 
 constexpr uint8_t kFormatVersion = 1;
-constexpr uint64_t kSchemaVersion = 5;
+constexpr uint64_t kSchemaVersion = 6;
 constexpr int32_t kMaxDraft = 32;  // wire.MAX_DRAFT: Forward.max_draft, drafts at most
+constexpr int32_t kMropeSections = 4;  // wire.MROPE_SECTIONS: Forward.sections per row
 constexpr size_t kPrefixSize = 16;
 constexpr size_t kPayloadAlign = 64;
 constexpr uint64_t kMaxPayload = 256ull << 20;
@@ -90,6 +91,11 @@ struct Forward {
     int32_t rollback = 0, drafts = 0;
     std::string_view speculate;  // wire.DRAFTERS: "" (none), "ngram", "mtp"
     int32_t max_draft = 0;
+    // schema 6, media steps (docs/media.md)
+    std::string_view media;      // wire.MEDIA: "" (none), "image", "audio"
+    bool has_sections = false;
+    std::vector<int32_t> sections;  // wire.MROPE_SECTIONS per row, section-major
+    bool causal = true;
 
     void reset();  // the defaults, keeping the vectors' capacity
 };

@@ -64,6 +64,10 @@ cdef extern from "dgr/frame.h" namespace "dgr::wire" nogil:
         int32_t rollback, drafts
         string_view speculate
         int32_t max_draft
+        string_view media
+        bint has_sections
+        vector[int32_t] sections
+        bint causal
 
     cdef cppclass CResult "dgr::wire::Result":
         uint64_t schema

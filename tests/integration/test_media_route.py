@@ -1,0 +1,192 @@
+"""An image prompt through a route of workers (dgr.worker over gRPC and its data plane): the
+driver sends the encoded image as a media step (``AsyncRouteSession.prefill_media``: the
+first stage takes the rows instead of token embeddings, every stage the positions, all four
+M-RoPE sections of them, and the causality: ``wire.Forward.media`` / ``sections`` /
+``causal``), and the last row's logits are the whole model's, bit for bit, at every 2-stage
+cut and a 3-stage layout, on the gRPC and the direct-relay paths, and again after a recovery
+that replays the media step's rows under a new epoch."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import dgr
+from dgr import errors
+from dgr.core.media import Media
+from dgr.driver.media import MediaStep
+from dgr.driver.route import AsyncRoute
+from dgr.testing.mmproj import write_tiny_vlm
+from dgr.testing.stages import threaded_stages
+from dgr.vendor import Vendor
+
+SETTINGS = dict(n_ctx=512, n_slots=2, n_threads=1, n_ubatch=64)
+LAYOUTS = [[(0, 1), (1, 4)], [(0, 2), (2, 4)], [(0, 3), (3, 4)], [(0, 1), (1, 3), (3, 4)]]
+
+
+@pytest.fixture(scope="module", params=["qwen25vl", "gemma3"])
+def vlm(request, tmp_path_factory):
+    text, mmproj = write_tiny_vlm(tmp_path_factory.mktemp(request.param), request.param)
+    image = (Vendor().src / "tools" / "mtmd" / "test-1.jpeg").read_bytes()
+    engine = dgr.Engine(str(text), **SETTINGS)
+    media = Media(engine, str(mmproj))
+    prompt = f"hello there {media.marker} what is in it?"
+    chunks = media.tokenize(prompt, [image])
+    plan, p = [], 0
+    for i, c in enumerate(chunks):
+        if c["kind"] == "text":
+            plan.append(c["tokens"])
+        else:
+            plan.append(MediaStep(media.encode(i), media.positions(i, p), c["kind"],
+                                  causal=not c["non_causal"], id=c["id"]))
+        p += c["n_pos"]
+    # the whole model's last-row logits, engine by engine (tests/integration/test_media.py
+    # shows them llama.cpp's own mtmd_helper_eval_chunks path's)
+    out, p = None, 0
+    for step in plan:
+        if isinstance(step, MediaStep):
+            out = engine.forward_media(0, step.positions, step.rows, causal=step.causal)
+            p += step.span
+        else:
+            out = engine.forward(0, p, tokens=np.asarray(step, np.int32))
+            p += len(step)
+    return request.param, str(text), plan, np.array(out[-1])
+
+
+async def _through(r, plan, *, recover_after_media=False):
+    s = r.session()
+    for k, step in enumerate(plan):
+        last = k == len(plan) - 1
+        if isinstance(step, MediaStep):
+            await s.prefill_media(step)
+            if recover_after_media:  # a new epoch: every step replayed, the media's rows too
+                await r.recovery.recover(s, errors.SessionError("test: replay"), 1)
+        else:
+            await s.prefill(step, sample=last, logits=last)
+    assert s.media and s.history[len(plan[0])] is None  # no token id at a media position
+    return s, s.logits[-1]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "-".join(f"{a}.{b}" for a, b in l))
+def test_an_image_prompt_through_a_route_is_the_whole_models(vlm, layout):
+    _, text, plan, want = vlm
+
+    async def go(ws):
+        async with AsyncRoute([w.address for w in ws]) as r:
+            s, got = await _through(r, plan)
+            assert got.tobytes() == want.tobytes()
+            img = next(p for p in plan if isinstance(p, MediaStep))
+            # the session advanced by the image's positions (M-RoPE: fewer than its rows)
+            assert len(s.history) == sum(len(p) if isinstance(p, list) else p.span
+                                         for p in plan)
+            assert s.steps[1] == (img.first_pos, img.span)
+            # a later prompt keeps nothing past the first media position (no token ids)
+            assert s.reusable(list(s.history[:img.first_pos]) + [5, 6]) <= img.first_pos
+            await s.close(keep=True)
+
+    with threaded_stages(text, layout, SETTINGS) as ws:
+        asyncio.run(go(ws))
+
+
+def test_relay_and_recovery_carry_the_media_step(vlm):
+    _, text, plan, want = vlm
+
+    async def go(ws):
+        async with AsyncRoute([w.address for w in ws], relay=True) as r:
+            _, got = await _through(r, plan)
+            assert got.tobytes() == want.tobytes()
+            s, again = await _through(r, plan, recover_after_media=True)
+            assert s.recoveries == 1 and again.tobytes() == want.tobytes()
+
+    with threaded_stages(text, [(0, 1), (1, 3), (3, 4)], SETTINGS) as ws:
+        asyncio.run(go(ws))
+
+
+def test_a_media_step_is_checked_before_it_is_sent(vlm):
+    _, text, plan, _ = vlm
+    img = next(p for p in plan if isinstance(p, MediaStep))
+    with pytest.raises(errors.InvalidArgument, match="image or audio"):
+        MediaStep(img.rows, img.positions, "video")
+    with pytest.raises(errors.InvalidPosition, match="positions"):
+        MediaStep(img.rows, img.positions.reshape(-1)[:3])
+
+    async def go(ws):
+        async with AsyncRoute([w.address for w in ws]) as r:
+            s = r.session()
+            with pytest.raises(errors.InvalidPosition, match="continues at 0"):
+                await s.prefill_media(img)  # it starts after the text chunk before it
+            await s.prefill(plan[0], sample=False)
+            bad = MediaStep(img.rows[:, :-1], img.positions, img.kind, causal=img.causal)
+            with pytest.raises(errors.InvalidBoundary):
+                await s.prefill_media(bad)  # the first stage's rows are n_embd_inp wide
+
+    with threaded_stages(text, [(0, 2), (2, 4)], SETTINGS) as ws:
+        asyncio.run(go(ws))
+
+
+def _workers(text, mmproj, layout):
+    from dgr.worker.process import ThreadedWorker
+
+    return [ThreadedWorker(dgr.Engine(text, layers=r, **SETTINGS),
+                           mmproj=mmproj if r[0] == 0 else "") for r in layout]
+
+
+def test_the_first_stage_encodes_and_a_split_generates_the_whole_models_tokens(tmp_path):
+    """``--mmproj`` on the first stage: ``AsyncRoute.encode_media`` has it cut and encode the
+    prompt on its own engine's device (EncodeMedia), ``generate_media`` prefills the chunks
+    and decodes; a 3-stage split gives the whole model's tokens and logits, bit for bit."""
+    text, mmproj = (str(p) for p in write_tiny_vlm(tmp_path, "qwen25vl"))
+    image = (Vendor().src / "tools" / "mtmd" / "test-1.jpeg").read_bytes()
+
+    async def run(layout):
+        ws = _workers(text, mmproj, layout)
+        try:
+            async with AsyncRoute([w.address for w in ws]) as r:
+                first = r.stages[0]
+                assert first.media_marker == "<__media__>" and first.media_vision
+                assert not first.media_audio and not r.stages[-1].media_marker or len(ws) == 1
+                chunks = await r.encode_media(f"hi {first.media_marker} what?", [image])
+                assert [type(c).__name__ for c in chunks] == ["list", "MediaStep", "list"]
+                assert chunks[1].n_rows == 48 and chunks[1].span == 8
+                s = r.session()
+                toks = [t async for t in s.generate_media(chunks, max_tokens=6, logits=True,
+                                                          stop_on_eog=False)]
+                return toks, [np.array(x) for x in s.logits]
+        finally:
+            for w in ws:
+                w.stop()
+
+    whole = asyncio.run(run([(0, 4)]))
+    split = asyncio.run(run([(0, 1), (1, 3), (3, 4)]))
+    assert len(whole[0]) == 6 and split[0] == whole[0]
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(split[1], whole[1]))
+
+
+def test_encode_media_refuses_what_it_cannot_take(tmp_path):
+    text, mmproj = (str(p) for p in write_tiny_vlm(tmp_path, "gemma3"))
+    image = (Vendor().src / "tools" / "mtmd" / "test-1.jpeg").read_bytes()
+    from dgr.worker.process import ThreadedWorker
+
+    with pytest.raises(errors.InvalidArgument, match="beside the first stage"):
+        ThreadedWorker(dgr.Engine(text, layers=(1, 4), **SETTINGS), mmproj=mmproj)
+
+    async def go(ws, plain):
+        async with AsyncRoute([w.address for w in ws]) as r:
+            m = r.stages[0].media_marker
+            with pytest.raises(errors.InvalidArgument, match="not an image or audio"):
+                await r.encode_media(f"a {m}", [b"\x89PNG not really"])
+            with pytest.raises(errors.InvalidArgument, match="media markers"):
+                await r.encode_media("no marker", [image])
+        async with AsyncRoute([w.address for w in plain]) as r:
+            with pytest.raises(errors.InvalidArgument, match="no projector"):
+                await r.encode_media("<__media__>", [image])
+
+    ws = _workers(text, mmproj, [(0, 2), (2, 4)])
+    plain = _workers(text, "", [(0, 4)])
+    try:
+        asyncio.run(go(ws, plain))
+    finally:
+        for w in ws + plain:
+            w.stop()
