@@ -558,8 +558,12 @@ class AsyncRouteSession:
             await self.reset()
         tok = await self.prefill(prompt[reuse:], sampling=sampling, logits=logits,
                                  align=True)
-        async for t in self._from(tok, max_tokens, sampling, stop, stop_on_eog, logits):
-            yield t
+        gen = self._from(tok, max_tokens, sampling, stop, stop_on_eog, logits)
+        try:
+            async for t in gen:
+                yield t
+        finally:  # a caller that stops early ends the decode now (its streams, its loop)
+            await gen.aclose()
 
     async def generate_media(self, chunks: Sequence, *, max_tokens: int = 64,
                              sampling: SamplingParams | None = None, stop: Sequence[str] = (),
@@ -586,8 +590,12 @@ class AsyncRouteSession:
                                          align=True)
             elif last:
                 raise errors.InvalidArgument("the prompt's last chunk has no tokens")
-        async for t in self._from(tok, max_tokens, sampling, stop, stop_on_eog, logits):
-            yield t
+        gen = self._from(tok, max_tokens, sampling, stop, stop_on_eog, logits)
+        try:
+            async for t in gen:
+                yield t
+        finally:
+            await gen.aclose()
 
     async def _from(self, tok: int, max_tokens: int, sampling: SamplingParams | None,
                     stop: Sequence[str], stop_on_eog: bool, logits: bool
