@@ -71,7 +71,7 @@ def solo_of(route, want: str) -> bool:
 def media_header(session: str, epoch: int, stage: StageInfo, step, *, want: str,
                  sampling: wire.Sampling | None, last: bool = True,
                  rollback: int = 0) -> wire.Forward:
-    """The media step ``step`` (``dgr.driver.session.MediaStep``: an encoded image or audio
+    """The media step ``step`` (``dgr.driver.media.MediaStep``: an encoded image or audio
     chunk's rows, positions and causality) of ``session`` sent to ``stage``: no token ids,
     the array the rows (the first stage's) or the boundary, every position section, alone
     on every stage (never batched with other sessions' steps)."""
