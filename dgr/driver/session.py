@@ -73,47 +73,45 @@ class AsyncRouteSession:
 
     # -- the steps, with recovery around them ---------------------------------------------
 
-    async def _run_chunks(self, chunks: list[list[int]], want: str,
-                          sampling: wire.Sampling | None) -> wire.Frame:
-        """Steps at the end of ``history`` (``want``/``sampling`` apply to the last one) on
-        this session's path, repaired by re-prefill when a stage lost the session (on a
-        replacement worker when the stage itself failed); the last step's reply."""
+    async def _repaired(self, run) -> wire.Frame:
+        """``await run()`` (a step, or steps, at the end of ``history``), repaired by
+        re-prefill when a stage lost the session (on a replacement worker when the stage
+        itself failed), up to ``max_retries`` times; its reply."""
         recovery = self.route.recovery
-        done = 0
         err: BaseException | None = None
         for attempt in range(self.route.max_retries + 1):
             try:
                 if err is not None:
                     await recovery.recover(self, err, attempt)
-                async for f in self.path.prefill(chunks[done:], want, sampling):
-                    done += 1
+                return await run()
             except errors.DgrError as e:
                 if not retryable(e):  # bad request, model mismatch, no healthy worker, ...
                     raise
                 err = e
-                continue
-            return f
         assert err is not None
         raise err
+
+    async def _run_chunks(self, chunks: list[list[int]], want: str,
+                          sampling: wire.Sampling | None) -> wire.Frame:
+        """Steps at the end of ``history`` (``want``/``sampling`` apply to the last one) on
+        this session's path, repaired (``_repaired``: a repair replays the steps done, then
+        the rest); the last step's reply."""
+        done = 0
+
+        async def run() -> wire.Frame:
+            nonlocal done
+            async for f in self.path.prefill(chunks[done:], want, sampling):
+                done += 1
+            return f
+
+        return await self._repaired(run)
 
     async def _run_media(self, step: MediaStep, want: str, sampling: wire.Sampling | None
                          ) -> wire.Frame:
         """A media step at the end of ``history``, hop by hop over gRPC on any path (the
         direct relay carries token steps), repaired as ``_run_chunks`` repairs a step."""
-        recovery = self.route.recovery
-        err: BaseException | None = None
-        for attempt in range(self.route.max_retries + 1):
-            try:
-                if err is not None:
-                    await recovery.recover(self, err, attempt)
-                return await self.hop_by_hop.forward([], step.first_pos, want, sampling,
-                                                     media=step)
-            except errors.DgrError as e:
-                if not retryable(e):
-                    raise
-                err = e
-        assert err is not None
-        raise err
+        return await self._repaired(lambda: self.hop_by_hop.forward(
+            [], step.first_pos, want, sampling, media=step))
 
     async def _decode(self, tok: int, n: int, want: str, sampling: wire.Sampling | None,
                       eog: frozenset, logits: bool) -> AsyncIterator[int]:

@@ -626,11 +626,10 @@ class StagePipeline:
                      else h.first_pos)
         kw: dict[str, Any] = {} if out is None else {"out": out}
         if h.media:  # an encoded media chunk's rows, its positions (all sections), causality
-            sections = (np.asarray(h.sections, dtype=np.int32).reshape(wire.MROPE_SECTIONS, n)
-                        if h.sections is not None else None)
-            media_pos = sections if sections is not None else (
-                positions if not isinstance(positions, int)
-                else np.arange(positions, positions + n, dtype=np.int32))
+            media_pos = (np.asarray(h.sections, dtype=np.int32).reshape(wire.MROPE_SECTIONS, n)
+                         if h.sections is not None else np.asarray(h.positions, dtype=np.int32)
+                         if h.positions is not None
+                         else np.arange(h.first_pos, h.first_pos + n, dtype=np.int32))
 
             def run(**more):
                 return eng.forward_media(lease.slot, media_pos, step.array, causal=h.causal,
