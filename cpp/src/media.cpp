@@ -4,12 +4,16 @@
 #include "dgr/media.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <mutex>
 
 #include "engine/impl.h"
 #include "mtmd-helper.h"
 #include "mtmd.h"
+
+// stb_image's header probe, from the copy libmtmd's helper compiles (mtmd-helper.cpp)
+extern "C" int stbi_info_from_memory(const unsigned char * buffer, int len, int * x, int * y, int * comp);
 
 namespace dgr {
 using namespace detail;
@@ -45,12 +49,31 @@ struct Bitmaps {
     }
 };
 
+// An image's size from its header, before the decoder allocates its pixels: refused past
+// `max_pixels` (a small file may claim a huge image). stb_image is libmtmd's decoder, linked
+// in with it; a file it cannot read the header of is left to the decoder (audio, or corrupt).
+Status check_pixels(const std::string & f, size_t i, uint64_t max_pixels) {
+    int w = 0, h = 0, comp = 0;
+    if (max_pixels == 0 || f.size() > (size_t) INT32_MAX ||
+        !stbi_info_from_memory(reinterpret_cast<const unsigned char *>(f.data()), (int) f.size(), &w, &h, &comp)) {
+        return Status();
+    }
+    if ((uint64_t) w * (uint64_t) h > max_pixels) {
+        return Status(kInvalidArgument, "media item " + std::to_string(i) + " is a " + std::to_string(w) + "x" +
+                      std::to_string(h) + " image: more than the " + std::to_string(max_pixels) +
+                      " pixels this server decodes");
+    }
+    return Status();
+}
+
 // mtmd_tokenize of `prompt` with the media files' bitmaps into `chunks`
 Status tokenize(mtmd_context * ctx, const std::string & prompt, const std::vector<std::string> & files,
-                bool add_special, bool parse_special, mtmd_input_chunks * chunks) {
+                bool add_special, bool parse_special, mtmd_input_chunks * chunks, uint64_t max_pixels) {
     Bitmaps bm;
     for (size_t i = 0; i < files.size(); ++i) {
         const std::string & f = files[i];
+        Status px = check_pixels(f, i, max_pixels);
+        if (!px.ok()) return px;
         mtmd_helper_bitmap_wrapper w = mtmd_helper_bitmap_init_from_buf(
             ctx, reinterpret_cast<const unsigned char *>(f.data()), f.size(), false,
             mtmd_helper_init_opt_default());
@@ -134,13 +157,13 @@ Status Media::Open(const Engine & engine, const MediaConfig & cfg, std::unique_p
 }
 
 Status Media::Tokenize(const std::string & prompt, const std::vector<std::string> & media, bool add_special,
-                       bool parse_special, std::vector<MediaChunk> * out) {
+                       bool parse_special, std::vector<MediaChunk> * out, uint64_t max_pixels) {
     return guarded("media_tokenize", [&]() -> Status {
         Impl & m = *impl_;
         out->clear();
         log_clear();
         Chunks fresh;
-        Status st = tokenize(m.ctx, prompt, media, add_special, parse_special, fresh.p);
+        Status st = tokenize(m.ctx, prompt, media, add_special, parse_special, fresh.p, max_pixels);
         if (!st.ok()) return st;
         std::swap(m.chunks.p, fresh.p);
         for (size_t i = 0; i < mtmd_input_chunks_size(m.chunks.p); ++i) {
@@ -250,7 +273,7 @@ Status MtmdHelperLogits(const EngineConfig & cfg, const MediaConfig & media, con
         if (!mctx) return Status(kInvalidModel, "libmtmd could not open the projector " + media.mmproj_path);
         struct MtmdFree { mtmd_context * p; ~MtmdFree() { mtmd_free(p); } } xf{mctx};
         Chunks chunks;
-        Status st = tokenize(mctx, prompt, files, add_special, parse_special, chunks.p);
+        Status st = tokenize(mctx, prompt, files, add_special, parse_special, chunks.p, 0);
         if (!st.ok()) return st;
         llama_pos n_past = 0;
         if (mtmd_helper_eval_chunks(mctx, lctx, chunks.p, 0, 0, (int32_t) cfg.n_ubatch, true, &n_past) != 0) {

@@ -1,7 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, embedsignature=True
 """Private compiled core of dgr: binds dgr::Engine (cpp/). Users import ``dgr``."""
 
-from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint8_t
+from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint8_t, uint64_t
 from libc.string cimport memcpy
 from libcpp.memory cimport unique_ptr
 from libcpp.string cimport string

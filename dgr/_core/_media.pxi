@@ -43,12 +43,15 @@ cdef class Media:
         self.n_embd_inp = i.n_embd_inp
         self.marker = i.marker.decode("utf-8", "replace")
 
-    def tokenize(self, str prompt, media=(), bint add_special=True, bint parse_special=True):
+    def tokenize(self, str prompt, media=(), bint add_special=True, bint parse_special=True,
+                 uint64_t max_pixels=0):
         """``prompt``'s chunks, one ``marker`` per item of ``media`` (each a file's bytes: an
         image stb_image decodes, or wav/mp3/flac audio): a list of dicts with ``kind``
         ("text", "image", "audio"), ``tokens`` (a text chunk's ids), ``n_rows`` (the rows it
         takes), ``n_pos`` (the positions it advances), ``id`` (a media chunk's SHA-256) and
-        ``non_causal``. Kept until the next call, for ``encode`` and ``positions``."""
+        ``non_causal``. Kept until the next call, for ``encode`` and ``positions``.
+        ``max_pixels``: an image whose header says it has more (width x height) is refused
+        before it is decoded (``InvalidArgument``; 0: no cap)."""
         cdef vector[string] files
         for m in media:
             files.push_back(bytes(m))
@@ -57,7 +60,7 @@ cdef class Media:
         cdef CStatus st
         with self.engine.lock:
             with nogil:
-                st = self._m.get().Tokenize(p, files, add_special, parse_special, &out)
+                st = self._m.get().Tokenize(p, files, add_special, parse_special, &out, max_pixels)
         check_status(st)
         return [{"kind": MEDIA_KINDS[c.kind] if 0 <= c.kind < 3 else str(c.kind),
                  "tokens": [c.tokens[k] for k in range(c.tokens.size())],

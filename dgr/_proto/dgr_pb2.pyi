@@ -253,18 +253,22 @@ class TokenizeReply(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EncodeMediaRequest(_message.Message):
-    __slots__ = ("prompt", "media", "add_special", "parse_special", "first_pos")
+    __slots__ = ("prompt", "media", "add_special", "parse_special", "first_pos", "encode_from", "max_pixels")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MEDIA_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_FIELD_NUMBER: _ClassVar[int]
     PARSE_SPECIAL_FIELD_NUMBER: _ClassVar[int]
     FIRST_POS_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_FROM_FIELD_NUMBER: _ClassVar[int]
+    MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     media: _containers.RepeatedScalarFieldContainer[bytes]
     add_special: bool
     parse_special: bool
     first_pos: int
-    def __init__(self, prompt: _Optional[str] = ..., media: _Optional[_Iterable[bytes]] = ..., add_special: _Optional[bool] = ..., parse_special: _Optional[bool] = ..., first_pos: _Optional[int] = ...) -> None: ...
+    encode_from: int
+    max_pixels: int
+    def __init__(self, prompt: _Optional[str] = ..., media: _Optional[_Iterable[bytes]] = ..., add_special: _Optional[bool] = ..., parse_special: _Optional[bool] = ..., first_pos: _Optional[int] = ..., encode_from: _Optional[int] = ..., max_pixels: _Optional[int] = ...) -> None: ...
 
 class MediaChunk(_message.Message):
     __slots__ = ("kind", "tokens", "n_rows", "n_pos", "id", "non_causal", "width", "rows", "positions")

@@ -99,6 +99,23 @@ def add_serve_parser(sub) -> None:
                         "request of the same API key whose prompt begins with them adopts "
                         "them instead of prefilling them (another front on the same workers "
                         "too)")
+    s.add_argument("--mmproj", metavar="GGUF",
+                   help="the model's projector (its mmproj GGUF): the first local worker "
+                        "runs it (libmtmd, on its device), and chat requests may hold images "
+                        "(OpenAI image_url, Anthropic image blocks, Responses input_image) "
+                        "and, where it takes audio, input_audio; docs/media.md. With --route, "
+                        "start the first worker with --mmproj instead")
+    s.add_argument("--max-media", type=int, default=8, metavar="N",
+                   help="images and audio clips one request may hold (default 8)")
+    s.add_argument("--max-media-bytes", type=int, default=5 << 20, metavar="B",
+                   help="bytes one image or audio clip may have (default 5 MiB)")
+    s.add_argument("--max-image-pixels", type=int, default=8000 * 8000, metavar="N",
+                   help="pixels (width x height) an image may have, read from its header "
+                        "before it is decoded (default 64,000,000)")
+    s.add_argument("--media-url-host", action="append", metavar="HOST",
+                   help="a host whose http(s) image URLs the server fetches (repeat, or "
+                        "comma-separate); without it only data: URLs are taken, and no "
+                        "request makes the server fetch from an address it chose")
     s.add_argument("--insecure", action="store_true",
                    help="allow a --host beyond loopback without API keys (a warning is "
                         "logged): anyone who can reach the port may use it")
@@ -184,6 +201,14 @@ def _checked(args):
               "serve starts without --route; the workers of a --route keep the settings they "
               "were started with (python -m dgr.worker takes the same flags)", file=sys.stderr)
         return 2
+    if args.route and args.mmproj:
+        print("error: --mmproj starts the projector beside the first local worker; the "
+              "workers of a --route keep theirs: start the first with python -m dgr.worker "
+              "--mmproj GGUF", file=sys.stderr)
+        return 2
+    if args.mmproj and not os.path.isfile(args.mmproj):
+        print(f"error: --mmproj {args.mmproj}: no such file", file=sys.stderr)
+        return 2
     if not api_keys and not is_loopback(args.host) and not args.insecure:
         print(f"error: --host {args.host} is beyond loopback and no API key is configured: "
               "give --api-key-file FILE or DGR_API_KEYS, or --insecure to serve anyone who "
@@ -208,7 +233,8 @@ def _start_cluster(args):
     ranges = ranges_for(args.splits, args.stages, n_layer)
     say(f"model {model}; {len(ranges)} stage(s): " + " ".join(f"[{a},{b})" for a, b in ranges))
     cluster = LocalCluster(model, [None if r == (0, n_layer) else r for r in ranges],
-                           settings=settings)
+                           settings=settings,
+                           first_args=["--mmproj", args.mmproj] if args.mmproj else ())
     t0 = time.monotonic()
     try:
         endpoints = cluster.start(

@@ -25,7 +25,7 @@ from dgr.driver.checks import check_route
 from dgr.driver.config import RouteConfig
 from dgr.driver.deadlines import Deadlines
 from dgr.driver.links import RelayLinks
-from dgr.driver.media import MediaStep
+from dgr.driver.media import MediaRef, MediaStep
 from dgr.driver.provider import RouteProvider, StaticPool, parse_endpoints
 from dgr.driver.recovery import Recovery
 from dgr.driver.results import Generation
@@ -324,18 +324,23 @@ class AsyncRoute:
 
     async def encode_media(self, prompt: str, media: Sequence[bytes], *,
                            add_special: bool = True, parse_special: bool = True,
-                           first_pos: int = 0) -> list:
+                           first_pos: int = 0, encode_from: int = 0,
+                           max_pixels: int = 0) -> list:
         """``prompt`` (one ``stages[0].media_marker`` per item of ``media``, each a file's
         bytes) cut and encoded by the projector beside the first stage (its ``--mmproj``, on
         its device): a list of its chunks from ``first_pos`` on, each a text chunk's token
         ids or a ``dgr.driver.media.MediaStep``, for ``AsyncRouteSession.prefill_media`` /
-        ``generate_media``.
+        ``generate_media``; a media chunk that starts before ``encode_from`` is a
+        ``MediaRef`` instead (not encoded: what a session that keeps it needs).
+        ``max_pixels``: the most pixels an image may have (0: the worker's own cap,
+        ``dgr.worker.worker.MAX_PIXELS``; the smaller holds).
 
         Raises
         ------
         dgr.errors.InvalidArgument
             The first stage has no projector, or it refused the media (not an image or audio
-            file it decodes, one it does not take, a marker count that is not the media's).
+            file it decodes, one it does not take, an image too large, a marker count that is
+            not the media's).
         """
         if not self.stages[0].media_marker:
             raise errors.InvalidArgument(
@@ -344,10 +349,14 @@ class AsyncRoute:
         got = await self.clients[0].encode_media(prompt, media, add_special=add_special,
                                                  parse_special=parse_special,
                                                  first_pos=first_pos,
+                                                 encode_from=encode_from,
+                                                 max_pixels=max_pixels,
                                                  timeout=self.step_timeout)
         return [c["tokens"] if c["kind"] == "text" else
                 MediaStep(c["rows"], c["positions"], c["kind"], causal=not c["non_causal"],
-                          id=c["id"]) for c in got]
+                          id=c["id"]) if "rows" in c else
+                MediaRef(c["kind"], c["id"], c["n_rows"], c["n_pos"], not c["non_causal"])
+                for c in got]
 
     async def pieces(self) -> list[bytes]:
         """Every token id's bytes (``token_pieces``), fetched once and kept: what

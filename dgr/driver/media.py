@@ -5,13 +5,24 @@ model mtmd's (t, y, x, z) per row) and causality, which every stage takes (docs/
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from dgr import errors
 from dgr.protocol import wire
 
-__all__ = ["MediaStep"]
+__all__ = ["MediaKey", "MediaRef", "MediaStep", "prompt_cells", "prompt_keys"]
+
+
+class MediaKey(NamedTuple):
+    """What ``AsyncRouteSession.history`` holds at the ``j``-th position a media step advances:
+    its media's id (mtmd's bitmap id, the SHA-256 of the file's bytes) and ``j``. Equal keys at
+    equal positions are the same rows, so a later prompt with the same image there reuses
+    them (``AsyncRouteSession.reusable``) as it reuses equal token ids."""
+
+    id: str
+    j: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,3 +72,36 @@ class MediaStep:
     def sections(self) -> list[int] | None:
         """``Forward.sections`` (section-major), or None for one position per row."""
         return [int(p) for p in self.positions.reshape(-1)] if self.positions.ndim == 2 else None
+
+
+@dataclass(frozen=True)
+class MediaRef:
+    """A media chunk of a prompt as the projector cut it, not encoded
+    (``AsyncRoute.encode_media``'s ``encode_from``): its kind, id, rows and the positions it
+    advances. Enough to say which positions a kept session may reuse (``prompt_keys``) and
+    how many cache cells the prompt fills; a step to prefill needs its rows (``MediaStep``)."""
+
+    kind: str
+    id: str
+    n_rows: int
+    span: int
+    causal: bool = True
+
+
+def prompt_keys(chunks: Sequence) -> list:
+    """Each position's key of a prompt's ``chunks`` (token id lists, ``MediaStep`` or
+    ``MediaRef``): a text position's token id, a media position's ``MediaKey``, as
+    ``AsyncRouteSession.history`` holds them."""
+    out: list = []
+    for c in chunks:
+        if isinstance(c, (MediaStep, MediaRef)):
+            out.extend(MediaKey(c.id, j) for j in range(c.span))
+        else:
+            out.extend(int(t) for t in c)
+    return out
+
+
+def prompt_cells(chunks: Sequence) -> int:
+    """The cache cells a prompt's ``chunks`` fill on every stage: a token each, a media
+    chunk's rows (an M-RoPE image advances fewer positions than it has rows)."""
+    return sum(c.n_rows if isinstance(c, (MediaStep, MediaRef)) else len(c) for c in chunks)

@@ -11,7 +11,7 @@ import numpy as np
 
 from dgr import errors
 from dgr.driver.headers import wire_sampling
-from dgr.driver.media import MediaStep
+from dgr.driver.media import MediaKey, MediaRef, MediaStep, prompt_keys
 from dgr.driver.paths import HopByHop, StepPath, path_for
 from dgr.driver.recovery import release_quietly, retryable
 from dgr.driver.results import Generation, StageStats
@@ -51,10 +51,10 @@ class AsyncRouteSession:
         #: ``n_ubatch`` chunks prefilled from position 0, the last ones, as the engines keep
         #: them (``Engine.state_snapshots``; a stage that keeps more holds these too)
         self.snapshots: list[int] = []
-        #: the media steps among ``steps``, by their first position (``prefill_media``):
-        #: ``history`` holds None at each position they advance (no token id: never a later
-        #: prompt's, so a prompt cache keeps nothing past the first one), recovery replays
-        #: their rows
+        #: the media steps among ``steps`` (and ``chunks``), by their first position
+        #: (``prefill_media``): ``history`` holds a ``MediaKey`` at each position they
+        #: advance (their media's id: a later prompt with the same media there reuses them),
+        #: recovery replays their rows
         self.media: dict[int, MediaStep] = {}
         #: logits rows that sampled each token (only with ``logits=True``)
         self.logits: list[np.ndarray] = []
@@ -253,7 +253,8 @@ class AsyncRouteSession:
     def _extend_media(self, step: MediaStep) -> None:
         first = len(self.history)
         self.steps.append((first, step.span))
-        self.history.extend([None] * step.span)  # type: ignore[list-item]
+        self.chunks.append((first, step.span))  # a prompt step: one step in any prefill
+        self.history.extend(MediaKey(step.id, j) for j in range(step.span))
         self.media[first] = step
 
     async def embed(self, tokens: Sequence[int]) -> np.ndarray:
@@ -397,13 +398,15 @@ class AsyncRouteSession:
         common = min(common, n - 1)
         if self.recurrent():
             return max((p for p in self.snapshots if p <= common), default=0)
+        if self.media or any(isinstance(k, MediaKey) for k in prompt):
+            return self._media_rows(prompt, common)
         if self._any_rows():
             return min(common, self._computed())
         aligned = self.aligned()
         base = max(0, min(common, aligned))
         base -= base % ub
         if self._chunk_rule():
-            return max(base, self._prompt_rows(min(common, self._chunks_end()), n))
+            return max(base, self._prompt_rows(min(common, self._chunks_end()), prompt))
         full = n - n % ub  # where a fresh prefill of ``prompt`` ends its whole chunks
         rows, single, least = self._row_rule()
         if common <= full or aligned < full or not rows:
@@ -415,6 +418,22 @@ class AsyncRouteSession:
                 if p - first == 1 and count > 1:  # a kept chunk cut to one row: drop it
                     p = first
         return p if p > full else base
+
+    def _media_rows(self, prompt: Sequence, common: int) -> int:
+        """``reusable`` of a prompt or session with media steps: the common prefix where
+        every stage computes a prompt's rows alike however it was cut (``_chunk_rule``; a
+        media step is one step in any prefill, its rows a function of its media and position),
+        else whole chunks from position 0 (``aligned``); never inside a media step."""
+        ub = self.route.n_ubatch
+        if self._chunk_rule():
+            p = self._prompt_rows(min(common, self._chunks_end()), prompt)
+        else:
+            p = min(common, self.aligned())
+            p -= p % ub
+        for first, m in self.media.items():
+            if first < p < first + m.span:
+                p = first
+        return p
 
     def _row_rule(self) -> tuple[bool, bool, int]:
         """What of this route's rows past whole chunks a later prompt may keep
@@ -461,15 +480,17 @@ class AsyncRouteSession:
             end = first + count
         return end
 
-    def _prompt_rows(self, p: int, n: int) -> int:
-        """``p`` kept positions of a prompt of ``n`` under ``_chunk_rule``, cut back so that
-        neither a kept chunk (recovery replays it as one step) nor the rest's first chunk
-        (``prefill(align=True)``: up to the next multiple of ``n_ubatch``, or the prompt's
-        end) is one row, which may take another kernel (a fresh prefill's own one-row chunk,
-        a last one at a multiple of ``n_ubatch``, is the same step either way)."""
+    def _prompt_rows(self, p: int, prompt: Sequence) -> int:
+        """``p`` kept positions of ``prompt`` (its keys) under ``_chunk_rule``, cut back so
+        that neither a kept chunk (recovery replays it as one step) nor the rest's first chunk
+        (``prefill(align=True)``: up to the next multiple of ``n_ubatch``, or the end of the
+        prompt's run of text there) is one row, which may take another kernel (a fresh
+        prefill's own one-row chunk, a last one at a multiple of ``n_ubatch`` or a run of
+        text's first, is the same step either way)."""
         ub = self.route.n_ubatch
         while p > 0:
-            q = p - 1 if p % ub and min(n, p + -p % ub) - p == 1 else p
+            own = not p % ub or isinstance(prompt[p - 1], MediaKey)  # a fresh prefill's cut
+            q = p - 1 if not own and min(_text_end(prompt, p), p + -p % ub) - p == 1 else p
             for first, count in self.chunks:
                 if q - first == 1 and count > 1:  # a kept chunk cut to one row: drop it
                     q = first
@@ -539,21 +560,7 @@ class AsyncRouteSession:
             raise errors.InvalidArgument("the prompt has no tokens")
         if max_tokens < 1:
             return
-        if reuse:
-            ub, most = self.route.n_ubatch, self.reusable(prompt)
-            if self.recurrent() and reuse not in self.snapshots[:self.snapshots.index(most) + 1
-                                                                 if most else 0]:
-                raise errors.InvalidArgument(
-                    f"reuse={reuse}: on this recurrent route a session goes back only to a state "
-                    f"snapshot every stage keeps, and this prompt may keep "
-                    f"{[p for p in self.snapshots if p <= most]} positions")
-            if reuse != most and (reuse % ub or reuse > most):
-                raise errors.InvalidArgument(
-                    f"reuse={reuse}: this session can keep {most} positions for this prompt "
-                    f"(or fewer whole chunks of {ub} tokens) with a fresh prefill's bits")
-            self._keep(reuse)
-        else:
-            await self.reset()
+        await self._start_at(prompt, reuse)
         tok = await self.prefill(prompt[reuse:], sampling=sampling, logits=logits,
                                  align=True)
         gen = self._from(tok, max_tokens, sampling, stop, stop_on_eog, logits)
@@ -563,31 +570,67 @@ class AsyncRouteSession:
         finally:  # a caller that stops early ends the decode now (its streams, its loop)
             await gen.aclose()
 
+    async def _start_at(self, prompt: Sequence, reuse: int) -> None:
+        """Keep this session's first ``reuse`` positions for ``prompt`` (its keys), checked
+        against ``reusable``, or start a new epoch from position 0 (``reuse`` 0)."""
+        if not reuse:
+            await self.reset()
+            return
+        ub, most = self.route.n_ubatch, self.reusable(prompt)
+        if self.recurrent() and reuse not in self.snapshots[:self.snapshots.index(most) + 1
+                                                             if most else 0]:
+            raise errors.InvalidArgument(
+                f"reuse={reuse}: on this recurrent route a session goes back only to a state "
+                f"snapshot every stage keeps, and this prompt may keep "
+                f"{[p for p in self.snapshots if p <= most]} positions")
+        inside = any(a < reuse < a + m.span for a, m in self.media.items())
+        if reuse != most and (reuse % ub or reuse > most or inside):
+            raise errors.InvalidArgument(
+                f"reuse={reuse}: this session can keep {most} positions for this prompt "
+                f"(or fewer whole chunks of {ub} tokens, none inside a media step) with a "
+                "fresh prefill's bits")
+        self._keep(reuse)
+
     async def generate_media(self, chunks: Sequence, *, max_tokens: int = 64,
                              sampling: SamplingParams | None = None, stop: Sequence[str] = (),
-                             stop_on_eog: bool = True, logits: bool = False
+                             stop_on_eog: bool = True, logits: bool = False, reuse: int = 0
                              ) -> AsyncIterator[int]:
         """``generate`` of a prompt with media: ``chunks`` (``AsyncRoute.encode_media``'s,
         from position 0: text chunks' token ids and ``MediaStep``s) prefilled from position 0
         (a new epoch), each text chunk in a fresh prefill's chunks, each media step as one
         step (``prefill_media``), then the tokens sampled from the last row, as
-        ``generate``'s."""
+        ``generate``'s.
+
+        ``reuse``: keep the session's first ``reuse`` positions instead, as ``generate``'s
+        (``reusable`` of the prompt's ``dgr.driver.media.prompt_keys``: the same media at the
+        same positions is reused as equal token ids are), and prefill the chunks from there;
+        a chunk before ``reuse`` may be a ``MediaRef`` (not encoded: its rows are kept)."""
         if not chunks:
             raise errors.InvalidArgument("the prompt has no chunks")
         if max_tokens < 1:
             return
-        await self.reset()
-        tok = None
+        await self._start_at(prompt_keys(chunks) if reuse else [], reuse)
+        tok, pos = None, 0
         for k, c in enumerate(chunks):
             last = k == len(chunks) - 1
+            media = isinstance(c, (MediaStep, MediaRef))
+            end = pos + (c.span if media else len(c))
+            if end <= reuse and not last:  # kept
+                pos = end
+                continue
+            if isinstance(c, MediaRef):
+                raise errors.InvalidArgument(
+                    f"the media chunk at position {pos} is not encoded, and this session does "
+                    f"not keep it (it keeps {reuse} positions)")
             if isinstance(c, MediaStep):
                 tok = await self.prefill_media(c, sample=last, sampling=sampling,
                                                logits=logits)
-            elif len(c):
-                tok = await self.prefill(c, sample=last, sampling=sampling, logits=logits,
-                                         align=True)
+            elif end > pos:
+                tok = await self.prefill(c[max(0, reuse - pos):], sample=last,
+                                         sampling=sampling, logits=logits, align=True)
             elif last:
                 raise errors.InvalidArgument("the prompt's last chunk has no tokens")
+            pos = end
         gen = self._from(tok, max_tokens, sampling, stop, stop_on_eog, logits)
         try:
             async for t in gen:
@@ -756,3 +799,10 @@ class AsyncRouteSession:
                                        for c in r.clients), return_exceptions=True)
                 return
         await self.release()
+
+
+def _text_end(prompt: Sequence, p: int) -> int:
+    """Where the run of text positions of ``prompt`` (keys) that holds ``p`` ends: at its
+    next media position, or its end."""
+    return next((q for q in range(p, len(prompt)) if isinstance(prompt[q], MediaKey)),
+                len(prompt))

@@ -107,7 +107,7 @@ def _text_of(content, where: str) -> str:
 def _user(blocks: list, i: int) -> list[dict]:
     """A user turn's blocks as chat messages: each tool result a ``tool`` message (first, as
     Anthropic puts them), then the text."""
-    out, text = [], []
+    out, text, parts = [], [], []
     for j, b in enumerate(blocks):
         kind = b.get("type") if isinstance(b, dict) else None
         if kind is not None:
@@ -116,18 +116,42 @@ def _user(blocks: list, i: int) -> list[dict]:
             text.append(b["text"])
         elif kind == "document":
             text.append(_document(b, f"messages[{i}].content[{j}]"))
+        elif kind == "image":
+            if text:  # the text before it, as one part
+                parts.append({"type": "text", "text": "".join(text)})
+                text = []
+            parts.append(_image(b, f"messages[{i}].content[{j}]"))
         elif kind == "tool_result" and isinstance(b.get("tool_use_id"), str):
             content = _text_of(b.get("content", ""), f"messages[{i}].content[{j}].content")
             if b.get("is_error"):
                 content = f"Error: {content}"
             out.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": content})
         else:
-            raise _bad(f"messages[{i}].content[{j}]: a user block is 'text', 'document' or "
-                       f"'tool_result' (this server takes no {kind or 'untyped'} blocks)",
-                       "messages")
-    if text:
+            raise _bad(f"messages[{i}].content[{j}]: a user block is 'text', 'image', "
+                       f"'document' or 'tool_result' (this server takes no "
+                       f"{kind or 'untyped'} blocks)", "messages")
+    if parts:  # with images: OpenAI content parts (dgr.serve.media takes them)
+        out.append({"role": "user", "content": parts + (
+            [{"type": "text", "text": "".join(text)}] if text else [])})
+    elif text:
         out.append({"role": "user", "content": "".join(text)})
     return out
+
+
+def _image(b: dict, where: str) -> dict:
+    """An ``image`` block as an OpenAI ``image_url`` part: a ``base64`` source as a data URL,
+    a ``url`` one as its URL (fetched only from a host the operator allows)."""
+    src = b.get("source")
+    kind = src.get("type") if isinstance(src, dict) else None
+    if kind == "base64" and isinstance(src.get("data"), str) and \
+            isinstance(src.get("media_type"), str):
+        url = f"data:{src['media_type']};base64,{src['data']}"
+    elif kind == "url" and isinstance(src.get("url"), str):
+        url = src["url"]
+    else:
+        raise _bad(f"'{where}': an image's source is {{'type': 'base64', 'media_type': ..., "
+                   "'data': ...}} or {'type': 'url', 'url': ...}", "messages")
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _assistant(blocks: list, i: int) -> dict:
@@ -305,8 +329,8 @@ def to_chat(body: dict, *, count: bool = False) -> dict:
 
 
 def _usage(gen: Generation) -> dict:
-    return {"input_tokens": len(gen.ids) - gen.reuse, "output_tokens": len(gen.tokens),
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": gen.reuse}
+    return {"input_tokens": gen.n_prompt - gen.cached, "output_tokens": len(gen.tokens),
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": gen.cached}
 
 
 def _stop(gen: Generation, stops: list[str]) -> tuple[str, str | None]:

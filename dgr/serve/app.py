@@ -55,6 +55,7 @@ from dgr.protocol.embeddings import pool
 from dgr.serve import anthropic
 from dgr.serve import metrics as serve_metrics
 from dgr.serve import embeddings as embedding_fields
+from dgr.serve import media as serve_media
 from dgr.serve import responses as oai_responses
 from dgr.serve import status as serve_status
 from dgr.serve.admission import Admission, per_key_default
@@ -62,6 +63,7 @@ from dgr.serve.api_errors import EXCEPTION_HANDLERS, ApiError, from_dgr
 from dgr.serve.auth import KEY_SCOPE, ApiKeys
 from dgr.serve.chat import NativeChat, Rendered, Reply, ToolAsk, tool_ask
 from dgr.serve.generation import Generation, Stream, close_all, deltas, sse, usage_of
+from dgr.serve.media import MediaPrompt
 from dgr.serve.params import MAX_STOP_CHARS, Params
 from dgr.serve.prefix import PrefixPool
 from dgr.serve.settings import ServeSettings
@@ -199,12 +201,20 @@ class _Front:
 
     # -- a request's parts -------------------------------------------------------------------
 
+    def max_body(self) -> int:
+        """The largest body read: ``MAX_BODY``, and on a route with a projector room for
+        ``max_media`` clips of ``max_media_bytes`` each in base64."""
+        st = self.route.stages
+        if not (st and getattr(st[0], "media_marker", "")):
+            return MAX_BODY
+        return MAX_BODY + self.settings.max_media * (self.settings.max_media_bytes * 4 // 3 + 64)
+
     async def body_of(self, request: Request) -> dict:
-        raw = bytearray()
+        raw, cap = bytearray(), self.max_body()
         async for chunk in request.stream():
             raw += chunk
-            if len(raw) > MAX_BODY:
-                raise ApiError(413, f"the request body is larger than {MAX_BODY} bytes",
+            if len(raw) > cap:
+                raise ApiError(413, f"the request body is larger than {cap} bytes",
                                code="request_too_large")
         try:
             body = json.loads(bytes(raw))
@@ -219,15 +229,18 @@ class _Front:
         return body
 
     async def prompt_tokens(self, body: dict, chat: bool, ask: ToolAsk | None = None
-                            ) -> tuple[list[int], str, Rendered | None]:
+                            ) -> tuple[list, str, Rendered | None, MediaPrompt | None]:
         """The prompt's token ids, its text (chat: the rendered messages; "" for a
-        completions prompt of token ids), and how llama.cpp's chat code rendered it (None:
-        the plain template, or completions)."""
-        rendered = None
+        completions prompt of token ids), how llama.cpp's chat code rendered it (None:
+        the plain template, or completions), and its media (``dgr.serve.media``; None:
+        none). With media the ids are each position's key (``MediaPrompt.keys``)."""
+        rendered = media = None
         if chat:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+            messages, media = serve_media.request_media(self.route, self.model, messages,
+                                                        self.settings)
             if self.template is None:
                 raise ApiError(400, f"the model '{self.model}' has no chat template: use "
                                     "/v1/completions", param="messages",
@@ -252,13 +265,16 @@ class _Front:
                 except errors.DgrError as e:
                     raise ApiError(400, str(e), param="messages",
                                    code=type(e).__name__) from None
+            if media is not None:
+                media = await MediaPrompt.cut(self.route, media, text, add_bos, self.settings)
+                return media.keys, text, rendered, media
             ids = await self.route.tokenize(text, add_bos, True)
         else:
             ids, text = (await self._completion_prompts(body.get("prompt")))[0]
         ids = [int(t) for t in ids]
         if not ids:
             raise ApiError(400, "the prompt has no tokens", param="prompt")
-        return ids, text, rendered
+        return ids, text, rendered, None
 
     def _with_tools(self, params: Params, rendered: Rendered) -> None:
         """``params`` with the format's grammar and stop strings (a request with tools or a
@@ -304,16 +320,18 @@ class _Front:
             raise ApiError(400, f"'{param}' names {at}, not a token id of this model (0 to "
                                 f"{n_vocab - 1})", param=param, code="invalid_token")
 
-    def budget(self, ids: list[int], params: Params) -> int:
+    def budget(self, n: int, params: Params) -> int:
+        """The completion's token budget for a prompt of ``n`` tokens (cache cells: an
+        image's rows count)."""
         ctx = self.n_ctx()
         if params.max_tokens is None:
-            if len(ids) >= ctx:
+            if n >= ctx:
                 raise ApiError(400, f"this model's maximum context length is {ctx} tokens; the "
-                                    f"prompt has {len(ids)}", code="context_length_exceeded")
-            return ctx - len(ids)
-        if len(ids) + params.max_tokens > ctx:
+                                    f"prompt has {n}", code="context_length_exceeded")
+            return ctx - n
+        if n + params.max_tokens > ctx:
             raise ApiError(400, f"this model's maximum context length is {ctx} tokens, but "
-                                f"{len(ids) + params.max_tokens} were requested ({len(ids)} in "
+                                f"{n + params.max_tokens} were requested ({n} in "
                                 f"the prompt, {params.max_tokens} for the completion)",
                            param="max_tokens", code="context_length_exceeded")
         return params.max_tokens
@@ -344,7 +362,8 @@ class _Front:
         gens: list[Generation] = []
         try:
             try:
-                params, prompts, replies, taken = await self._admit(body, chat, rid, key)
+                params, prompts, replies, taken, media = await self._admit(body, chat, rid,
+                                                                            key)
             except errors.DgrError as e:
                 raise from_dgr(e, rid) from None
             # each prompt's choices: (sessions, positions they reuse)
@@ -353,7 +372,7 @@ class _Front:
                 plan = []
                 try:
                     for k, (ids, _, _) in enumerate(prompts):
-                        plan.append(await self._choices(ids, params, rid, key))
+                        plan.append(await self._choices(ids, params, rid, key, media))
                 except BaseException:  # every choice's slot goes back, and what was opened
                     with anyio.CancelScope(shield=True):
                         try:
@@ -381,7 +400,7 @@ class _Front:
                         rid=rid if left[0] == 1 else f"{rid}-{k}", endpoint=endpoint,
                         traffic=self.traffic, on_close=closed,
                         reply=replies[i] if replies else None,
-                        session=s, reuse=reuse, pool=self.pool, key=key))
+                        session=s, reuse=reuse, pool=self.pool, key=key, media=media))
                     gens[-1].counts_prompt = not i  # usage counts each prompt once
                     if params.echo:  # the prompt as sent, or its tokens' text
                         gens[-1].echo = text or b"".join(self.vocab[t] for t in ids).decode(
@@ -398,8 +417,8 @@ class _Front:
         s.tenant = key
         return s
 
-    async def _choices(self, ids: list[int], params: Params, rid: str, key: str | None
-                       ) -> tuple[list, int]:
+    async def _choices(self, ids: list[int], params: Params, rid: str, key: str | None,
+                       media: MediaPrompt | None = None) -> tuple[list, int]:
         """``n`` sessions for ``n`` choices of the prompt ``ids`` (their slots taken): the
         prompt prefilled once up to where a fresh prefill's bits are kept
         (``AsyncRouteSession.reusable``'s rule: whole chunks, and rows of partial chunks
@@ -415,7 +434,7 @@ class _Front:
         full = size - size % ub
         rows = all(getattr(st, "prefix_rows_exact", False) for st in r.stages)
         p = size - 2 if rows and size - 2 - full >= 2 else full if full < size else size - ub
-        if params.sampling.grammar or p <= 0:
+        if params.sampling.grammar or p <= 0 or media is not None:
             return [self._session(key) for _ in range(n)], 0
         src = self._session(key)
         try:
@@ -484,8 +503,9 @@ class _Front:
             raise ApiError(400, "log probabilities are not given for a reply whose reasoning "
                                 "has a budget (its end is the front's, not sampled)",
                            param="logprobs", code="unsupported_parameter")
+        media = None
         if chat:
-            ids, text, rendered = await self.prompt_tokens(body, chat, ask)
+            ids, text, rendered, media = await self.prompt_tokens(body, chat, ask)
             prompts = [(ids, text)]
         else:
             prompts, rendered = await self._completion_prompts(body.get("prompt")), None
@@ -494,7 +514,8 @@ class _Front:
         self._check_ids([t for t, _ in params.sampling.logit_bias], "logit_bias")
         if params.user:
             log.info("request %s from %s", rid, params.user)
-        prompts = [(ids, text, self.budget(ids, params)) for ids, text in prompts]
+        prompts = [(ids, text, self.budget(len(ids) if media is None else media.cells, params))
+                   for ids, text in prompts]
         slots = params.n * len(prompts)
         if slots > self.admission.capacity:
             cap = self.admission.capacity
@@ -512,7 +533,7 @@ class _Front:
         taken = None if slots > 1 else self.pool.take(key, prompts[0][0])
         if taken is None:
             await self._take_slot(slots)
-        return params, prompts, replies, taken
+        return params, prompts, replies, taken, media
 
     async def _take_slot(self, n: int = 1) -> None:
         """``n`` free slots at once, waited for in the queue (``dgr.serve.admission``); the
@@ -601,7 +622,7 @@ class _Front:
         endpoint = "count_tokens"
         try:
             body = anthropic.to_chat(await self.body_of(request), count=True)
-            ids, _, _ = await self.prompt_tokens(body, True, tool_ask(body))
+            ids, _, _, media = await self.prompt_tokens(body, True, tool_ask(body))
         except ApiError as e:
             self.m.request(endpoint, e.status)
             return anthropic.error_response(e)
@@ -610,7 +631,7 @@ class _Front:
             self.m.request(endpoint, err.status)
             return anthropic.error_response(err)
         self.m.request(endpoint, 200)
-        return JSONResponse({"input_tokens": len(ids)})
+        return JSONResponse({"input_tokens": len(ids) if media is None else media.cells})
 
     # -- OpenAI's Responses API ---------------------------------------------------------------
 
@@ -756,7 +777,7 @@ class _Front:
         t = self.traffic.snapshot()
         path = ("relay+loop" if r.loop else "relay") if r.relay else "hop-by-hop"
         now = time.perf_counter()
-        reqs = [{"id": g.rid, "endpoint": g.endpoint, "prompt_tokens": len(g.ids),
+        reqs = [{"id": g.rid, "endpoint": g.endpoint, "prompt_tokens": g.n_prompt,
                  "completion_tokens": len(g.tokens), "age_s": now - g.t0,
                  "ttft_ms": None if g.ttft_s is None else 1e3 * g.ttft_s}
                 for g in list(a.active.values())]

@@ -11,6 +11,7 @@ from typing import AsyncIterator
 import anyio
 from starlette.responses import StreamingResponse
 
+from dgr.driver.media import prompt_keys
 from dgr.driver.text import TextStream
 from dgr.serve.admission import Admission
 from dgr.serve.api_errors import mid_stream
@@ -27,7 +28,7 @@ class Generation:
     def __init__(self, route, ids: list[int], max_tokens: int, params: Params, *, metrics,
                  t0: float, admission: Admission, vocab: list[bytes], rid: str,
                  endpoint: str, traffic, on_close=None, reply=None, session=None,
-                 reuse: int = 0, pool=None, key: str | None = None):
+                 reuse: int = 0, pool=None, key: str | None = None, media=None):
         self.route, self.ids, self.max_tokens, self.params = route, ids, max_tokens, params
         self.rid, self.endpoint, self.traffic = rid, endpoint, traffic
         self.ttft_s: float | None = None
@@ -62,6 +63,19 @@ class Generation:
         #: chat with tools or a thinking template: the text parsed in the model's format
         #: (``dgr.serve.chat.Reply``; None: the text is the content)
         self.reply = reply
+        #: the prompt's media (``dgr.serve.media.MediaPrompt``; ``ids`` are then its
+        #: positions' keys), encoded when the generation starts; None: a text prompt
+        self.media = media
+
+    @property
+    def n_prompt(self) -> int:
+        """The prompt's tokens as ``usage`` counts them: a token each, an image's rows."""
+        return len(self.ids) if self.media is None else self.media.cells
+
+    @property
+    def cached(self) -> int:
+        """Of them, those a kept session or a prefix store held (``cached_tokens``)."""
+        return self.reuse if self.media is None else self.media.cells_before(self.reuse)
 
     @property
     def finish(self) -> str:
@@ -101,16 +115,22 @@ class Generation:
             yield self.echo
         s = self.session
         spec0 = (s.trips, s.drafted, s.accepted)  # the session's, before this request
-        if not self.reuse and self.pool is not None and self.pool.stores(self.route):
+        if not self.reuse and self.pool is not None and self.pool.stores(self.route) and \
+                self.media is None:
             # a new session: the stages' prefix stores may hold this prompt's first chunks
             self.reuse = await s.adopt(self.ids)
             self.pool.adopted(self.reuse)
         cap = getattr(self.reply, "cap", None)
         prompt, reuse, seen, full = self.ids, self.reuse, "", False
+        if self.media is not None:  # encoded now, past what the session keeps
+            prompt = await self.media.encoded(self.route, reuse)
         while True:
-            tokens = s.generate(prompt, max_tokens=self.max_tokens - len(self.tokens),
-                                sampling=self.params.sampling, logits=self.params.logprobs,
-                                **({"reuse": reuse} if reuse else {}))
+            left = self.max_tokens - len(self.tokens)
+            tokens = s.generate(prompt, max_tokens=left, sampling=self.params.sampling,
+                                logits=self.params.logprobs,
+                                **({"reuse": reuse} if reuse else {})) if self.media is None \
+                else s.generate_media(prompt, max_tokens=left, sampling=self.params.sampling,
+                                      logits=self.params.logprobs, reuse=reuse)
             capped = False
             try:
                 async for tok in tokens:
@@ -142,8 +162,16 @@ class Generation:
                 piece = text.push(t)
                 if piece:
                     yield piece
-            prompt = self.ids + self.tokens
-            reuse = s.reusable(prompt)  # (a recurrent route: its latest state snapshot there)
+            if self.media is None:
+                prompt = self.ids + self.tokens
+                reuse = s.reusable(prompt)  # (a recurrent route: its latest state snapshot)
+            else:  # the reply so far as text after the prompt's chunks (its last run)
+                chunks = self.media.chunks
+                tail = [*chunks[-1], *self.tokens] if isinstance(chunks[-1], list) else None
+                whole = [*chunks[:-1], tail] if tail else [*chunks, list(self.tokens)]
+                reuse = s.reusable(prompt_keys(whole))
+                encoded = await self.media.encoded(self.route, reuse)
+                prompt = [*encoded[:-1], tail] if tail else [*encoded, list(self.tokens)]
         reason = "stop" if text.stopped else "length" if full else getattr(s, "stop_reason",
                                                                              "length")
         self.finish_reason = "length" if reason == "length" else "stop"
@@ -177,8 +205,8 @@ class Generation:
         return out
 
     def usage(self) -> dict:
-        return {"prompt_tokens": len(self.ids), "completion_tokens": len(self.tokens),
-                "total_tokens": len(self.ids) + len(self.tokens)}
+        return {"prompt_tokens": self.n_prompt, "completion_tokens": len(self.tokens),
+                "total_tokens": self.n_prompt + len(self.tokens)}
 
     async def close(self) -> None:
         """Release the session on every stage, the request's slot and its API key's count,
@@ -343,6 +371,8 @@ async def sse(gen: Generation | list[Generation], rid: str, chat: bool, model: s
 def usage_of(gens: list[Generation]) -> dict:
     """A request's ``usage``: each prompt once (the first choice of each counts it), every
     choice's completion tokens."""
-    prompt = sum(len(g.ids) for g in gens if g.counts_prompt)
+    prompt = sum(g.n_prompt for g in gens if g.counts_prompt)
+    cached = sum(g.cached for g in gens if g.counts_prompt)
     out = sum(len(g.tokens) for g in gens)
-    return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out}
+    return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out,
+            "prompt_tokens_details": {"cached_tokens": cached}}

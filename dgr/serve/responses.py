@@ -42,7 +42,28 @@ def _text(content, where: str) -> str:
             and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
     raise _bad(f"{where}: content must be a string or a list of input_text/output_text parts "
-               "(this server takes no images or files)", "input")
+               "(images as input_image parts of a user message; this server takes no "
+               "files)", "input")
+
+
+def _parts(content, where: str):
+    """A user message's content: its text, or with ``input_image`` parts OpenAI chat content
+    parts (``image_url``, which ``dgr.serve.media`` takes)."""
+    if not (isinstance(content, list) and any(isinstance(p, dict) and
+                                              p.get("type") == "input_image" for p in content)):
+        return _text(content, where)
+    out = []
+    for j, p in enumerate(content):
+        if isinstance(p, dict) and p.get("type") == "input_image":
+            if not isinstance(p.get("image_url"), str) or p.get("file_id") is not None:
+                raise _bad(f"{where}.content[{j}]: an input_image is {{'image_url': a data: URL "
+                           "(or an http(s) URL of a host the server allows)}; this server "
+                           "keeps no files (file_id)", "input")
+            out.append({"type": "image_url", "image_url": {
+                "url": p["image_url"], "detail": p.get("detail") or "auto"}})
+        else:
+            out.append({"type": "text", "text": _text([p], f"{where}.content[{j}]")})
+    return out
 
 
 class _Items:
@@ -69,7 +90,7 @@ class _Items:
         if kind == "message" and item.get("role") in ("user", "system", "developer",
                                                       "assistant"):
             role = "system" if item["role"] == "developer" else item["role"]
-            text = _text(item.get("content"), where)
+            text = (_parts if role == "user" else _text)(item.get("content"), where)
             if role == "assistant":
                 self._assistant()["content"] += text
             else:
@@ -316,11 +337,11 @@ def response(gen: Generation, out: Output, rid: str, model: str, body: dict, cha
     incomplete = done and gen.finish == "length"
     usage = None
     if done:
-        usage = {"input_tokens": len(gen.ids),
-                 "input_tokens_details": {"cached_tokens": gen.reuse, "cache_write_tokens": 0},
+        usage = {"input_tokens": gen.n_prompt,
+                 "input_tokens_details": {"cached_tokens": gen.cached, "cache_write_tokens": 0},
                  "output_tokens": len(gen.tokens),
                  "output_tokens_details": {"reasoning_tokens": out.reasoning_tokens or 0},
-                 "total_tokens": len(gen.ids) + len(gen.tokens)}
+                 "total_tokens": gen.n_prompt + len(gen.tokens)}
     choice = body.get("tool_choice", "auto")
     return {"id": rid, "object": "response", "created_at": created,
             "status": ("incomplete" if incomplete else "completed") if done else "in_progress",

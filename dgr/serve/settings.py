@@ -26,6 +26,12 @@ SERVE_FLAGS = {
     "prompt_cache_ttl": ("prompt_cache_ttl", lambda a: a.prompt_cache_ttl),
     "prefix_store": ("prefix_store", lambda a: a.prefix_store),
     "pooling": ("pooling", lambda a: a.pooling or "last"),
+    "max_media": ("max_media", lambda a: a.max_media),
+    "max_media_bytes": ("max_media_bytes", lambda a: a.max_media_bytes),
+    "max_image_pixels": ("max_image_pixels", lambda a: a.max_image_pixels),
+    "media_url_hosts": ("media_url_host",
+                        lambda a: tuple(h.strip().lower() for v in a.media_url_host or ()
+                                        for h in v.split(",") if h.strip())),
 }
 
 
@@ -63,6 +69,20 @@ class ServeSettings(SettingsTable):
         ``dgr.protocol.embeddings``).
     normalize : bool
         Whether ``/v1/embeddings`` scales each vector to unit length.
+    max_media : int
+        The images and audio clips one chat request may hold (a route whose first stage has
+        a projector, ``--mmproj``; ``dgr.serve.media``).
+    max_media_bytes : int
+        The bytes one image or audio clip may have (decoded from base64, or fetched).
+    max_image_pixels : int
+        The pixels (width x height) an image may have, read from its header before it is
+        decoded (the first stage's own cap, ``dgr.worker.worker.MAX_PIXELS``, also holds).
+    media_url_hosts : tuple of str
+        The hosts whose ``http(s)`` image URLs the front fetches (lower case); any other
+        URL but a ``data:`` one is a 400 (no request makes the server fetch from an address
+        it chose).
+    media_url_timeout : float
+        Seconds a fetch of an allowed image URL may take.
     """
 
     KIND = "front"
@@ -76,8 +96,21 @@ class ServeSettings(SettingsTable):
     prefix_store: bool = True
     pooling: str = "last"
     normalize: bool = True
+    max_media: int = 8
+    max_media_bytes: int = 5 << 20
+    max_image_pixels: int = 8000 * 8000
+    media_url_hosts: tuple = ()
+    media_url_timeout: float = 10.0
 
     def __post_init__(self):
+        if self.max_media < 0 or self.max_media_bytes < 1 or self.max_image_pixels < 1 or \
+                not self.media_url_timeout > 0:
+            raise InvalidArgument(
+                f"max_media must be >= 0, max_media_bytes and max_image_pixels >= 1 and "
+                f"media_url_timeout > 0, got {self.max_media}, {self.max_media_bytes}, "
+                f"{self.max_image_pixels} and {self.media_url_timeout}")
+        object.__setattr__(self, "media_url_hosts",
+                           tuple(str(h).lower() for h in self.media_url_hosts))
         if self.pooling not in POOLING:
             raise InvalidArgument(f"unknown pooling {self.pooling!r} (known: {', '.join(POOLING)})")
         if self.prompt_cache < 0 or not self.prompt_cache_ttl > 0:

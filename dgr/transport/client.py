@@ -256,19 +256,21 @@ class ShardClient:
 
     async def encode_media(self, prompt: str, media: Sequence[bytes], *,
                            add_special: bool = True, parse_special: bool = True,
-                           first_pos: int = 0, timeout: float | None = None) -> list[dict]:
+                           first_pos: int = 0, encode_from: int = 0, max_pixels: int = 0,
+                           timeout: float | None = None) -> list[dict]:
         """``prompt``'s chunks by the first stage's projector (``Worker.encode_media``): a
         dict each (``kind``, ``tokens``, ``n_rows``, ``n_pos``, ``id``, ``non_causal``; a
-        media chunk's ``rows`` float32 ``[n_rows, width]`` and ``positions`` int32 ``[n_rows]``
-        or ``[4, n_rows]``)."""
+        media chunk from ``encode_from`` on its ``rows`` float32 ``[n_rows, width]`` and
+        ``positions`` int32 ``[n_rows]`` or ``[4, n_rows]``; an earlier one none)."""
         r = await self._unary("encode_media", self._stub.EncodeMedia, dgr_pb2.EncodeMediaRequest(
             prompt=prompt, media=[bytes(m) for m in media], add_special=add_special,
-            parse_special=parse_special, first_pos=first_pos), timeout)
+            parse_special=parse_special, first_pos=first_pos, encode_from=encode_from,
+            max_pixels=max_pixels), timeout)
         out = []
         for c in r.chunks:
             d = {"kind": c.kind, "tokens": list(c.tokens), "n_rows": c.n_rows, "n_pos": c.n_pos,
                  "id": c.id, "non_causal": c.non_causal}
-            if c.kind != "text":
+            if c.kind != "text" and (c.rows or c.width):
                 rows = np.frombuffer(c.rows, dtype="<f4").astype(np.float32)
                 if not c.width or rows.size != c.n_rows * c.width:
                     raise errors.FrameError(

@@ -54,8 +54,10 @@ class StageBackend(Protocol):
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> Sequence[int]: ...
 
     def encode_media(self, prompt: str, media: list[bytes], add_special: bool,
-                     parse_special: bool, first_pos: int) -> list[dict]:
-        """``prompt``'s text and media chunks, the media ones encoded (``Worker``'s)."""
+                     parse_special: bool, first_pos: int, encode_from: int = 0,
+                     max_pixels: int = 0) -> list[dict]:
+        """``prompt``'s text and media chunks, the media ones from ``encode_from`` on
+        encoded (``Worker``'s)."""
 
     def detokenize(self, tokens: Sequence[int], remove_special: bool,
                    unparse_special: bool) -> str: ...
@@ -224,7 +226,8 @@ class _Servicer(dgr_pb2_grpc.ShardServicer):
         try:
             chunks = await asyncio.to_thread(self.b.encode_media, request.prompt,
                                              list(request.media), request.add_special,
-                                             request.parse_special, request.first_pos)
+                                             request.parse_special, request.first_pos,
+                                             request.encode_from, request.max_pixels)
             out = []
             for c in chunks:
                 m = dgr_pb2.MediaChunk(kind=c["kind"], tokens=c["tokens"], n_rows=c["n_rows"],
@@ -233,6 +236,7 @@ class _Servicer(dgr_pb2_grpc.ShardServicer):
                 if "rows" in c:
                     rows = np.ascontiguousarray(c["rows"], dtype="<f4")
                     m.width, m.rows = rows.shape[1], rows.tobytes()
+                if "positions" in c:
                     m.positions.extend(int(p) for p in np.asarray(c["positions"]).reshape(-1))
                 out.append(m)
             return dgr_pb2.EncodeMediaReply(chunks=out)

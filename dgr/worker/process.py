@@ -247,9 +247,10 @@ class LocalCluster:
 
     def __init__(self, model: str, ranges: Sequence[tuple[int, int] | None], *,
                  settings: dict | None = None, args: Sequence[str] = (),
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", first_args: Sequence[str] = ()):
         self.workers = [WorkerProcess(model, r, listen=f"{host}:0", settings=settings,
-                                      args=args) for r in ranges]
+                                      args=[*args, *(first_args if not i else ())])
+                        for i, r in enumerate(ranges)]
 
     @property
     def endpoints(self) -> list[str]:

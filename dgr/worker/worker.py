@@ -31,9 +31,14 @@ from dgr.worker.pipeline import StagePipeline
 from dgr.worker.step import Step
 from dgr.worker.trust import RelayPolicy
 
-__all__ = ["Worker"]
+__all__ = ["MAX_PIXELS", "Worker"]
 
 log = logging.getLogger("dgr.worker")
+
+#: the most pixels (width x height) an image given to ``Worker.encode_media`` may have, read
+#: from its header before it is decoded (a few kilobytes may claim a gigapixel image): 8192 x
+#: 8192; a caller may ask for less (the front's ``--max-image-pixels``)
+MAX_PIXELS = 8192 * 8192
 
 
 class Worker:
@@ -235,21 +240,25 @@ class Worker:
         return self.pipeline.slots.fork(session, epoch, into, into_epoch, CALLER.get())
 
     def encode_media(self, prompt: str, media: list[bytes], add_special: bool,
-                     parse_special: bool, first_pos: int) -> list[dict]:
+                     parse_special: bool, first_pos: int, encode_from: int = 0,
+                     max_pixels: int = 0) -> list[dict]:
         """``prompt``'s chunks by the projector beside this stage (``--mmproj``): each a
-        dict of ``Media.tokenize``'s, a media chunk with its ``rows`` (``Media.encode``, on
-        this stage's device) and ``positions`` from ``first_pos`` on. Serialized by the
-        engine's lock (libmtmd's context is not thread-safe), as a forward is."""
+        dict of ``Media.tokenize``'s, a media chunk that starts at ``encode_from`` or later
+        with its ``rows`` (``Media.encode``, on this stage's device) and ``positions``
+        (positions from ``first_pos`` on). An image of more than ``max_pixels`` pixels (the
+        caller's cap, at most ``MAX_PIXELS``) is refused before it is decoded. Serialized by
+        the engine's lock (libmtmd's context is not thread-safe), as a forward is."""
         m = self.media
         if m is None:
             raise errors.InvalidArgument(
                 "this worker has no projector: start the first stage with --mmproj "
                 "(the model's mmproj GGUF)")
+        cap = min(int(max_pixels), MAX_PIXELS) if max_pixels else MAX_PIXELS
         with self.pipeline.engine.lock:
-            chunks = m.tokenize(prompt, media, add_special, parse_special)
+            chunks = m.tokenize(prompt, media, add_special, parse_special, cap)
             p = int(first_pos)
             for i, c in enumerate(chunks):
-                if c["kind"] != "text":
+                if c["kind"] != "text" and p >= encode_from:
                     c["rows"], c["positions"] = m.encode(i), m.positions(i, p)
                 p += c["n_pos"]
         return chunks

@@ -16,7 +16,7 @@ import pytest
 import dgr
 from dgr import errors
 from dgr.core.media import Media
-from dgr.driver.media import MediaStep
+from dgr.driver.media import MediaKey, MediaRef, MediaStep, prompt_keys
 from dgr.driver.route import AsyncRoute
 from dgr.testing.mmproj import write_tiny_vlm
 from dgr.testing.stages import threaded_stages
@@ -65,7 +65,9 @@ async def _through(r, plan, *, recover_after_media=False):
                 await r.recovery.recover(s, errors.SessionError("test: replay"), 1)
         else:
             await s.prefill(step, sample=last, logits=last)
-    assert s.media and s.history[len(plan[0])] is None  # no token id at a media position
+    img = next(p for p in plan if isinstance(p, MediaStep))
+    # the media's id at each position it advances, where a token id would be
+    assert s.media and s.history[len(plan[0])] == MediaKey(img.id, 0)
     return s, s.logits[-1]
 
 
@@ -190,4 +192,54 @@ def test_encode_media_refuses_what_it_cannot_take(tmp_path):
         asyncio.run(go(ws, plain))
     finally:
         for w in ws + plain:
+            w.stop()
+
+
+@pytest.mark.parametrize("projector", ["qwen25vl", "gemma3"])
+def test_a_next_turn_keeps_the_image_and_computes_a_fresh_prefills_bits(tmp_path, projector):
+    """Turn 2 repeats turn 1's image at the same positions: ``reusable`` of its keys keeps
+    the kept session's rows past the image (the same media id at each position it advances)
+    and ``generate_media(reuse=...)`` prefills only the rest, with only the new chunks
+    encoded (``encode_from``: the kept image comes as a ``MediaRef``); its tokens and every
+    step's logits equal a fresh session's, bit for bit, on a 3-stage split. Another image at
+    the same place is not reused."""
+    text, mmproj = (str(p) for p in write_tiny_vlm(tmp_path, projector))
+    image = (Vendor().src / "tools" / "mtmd" / "test-1.jpeg").read_bytes()
+
+    async def go(ws):
+        async with AsyncRoute([w.address for w in ws]) as r:
+            m = r.stages[0].media_marker
+            turn1 = f"look {m} now tell me"
+            s = r.session()
+            reply = [t async for t in s.generate_media(
+                await r.encode_media(turn1, [image]), max_tokens=5, stop_on_eog=False)]
+            turn2 = turn1 + await r.detokenize(reply) + " and then more words here"
+            full = await r.encode_media(turn2, [image])
+            img = next(c for c in full if isinstance(c, MediaStep))
+            start = len(full[0])
+            reuse = s.reusable(prompt_keys(full))
+            assert reuse > start + img.span, (reuse, start, img.span)
+            kept = await r.encode_media(turn2, [image], encode_from=reuse)
+            assert isinstance(kept[1], MediaRef) and kept[1].id == img.id
+            assert kept[1].n_rows == img.n_rows and kept[1].span == img.span
+            got = [t async for t in s.generate_media(kept, max_tokens=4, logits=True,
+                                                     stop_on_eog=False, reuse=reuse)]
+            fresh = r.session()
+            want = [t async for t in fresh.generate_media(full, max_tokens=4, logits=True,
+                                                          stop_on_eog=False)]
+            assert got == want
+            assert all(a.tobytes() == b.tobytes() for a, b in zip(s.logits, fresh.logits))
+            # the same prompt with another picture keeps nothing past the text before it
+            other = bytes(image[:-200]) + bytes(200)  # the pixels differ: another media id
+            moved = await r.encode_media(turn2, [other])
+            assert next(c for c in moved if isinstance(c, MediaStep)).id != img.id
+            assert s.reusable(prompt_keys(moved)) <= start
+            with pytest.raises(errors.InvalidArgument, match="inside a media step"):
+                await anext(s.generate_media(full, reuse=start + 1))
+
+    ws = _workers(text, mmproj, [(0, 1), (1, 3), (3, 4)])
+    try:
+        asyncio.run(go(ws))
+    finally:
+        for w in ws:
             w.stop()

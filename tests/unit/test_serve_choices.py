@@ -61,7 +61,8 @@ def test_n_choices_each_with_its_seed():
     assert [c["index"] for c in d["choices"]] == [0, 1]
     assert all(len(c["text"]) == 4 and c["finish_reason"] == "length" for c in d["choices"])
     assert sorted(route.seeds) == [41, 42]
-    assert d["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}
+    assert d["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11,
+                          "prompt_tokens_details": {"cached_tokens": 0}}
     assert route.opened == route.closed == 2
 
 

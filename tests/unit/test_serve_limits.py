@@ -528,7 +528,7 @@ def test_serve_with_local_stages_gives_the_app_its_settings(monkeypatch, tiny_ll
     started = []
 
     class FakeCluster:
-        def __init__(self, model, ranges, settings=None, args=()):
+        def __init__(self, model, ranges, settings=None, args=(), first_args=()):
             started.append((ranges, settings))
             self.workers = []
 
@@ -569,7 +569,7 @@ def test_serve_stops_the_local_workers_when_one_fails_to_start(monkeypatch, tiny
     stopped, ran = [], []
 
     class FailingCluster:
-        def __init__(self, model, ranges, settings=None, args=()):
+        def __init__(self, model, ranges, settings=None, args=(), first_args=()):
             pass
 
         def start(self, timeout=None, progress=None):

@@ -56,9 +56,12 @@ public:
     // files' bytes (images as stb_image reads them, audio as wav/mp3/flac; a chunk's id is
     // the SHA-256 of its bytes, mtmd's bitmap id). The chunks are kept here until the next
     // Tokenize, for Encode and Positions. kInvalidArgument for a marker count that is not the
-    // media count, or media libmtmd cannot decode or preprocess.
+    // media count, or media libmtmd cannot decode or preprocess, or an image whose header
+    // says it has more than `max_pixels` pixels (width x height, read before it is decoded;
+    // 0: no cap).
     Status Tokenize(const std::string & prompt, const std::vector<std::string> & media,
-                    bool add_special, bool parse_special, std::vector<MediaChunk> * out);
+                    bool add_special, bool parse_special, std::vector<MediaChunk> * out,
+                    uint64_t max_pixels = 0);
     // The embedding rows of the last Tokenize's media chunk `i` (n_rows * n_embd_inp floats).
     Status Encode(size_t i, std::vector<float> * rows);
     // Chunk `i`'s positions from pos0: n_rows of them, or on an M-RoPE model 4 * n_rows,

@@ -188,7 +188,8 @@ cdef extern from "dgr/media.h" namespace "dgr" nogil:
                      unique_ptr[CMedia] * out) except +
         const CMediaInfo & info()
         CStatus Tokenize(const string & prompt, const vector[string] & media, bool add_special,
-                         bool parse_special, vector[CMediaChunk] * out) except +
+                         bool parse_special, vector[CMediaChunk] * out,
+                         uint64_t max_pixels) except +
         CStatus Encode(size_t i, vector[float] * rows) except +
         CStatus Positions(size_t i, int32_t pos0, vector[int32_t] * pos) except +
 

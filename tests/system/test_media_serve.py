@@ -1,0 +1,319 @@
+"""Images through the HTTP front with the official clients, on a 3-stage split of a tiny
+random-weight VLM whose first stage runs the projector (``--mmproj``): OpenAI chat
+``image_url`` (streamed and not), Anthropic ``image`` and ``document`` blocks, Responses
+``input_image``; each reply's text equal to the whole model's (one stage) through the same
+front, for an M-RoPE projector (qwen25vl) and a non-causal one (gemma3). A second turn that
+repeats the image is served from the prompt cache (its rows counted in ``cached_tokens``)
+with the text of an uncached front. Bad media are each a 400 in the API's own error shape,
+never a 500 (a fuzz test too), and no request makes the server fetch from a host the
+operator did not allow."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import json
+import random
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+
+from dgr.driver.route import AsyncRoute
+from dgr.serve.settings import ServeSettings
+from dgr.testing.mmproj import write_tiny_vlm
+from dgr.testing.serving import Served
+from dgr.vendor import Vendor
+
+openai = pytest.importorskip("openai")
+anthropic = pytest.importorskip("anthropic")
+
+pytestmark = pytest.mark.slow
+
+SETTINGS = dict(n_ctx=512, n_slots=2, n_threads=1, n_ubatch=64)
+SPLIT = [(0, 1), (1, 3), (3, 4)]
+NAME = "tiny-vlm"
+GREEDY = dict(temperature=0)
+
+
+def _image() -> bytes:
+    return (Vendor().src / "tools" / "mtmd" / "test-1.jpeg").read_bytes()
+
+
+def _data_url(data: bytes, mime: str = "image/jpeg") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+class _Front:
+    """Workers (the first with the projector) and a front over them."""
+
+    def __init__(self, text, mmproj, layout, **settings):
+        from dgr.serve.app import create_app
+        from dgr.serve.templates import ChatTemplate
+        from dgr.worker.process import ThreadedWorker
+        import dgr
+
+        self.workers = [ThreadedWorker(dgr.Engine(text, layers=r, **SETTINGS),
+                                       mmproj=mmproj if r[0] == 0 else "") for r in layout]
+        try:
+            self.served = Served(create_app(
+                AsyncRoute([w.address for w in self.workers]), model=NAME,
+                template=ChatTemplate.from_gguf(text), settings=ServeSettings(**settings)))
+        except BaseException:
+            self.stop_workers()
+            raise
+        self.openai = self.served.openai(timeout=120)
+        self.anthropic = self.served.anthropic(timeout=120)
+
+    def stop_workers(self):
+        for w in self.workers:
+            w.stop()
+
+    def stop(self):
+        self.served.stop()
+        self.stop_workers()
+
+
+@pytest.fixture(scope="module", params=["qwen25vl", "gemma3"])
+def vlm(request, tmp_path_factory):
+    text, mmproj = write_tiny_vlm(tmp_path_factory.mktemp(request.param), request.param)
+    split = _Front(str(text), str(mmproj), SPLIT, prompt_cache=2)
+    whole = _Front(str(text), str(mmproj), [(0, 4)], prompt_cache=0, prefix_store=False)
+    yield request.param, split, whole
+    split.stop()
+    whole.stop()
+
+
+def _ask(url: str, question: str = "What is in this picture?", detail: str = "auto") -> list:
+    return [{"role": "user", "content": [
+        {"type": "text", "text": question},
+        {"type": "image_url", "image_url": {"url": url, "detail": detail}}]}]
+
+
+def _chat(front, messages, **kw) -> tuple[str, object]:
+    r = front.openai.chat.completions.create(model=NAME, messages=messages, max_tokens=12,
+                                             **GREEDY, **kw)
+    return r.choices[0].message.content, r.usage
+
+
+def test_openai_chat_with_an_image_streamed_and_not_is_the_whole_models(vlm):
+    _, split, whole = vlm
+    msgs = _ask(_data_url(_image()), detail="low")
+    text, usage = _chat(split, msgs)
+    assert text and text == _chat(whole, msgs)[0]
+    assert usage.prompt_tokens > 40  # the image's rows count
+    chunks = list(split.openai.chat.completions.create(
+        model=NAME, messages=msgs, max_tokens=12, stream=True,
+        stream_options={"include_usage": True}, **GREEDY))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.prompt_tokens == usage.prompt_tokens
+
+
+def test_anthropic_image_and_document_blocks(vlm):
+    _, split, whole = vlm
+    src = {"type": "base64", "media_type": "image/jpeg",
+           "data": base64.b64encode(_image()).decode()}
+    content = [{"type": "document", "source": {"type": "text", "media_type": "text/plain",
+                                               "data": "A note: the picture is a test."}},
+               {"type": "image", "source": src},
+               {"type": "text", "text": "Describe it."}]
+
+    def ask(front):
+        m = front.anthropic.messages.create(model=NAME, max_tokens=12, extra_body=GREEDY,
+                                            messages=[{"role": "user", "content": content}])
+        return m.content[0].text if m.content else "", m.usage
+
+    text, usage = ask(split)
+    assert text and (text, usage.input_tokens) == (ask(whole)[0], usage.input_tokens)
+    n = split.anthropic.messages.count_tokens(model=NAME, messages=[
+        {"role": "user", "content": content}]).input_tokens
+    assert n == usage.input_tokens + usage.cache_read_input_tokens
+
+
+def test_responses_with_an_input_image(vlm):
+    _, split, whole = vlm
+    inp = [{"role": "user", "content": [
+        {"type": "input_text", "text": "What is this?"},
+        {"type": "input_image", "image_url": _data_url(_image()), "detail": "auto"}]}]
+
+    def ask(front):
+        return front.openai.responses.create(model=NAME, input=inp, max_output_tokens=12,
+                                             temperature=0).output_text
+
+    text = ask(split)
+    assert text and text == ask(whole)
+
+
+def test_a_repeated_image_in_turn_two_is_served_from_the_prompt_cache(vlm):
+    """Turn 2 holds turn 1 (the image included) and its reply: the split front reuses the
+    kept session's rows, the image's among them (``cached_tokens`` past the first text chunk
+    and the image's rows), and answers the text of a front that keeps nothing."""
+    _, split, whole = vlm
+    turn1 = _ask(_data_url(_image()))
+    reply, u1 = _chat(split, turn1)
+    turn2 = turn1 + [{"role": "assistant", "content": reply},
+                     {"role": "user", "content": "And its colours?"}]
+    r = split.openai.chat.completions.create(model=NAME, messages=turn2, max_tokens=12, **GREEDY)
+    cached = r.usage.prompt_tokens_details.cached_tokens
+    assert cached > 40, cached  # past the image's rows (48 on qwen25vl, 64 on gemma3)
+    fresh = whole.openai.chat.completions.create(model=NAME, messages=turn2, max_tokens=12,
+                                                 **GREEDY)
+    assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+    assert r.choices[0].message.content == fresh.choices[0].message.content
+    assert r.usage.prompt_tokens == fresh.usage.prompt_tokens
+    # another image in the same place is not the kept one: nothing past the text before it
+    other = _ask(_data_url(_png(8, 8)))
+    r2 = split.openai.chat.completions.create(model=NAME, messages=other, max_tokens=4,
+                                              **GREEDY)
+    assert r2.usage.prompt_tokens_details.cached_tokens < 40
+
+
+def _png(w: int, h: int) -> bytes:
+    """A real w x h RGB PNG (zlib-compressed rows), for sizes the JPEG is not."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(
+            ">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    rows = b"".join(b"\x00" + b"".join(bytes((x * 30 % 256, y * 40 % 256, 128))
+                                       for x in range(w)) for y in range(h))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+
+
+def _status(front, messages) -> tuple[int, dict]:
+    req = urllib.request.Request(
+        front.served.base + "/v1/chat/completions", method="POST",
+        headers={"Content-Type": "application/json"},
+        data=json.dumps({"model": NAME, "messages": messages, "max_tokens": 4}).encode())
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_bad_media_are_each_a_400_in_the_apis_shape(vlm):
+    _, split, _ = vlm
+    image = _image()
+    cases = {
+        "corrupt": _ask(_data_url(image[:100])),
+        "truncated png": _ask(_data_url(_png(16, 16)[:60], "image/png")),
+        "not base64": _ask("data:image/jpeg;base64,@@@@"),
+        "webp": _ask(_data_url(b"RIFF\x10\x00\x00\x00WEBPVP8 " + b"\x00" * 16, "image/webp")),
+        "not an image": _ask(_data_url(b"hello, world", "image/png")),
+        "http url": _ask("http://169.254.169.254/latest/meta-data/"),
+        "file url": _ask("file:///etc/passwd"),
+        "marker in text": [{"role": "user", "content": [
+            {"type": "text", "text": "<__media__> twice"},
+            {"type": "image_url", "image_url": {"url": _data_url(image)}}]}],
+        "too many": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": _data_url(image)}}] * 9}],
+        "audio to a vision projector": [{"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {
+                "data": base64.b64encode(b"RIFF\x24\x00\x00\x00WAVEfmt ").decode(),
+                "format": "wav"}}]}],
+        "bad detail": _ask(_data_url(image), detail="ultra"),
+    }
+    for name, msgs in cases.items():
+        status, body = _status(split, msgs)
+        assert status == 400, (name, status, body)
+        err = body["error"]
+        assert set(err) >= {"message", "type", "param", "code"} and err["message"], name
+        assert "/" not in err["message"].replace("data:image/png;base64", "") or \
+            "http" in name or "url" in name, (name, err)  # no path leaked
+    # Anthropic's own shape
+    with pytest.raises(anthropic.BadRequestError) as e:
+        split.anthropic.messages.create(model=NAME, max_tokens=4, messages=[
+            {"role": "user", "content": [{"type": "image", "source": {
+                "type": "url", "url": "http://10.0.0.1/x.png"}}]}])
+    assert e.value.body["type"] == "error" and "fetches no image" in \
+        e.value.body["error"]["message"]
+
+
+def test_the_caps_on_bytes_and_pixels(tmp_path):
+    text, mmproj = write_tiny_vlm(tmp_path, "qwen25vl")
+    front = _Front(str(text), str(mmproj), [(0, 4)], max_media_bytes=4096,
+                   max_image_pixels=32 * 32)
+    try:
+        status, body = _status(front, _ask(_data_url(_image())))
+        assert status == 400 and body["error"]["code"] == "media_too_large", body
+        status, body = _status(front, _ask(_data_url(_png(40, 40), "image/png")))
+        assert status == 400 and "40x40" in body["error"]["message"], body
+        assert body["error"]["message"].startswith("messages[0].content[1]: media item 0"), body
+        status, body = _status(front, _ask(_data_url(_png(30, 30), "image/png")))
+        assert status == 200, body
+    finally:
+        front.stop()
+
+
+def test_a_front_without_a_projector_says_so(tmp_path):
+    text, _ = write_tiny_vlm(tmp_path, "qwen25vl")
+    front = _Front(str(text), "", [(0, 4)])
+    try:
+        status, body = _status(front, _ask(_data_url(_image())))
+        assert status == 400 and body["error"]["code"] == "no_projector", body
+        assert _status(front, [{"role": "user", "content": "hi"}])[0] == 200
+    finally:
+        front.stop()
+
+
+class _Images(http.server.BaseHTTPRequestHandler):
+    image = b""
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        if self.path == "/moved":
+            self.send_response(302)
+            self.send_header("Location", "http://169.254.169.254/")
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "image/jpeg")
+        self.end_headers()
+        self.wfile.write(self.image)
+
+    def log_message(self, *a):
+        pass
+
+
+def test_an_allowed_host_is_fetched_without_redirects(tmp_path):
+    text, mmproj = write_tiny_vlm(tmp_path, "qwen25vl")
+    _Images.image = _image()
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Images)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{srv.server_address[1]}"
+    front = _Front(str(text), str(mmproj), [(0, 4)], media_url_hosts=("127.0.0.1",))
+    try:
+        got, _ = _chat(front, _ask(base + "/test-1.jpeg"))
+        assert got == _chat(front, _ask(_data_url(_image())))[0]
+        status, body = _status(front, _ask(base + "/moved"))
+        assert status == 400 and body["error"]["code"] == "image_url_failed", body
+        status, body = _status(front, _ask(base.replace("127.0.0.1", "localhost") + "/x"))
+        assert status == 400 and body["error"]["code"] == "image_url_not_allowed", body
+    finally:
+        front.stop()
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_fuzzed_images_are_never_a_500(vlm):
+    """Random cuts, flips and splices of the JPEG and of a PNG: each a 200 or a 400."""
+    _, split, _ = vlm
+    rng = random.Random(55)
+    seeds = [_image(), _png(16, 12)]
+    for k in range(24):
+        b = bytearray(rng.choice(seeds))
+        op = k % 3
+        if op == 0:
+            b = b[:rng.randrange(1, len(b))]
+        elif op == 1:
+            for _ in range(rng.randrange(1, 40)):
+                b[rng.randrange(len(b))] = rng.randrange(256)
+        else:
+            a = rng.randrange(len(b))
+            b[a:a] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
+        status, body = _status(split, _ask(_data_url(bytes(b))))
+        assert status in (200, 400), (k, status, body)
