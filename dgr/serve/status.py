@@ -205,8 +205,14 @@ def model_card(card: dict, stages) -> dict:
         return dict(card)
     n_ctx = min(int(s.n_ctx) for s in stages)
     train = min(int(getattr(s, "n_ctx_train", 0)) for s in stages)
-    return {**card, "max_model_len": n_ctx,
-            "meta": {"n_ctx": n_ctx, "n_ctx_train": train, "n_vocab": int(stages[0].n_vocab)}}
+    first = stages[0]
+    # llama-server's words: "multimodal" where a projector is loaded (beside the first stage)
+    caps = ["completion"] + (["multimodal"] if getattr(first, "media_marker", "") else [])
+    media = [k for k, on in (("image", getattr(first, "media_vision", False)),
+                             ("audio", getattr(first, "media_audio", False))) if on]
+    return {**card, "max_model_len": n_ctx, "capabilities": caps,
+            "meta": {"n_ctx": n_ctx, "n_ctx_train": train, "n_vocab": int(first.n_vocab),
+                     "media": media}}
 
 
 def context_line(stages) -> str:

@@ -317,3 +317,53 @@ def test_fuzzed_images_are_never_a_500(vlm):
             b[a:a] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
         status, body = _status(split, _ask(_data_url(bytes(b))))
         assert status in (200, 400), (k, status, body)
+
+
+def test_dgr_serve_mmproj_serves_images_from_the_command_line(tmp_path):
+    """``python -m dgr serve --model M --mmproj P --stages 2``, as a user starts it: the
+    model card says it is multimodal, and the official client's image request is answered
+    with the text of the in-process whole model's front."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    text, mmproj = write_tiny_vlm(tmp_path, "qwen25vl")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "serve.log"
+    with open(log, "w") as f:
+        p = subprocess.Popen([sys.executable, "-m", "dgr", "serve", "--model", str(text),
+                              "--mmproj", str(mmproj), "--stages", "2", "--ctx", "512",
+                              "--slots", "2", "--threads", "1", "--ubatch", "64",
+                              "--port", str(port)], stdout=f, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                assert p.poll() is None, log.read_text()
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models",
+                                                timeout=2) as r:
+                        card = json.loads(r.read())["data"][0]
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, "dgr serve did not come up"
+                    time.sleep(0.3)
+            assert card["capabilities"] == ["completion", "multimodal"]
+            assert card["meta"]["media"] == ["image"]
+            with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-",
+                               max_retries=0, timeout=120) as c:
+                r = c.chat.completions.create(model=card["id"], messages=_ask(
+                    _data_url(_image())), max_tokens=12, temperature=0)
+            got = r.choices[0].message.content
+        finally:
+            p.send_signal(signal.SIGINT)
+            p.wait(timeout=120)
+    assert p.returncode in (0, 130), log.read_text()
+    whole = _Front(str(text), str(mmproj), [(0, 4)])
+    try:
+        assert got and got == _chat(whole, _ask(_data_url(_image())))[0]
+    finally:
+        whole.stop()

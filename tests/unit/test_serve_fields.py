@@ -271,6 +271,8 @@ def test_the_models_list_advertises_the_routes_context():
     (s1, _, r1), (s2, _, r2) = asyncio.run(go())
     card = json.loads(r1)["data"][0]
     assert s1 == 200 and card["max_model_len"] == 48
-    assert card["meta"] == {"n_ctx": 48, "n_ctx_train": 64, "n_vocab": route.stages[0].n_vocab}
+    assert card["meta"] == {"n_ctx": 48, "n_ctx_train": 64, "n_vocab": route.stages[0].n_vocab,
+                            "media": []}
+    assert card["capabilities"] == ["completion"]  # no projector
     assert s2 == 400 and json.loads(r2)["error"]["code"] == "context_length_exceeded"
     assert "maximum context length is 48" in json.loads(r2)["error"]["message"]
