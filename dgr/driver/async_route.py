@@ -355,7 +355,8 @@ class AsyncRoute:
         return [c["tokens"] if c["kind"] == "text" else
                 MediaStep(c["rows"], c["positions"], c["kind"], causal=not c["non_causal"],
                           id=c["id"]) if "rows" in c else
-                MediaRef(c["kind"], c["id"], c["n_rows"], c["n_pos"], not c["non_causal"])
+                MediaRef(c["kind"], c["id"], c["n_rows"], c["n_pos"], not c["non_causal"],
+                         c["width"])
                 for c in got]
 
     async def pieces(self) -> list[bytes]:

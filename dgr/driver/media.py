@@ -12,7 +12,7 @@ import numpy as np
 from dgr import errors
 from dgr.protocol import wire
 
-__all__ = ["MediaKey", "MediaRef", "MediaStep", "prompt_cells", "prompt_keys"]
+__all__ = ["MediaKey", "MediaRef", "MediaStep", "prompt_cells", "prompt_keys", "uncarried"]
 
 
 class MediaKey(NamedTuple):
@@ -77,8 +77,8 @@ class MediaStep:
 @dataclass(frozen=True)
 class MediaRef:
     """A media chunk of a prompt as the projector cut it, not encoded
-    (``AsyncRoute.encode_media``'s ``encode_from``): its kind, id, rows and the positions it
-    advances. Enough to say which positions a kept session may reuse (``prompt_keys``) and
+    (``AsyncRoute.encode_media``'s ``encode_from``): its kind, id, rows, the positions it
+    advances and its rows' width. Enough to say which positions a kept session may reuse (``prompt_keys``) and
     how many cache cells the prompt fills; a step to prefill needs its rows (``MediaStep``)."""
 
     kind: str
@@ -86,6 +86,8 @@ class MediaRef:
     n_rows: int
     span: int
     causal: bool = True
+    #: its rows' width (the first stage's ``n_embd_inp``; 0: not said)
+    width: int = 0
 
 
 def prompt_keys(chunks: Sequence) -> list:
@@ -105,3 +107,24 @@ def prompt_cells(chunks: Sequence) -> int:
     """The cache cells a prompt's ``chunks`` fill on every stage: a token each, a media
     chunk's rows (an M-RoPE image advances fewer positions than it has rows)."""
     return sum(c.n_rows if isinstance(c, (MediaStep, MediaRef)) else len(c) for c in chunks)
+
+
+def uncarried(stages: Sequence, width: int) -> str:
+    """Why a route of ``stages`` cannot take media rows ``width`` wide ("" where it can).
+
+    Rows wider than the boundary carry deepstack features (Qwen3-VL: ``n_embd * (1 + D)``,
+    the slice ``d + 1`` added to layer ``d``'s output for ``d < D``). The first stage adds the
+    ones of its own layers; a later stage would add zeros where the image's features belong
+    (a seam does not carry them yet), so a split is refused unless the first stage owns every
+    deepstack layer."""
+    first = stages[0]
+    n = int(first.boundary_width)
+    if len(stages) == 1 or width <= n or width % n:
+        return ""
+    d = width // n - 1
+    if int(first.layers[1]) >= d:
+        return ""
+    return (f"this model's media rows carry deepstack features for its first {d} layers "
+            f"({width} = {d + 1} x {n} wide), and its first stage ends at layer "
+            f"{first.layers[1]}: a seam does not carry them yet; split at layer {d} or later, "
+            "or serve it on one stage")

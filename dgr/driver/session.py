@@ -11,7 +11,7 @@ import numpy as np
 
 from dgr import errors
 from dgr.driver.headers import wire_sampling
-from dgr.driver.media import MediaKey, MediaRef, MediaStep, prompt_keys
+from dgr.driver.media import MediaKey, MediaRef, MediaStep, prompt_keys, uncarried
 from dgr.driver.paths import HopByHop, StepPath, path_for
 from dgr.driver.recovery import release_quietly, retryable
 from dgr.driver.results import Generation, StageStats
@@ -228,7 +228,8 @@ class AsyncRouteSession:
             The step does not start at the end of ``history`` (``len(history)``).
         dgr.errors.InvalidArgument
             A route of a recurrent or hybrid model (its state snapshots are per whole chunk
-            of token ids: not carried yet), or with a stage older than wire schema 6.
+            of token ids: not carried yet), with a stage older than wire schema 6, or a
+            split whose later stages own deepstack layers (``dgr.driver.media.uncarried``).
         """
         if step.first_pos != len(self.history):
             raise errors.InvalidPosition(
@@ -237,6 +238,9 @@ class AsyncRouteSession:
         if self.recurrent():
             raise errors.InvalidArgument("media steps on a route of a recurrent or hybrid "
                                          "model are not carried yet")
+        why = uncarried(self.route.stages, step.rows.shape[1])
+        if why:
+            raise errors.InvalidArgument(why)
         old = [st.endpoint for st in self.route.stages if st.wire_schema_version < 6]
         if old:  # it would refuse the rows, or compute them with text positions, causally
             raise errors.InvalidArgument(

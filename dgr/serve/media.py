@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import anyio
 
 from dgr import errors
-from dgr.driver.media import prompt_cells, prompt_keys
+from dgr.driver.media import prompt_cells, prompt_keys, uncarried
 from dgr.serve.api_errors import ApiError
 
 log = logging.getLogger("dgr.serve")
@@ -319,5 +319,9 @@ class MediaPrompt:
             where = media.items[int(k)][3] + ": " if k.isdigit() and \
                 int(k) < len(media.items) else ""
             raise ApiError(400, where + msg, param="messages", code="invalid_media") from None
+        for c in chunks:  # a split that cannot carry the rows says so before a slot
+            why = uncarried(route.stages, getattr(c, "width", 0))
+            if why:
+                raise ApiError(400, why, param="messages", code="unsupported_media")
         return cls(text, files, add_special, settings.max_image_pixels,
                    [list(c) if not hasattr(c, "span") else c for c in chunks])

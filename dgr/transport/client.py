@@ -269,8 +269,8 @@ class ShardClient:
         out = []
         for c in r.chunks:
             d = {"kind": c.kind, "tokens": list(c.tokens), "n_rows": c.n_rows, "n_pos": c.n_pos,
-                 "id": c.id, "non_causal": c.non_causal}
-            if c.kind != "text" and (c.rows or c.width):
+                 "id": c.id, "non_causal": c.non_causal, "width": c.width}
+            if c.kind != "text" and c.rows:
                 rows = np.frombuffer(c.rows, dtype="<f4").astype(np.float32)
                 if not c.width or rows.size != c.n_rows * c.width:
                     raise errors.FrameError(

@@ -233,6 +233,7 @@ class _Servicer(dgr_pb2_grpc.ShardServicer):
                 m = dgr_pb2.MediaChunk(kind=c["kind"], tokens=c["tokens"], n_rows=c["n_rows"],
                                        n_pos=c["n_pos"], id=c["id"],
                                        non_causal=c["non_causal"])
+                m.width = int(c.get("width", 0))
                 if "rows" in c:
                     rows = np.ascontiguousarray(c["rows"], dtype="<f4")
                     m.width, m.rows = rows.shape[1], rows.tobytes()

@@ -258,6 +258,8 @@ class Worker:
             chunks = m.tokenize(prompt, media, add_special, parse_special, cap)
             p = int(first_pos)
             for i, c in enumerate(chunks):
+                if c["kind"] != "text":
+                    c["width"] = m.n_embd_inp
                 if c["kind"] != "text" and p >= encode_from:
                     c["rows"], c["positions"] = m.encode(i), m.positions(i, p)
                 p += c["n_pos"]

@@ -243,3 +243,62 @@ def test_a_next_turn_keeps_the_image_and_computes_a_fresh_prefills_bits(tmp_path
     finally:
         for w in ws:
             w.stop()
+
+
+@pytest.fixture(scope="module")
+def deepstack(tmp_path_factory):
+    """The generator's qwen3vl (4 layers, 256 wide) with 2 deepstack layers: its embedding
+    input is 3 x 256 wide, slices 1 and 2 added to layers 0's and 1's outputs."""
+    import struct
+
+    from dgr.artifacts.gguf import _enc_str, read_header, write_gguf
+    from dgr.testing import archs
+
+    (src,) = archs.write("^qwen3vl$").files
+    h = read_header(src)
+    key = "qwen3vl.n_deepstack_layers"
+    kv = [raw for k, raw in h.kv_raw.items() if k != key]
+    kv.append(_enc_str(key) + struct.pack("<II", 4, 2))  # GGUF uint32
+    out = tmp_path_factory.mktemp("deepstack") / "qwen3vl-deepstack.gguf"
+    write_gguf(out, version=h.version, kv_pairs=kv, tensors=[(t, src) for t in h.tensors],
+               alignment=int(h.kv.get("general.alignment", 32)))
+    return str(out)
+
+
+def test_deepstack_rows_split_where_the_first_stage_owns_them_and_are_refused_elsewhere(
+        deepstack):
+    """Qwen3-VL's media rows carry deepstack features for its first layers: a split whose
+    first stage owns them computes the whole model's bits (the seam carries the residual
+    only); one whose later stage owns one is refused (``uncarried``), never computed with
+    zeros where the image's features belong."""
+    whole = dgr.Engine(deepstack, **SETTINGS)
+    assert whole.describe()["n_embd_inp"] == 3 * 256
+    rng = np.random.default_rng(3)
+    n = 12
+    rows = rng.standard_normal((n, 3 * 256)).astype(np.float32)
+    pos = np.stack([np.full(n, 2), 2 + np.arange(n) // 4, 2 + np.arange(n) % 4,
+                    np.zeros(n)]).astype(np.int32)
+    step = MediaStep(rows, pos, "image", id="x")
+    toks = np.array([5, 6], np.int32)
+    whole.forward(0, 0, tokens=toks)
+    want = np.array(whole.forward_media(0, pos, rows)[-1])
+
+    async def go(ws):
+        async with AsyncRoute([w.address for w in ws]) as r:
+            s = r.session()
+            await s.prefill(list(toks))
+            return await s.prefill_media(step, sample=True, logits=True), s
+
+    for layout in ([(0, 2), (2, 4)], [(0, 3), (3, 4)]):
+        with threaded_stages(deepstack, layout, SETTINGS) as ws:
+            _, s = asyncio.run(go(ws))
+            assert s.logits[-1].tobytes() == want.tobytes(), layout
+    with threaded_stages(deepstack, [(0, 1), (1, 4)], SETTINGS) as ws:
+        with pytest.raises(errors.InvalidArgument, match="deepstack features for its first 2"):
+            asyncio.run(go(ws))
+    # what the refusal spares: engines cut at layer 1 compute other bits (layer 1 adds zeros)
+    a = dgr.Engine(deepstack, layers=(0, 1), **SETTINGS)
+    b = dgr.Engine(deepstack, layers=(1, 4), **SETTINGS)
+    b.forward(0, 0, boundary=np.array(a.forward(0, 0, tokens=toks, logits="none")))
+    x = np.array(a.forward_media(0, pos, rows))
+    assert np.array(b.forward_media(0, pos, x)[-1]).tobytes() != want.tobytes()
