@@ -105,6 +105,12 @@ def add_serve_parser(sub) -> None:
                         "(OpenAI image_url, Anthropic image blocks, Responses input_image) "
                         "and, where it takes audio, input_audio; docs/media.md. With --route, "
                         "start the first worker with --mmproj instead")
+    s.add_argument("--mmproj-on", choices=["first", "front"], default="first",
+                   help="where the projector runs: beside the first stage, on its device "
+                        "(default: it holds the model's input embedding already, and the "
+                        "image bytes cross the network once), or in a worker of its own on "
+                        "this machine (front: for a first stage without room for it; needs "
+                        "--model, also with --route)")
     s.add_argument("--max-media", type=int, default=8, metavar="N",
                    help="images and audio clips one request may hold (default 8)")
     s.add_argument("--max-media-bytes", type=int, default=5 << 20, metavar="B",
@@ -158,7 +164,7 @@ def _cmd_serve(args) -> int:
         custom = _template_file(args)  # a bad file is refused before any worker starts
     except errors.DgrError as e:
         return errors.report(e)
-    cluster = None
+    cluster = encoder = None
     try:
         if args.route:
             model, endpoints = args.model, [e for e in args.route.split(",") if e]
@@ -166,7 +172,10 @@ def _cmd_serve(args) -> int:
             model, endpoints, cluster = _start_cluster(args)
         name = args.model_name or (os.path.basename(model).removesuffix(".gguf") if model
                                    else "dgr")
-        app = _app(args, model, name, endpoints, api_keys, front, custom)
+        if args.mmproj_on == "front":
+            encoder = _start_encoder(args, model)
+        app = _app(args, model, name, endpoints, api_keys, front, custom,
+                   encoder=encoder.endpoint if encoder else "")
         _say_serving(args, name, len(endpoints), api_keys)
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
         return 0
@@ -176,8 +185,29 @@ def _cmd_serve(args) -> int:
     except errors.DgrError as e:
         return errors.report(e)
     finally:
+        if encoder is not None:
+            encoder.stop()
         if cluster is not None:
             _stop(cluster)
+
+
+def _start_encoder(args, model: str):
+    """``--mmproj-on front``: a worker on this machine of the model's first layer with the
+    projector, which encodes the route's media and computes no step."""
+    from dgr.core.engine import Engine
+    from dgr.worker.process import WorkerProcess
+
+    n_layer = Engine(model, n_ctx=64).n_layer
+    settings = dict(engine_settings.from_args(args), n_ctx=64, n_slots=1)
+    w = WorkerProcess(model, (0, 1) if n_layer > 1 else None, settings=settings,
+                      args=["--mmproj", args.mmproj])
+    w.start()
+    try:
+        say(f"projector {os.path.basename(args.mmproj)} on this machine: {w.wait_listening()}")
+    except BaseException:
+        w.stop()
+        raise
+    return w
 
 
 def _checked(args):
@@ -201,10 +231,14 @@ def _checked(args):
               "serve starts without --route; the workers of a --route keep the settings they "
               "were started with (python -m dgr.worker takes the same flags)", file=sys.stderr)
         return 2
-    if args.route and args.mmproj:
+    if args.route and args.mmproj and args.mmproj_on == "first":
         print("error: --mmproj starts the projector beside the first local worker; the "
               "workers of a --route keep theirs: start the first with python -m dgr.worker "
-              "--mmproj GGUF", file=sys.stderr)
+              "--mmproj GGUF (or run it here: --mmproj-on front --model M)", file=sys.stderr)
+        return 2
+    if args.mmproj_on == "front" and not (args.mmproj and (args.model or not args.route)):
+        print("error: --mmproj-on front runs the projector here: give --mmproj GGUF (and "
+              "--model M with --route)", file=sys.stderr)
         return 2
     if args.mmproj and not os.path.isfile(args.mmproj):
         print(f"error: --mmproj {args.mmproj}: no such file", file=sys.stderr)
@@ -232,9 +266,10 @@ def _start_cluster(args):
     n_layer = Engine(model, n_ctx=64).n_layer
     ranges = ranges_for(args.splits, args.stages, n_layer)
     say(f"model {model}; {len(ranges)} stage(s): " + " ".join(f"[{a},{b})" for a, b in ranges))
+    beside = args.mmproj and args.mmproj_on == "first"
     cluster = LocalCluster(model, [None if r == (0, n_layer) else r for r in ranges],
                            settings=settings,
-                           first_args=["--mmproj", args.mmproj] if args.mmproj else ())
+                           first_args=["--mmproj", args.mmproj] if beside else ())
     t0 = time.monotonic()
     try:
         endpoints = cluster.start(
@@ -269,7 +304,7 @@ def _template_file(args) -> str | None:
 
 
 def _app(args, model: str | None, name: str, endpoints: list[str], api_keys, front,
-         custom: str | None = None):
+         custom: str | None = None, encoder: str = ""):
     """The front's ASGI app over a route of ``endpoints``, with the model's chat template
     (``custom``: ``--chat-template-file``'s instead)."""
     from dgr.driver.route import AsyncRoute, RouteConfig
@@ -290,7 +325,8 @@ def _app(args, model: str | None, name: str, endpoints: list[str], api_keys, fro
         template = None
     if not args.pooling:
         front = front.with_(pooling=(model and gguf_pooling(model)) or "last")
-    return create_app(AsyncRoute(endpoints, config=RouteConfig.from_args(args)), model=name,
+    config = RouteConfig.from_args(args, **({"encoder": encoder} if encoder else {}))
+    return create_app(AsyncRoute(endpoints, config=config), model=name,
                       template=template, api_keys=api_keys, settings=front)
 
 

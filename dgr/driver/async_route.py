@@ -120,6 +120,10 @@ class AsyncRoute:
         self.speculate, self.max_draft = c.speculate, int(c.max_draft)
         #: whether stages may compute on different kinds of device (``check_route``)
         self.mixed_devices = bool(c.mixed_devices)
+        #: the worker that encodes media (``config.encoder``; None: the first stage) and its
+        #: describe
+        self.encoder: ShardClient | None = None
+        self._encoder_info: StageInfo | None = None
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -195,12 +199,41 @@ class AsyncRoute:
                 except errors.DgrError as e:
                     log.warning("direct relay unavailable (%s): steps go over gRPC", e)
                     self.relay = False
+        if self.config.encoder:
+            await self._connect_encoder(order[0])
         tok = self._tokenizer_arg
         self.tokenizer = LocalTokenizer(tok) if tok is not None else RemoteTokenizer(self)
         return self
 
+    async def _connect_encoder(self, first: StageInfo) -> None:
+        """Describe ``config.encoder``: a worker of the first stage's model, layers from 0,
+        with a projector."""
+        if self.encoder is None:
+            self.encoder = ShardClient(self.config.encoder, timeout=self.timeout,
+                                       security=self.security)
+        info = await self.encoder.describe()
+        if info.model_identity != first.model_identity or not info.is_first:
+            raise errors.ModelMismatch(
+                f"the encoder {info.endpoint} serves {info.model_identity} from layer "
+                f"{info.layers[0]}; the route's first stage serves {first.model_identity} "
+                "from layer 0")
+        if not info.media_marker:
+            raise errors.RouteError(f"the encoder {info.endpoint} has no projector: start it "
+                                    "with --mmproj")
+        self._encoder_info = info
+
+    @property
+    def media_stage(self) -> StageInfo | None:
+        """The describe of the worker that encodes this route's media (its ``media_marker``,
+        ``media_vision``, ``media_audio``): ``config.encoder``'s, else the first stage's."""
+        return self._encoder_info or (self.stages[0] if self.stages else None)
+
     async def __aenter__(self) -> AsyncRoute:
-        return await self.connect()
+        try:
+            return await self.connect()
+        except BaseException:  # a route that does not connect leaves no channel open
+            await self.close()
+            raise
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
@@ -208,6 +241,8 @@ class AsyncRoute:
     async def close(self) -> None:
         links = self.relay_links.close()
         clients, self.clients = self.clients + self.recovery.retired, []
+        if self.encoder is not None:
+            clients, self.encoder = clients + [self.encoder], None
         self.recovery.retired = []
         await asyncio.gather(*(c.close() for c in clients), *(k.wait_closed() for k in links),
                              return_exceptions=True)
@@ -326,9 +361,9 @@ class AsyncRoute:
                            add_special: bool = True, parse_special: bool = True,
                            first_pos: int = 0, encode_from: int = 0,
                            max_pixels: int = 0) -> list:
-        """``prompt`` (one ``stages[0].media_marker`` per item of ``media``, each a file's
+        """``prompt`` (one ``media_stage.media_marker`` per item of ``media``, each a file's
         bytes) cut and encoded by the projector beside the first stage (its ``--mmproj``, on
-        its device): a list of its chunks from ``first_pos`` on, each a text chunk's token
+        its device), or by ``config.encoder``'s: a list of its chunks from ``first_pos`` on, each a text chunk's token
         ids or a ``dgr.driver.media.MediaStep``, for ``AsyncRouteSession.prefill_media`` /
         ``generate_media``; a media chunk that starts before ``encode_from`` is a
         ``MediaRef`` instead (not encoded: what a session that keeps it needs).
@@ -342,11 +377,13 @@ class AsyncRoute:
             file it decodes, one it does not take, an image too large, a marker count that is
             not the media's).
         """
-        if not self.stages[0].media_marker:
+        by = self.media_stage or self.stages[0]
+        if not by.media_marker:
             raise errors.InvalidArgument(
                 f"the first stage ({self.stages[0].endpoint}) has no projector: start it with "
                 "--mmproj (the model's mmproj GGUF)")
-        got = await self.clients[0].encode_media(prompt, media, add_special=add_special,
+        client = self.encoder or self.clients[0]
+        got = await client.encode_media(prompt, media, add_special=add_special,
                                                  parse_special=parse_special,
                                                  first_pos=first_pos,
                                                  encode_from=encode_from,

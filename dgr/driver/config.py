@@ -96,6 +96,11 @@ class RouteConfig(SettingsTable):
         measures is accepted and what a longer step costs, down to none).
     mixed_devices : bool
         Whether the stages may compute on different kinds of device (``check_route``).
+    encoder : str
+        ``host:port`` of a worker whose projector (``--mmproj``) encodes this route's media
+        instead of the first stage's (``dgr serve --mmproj-on front``: one beside the front);
+        it serves the same model (layers from 0) and computes no step. ``""``: the first
+        stage's (docs/media.md).
     """
 
     KIND = "route"
@@ -119,6 +124,7 @@ class RouteConfig(SettingsTable):
     speculate: str = ""
     max_draft: int = 8
     mixed_devices: bool = False
+    encoder: str = ""
 
     def __post_init__(self):
         set_ = object.__setattr__  # frozen: normalise the values once, here

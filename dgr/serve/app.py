@@ -197,15 +197,16 @@ class _Front:
     @property
     def card(self) -> dict:
         """The model's ``/v1/models`` entry (``serve_status.model_card``)."""
-        return serve_status.model_card(self._card, self.route.stages)
+        return serve_status.model_card(self._card, self.route.stages,
+                                       getattr(self.route, "media_stage", None))
 
     # -- a request's parts -------------------------------------------------------------------
 
     def max_body(self) -> int:
         """The largest body read: ``MAX_BODY``, and on a route with a projector room for
         ``max_media`` clips of ``max_media_bytes`` each in base64."""
-        st = self.route.stages
-        if not (st and getattr(st[0], "media_marker", "")):
+        by = getattr(self.route, "media_stage", None)
+        if not getattr(by, "media_marker", ""):
             return MAX_BODY
         return MAX_BODY + self.settings.max_media * (self.settings.max_media_bytes * 4 // 3 + 64)
 

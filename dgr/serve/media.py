@@ -130,7 +130,7 @@ def request_media(route, model: str, messages: Any, settings) -> tuple[Any, Medi
     older than wire schema 6, or a kind its projector does not take."""
     if not has_media(messages):
         return messages, None
-    first = route.stages[0]
+    first = getattr(route, "media_stage", None) or route.stages[0]
     if not getattr(first, "media_marker", ""):
         raise ApiError(400, f"the model '{model}' takes no images or audio here: its route "
                             "has no projector (start the server with --mmproj, the model's "

@@ -197,22 +197,24 @@ def seam_ms(tpot_ms: float | None, stages: list[dict[str, Any]], links: int
     return rest / links if rest >= 0 else None
 
 
-def model_card(card: dict, stages) -> dict:
+def model_card(card: dict, stages, media=None) -> dict:
     """``card`` (the model's ``/v1/models`` entry) with the route's context, the smallest of
     its ``stages``', as vLLM spells it (``max_model_len``) and llama-server (``meta``:
-    ``n_ctx``, ``n_ctx_train``); ``card`` alone before the route is connected."""
+    ``n_ctx``, ``n_ctx_train``), and what the projector takes (``capabilities``
+    ``multimodal``, ``meta.media``; ``media``: the worker that encodes, default the first
+    stage); ``card`` alone before the route is connected."""
     if not stages:
         return dict(card)
     n_ctx = min(int(s.n_ctx) for s in stages)
     train = min(int(getattr(s, "n_ctx_train", 0)) for s in stages)
-    first = stages[0]
-    # llama-server's words: "multimodal" where a projector is loaded (beside the first stage)
-    caps = ["completion"] + (["multimodal"] if getattr(first, "media_marker", "") else [])
-    media = [k for k, on in (("image", getattr(first, "media_vision", False)),
-                             ("audio", getattr(first, "media_audio", False))) if on]
+    first, by = stages[0], media or stages[0]  # ``media``: the worker that encodes
+    # llama-server's words: "multimodal" where a projector is loaded
+    caps = ["completion"] + (["multimodal"] if getattr(by, "media_marker", "") else [])
+    kinds = [k for k, on in (("image", getattr(by, "media_vision", False)),
+                             ("audio", getattr(by, "media_audio", False))) if on]
     return {**card, "max_model_len": n_ctx, "capabilities": caps,
             "meta": {"n_ctx": n_ctx, "n_ctx_train": train, "n_vocab": int(first.n_vocab),
-                     "media": media}}
+                     "media": kinds}}
 
 
 def context_line(stages) -> str:

@@ -261,6 +261,45 @@ def test_a_front_without_a_projector_says_so(tmp_path):
         front.stop()
 
 
+def test_an_encoder_beside_the_front_gives_the_first_stages_bits(vlm, tmp_path):
+    """``RouteConfig.encoder``: a worker of its own (the first layer and the projector)
+    encodes for a route whose stages have none; the replies are the whole model's."""
+    projector, _, whole = vlm
+    text, mmproj = write_tiny_vlm(tmp_path, projector)
+    from dgr.serve.app import create_app
+    from dgr.serve.templates import ChatTemplate
+    from dgr.worker.process import ThreadedWorker
+    import dgr
+
+    enc = ThreadedWorker(dgr.Engine(str(text), layers=(0, 1), **SETTINGS), mmproj=str(mmproj))
+    ws = [ThreadedWorker(dgr.Engine(str(text), layers=r, **SETTINGS)) for r in SPLIT]
+    served = Served(create_app(AsyncRoute([w.address for w in ws], encoder=enc.address),
+                               model=NAME, template=ChatTemplate.from_gguf(text)))
+    try:
+        c = served.openai(timeout=120)
+        msgs = _ask(_data_url(_image()))
+        r = c.chat.completions.create(model=NAME, messages=msgs, max_tokens=12, **GREEDY)
+        assert r.choices[0].message.content == _chat(whole, msgs)[0]
+        assert c.models.list().data[0].model_extra["capabilities"] == ["completion",
+                                                                       "multimodal"]
+
+        async def wrong(encoder):  # a worker that is not the first stage's model from 0
+            async with AsyncRoute([w.address for w in ws], encoder=encoder):
+                pass
+
+        from dgr import errors
+        import asyncio
+
+        with pytest.raises(errors.ModelMismatch, match="from layer 1"):
+            asyncio.run(wrong(ws[1].address))
+        with pytest.raises(errors.RouteError, match="no projector"):
+            asyncio.run(wrong(ws[0].address))
+    finally:
+        served.stop()
+        for w in [enc, *ws]:
+            w.stop()
+
+
 class _Images(http.server.BaseHTTPRequestHandler):
     image = b""
 
@@ -319,10 +358,12 @@ def test_fuzzed_images_are_never_a_500(vlm):
         assert status in (200, 400), (k, status, body)
 
 
-def test_dgr_serve_mmproj_serves_images_from_the_command_line(tmp_path):
-    """``python -m dgr serve --model M --mmproj P --stages 2``, as a user starts it: the
-    model card says it is multimodal, and the official client's image request is answered
-    with the text of the in-process whole model's front."""
+@pytest.mark.parametrize("where", ["first", "front"])
+def test_dgr_serve_mmproj_serves_images_from_the_command_line(tmp_path, where):
+    """``python -m dgr serve --model M --mmproj P --stages 2``, as a user starts it, with the
+    projector beside the first stage (the default) or in a worker of its own beside the front
+    (``--mmproj-on front``): the model card says it is multimodal, and the official client's
+    image request is answered with the text of the in-process whole model's front."""
     import signal
     import socket
     import subprocess
@@ -338,7 +379,8 @@ def test_dgr_serve_mmproj_serves_images_from_the_command_line(tmp_path):
         p = subprocess.Popen([sys.executable, "-m", "dgr", "serve", "--model", str(text),
                               "--mmproj", str(mmproj), "--stages", "2", "--ctx", "512",
                               "--slots", "2", "--threads", "1", "--ubatch", "64",
-                              "--port", str(port)], stdout=f, stderr=subprocess.STDOUT)
+                              "--mmproj-on", where, "--port", str(port)], stdout=f,
+                             stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 300
             while True:
@@ -362,6 +404,8 @@ def test_dgr_serve_mmproj_serves_images_from_the_command_line(tmp_path):
             p.send_signal(signal.SIGINT)
             p.wait(timeout=120)
     assert p.returncode in (0, 130), log.read_text()
+    assert ("projector qwen25vl-mmproj.gguf on this machine" in log.read_text()) == (
+        where == "front")
     whole = _Front(str(text), str(mmproj), [(0, 4)])
     try:
         assert got and got == _chat(whole, _ask(_data_url(_image())))[0]
