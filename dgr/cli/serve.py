@@ -107,10 +107,10 @@ def add_serve_parser(sub) -> None:
                         "start the first worker with --mmproj instead")
     s.add_argument("--mmproj-on", choices=["first", "front"], default="first",
                    help="where the projector runs: beside the first stage, on its device "
-                        "(default: it holds the model's input embedding already, and the "
-                        "image bytes cross the network once), or in a worker of its own on "
-                        "this machine (front: for a first stage without room for it; needs "
-                        "--model, also with --route)")
+                        "(default: the encoder wants the accelerator that stage has, and "
+                        "reads the model it holds), or in a worker of its own on this "
+                        "machine (front: for a first stage without room for it; needs "
+                        "--model, also with --route); docs/media.md")
     s.add_argument("--max-media", type=int, default=8, metavar="N",
                    help="images and audio clips one request may hold (default 8)")
     s.add_argument("--max-media-bytes", type=int, default=5 << 20, metavar="B",
