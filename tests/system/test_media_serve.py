@@ -110,14 +110,25 @@ def test_openai_chat_with_an_image_streamed_and_not_is_the_whole_models(vlm):
     assert chunks[-1].usage.prompt_tokens == usage.prompt_tokens
 
 
+def _blocks() -> list:
+    """An Anthropic user turn with a document and an image."""
+    return [{"type": "document", "source": {"type": "text", "media_type": "text/plain",
+                                            "data": "A note: the picture is a test."}},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg",
+                                         "data": base64.b64encode(_image()).decode()}},
+            {"type": "text", "text": "Describe it."}]
+
+
+def _input_image() -> list:
+    """A Responses input with an image."""
+    return [{"role": "user", "content": [
+        {"type": "input_text", "text": "What is this?"},
+        {"type": "input_image", "image_url": _data_url(_image()), "detail": "auto"}]}]
+
+
 def test_anthropic_image_and_document_blocks(vlm):
     _, split, whole = vlm
-    src = {"type": "base64", "media_type": "image/jpeg",
-           "data": base64.b64encode(_image()).decode()}
-    content = [{"type": "document", "source": {"type": "text", "media_type": "text/plain",
-                                               "data": "A note: the picture is a test."}},
-               {"type": "image", "source": src},
-               {"type": "text", "text": "Describe it."}]
+    content = _blocks()
 
     def ask(front):
         m = front.anthropic.messages.create(model=NAME, max_tokens=12, extra_body=GREEDY,
@@ -133,9 +144,7 @@ def test_anthropic_image_and_document_blocks(vlm):
 
 def test_responses_with_an_input_image(vlm):
     _, split, whole = vlm
-    inp = [{"role": "user", "content": [
-        {"type": "input_text", "text": "What is this?"},
-        {"type": "input_image", "image_url": _data_url(_image()), "detail": "auto"}]}]
+    inp = _input_image()
 
     def ask(front):
         return front.openai.responses.create(model=NAME, input=inp, max_output_tokens=12,
@@ -399,7 +408,18 @@ def test_dgr_serve_mmproj_serves_images_from_the_command_line(tmp_path, where):
                                max_retries=0, timeout=120) as c:
                 r = c.chat.completions.create(model=card["id"], messages=_ask(
                     _data_url(_image())), max_tokens=12, temperature=0)
-            got = r.choices[0].message.content
+                got = r.choices[0].message.content
+                streamed = "".join(
+                    k.choices[0].delta.content or "" for k in c.chat.completions.create(
+                        model=card["id"], messages=_ask(_data_url(_image())), max_tokens=12,
+                        temperature=0, stream=True) if k.choices)
+                resp = c.responses.create(model=card["id"], input=_input_image(),
+                                          max_output_tokens=12, temperature=0).output_text
+            with anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="-",
+                                     max_retries=0, timeout=120) as c:
+                m = c.messages.create(model=card["id"], max_tokens=12, extra_body=GREEDY,
+                                      messages=[{"role": "user", "content": _blocks()}])
+                claude = m.content[0].text if m.content else ""
         finally:
             p.send_signal(signal.SIGINT)
             p.wait(timeout=120)
@@ -408,6 +428,11 @@ def test_dgr_serve_mmproj_serves_images_from_the_command_line(tmp_path, where):
         where == "front")
     whole = _Front(str(text), str(mmproj), [(0, 4)])
     try:
-        assert got and got == _chat(whole, _ask(_data_url(_image())))[0]
+        assert got and streamed == got == _chat(whole, _ask(_data_url(_image())))[0]
+        assert resp and resp == whole.openai.responses.create(
+            model=NAME, input=_input_image(), max_output_tokens=12, temperature=0).output_text
+        m = whole.anthropic.messages.create(model=NAME, max_tokens=12, extra_body=GREEDY,
+                                            messages=[{"role": "user", "content": _blocks()}])
+        assert claude and claude == m.content[0].text
     finally:
         whole.stop()
