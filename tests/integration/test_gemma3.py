@@ -44,22 +44,31 @@ def test_loads_whole(eng):
 
 def test_greedy_decode_agrees_with_prefill(eng):
     """Greedy decoding one token at a time in slot 0; then the prompt and the generated
-    tokens prefilled at once in slot 1 must pick, at every row, the token decoding picked,
-    and the text must continue the prompt about its capital."""
+    tokens prefilled at once in slot 1 must pick, at every row, the token decoding picked
+    but where decoding's pick was a near tie (the two are other kernels: a one-row product
+    and a many-row one, which on some CPUs differ by up to a logit here, so an AMD EPYC's
+    prefill breaks a tie of 7e-4 the other way at one row of eight), and the text must
+    continue the prompt about its capital."""
     prompt = eng.tokenize(PROMPT)
     logits = eng.forward(0, 0, prompt)
     assert logits.shape == (1, 262144) and np.isfinite(logits).all()
     generated = [int(logits[-1].argmax())]
+    decoded = [np.array(logits[-1])]
     pos = len(prompt)
     for _ in range(N_DECODE - 1):
         logits = eng.forward(0, pos, [generated[-1]])
         assert np.isfinite(logits).all()
         generated.append(int(logits[-1].argmax()))
+        decoded.append(np.array(logits[-1]))
         pos += 1
     whole = np.concatenate([prompt, np.asarray(generated[:-1], dtype=np.int32)])
     rows = eng.forward(1, 0, whole, logits="all")
     assert rows.shape == (len(whole), 262144)
-    assert rows[len(prompt) - 1:].argmax(axis=1).tolist() == generated
+    picked = rows[len(prompt) - 1:].argmax(axis=1).tolist()
+    ties = [i for i, (a, b) in enumerate(zip(picked, generated)) if a != b]
+    for i in ties:  # decoding's pick and prefill's are a near tie in decoding's row
+        assert decoded[i][generated[i]] - decoded[i][picked[i]] < 1e-2, (i, picked, generated)
+    assert len(ties) <= 1, (picked, generated)
     # the 270M model's greedy words depend on the CPU's kernels: on a CPU with AMX
     # llama-completion writes "the capital of the United Kingdom" as this engine does, and
     # "the capital of the country of France" without its AMX kernels (--no-repack)
