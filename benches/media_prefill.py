@@ -17,8 +17,9 @@ first stage), the prompt's rows prefilled, one token sampled.
   (``--mmproj``, ``-t 1``, ``-c``, ``-b``/``-ub``, ``-fa on``, one slot, ``cache_prompt``
   off). Its replies must be the whole model's text too (greedy).
 
-Also: the projector alone (``AsyncRoute.encode_media`` on the whole route: the image's rows,
-no prefill), to say where the time goes.
+Also, to say where the time goes: the projector alone (``AsyncRoute.encode_media`` on a
+whole-model worker: the image's rows, no prefill), and llama-server's own ``timings.prompt_ms``
+(its image encode and prefill, without HTTP and preprocessing).
 
 The fixture: text model ``--layers`` x ``--width`` (``qwen2vl``, M-RoPE, f32), projector a
 4-block ViT of width 256 with ``--patch`` pixel patches (the image is resized to multiples of
@@ -145,10 +146,13 @@ def main(argv=None) -> dict:
             _, r = _post(ports[name], _body(image, "m", name.startswith("llama")))
             replies[name] = r["choices"][0]["message"]["content"]
             rows[name] = r["usage"]["prompt_tokens"]
+        timings = []  # llama-server's own: its prompt's milliseconds (the image's encode in)
         for _ in range(args.rounds):
             for name in servers:
-                dt, _ = _post(ports[name], _body(image, "m", name.startswith("llama")))
+                dt, r = _post(ports[name], _body(image, "m", name.startswith("llama")))
                 times[name].append(dt)
+                if "timings" in r:
+                    timings.append(r["timings"])
         # the projector alone, on a worker of its own (the servers' are theirs)
         from dgr.worker.process import LocalCluster
 
@@ -176,7 +180,9 @@ def main(argv=None) -> dict:
            "median_s": med, "min_s": {n: min(t) for n, t in times.items()},
            "max_s": {n: max(t) for n, t in times.items()},
            "ratio_to_whole": {n: med[n] / whole for n in servers},
-           "projector_only_s": enc}
+           "projector_only_s": enc,
+           "llama_server_prompt_ms": statistics.median(t["prompt_ms"] for t in timings)
+           if timings else None}
     if "llama-server t1" in med:
         res["ratio_to_llama_server"] = {n: med[n] / med["llama-server t1"] for n in servers}
     print(f"CPU: {res['cpu']}; {args.layers} layers x {args.width}, image rows: {rows}")
@@ -184,6 +190,9 @@ def main(argv=None) -> dict:
         print(f"  {n:16s} median {med[n] * 1e3:8.1f} ms  (x{res['ratio_to_whole'][n]:.2f} "
               f"of whole)  reply equal to whole's: {res['replies_equal_whole'][n]}")
     print(f"  projector alone  median {enc * 1e3:8.1f} ms")
+    if timings:
+        print(f"  llama-server's own prompt_ms (image encode and prefill) median "
+              f"{res['llama_server_prompt_ms']:.1f} ms")
     cli.write_json(args.json, res)
     return res
 
