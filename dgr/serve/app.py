@@ -515,6 +515,12 @@ class _Front:
         self._check_ids([t for t, _ in params.sampling.logit_bias], "logit_bias")
         if params.user:
             log.info("request %s from %s", rid, params.user)
+        if media is not None and params.sampling.penalized:
+            # the last stage's record of the session's tokens has a gap where the media's rows
+            # are (docs/media.md): it would refuse them mid-generation
+            raise ApiError(400, "repetition penalties (presence, frequency, repeat) are not "
+                                "applied after an image or audio clip yet",
+                           param="frequency_penalty", code="unsupported_parameter")
         prompts = [(ids, text, self.budget(len(ids) if media is None else media.cells, params))
                    for ids, text in prompts]
         slots = params.n * len(prompts)

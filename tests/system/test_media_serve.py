@@ -193,11 +193,12 @@ def _png(w: int, h: int) -> bytes:
             + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
 
 
-def _status(front, messages) -> tuple[int, dict]:
+def _status(front, messages, **extra) -> tuple[int, dict]:
     req = urllib.request.Request(
         front.served.base + "/v1/chat/completions", method="POST",
         headers={"Content-Type": "application/json"},
-        data=json.dumps({"model": NAME, "messages": messages, "max_tokens": 4}).encode())
+        data=json.dumps({"model": NAME, "messages": messages, "max_tokens": 4,
+                         **extra}).encode())
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.loads(r.read())
@@ -234,6 +235,8 @@ def test_bad_media_are_each_a_400_in_the_apis_shape(vlm):
         assert set(err) >= {"message", "type", "param", "code"} and err["message"], name
         assert "/" not in err["message"].replace("data:image/png;base64", "") or \
             "http" in name or "url" in name, (name, err)  # no path leaked
+    status, body = _status(split, _ask(_data_url(image)), frequency_penalty=0.5)
+    assert status == 400 and body["error"]["code"] == "unsupported_parameter", body
     # Anthropic's own shape
     with pytest.raises(anthropic.BadRequestError) as e:
         split.anthropic.messages.create(model=NAME, max_tokens=4, messages=[
