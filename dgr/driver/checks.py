@@ -28,8 +28,9 @@ def check_route(stages: Sequence[StageInfo], *, mixed_devices: bool = False) -> 
     Raises
     ------
     dgr.errors.ModelMismatch
-        Stages serve different models, numeric settings or wire formats, or compute on
-        different kinds of device without ``mixed_devices``.
+        Stages serve different models, numeric settings, wire formats or llama.cpp pins
+        (``llama_cpp_commit``, ``patch_stack_hash``), or compute on different kinds of
+        device without ``mixed_devices``.
     dgr.errors.RouteError
         The layer ranges leave a gap, overlap, or do not reach both ends.
     dgr.errors.WorkerDraining
@@ -59,6 +60,12 @@ def check_route(stages: Sequence[StageInfo], *, mixed_devices: bool = False) -> 
             raise errors.ModelMismatch(
                 f"{s.endpoint} speaks wire format {s.wire_format_version}, {ref.endpoint} "
                 f"{ref.wire_format_version}")
+        if (s.llama_cpp_commit, s.patch_stack_hash) != (ref.llama_cpp_commit,
+                                                         ref.patch_stack_hash):
+            raise errors.ModelMismatch(
+                f"{s.endpoint} computes with {_pin(s)}, {ref.endpoint} with {_pin(ref)}: "
+                "stages of other llama.cpp pins compute other bits; a route never mixes "
+                "them (run every stage on one dgr build)")
     for s in stages:
         if s.wire_format_version != wire.FORMAT_VERSION:
             raise errors.ModelMismatch(f"{s.endpoint} speaks wire format "
@@ -91,3 +98,10 @@ def stage_error(reply: wire.ErrorReply, st: StageInfo) -> errors.DgrError:
     exc = reply.to_exception()
     exc.args = (f"{stage_name(st)}: {reply.message}",)
     return exc
+
+
+def _pin(s: StageInfo) -> str:
+    """A stage's llama.cpp pin, as a refusal names it."""
+    if not s.llama_cpp_commit:
+        return "a llama.cpp pin it does not say (a dgr older than its Describe's pin fields)"
+    return f"llama.cpp {s.llama_cpp_commit[:12]} + patch stack {s.patch_stack_hash[:12]}"

@@ -99,6 +99,11 @@ class StageInfo:
     media_marker: str = ""
     media_vision: bool = False
     media_audio: bool = False
+    #: the llama.cpp pin of the stage's compiled core: its commit and dgr's patch-stack hash
+    #: ("": an older worker, which did not say); ``check_route`` refuses a route that mixes
+    #: pins
+    llama_cpp_commit: str = ""
+    patch_stack_hash: str = ""
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -155,7 +160,8 @@ class StageInfo:
             state_bytes=r.state_bytes, state_snapshots=r.state_snapshots,
             n_ctx=r.n_ctx, n_ctx_train=r.n_ctx_train, n_ctx_source=r.n_ctx_source,
             media_marker=r.media_marker, media_vision=r.media_vision,
-            media_audio=r.media_audio,
+            media_audio=r.media_audio, llama_cpp_commit=r.llama_cpp_commit,
+            patch_stack_hash=r.patch_stack_hash,
             **{k: getattr(r, k) if r.HasField(k) else None for k in COUNTERS})
 
     def to_dict(self) -> dict:

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from dgr import __version__, errors
+from dgr.control.capability import build_info
 from dgr.control.prefix import chunk_rows_exact_cached as prefix_chunk_rows_exact
 from dgr.control.prefix import rows_exact_cached as prefix_rows_exact
 from dgr.control.prefix import single_rows_exact_cached as prefix_single_rows_exact
@@ -171,6 +172,7 @@ class Worker:
             state_snapshots=int(p.info.get("state_snapshots", 0)),
             n_ctx=p.n_ctx, n_ctx_train=int(p.info.get("n_ctx_train", 0)),
             n_ctx_source=str(p.info.get("n_ctx_source", "")),
+            **{k: v for k, v in build_info().items() if k != "backends"},
             media_marker=self.media.marker if self.media is not None else "",
             media_vision=self.media is not None and self.media.vision,
             media_audio=self.media is not None and self.media.audio,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import threading
 
 import grpc
@@ -459,6 +460,37 @@ def test_check_route_orders_and_accepts_a_cover():
 def test_check_route_rejects(stages, cls, msg):
     with pytest.raises(cls, match=msg):
         check_route(stages)
+
+
+def test_a_route_of_two_llama_cpp_pins_is_refused_by_name(served):
+    """Every worker says its compiled core's pin (Describe ``llama_cpp_commit``,
+    ``patch_stack_hash``: the build's own); a route whose stages say two pins, or one that
+    does not say it (an older worker), is refused naming both."""
+    from dgr.control.capability import build_info
+
+    async def describe():
+        c = ShardClient(served.address)
+        try:
+            return await c.describe()
+        finally:
+            await c.close()
+
+    got = asyncio.run(describe())
+    b = build_info()
+    assert (got.llama_cpp_commit, got.patch_stack_hash) == (b["llama_cpp_commit"],
+                                                            b["patch_stack_hash"])
+    assert len(got.llama_cpp_commit) == 40 and got.patch_stack_hash
+    a = dataclasses.replace(info("a", 0, 10), llama_cpp_commit=got.llama_cpp_commit,
+                            patch_stack_hash=got.patch_stack_hash)
+    bumped = dataclasses.replace(info("b", 10, 30), llama_cpp_commit="f" * 40,
+                                 patch_stack_hash=got.patch_stack_hash)
+    want = (f"b computes with llama.cpp ffffffffffff + patch stack "
+            f"{got.patch_stack_hash[:12]}, a with llama.cpp {got.llama_cpp_commit[:12]}")
+    with pytest.raises(errors.ModelMismatch, match=re.escape(want)):
+        check_route([a, bumped])
+    with pytest.raises(errors.ModelMismatch, match="a llama.cpp pin it does not say"):
+        check_route([a, info("b", 10, 30)])
+    check_route([a, dataclasses.replace(bumped, llama_cpp_commit=got.llama_cpp_commit)])
 
 
 def test_route_refuses_a_draining_stage():
