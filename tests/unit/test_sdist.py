@@ -71,6 +71,13 @@ def test_pip_install_of_the_sdist_in_a_fresh_venv_runs_the_demo(sdist, tmp_path)
     env["DGR_BACKEND"] = "cpu"
     subprocess.run([py, "-m", "pip", "install", "-q", str(sdist)], check=True, env=env,
                    capture_output=True, timeout=3000, cwd=tmp_path)
+    # one version: the package's metadata is dgr.__version__ (which the capability record and
+    # Describe say)
+    v = subprocess.run([py, "-c", "import importlib.metadata as m, dgr; "
+                        "print(m.version('dgr'), dgr.__version__)"],
+                       env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    meta, own = v.stdout.split()
+    assert meta == own, v.stdout
     r = subprocess.run([py, "-m", "dgr", "run", "--max-tokens", "8"], env=env, cwd=tmp_path,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
