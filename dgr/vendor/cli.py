@@ -1,5 +1,5 @@
 """``python -m dgr.vendor``: the vendor pipeline's command line (fetch, patch, build, verify,
-status, pin, path, pack). Standard library only, as the pipeline."""
+status, pin, path, pack, bump). Standard library only, as the pipeline."""
 
 from __future__ import annotations
 
@@ -48,7 +48,18 @@ def main(argv: list[str] | None = None) -> int:
     pk.add_argument("dest", help="the .tar.gz to write")
     pk.add_argument("--pin", action="store_true",
                     help="also pin its tree's sha256 in vendor-manifest.json (prepared)")
+    bp = sub.add_parser("bump", help="try the patch stack on another llama-cpp-python sdist's "
+                                     "llama.cpp in a scratch workspace, and report each patch "
+                                     "(applied, with fuzz, failed); changes nothing here")
+    bp.add_argument("--to", required=True, metavar="VERSION",
+                    help="the llama-cpp-python version whose vendored llama.cpp to try")
+    bp.add_argument("--commit", default="",
+                    help="the llama.cpp commit that sdist vendors (for the report)")
+    bp.add_argument("--workdir", help="the scratch workspace (default: a new temporary one)")
+    bp.add_argument("--report", help="also write the report (Markdown) here")
     args = parser.parse_args(argv)
+    if args.cmd == "bump":
+        return _bump(args)
     try:
         v = Vendor(backend=args.backend)
         if args.cmd == "fetch":
@@ -91,3 +102,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _bump(args) -> int:
+    from dgr.vendor.bump import bump, report_markdown
+
+    try:
+        r = bump(args.to, commit=args.commit,
+                 workdir=Path(args.workdir) if args.workdir else None)
+    except VendorError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = report_markdown(r)
+    print(text, end="")
+    if args.report:
+        Path(args.report).write_text(text)
+    return 0 if r["applies"] else 1
