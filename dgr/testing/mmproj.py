@@ -16,6 +16,11 @@ Projectors (:data:`PROJECTORS`) and the text architecture each one pairs with:
   average pool of ``scale_factor`` x ``scale_factor`` patches, RMS norm and a projection.
   Text arch ``gemma3``; mtmd decodes its image tokens non-causally.
 
+Audio: ``qwen2a`` (Qwen2-Audio: a Whisper encoder, two 1-D convolutions and a LayerNorm
+transformer over mtmd's 30-second window of 128 mel bins, then a linear projection; 750 rows
+for any clip up to 30 s) beside the tiny ``qwen2vl`` text model (:func:`write_tiny_alm`), and
+:func:`write_wav`, a sine tone for it.
+
 Image sizes: Qwen-VL resizes an image to multiples of ``2 * patch_size`` (one output token per
 2x2 patches, between 8 and 4096 tokens: fixed in ``clip.cpp``), so the token count follows from
 the patch size: the default 40 makes ``tools/mtmd/test-1.jpeg`` (640x488) 8 x 6 = 48 tokens.
@@ -44,7 +49,8 @@ import numpy as np
 from dgr.artifacts.gguf import gguf_module, read_header
 
 __all__ = ["PROJECTORS", "TinyQwen2VL", "write_tiny_qwen2vl", "TinyGemma3", "write_tiny_gemma3",
-           "TinyMmproj", "write_mmproj", "image_tokens", "write_tiny_vlm"]
+           "TinyMmproj", "write_mmproj", "image_tokens", "write_tiny_vlm", "TinyAudioProj",
+           "write_audio_mmproj", "write_tiny_alm", "write_wav"]
 
 #: projector name -> (``clip.projector_type`` value, text architecture it pairs with)
 PROJECTORS = {
@@ -443,3 +449,96 @@ def write_tiny_vlm(out_dir: str | Path, projector: str = "qwen25vl", *, seed: in
     if cfg.projector != projector:
         raise ValueError(f"mmproj config is for {cfg.projector!r}, not {projector!r}")
     return text, write_mmproj(out / f"{projector}-mmproj.gguf", text, cfg)
+
+
+# -- audio -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TinyAudioProj:
+    """A tiny Whisper-style audio encoder with Qwen2-Audio's projector (``clip.projector_type``
+    ``qwen2a``): two 1-D convolutions (the second of stride 2), a LayerNorm transformer over
+    the 1500 frames of a 30-second window (mtmd pads a shorter clip), a linear projection to
+    the text model's width."""
+
+    n_embd: int = 32
+    n_head: int = 2
+    n_ff: int = 64
+    n_layer: int = 2
+    n_mel: int = 128
+    seed: int = 0
+
+
+def write_audio_mmproj(path: str | Path, text: int | str | Path,
+                       cfg: TinyAudioProj = TinyAudioProj()) -> Path:
+    """Write a random-weight ``qwen2a`` audio projector GGUF whose output width is the text
+    model's ``n_embd`` (``text``: that width, or the text GGUF's path)."""
+    n_text = _text_n_embd(text)
+    c, ff = cfg.n_embd, cfg.n_ff
+    if c % cfg.n_head or ff == c:
+        raise ValueError("n_embd must divide by n_head, and n_ff differ from n_embd")
+    path = Path(path)
+    g = _Writer(path, "clip", cfg.seed)
+    w = g.w
+    w.add_type("mmproj")
+    w.add_name("dgr-tiny-mmproj-qwen2a")
+    w.add_file_type(0)
+    w.add_clip_has_audio_encoder(True)
+    w.add_clip_projector_type("qwen2a")
+    w.add_audio_projection_dim(n_text)
+    w.add_audio_embedding_length(c)
+    w.add_audio_feed_forward_length(ff)
+    w.add_audio_block_count(cfg.n_layer)
+    w.add_audio_head_count(cfg.n_head)
+    w.add_audio_attention_layernorm_eps(1e-5)
+    w.add_audio_num_mel_bins(cfg.n_mel)
+    # numpy shapes: ggml's ne reversed (a conv kernel [c_out, c_in, k]; biases [c, 1])
+    g.mat("a.conv1d.1.weight", c, cfg.n_mel, 3)
+    g.w.add_tensor("a.conv1d.1.bias", (g.rng.standard_normal((c, 1)) * 0.02).astype(np.float32))
+    g.mat("a.conv1d.2.weight", c, c, 3)
+    g.w.add_tensor("a.conv1d.2.bias", (g.rng.standard_normal((c, 1)) * 0.02).astype(np.float32))
+    g.mat("a.position_embd.weight", 1500, c, scale=0.02)
+    for il in range(cfg.n_layer):
+        p = f"a.blk.{il}"
+        for ln in ("ln1", "ln2"):
+            g.norm(f"{p}.{ln}.weight", c)
+            g.bias(f"{p}.{ln}.bias", c)
+        for m in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            g.mat(f"{p}.{m}.weight", c, c)
+            if m != "attn_k":  # Whisper's key projection has no bias
+                g.bias(f"{p}.{m}.bias", c)
+        g.mat(f"{p}.ffn_up.weight", ff, c)
+        g.bias(f"{p}.ffn_up.bias", ff)
+        g.mat(f"{p}.ffn_down.weight", c, ff)
+        g.bias(f"{p}.ffn_down.bias", c)
+    g.norm("a.post_ln.weight", c)
+    g.bias("a.post_ln.bias", c)
+    g.mat("mm.a.fc.weight", n_text, c)
+    g.bias("mm.a.fc.bias", n_text)
+    g.close()
+    return path
+
+
+def write_tiny_alm(out_dir: str | Path, *, seed: int = 0) -> tuple[Path, Path]:
+    """A text model (the tiny ``qwen2vl``) and a ``qwen2a`` audio projector of its width:
+    ``(text_path, mmproj_path)``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    text = write_tiny_qwen2vl(out / "alm-text.gguf", TinyQwen2VL(seed=seed))
+    return text, write_audio_mmproj(out / "qwen2a-mmproj.gguf", text, TinyAudioProj(seed=seed))
+
+
+def write_wav(path: str | Path, seconds: float = 1.0, rate: int = 16000,
+              freq: float = 440.0) -> Path:
+    """A mono 16-bit PCM WAV of a sine tone (the standard library's ``wave``)."""
+    import wave
+
+    n = int(seconds * rate)
+    t = np.arange(n) / rate
+    pcm = (0.3 * np.sin(2 * np.pi * freq * t) * 32767).astype("<i2")
+    with wave.open(str(path), "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(rate)
+        f.writeframes(pcm.tobytes())
+    return Path(path)

@@ -4,7 +4,8 @@ own path (mtmd_helper_eval_chunks in a plain llama_context) bit for bit, and a s
 the whole model's at every 2-stage cut and a 3-stage layout, for an M-RoPE projector
 (Qwen2.5-VL, Qwen2-VL: an image's rows take (t, y, x, z) positions across every seam) and a
 non-causal one (Gemma 3: the image's rows attend both ways on every stage), with sessions
-batched beside each other, and the checks would see a wrong position or causality."""
+batched beside each other, and the checks would see a wrong position or causality; and audio
+(a Qwen2-Audio projector's rows) the same way."""
 
 from __future__ import annotations
 
@@ -199,3 +200,28 @@ def test_corrupt_images_are_refused_or_decoded_never_a_crash(tmp_path, image):
         rows = media.encode(i)
         assert rows.shape == (36, media.n_embd_inp) and np.isfinite(rows).all()
     assert outcomes["refused"] >= 20 and outcomes["decoded"] >= 20, outcomes
+
+
+def test_audio_through_dgr_is_llama_cpps_own_path_and_every_split_is_the_whole(tmp_path):
+    """A Qwen2-Audio-style projector (``qwen2a``: a Whisper encoder over a 30-second window,
+    750 rows) beside an M-RoPE text model: a 1-second WAV's prompt gives llama.cpp's own
+    mtmd_helper_eval_chunks logits bit for bit through dgr, and every split the whole's."""
+    from dgr.testing.mmproj import write_tiny_alm, write_wav
+
+    text, mmproj = (str(p) for p in write_tiny_alm(tmp_path))
+    wav = write_wav(tmp_path / "tone.wav").read_bytes()
+    whole = _route(text, [None], n_ctx=1024)
+    media = Media(whole[0], mmproj)
+    assert media.audio and not media.vision and media.audio_sample_rate == 16000
+    prompt = f"listen {media.marker} what is it?"
+    chunks, got = _run(whole, media, prompt, [wav])
+    assert [c["kind"] for c in chunks] == ["text", "audio", "text"]
+    assert chunks[1]["n_rows"] == chunks[1]["n_pos"] == 750 and len(chunks[1]["id"]) == 64
+    ref = mtmd_helper_logits(text, mmproj, prompt, [wav], **{**SETTINGS, "n_ctx": 1024})
+    assert got.tobytes() == ref.tobytes()
+    for layout in LAYOUTS:
+        route = _route(text, layout, n_ctx=1024)
+        _, split = _run(route, Media(route[0], mmproj), prompt, [wav])
+        assert split.tobytes() == got.tobytes(), layout
+    with pytest.raises(errors.InvalidArgument, match="an image, which this projector"):
+        media.tokenize(prompt, [(Vendor().src / "tools" / "mtmd" / "test-1.jpeg").read_bytes()])

@@ -48,13 +48,14 @@ def _data_url(data: bytes, mime: str = "image/jpeg") -> str:
 class _Front:
     """Workers (the first with the projector) and a front over them."""
 
-    def __init__(self, text, mmproj, layout, **settings):
+    def __init__(self, text, mmproj, layout, engine=None, **settings):
         from dgr.serve.app import create_app
         from dgr.serve.templates import ChatTemplate
         from dgr.worker.process import ThreadedWorker
         import dgr
 
-        self.workers = [ThreadedWorker(dgr.Engine(text, layers=r, **SETTINGS),
+        kw = {**SETTINGS, **(engine or {})}
+        self.workers = [ThreadedWorker(dgr.Engine(text, layers=r, **kw),
                                        mmproj=mmproj if r[0] == 0 else "") for r in layout]
         try:
             self.served = Served(create_app(
@@ -439,3 +440,31 @@ def test_dgr_serve_mmproj_serves_images_from_the_command_line(tmp_path, where):
         assert claude and claude == m.content[0].text
     finally:
         whole.stop()
+
+
+def test_openai_input_audio_on_an_audio_projector_is_the_whole_models(tmp_path):
+    """A ``qwen2a`` projector (audio only): OpenAI chat ``input_audio`` (a WAV) through a
+    3-stage split gives the whole model's text, the card says ``audio``, and an image to it
+    is a 400 naming the part."""
+    from dgr.testing.mmproj import write_tiny_alm, write_wav
+
+    text, mmproj = (str(p) for p in write_tiny_alm(tmp_path))
+    wav = base64.b64encode(write_wav(tmp_path / "tone.wav").read_bytes()).decode()
+    msgs = [{"role": "user", "content": [
+        {"type": "text", "text": "What is this sound?"},
+        {"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}}]}]
+    fronts = []
+    try:
+        for layout in (SPLIT, [(0, 4)]):
+            fronts.append(_Front(text, mmproj, layout, engine={"n_ctx": 1024}, prompt_cache=0))
+        split, whole = fronts
+        got, usage = _chat(split, msgs)
+        assert got and got == _chat(whole, msgs)[0]
+        assert usage.prompt_tokens > 750  # the clip's 750 rows count
+        assert split.openai.models.list().data[0].model_extra["meta"]["media"] == ["audio"]
+        status, body = _status(split, _ask(_data_url(_image())))
+        assert status == 400 and body["error"]["code"] == "unsupported_media", body
+        assert "takes no images" in body["error"]["message"]
+    finally:
+        for f in fronts:
+            f.stop()
