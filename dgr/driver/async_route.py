@@ -363,9 +363,9 @@ class AsyncRoute:
                            max_pixels: int = 0) -> list:
         """``prompt`` (one ``media_stage.media_marker`` per item of ``media``, each a file's
         bytes) cut and encoded by the projector beside the first stage (its ``--mmproj``, on
-        its device), or by ``config.encoder``'s: a list of its chunks from ``first_pos`` on, each a text chunk's token
-        ids or a ``dgr.driver.media.MediaStep``, for ``AsyncRouteSession.prefill_media`` /
-        ``generate_media``; a media chunk that starts before ``encode_from`` is a
+        its device), or by ``config.encoder``'s: a list of its chunks from ``first_pos`` on,
+        each a text chunk's token ids or a ``dgr.driver.media.MediaStep``, for
+        ``AsyncRouteSession.prefill_media`` / ``generate_media``; a media chunk that starts before ``encode_from`` is a
         ``MediaRef`` instead (not encoded: what a session that keeps it needs).
         ``max_pixels``: the most pixels an image may have (0: the worker's own cap,
         ``dgr.worker.worker.MAX_PIXELS``; the smaller holds).
@@ -384,11 +384,9 @@ class AsyncRoute:
                 "--mmproj (the model's mmproj GGUF)")
         client = self.encoder or self.clients[0]
         got = await client.encode_media(prompt, media, add_special=add_special,
-                                                 parse_special=parse_special,
-                                                 first_pos=first_pos,
-                                                 encode_from=encode_from,
-                                                 max_pixels=max_pixels,
-                                                 timeout=self.step_timeout)
+                                        parse_special=parse_special, first_pos=first_pos,
+                                        encode_from=encode_from, max_pixels=max_pixels,
+                                        timeout=self.step_timeout)
         return [c["tokens"] if c["kind"] == "text" else
                 MediaStep(c["rows"], c["positions"], c["kind"], causal=not c["non_causal"],
                           id=c["id"]) if "rows" in c else
