@@ -84,9 +84,6 @@ class MediaRequest:
 
     items: list
 
-    def __len__(self) -> int:
-        return len(self.items)
-
 
 def take_media(messages: list, marker: str, *, max_media: int, max_bytes: int,
                url_hosts: Sequence[str] = ()) -> tuple[list, MediaRequest]:

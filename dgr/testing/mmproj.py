@@ -87,8 +87,23 @@ class _Writer:
             scale = 1.0 / math.sqrt(int(np.prod(shape[1:])) or 1)
         self.w.add_tensor(name, (self.rng.standard_normal(shape) * scale).astype(np.float32))
 
-    def bias(self, name: str, n: int, scale: float = 0.02) -> None:
-        self.w.add_tensor(name, (self.rng.standard_normal(n) * scale).astype(np.float32))
+    def bias(self, name: str, *shape: int, scale: float = 0.02) -> None:
+        self.w.add_tensor(name, (self.rng.standard_normal(shape) * scale).astype(np.float32))
+
+    def ln_block(self, p: str, c: int, ff: int, *, k_bias: bool = True) -> None:
+        """One pre-LayerNorm transformer block ``p`` (a SigLIP or Whisper encoder's): both
+        norms, the attention with biases (the key's only with ``k_bias``), a 2-matrix FFN."""
+        for ln in ("ln1", "ln2"):
+            self.norm(f"{p}.{ln}.weight", c)
+            self.bias(f"{p}.{ln}.bias", c)
+        for m in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            self.mat(f"{p}.{m}.weight", c, c)
+            if k_bias or m != "attn_k":
+                self.bias(f"{p}.{m}.bias", c)
+        self.mat(f"{p}.ffn_up.weight", ff, c)
+        self.bias(f"{p}.ffn_up.bias", ff)
+        self.mat(f"{p}.ffn_down.weight", c, ff)
+        self.bias(f"{p}.ffn_down.bias", c)
 
     def norm(self, name: str, n: int) -> None:
         self.w.add_tensor(name, (1.0 + 0.05 * self.rng.standard_normal(n)).astype(np.float32))
@@ -383,17 +398,7 @@ def write_mmproj(path: str | Path, text: int | str | Path, cfg: TinyMmproj = Tin
         g.bias("v.patch_embd.bias", c)
         g.mat("v.position_embd.weight", n_patches, c, scale=0.02)
         for il in range(cfg.n_layer):
-            p = f"v.blk.{il}"
-            for ln in ("ln1", "ln2"):
-                g.norm(f"{p}.{ln}.weight", c)
-                g.bias(f"{p}.{ln}.bias", c)
-            for m in ("attn_q", "attn_k", "attn_v", "attn_out"):
-                g.mat(f"{p}.{m}.weight", c, c)
-                g.bias(f"{p}.{m}.bias", c)
-            g.mat(f"{p}.ffn_up.weight", ff, c)
-            g.bias(f"{p}.ffn_up.bias", ff)
-            g.mat(f"{p}.ffn_down.weight", c, ff)
-            g.bias(f"{p}.ffn_down.bias", c)
+            g.ln_block(f"v.blk.{il}", c, ff)
         g.norm("v.post_ln.weight", c)
         g.bias("v.post_ln.bias", c)
         g.norm("mm.soft_emb_norm.weight", c)
@@ -494,23 +499,12 @@ def write_audio_mmproj(path: str | Path, text: int | str | Path,
     w.add_audio_num_mel_bins(cfg.n_mel)
     # numpy shapes: ggml's ne reversed (a conv kernel [c_out, c_in, k]; biases [c, 1])
     g.mat("a.conv1d.1.weight", c, cfg.n_mel, 3)
-    g.w.add_tensor("a.conv1d.1.bias", (g.rng.standard_normal((c, 1)) * 0.02).astype(np.float32))
+    g.bias("a.conv1d.1.bias", c, 1)
     g.mat("a.conv1d.2.weight", c, c, 3)
-    g.w.add_tensor("a.conv1d.2.bias", (g.rng.standard_normal((c, 1)) * 0.02).astype(np.float32))
+    g.bias("a.conv1d.2.bias", c, 1)
     g.mat("a.position_embd.weight", 1500, c, scale=0.02)
     for il in range(cfg.n_layer):
-        p = f"a.blk.{il}"
-        for ln in ("ln1", "ln2"):
-            g.norm(f"{p}.{ln}.weight", c)
-            g.bias(f"{p}.{ln}.bias", c)
-        for m in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            g.mat(f"{p}.{m}.weight", c, c)
-            if m != "attn_k":  # Whisper's key projection has no bias
-                g.bias(f"{p}.{m}.bias", c)
-        g.mat(f"{p}.ffn_up.weight", ff, c)
-        g.bias(f"{p}.ffn_up.bias", ff)
-        g.mat(f"{p}.ffn_down.weight", c, ff)
-        g.bias(f"{p}.ffn_down.bias", c)
+        g.ln_block(f"a.blk.{il}", c, ff, k_bias=False)  # Whisper's key has no bias
     g.norm("a.post_ln.weight", c)
     g.bias("a.post_ln.bias", c)
     g.mat("mm.a.fc.weight", n_text, c)
