@@ -2,7 +2,9 @@
 
 ``pip install -e .`` runs everything. The llama.cpp build lives out of tree under
 ``$DGR_CACHE`` (default ``~/.cache/dgr``) keyed by manifest, patches, backend, cmake options and
-compiler, so a second install reuses it. ``DGR_BACKEND`` (cpu, vulkan, cuda, rocm, metal) picks
+compiler, so a second install reuses it. ``DGR_CPU_VARIANT`` picks the CPU code: ``native`` (the
+default: this CPU's instruction sets) or ``x86-64-v3`` (the portable baseline of a wheel; see
+``dgr.vendor.CPU_VARIANTS``). ``DGR_BACKEND`` (cpu, vulkan, cuda, rocm, metal) picks
 the ggml backend built beside the CPU one; the choice is recorded in ``dgr/_core/backend.txt``
 so later builds and the tools of this checkout use the same one. ``CMAKE_ARGS`` passes through
 to cmake (e.g. ``-DCMAKE_CUDA_ARCHITECTURES=native``).
@@ -42,7 +44,12 @@ class BuildExt(build_ext):
         has_ranges = "llama_model_layer_start" in llama_h
         import numpy
 
+        cpu = [("DGR_CPU_VARIANT", f'"{v.cpu_variant_name}"'),
+               ("DGR_CPU_REQUIRES", f'"{",".join(v.cpu_requires())}"')]
         for ext in self.extensions:
+            ext.define_macros += cpu
+            if ext.name == "dgr._cpu._cpu":  # the CPU check: no llama.cpp, no -march, no OpenMP
+                continue
             ext.include_dirs += [str(ROOT / "cpp" / "include"), numpy.get_include(),
                                  *map(str, v.include_dirs()),
                                  str(v.src / "vendor" / "hash")]  # xxhash/xxhash.h (frame.cpp)
@@ -97,7 +104,10 @@ def _extensions():
         language="c++",
         depends=["cpp/include/dgr/chat.h", "vendor-manifest.json"],
     )
-    return cythonize([ext, frame, chat], language_level=3,
+    cpu = Extension(  # which CPU code the build holds, checked before the others load
+        "dgr._cpu._cpu", sources=["dgr/_cpu/_cpu.pyx"], language="c++",
+        depends=["vendor-manifest.json"])
+    return cythonize([ext, frame, chat, cpu], language_level=3,
                      compiler_directives={"embedsignature": True},
                      annotate=bool(os.environ.get("DGR_CYTHON_ANNOTATE")))
 

@@ -20,6 +20,7 @@ __all__ = [
     "InvalidArgument",
     "EngineError",
     "CoreNotBuilt",
+    "CpuNotSupported",
     "DeviceNotFound",
     "DeviceOutOfMemory",
     "DeviceLost",
@@ -157,6 +158,14 @@ class CoreNotBuilt(DgrError, ImportError):
     """The compiled core ``dgr._core`` is missing; build it with ``pip install -e .``."""
 
     code = 14
+
+
+class CpuNotSupported(CoreNotBuilt):
+    """The compiled core was built for CPUs with instruction sets this one lacks (a portable
+    ``x86-64-v3`` wheel on a CPU without AVX2): the message names them and how to build for
+    this CPU from source."""
+
+    code = 60
 
 
 class DeviceNotFound(DgrError, LookupError):

@@ -8,6 +8,22 @@ import pytest
 pytest_plugins = ["dgr.testing.leaks"]
 
 
+def pytest_addoption(parser):
+    parser.addoption("--run-release", action="store_true",
+                     help="also run the release tests (tests/release: the portable wheel, built "
+                          "with its own llama.cpp: about 20 minutes cold on 2 cores)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--run-release"):
+        return
+    skip = pytest.mark.skip(reason="a release test: run with --run-release (it builds the "
+                                   "portable wheel's llama.cpp)")
+    for item in items:
+        if "release" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     """A 4-layer random-weight llama GGUF (tied embeddings), written once per session."""

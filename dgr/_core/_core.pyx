@@ -14,9 +14,10 @@ import threading
 import numpy as np
 
 from dgr._core.includes.engine cimport (
-    DGR_LLAMA_COMMIT, DGR_PATCH_STACK_HASH, DGR_VENDOR_KEY, CDeviceInfo, CEngine, CEngineConfig,
+    DGR_CPU_VARIANT, DGR_LLAMA_COMMIT, DGR_PATCH_STACK_HASH, DGR_VENDOR_KEY,
+    CDeviceInfo, CEngine, CEngineConfig,
     CEngineCounters, CMedia, CMediaChunk, CMediaConfig, CMediaInfo, CMediaStep,
-    CEngineInfo, CStatus, ArchSupportsLayerRange, BuiltBackends, HasLayerRanges, ListDevices,
+    CEngineInfo, CStatus, ArchSupportsLayerRange, BuiltBackends, CpuFeatures, HasLayerRanges, ListDevices,
     MtmdHelperLogits,
 )
 from dgr import errors as _errors
@@ -29,6 +30,7 @@ BUILD_INFO = {
     "llama_cpp_commit": DGR_LLAMA_COMMIT.decode(),
     "patch_stack_hash": DGR_PATCH_STACK_HASH.decode(),
     "vendor_key": DGR_VENDOR_KEY.decode(),
+    "cpu_variant": DGR_CPU_VARIANT.decode(),
     "layer_ranges": HAS_LAYER_RANGES,
 }
 
@@ -56,6 +58,13 @@ def devices():
             "memory_free": d.memory_free, "memory_total": d.memory_total,
         })
     return res
+
+
+def cpu_features():
+    """What this build's CPU code was compiled for: ggml's feature names (``AVX2``, ``F16C``,
+    ``OPENMP``, ``REPACK``; ``NAME=value`` where the value is not 1). With :data:`BUILD_INFO`'s
+    ``cpu_variant`` it names the kernels a CPU stage runs."""
+    return [f.decode("utf-8", "replace") for f in CpuFeatures()]
 
 
 def backends():

@@ -170,7 +170,7 @@ def certify(model: str | os.PathLike, ranges: Sequence[tuple[int, int]], *,
         certified_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         dgr_version=__version__, seconds=round(time.monotonic() - t0, 3), arch=whole.arch,
         scenario=scenario, batching=batching, speculation=speculation, prefix_cache=prefix,
-        rollback_window=window)
+        rollback_window=window, cpu_variant=bi["cpu_variant"])
     ok = passed and (fo is None or fo.passed)
     return rec, (write(rec, store) if ok else None)
 
@@ -494,7 +494,8 @@ def _cmd_lanes(args) -> int:
         lane = rec.lane
         build_ok = (rec.llama_cpp_commit == bi["llama_cpp_commit"]
                     and rec.patch_stack_hash == bi["patch_stack_hash"]
-                    and list(rec.cpu_isa) == list(isa))
+                    and list(rec.cpu_isa) == list(isa)
+                    and rec.cpu_variant == bi["cpu_variant"])
         s = lane.settings
         # a split lane holds only where this build splits the architecture (docs/architectures.md)
         split_ok = len(lane.stages) == 1 or (rec.arch and arch_supports_layer_range(rec.arch))

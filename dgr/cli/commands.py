@@ -327,6 +327,10 @@ def _cmd_devices(args) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4])
+    for d in devs:
+        if "cpu_variant" in d:  # the CPU's code: which kernels a CPU stage runs (and its bits)
+            print(f"CPU code: {d['cpu_variant']} (compiled for "
+                  f"{' '.join(d['cpu_compiled']) or 'nothing ggml names'})")
     if "Vulkan" in regs and not any(d["backend"] == "Vulkan" for d in devs):
         print("no Vulkan device: ggml lists a software Vulkan device (lavapipe) only when "
               "GGML_VK_VISIBLE_DEVICES names it, e.g. GGML_VK_VISIBLE_DEVICES=0")

@@ -31,7 +31,7 @@ from dgr.protocol.capability import (
 )
 from dgr.vendor import cpu_features  # one reader of the host's ISA (the build key's too)
 
-__all__ = ["build_info", "quantisation", "cpu_features", "record_for"]
+__all__ = ["build_info", "quantisation", "cpu_features", "cpu_variant", "record_for"]
 
 
 # -- build and host facts -------------------------------------------------------------------
@@ -45,15 +45,28 @@ def _vendor_facts() -> tuple[str, str]:
     return BUILD_INFO["llama_cpp_commit"], BUILD_INFO["patch_stack_hash"]
 
 
+@functools.lru_cache(maxsize=1)
+def cpu_variant() -> tuple[str, tuple[str, ...]]:
+    """The CPU code this process computes with: the build's variant (``native``,
+    ``x86-64-v3``, ``custom``: ``dgr.vendor.CPU_VARIANTS``) and what ggml's CPU backend was
+    compiled for (``AVX2``, ``F16C``, ``OPENMP``, ...). Variants may differ in bits."""
+    from dgr._core import BUILD_INFO, cpu_features as compiled
+
+    return BUILD_INFO.get("cpu_variant", "native"), tuple(compiled())
+
+
 def build_info() -> dict[str, str]:
-    """The build this process computes with: llama.cpp commit, patch-stack hash, and the ggml
-    backends it carries (``backends``, comma-separated registry names: ``CPU, Vulkan, RPC``).
+    """The build this process computes with: llama.cpp commit, patch-stack hash, the ggml
+    backends it carries (``backends``, comma-separated registry names: ``CPU, Vulkan, RPC``)
+    and its CPU code (``cpu_variant``, ``cpu_compiled``: :func:`cpu_variant`).
     Which backend a record names is its engine's device's (:func:`device_of`)."""
     from dgr._core import backends
 
     commit, patches = _vendor_facts()
+    variant, compiled = cpu_variant()
     return {"llama_cpp_commit": commit, "patch_stack_hash": patches,
-            "backends": ", ".join(backends())}
+            "backends": ", ".join(backends()), "cpu_variant": variant,
+            "cpu_compiled": " ".join(compiled)}
 
 
 def _facts(engine, pipeline=None) -> dict | None:
@@ -189,7 +202,7 @@ def record_for(engine, *, pipeline=None, cert_store: str | os.PathLike | None = 
         boundary_schema_version=wire.SCHEMA_VERSION, boundary_width=width,
         boundary_dtype="f32", settings=settings,
         stage_identity=stage_identity(info["identity"], settings, dev["compute"]),
-        cpu_isa=list(isa))
+        cpu_isa=list(isa), cpu_variant=bi["cpu_variant"], cpu_compiled=bi["cpu_compiled"].split())
     weight, kv = int(info["weight_bytes"]), int(info["kv_bytes"])
     if pipeline is not None:
         table = pipeline.table

@@ -185,6 +185,9 @@ class Certification(msgspec.Struct, kw_only=True):
     #: recurrent or hybrid model, whose lane measures no speculation (a route refuses it
     #: there) and reuses no kept prefix; -1 no limit (or a record from before it was kept)
     rollback_window: int = -1
+    #: the build's CPU variant (``dgr.control.capability.cpu_variant``): variants run other
+    #: kernels, so one's lane does not certify another's ("native": a record from before)
+    cpu_variant: str = "native"
 
 
 def store_path(path: str | os.PathLike | None = None) -> Path:
@@ -204,8 +207,11 @@ def lane_id(lane: Lane) -> str:
 
 
 def _build_key(c: Certification) -> str:
-    h = hashlib.sha256("\0".join([c.llama_cpp_commit, c.patch_stack_hash, str(
-        c.wire_schema_version), " ".join(c.cpu_isa)]).encode())
+    parts = [c.llama_cpp_commit, c.patch_stack_hash, str(c.wire_schema_version),
+             " ".join(c.cpu_isa)]
+    if c.cpu_variant != "native":  # a native record's key is what it was before variants
+        parts.append(c.cpu_variant)
+    h = hashlib.sha256("\0".join(parts).encode())
     return h.hexdigest()[:12]
 
 
@@ -268,6 +274,8 @@ def mismatches(rec: Certification, comp, layers: Sequence[int]) -> list[str]:
     if list(rec.cpu_isa) != list(comp.cpu_isa):
         why.append("CPU ISA flags differ: "
                    + " ".join(sorted(set(rec.cpu_isa) ^ set(comp.cpu_isa))))
+    if rec.cpu_variant != getattr(comp, "cpu_variant", "native"):
+        why.append(f"CPU variant {rec.cpu_variant} != {getattr(comp, 'cpu_variant', 'native')}")
     if len(lane.stages) > 1 and not getattr(comp, "arch_splittable", False):
         why.append(f"architecture {comp.arch} does not split in this build (its graph does not "
                    "honour a layer range: docs/architectures.md)")

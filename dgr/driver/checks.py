@@ -30,7 +30,7 @@ def check_route(stages: Sequence[StageInfo], *, mixed_devices: bool = False) -> 
     dgr.errors.ModelMismatch
         Stages serve different models, numeric settings, wire formats or llama.cpp pins
         (``llama_cpp_commit``, ``patch_stack_hash``), or compute on different kinds of
-        device without ``mixed_devices``.
+        device or CPU variants (``cpu_variant``) without ``mixed_devices``.
     dgr.errors.RouteError
         The layer ranges leave a gap, overlap, or do not reach both ends.
     dgr.errors.WorkerDraining
@@ -56,6 +56,13 @@ def check_route(stages: Sequence[StageInfo], *, mixed_devices: bool = False) -> 
                 f"{s.endpoint} computes on {s.compute}, {ref.endpoint} on {ref.compute}: a route "
                 "mixing kinds of device computes other bits than either whole model; ask for it "
                 "with mixed_devices=True (--mixed-devices), or run every stage on one kind")
+        if (s.cpu_variant and ref.cpu_variant and s.cpu_variant != ref.cpu_variant
+                and not mixed_devices):
+            raise errors.ModelMismatch(
+                f"{s.endpoint} runs {s.cpu_variant} CPU code, {ref.endpoint} {ref.cpu_variant}: "
+                "other kernels compute other bits, so the route would match neither whole "
+                "model; ask for it with mixed_devices=True (--mixed-devices), or build every "
+                "stage alike (DGR_CPU_VARIANT)")
         if s.wire_format_version != ref.wire_format_version:
             raise errors.ModelMismatch(
                 f"{s.endpoint} speaks wire format {s.wire_format_version}, {ref.endpoint} "

@@ -53,6 +53,10 @@ class Compatibility(msgspec.Struct, kw_only=True):
     settings: dict[str, Any]       # numeric engine settings (protocol.settings.NUMERIC_SETTINGS)
     stage_identity: str            # what Forward.model must carry
     cpu_isa: list[str]             # ISA flags that select compute kernels (certify compares them)
+    #: the build's CPU code: native (this CPU's ISA), x86-64-v3 (a portable wheel's), custom;
+    #: and what ggml's CPU backend compiled (AVX2, F16C, ...): a lane is certified per variant
+    cpu_variant: str = "native"
+    cpu_compiled: list[str] = []
 
 
 class Capacity(msgspec.Struct, kw_only=True):

@@ -104,6 +104,9 @@ class StageInfo:
     #: pins
     llama_cpp_commit: str = ""
     patch_stack_hash: str = ""
+    #: the CPU code of that core (``native``, ``x86-64-v3``; "": an older worker): a route
+    #: refuses stages of different variants unless ``mixed_devices`` asks
+    cpu_variant: str = ""
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -161,7 +164,7 @@ class StageInfo:
             n_ctx=r.n_ctx, n_ctx_train=r.n_ctx_train, n_ctx_source=r.n_ctx_source,
             media_marker=r.media_marker, media_vision=r.media_vision,
             media_audio=r.media_audio, llama_cpp_commit=r.llama_cpp_commit,
-            patch_stack_hash=r.patch_stack_hash,
+            patch_stack_hash=r.patch_stack_hash, cpu_variant=r.cpu_variant,
             **{k: getattr(r, k) if r.HasField(k) else None for k in COUNTERS})
 
     def to_dict(self) -> dict:

@@ -33,7 +33,8 @@ from pathlib import Path
 
 from dgr.errors import VendorError
 
-__all__ = ["Vendor", "BACKENDS", "cache_root", "repo_root", "sha256_file", "cpu_features"]
+__all__ = ["Vendor", "BACKENDS", "CPU_VARIANTS", "cache_root", "repo_root", "sha256_file",
+           "cpu_features", "selected_cpu_variant"]
 
 STAMP_VERSION = 1
 
@@ -47,6 +48,44 @@ BACKENDS: dict[str, tuple[str, ...]] = {
     "rocm": ("-DGGML_HIP=ON",),
     "metal": ("-DGGML_METAL=ON",),
 }
+
+#: The CPU code a build compiles (``$DGR_CPU_VARIANT``), and the cmake options that pick it:
+#:
+#: - ``native`` (the default; ggml's own): ``-march=native``, every instruction set of the
+#:   building CPU (AVX-512, AMX where it has them). Fastest here; it runs only on CPUs with the
+#:   same instruction sets, so each CPU gets its own cached build.
+#: - ``x86-64-v3``: the portable baseline a wheel is built for: SSE4.2, AVX, AVX2, FMA, F16C
+#:   and BMI2, no AVX-512 and no AMX. Every x86-64 CPU since Intel Haswell (2013) and AMD
+#:   Zen (2017) has them; the compiled core refuses, at import, a CPU that lacks one
+#:   (``dgr._cpu``) instead of dying of an illegal instruction.
+#:
+#: Variants may compute different bits (other kernels), so a certified lane names its variant.
+CPU_VARIANTS: dict[str, tuple[str, ...]] = {
+    "native": (),
+    "x86-64-v3": ("-DGGML_NATIVE=OFF", "-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON",
+                  "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF",
+                  "-DGGML_AVX_VNNI=OFF"),
+}
+
+#: The instruction sets each variant's code needs (GCC's ``__builtin_cpu_supports`` names),
+#: checked when the compiled core is imported.
+CPU_REQUIRES: dict[str, tuple[str, ...]] = {
+    "native": (),
+    "x86-64-v3": ("sse4.2", "avx", "avx2", "fma", "f16c", "bmi2"),
+}
+
+
+def selected_cpu_variant() -> str:
+    """``$DGR_CPU_VARIANT`` (``native`` when unset); one :data:`CPU_VARIANTS` names."""
+    v = os.environ.get("DGR_CPU_VARIANT", "").strip().lower() or "native"
+    if v not in CPU_VARIANTS:
+        raise VendorError(f"unknown CPU variant {v!r} (from DGR_CPU_VARIANT); known: "
+                          f"{', '.join(CPU_VARIANTS)}")
+    if v != "native" and platform.machine().lower() not in ("x86_64", "amd64"):
+        raise VendorError(f"the CPU variant {v} is for x86-64; this machine is "
+                          f"{platform.machine()} (build it native)")
+    return v
+
 
 #: What each backend needs on the build machine (checked before configuring, so a missing
 #: toolchain is named at once instead of by a cmake error half a page long).
@@ -209,6 +248,13 @@ class Vendor:
                  f"{'; '.join(missing)}; trying {choices[i + 1]}")
         self.cache = Path(cache) if cache else cache_root()
         manifest_path = self.root / "vendor-manifest.json"
+        if not manifest_path.exists() and not (self.root / "setup.py").exists():
+            raise VendorError(
+                f"no llama.cpp tree here: this dgr is an installed package ({self.root}), which "
+                "carries the compiled core but not llama.cpp's source. What needs the tree runs "
+                "from a source checkout (`pip install -e .` there): the fixture generator and "
+                "gguf-py (dgr.testing), llama.cpp's own programs for the benchmarks "
+                "(llama-server, llama-bench, llama-batched-bench) and `python -m dgr.vendor`.")
         try:
             self.manifest = json.loads(manifest_path.read_text())
         except (OSError, ValueError) as e:
@@ -217,13 +263,26 @@ class Vendor:
         self.source = self.llama["source"]
         self.commit = self.llama["commit"]
         self.patches = [Patch(p["file"], p["sha256"]) for p in self.manifest.get("patches", [])]
-        self.cmake_options = list(self.manifest["cmake"]["options"]) + list(BACKENDS[self.backend])
+        self.cpu_variant = selected_cpu_variant()
+        self.cmake_options = (list(self.manifest["cmake"]["options"]) + list(BACKENDS[self.backend])
+                              + list(CPU_VARIANTS[self.cpu_variant]))
         self.extra_cmake_args = shlex.split(os.environ.get("CMAKE_ARGS", ""))
         self.targets = list(self.manifest["cmake"]["targets"])
         self.known_tools = list(self.manifest["cmake"].get("tools", [])) + [
             t for t in EXTRA_TOOLS if t not in self.manifest["cmake"].get("tools", [])]
 
     # -- identity -------------------------------------------------------------------
+
+    @property
+    def cpu_variant_name(self) -> str:
+        """What the records call this build's CPU code: the variant, or ``custom`` where
+        ``CMAKE_ARGS`` turns ggml's native build off by itself."""
+        if self.cpu_variant == "native" and not _host_isa(self.extra_cmake_args):
+            return "custom"
+        return self.cpu_variant
+
+    def cpu_requires(self) -> tuple[str, ...]:
+        return CPU_REQUIRES[self.cpu_variant]
 
     @property
     def patch_dir(self) -> Path:
@@ -247,10 +306,12 @@ class Vendor:
         h.update(self.patch_stack_hash().encode())
         if self.backend != "cpu":  # the CPU build's key has no backend term
             h.update(f"backend={self.backend}".encode())
+        if self.cpu_variant != "native":  # the native build's key has no variant term
+            h.update(f"cpu={self.cpu_variant}".encode())
         h.update(json.dumps(self.extra_cmake_args).encode())
         h.update(_compiler_id().encode())
         # a native build runs only on CPUs with what this one has (elsewhere: SIGILL)
-        if isa := _host_isa(self.extra_cmake_args):
+        if isa := _host_isa(self.cmake_options + self.extra_cmake_args):
             h.update(f"isa={isa}".encode())
         return h.hexdigest()[:16]
 
@@ -764,6 +825,7 @@ class Vendor:
             "patched": self._read_stamp("patch") is not None,
             "built": self.is_built(),
             "backend": self.backend,
+            "cpu_variant": self.cpu_variant_name,
             "backends_built": ", ".join(self.built_backends()) if self.is_built() else "",
             "tools": (self._read_stamp("build") or {}).get("tools", []),
             "current": self.is_built() and not self.check_patches(),

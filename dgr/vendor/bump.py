@@ -8,27 +8,33 @@ with offsets or fuzz: the lines that say so), ``failed`` (the hunks that did not
 ``not tried`` (after a failure the tree is no longer the one later patches were written
 for). The report (``--report FILE``, Markdown) fits one screen.
 
-What it does not do yet: build the patched tree, run the architecture probe and the parity
-certification on it, and write the new ``vendor-manifest.json``. After a clean report those
-are a scratch checkout with the new source pinned (``python -m dgr.vendor pin`` for the
-patches' hashes), ``pip install -e .`` in a fresh venv (it builds), ``python -m
-dgr.testing.archs --markdown`` and the test suite; the report names them.
+With ``--check`` a stack that applies is then proved (:func:`prove`), each step reported:
+``build`` (a scratch copy of this checkout's tracked files, pinned to the new sdist,
+``pip install -e .[test]`` into a fresh venv: it builds the patched llama.cpp in its own
+workspace of ``$DGR_CACHE`` and the compiled core against it), ``probe`` (``python -m
+dgr.testing.archs``: every architecture's fixture whole and split, bit for bit; it passes when
+as many architectures split as the pin's ``docs/architectures.md`` says) and ``parity``
+(``python -m dgr parity``: the default model in 3 stages against the whole, every step).
+``--write`` also writes the new ``vendor-manifest.json`` and ``docs/architectures.md`` into
+this checkout, only when every step passed and the target is not the pin already.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from dgr.errors import VendorError
 
-__all__ = ["Applied", "bump", "report_markdown", "try_stack"]
+__all__ = ["Applied", "Step", "bump", "prove", "report_markdown", "try_stack"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,16 @@ class Applied:
 
     file: str
     status: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One proof step after the stack applied: ``build``, ``probe`` or ``parity``."""
+
+    name: str
+    ok: bool
+    seconds: float
     detail: str = ""
 
 
@@ -132,9 +148,91 @@ def bump(to: str, *, commit: str = "", root: Path | None = None,
     return {"from": src["version"], "from_commit": pinned.commit, "to": to,
             "to_commit": manifest["llama_cpp"]["commit"] if (commit or same) else "",
             "sdist": archive.name, "sdist_sha256": sha256_file(archive),
-            "tree": str(tree), "patches": results,
+            "tree": str(tree), "patches": results, "work": str(work), "same": same,
+            "manifest": str(scratch / "vendor-manifest.json"), "steps": [],
             "clean": all(a.status == "applied" for a in results),
             "applies": all(a.status in ("applied", "fuzz") for a in results)}
+
+
+_SPLIT_RE = re.compile(r"(\d+) architectures, \d+ files; (\d+) split bit-exact")
+
+
+def _split_count(doc: Path) -> tuple[int, int] | None:
+    """(architectures, how many split bit-exact) from an architectures table, if it says."""
+    m = _SPLIT_RE.search(doc.read_text()) if doc.exists() else None
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _step(name: str, cmd: list[str], cwd: Path, env: dict, log: Path,
+          timeout: float) -> tuple[subprocess.CompletedProcess | None, float, str]:
+    """Run one step's command, its output to ``log``; (process or None on timeout, seconds,
+    the output's last lines)."""
+    t0 = time.monotonic()
+    with open(log, "w") as f:
+        try:
+            proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                  text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            proc = None
+    tail = "\n".join(log.read_text(errors="replace").splitlines()[-4:])
+    return proc, time.monotonic() - t0, (tail if proc is not None
+                                         else f"{name}: no result after {timeout:.0f} s")
+
+
+def prove(r: dict, *, root: Path | None = None) -> list[Step]:
+    """Build the bumped pin in a scratch checkout and prove it (build, probe, parity); stops
+    at the first failed step. Each step's whole output is in ``<work>/<step>.log``."""
+    from dgr.vendor import repo_root
+
+    root = Path(root) if root else repo_root()
+    work = Path(r["work"])
+    co = work / "checkout"
+    if co.exists():
+        shutil.rmtree(co)
+    files = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True)
+    if files.returncode != 0:
+        raise VendorError(f"--check copies this checkout's tracked files: {root} is not a git "
+                          "checkout")
+    for f in files.stdout.split():
+        (co / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / f, co / f)
+    shutil.copy2(r["manifest"], co / "vendor-manifest.json")
+    venv = work / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+    py = str(venv / "bin" / "python")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["DGR_BACKEND"] = "cpu"
+    steps: list[Step] = []
+    proc, secs, tail = _step("build", [py, "-m", "pip", "install", "-v", "-e", f"{co}[test]"],
+                             work, env, work / "build.log", 7200)
+    steps.append(Step("build", proc is not None and proc.returncode == 0, secs,
+                      tail if proc is None or proc.returncode else "the patched llama.cpp and "
+                      "the compiled core built"))
+    if not steps[-1].ok:
+        return steps
+    doc = work / "architectures.md"
+    proc, secs, tail = _step("probe", [py, "-m", "dgr.testing.archs", "--markdown", str(doc)],
+                             co, env, work / "probe.log", 7200)
+    got, pin = _split_count(doc), _split_count(root / "docs" / "architectures.md")
+    ok = proc is not None and proc.returncode == 0 and got is not None and (
+        pin is None or got[1] >= pin[1])
+    steps.append(Step("probe", ok, secs, (f"{got[1]} of {got[0]} architectures split bit-exact "
+                                           f"(the pin: {pin[1] if pin else '?'})")
+                      if got else tail))
+    if not ok:
+        return steps
+    proc, secs, tail = _step("parity", [py, "-m", "dgr", "parity", "--stages", "3"], co, env,
+                             work / "parity.log", 3600)
+    steps.append(Step("parity", proc is not None and proc.returncode == 0, secs, tail))
+    return steps
+
+
+def write_pin(r: dict, root: Path) -> list[Path]:
+    """Write the proved pin's manifest and architectures table into ``root``."""
+    work = Path(r["work"])
+    shutil.copy2(r["manifest"], root / "vendor-manifest.json")
+    shutil.copy2(work / "architectures.md", root / "docs" / "architectures.md")
+    return [root / "vendor-manifest.json", root / "docs" / "architectures.md"]
 
 
 def report_markdown(r: dict) -> str:
@@ -155,11 +253,21 @@ def report_markdown(r: dict) -> str:
     for a in r["patches"]:
         where = "; ".join(a.detail.splitlines()[:3]).replace("|", "/")
         lines.append(f"| {a.file} | {a.status} | {where} |")
+    if r.get("steps"):
+        lines += ["", "| step | result | seconds | what |", "|---|---|---|---|"]
+        for st in r["steps"]:
+            what = "; ".join(st.detail.splitlines()[-2:]).replace("|", "/")
+            lines.append(f"| {st.name} | {'pass' if st.ok else 'FAIL'} | {st.seconds:.0f} | "
+                         f"{what} |")
+        proved = len(r["steps"]) == 3 and all(st.ok for st in r["steps"])
+        lines += ["", ("Every step passed: " + ("it is the pin already; nothing to write."
+                                                if r["same"] else "`--write` pins it (the "
+                                                "manifest and docs/architectures.md).")
+                       if proved else f"A step failed: its log is under `{r['work']}`.")]
+        return "\n".join(lines) + "\n"
     lines += ["", "Next, " + ("the stack applies: build it, probe the architectures and run "
-                              "the parity suite on the fixtures (a scratch checkout pinned to "
-                              "it, `pip install -e .`, `python -m dgr.testing.archs "
-                              "--markdown docs/architectures.md`, `python -m pytest`); only "
-                              "then pin it." if r["applies"] else
+                              "the parity suite: `python -m dgr.vendor bump --to "
+                              f"{r['to']} --check` (then `--write` pins it)." if r["applies"] else
                               "refresh the failed patch against the new tree (the tree with the "
                               f"patches before it applied: `{r['tree']}`), then run this again.")]
     return "\n".join(lines) + "\n"

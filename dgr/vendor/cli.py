@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     commands = {
         "fetch": "download the pinned sdist with pip, check sha256, unpack llama.cpp",
         "patch": "apply patches/NNNN-*.patch in manifest order",
-        "build": "build static PIC libraries (CMAKE_ARGS passes through)",
+        "build": "build static PIC libraries (CMAKE_ARGS passes through; DGR_CPU_VARIANT="
+                 "x86-64-v3 builds the portable CPU baseline instead of -march=native)",
         "verify": "check the archive, patches and build against the manifest",
         "status": "print commit, patch-stack hash, cache path and build state",
         "pin": "rewrite the manifest's patch list (sha256) from patches/",
@@ -57,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="the llama.cpp commit that sdist vendors (for the report)")
     bp.add_argument("--workdir", help="the scratch workspace (default: a new temporary one)")
     bp.add_argument("--report", help="also write the report (Markdown) here")
+    bp.add_argument("--check", action="store_true",
+                    help="when the stack applies, prove it: build it in a scratch checkout and "
+                         "venv, probe every architecture whole and split, run the parity suite")
+    bp.add_argument("--write", action="store_true",
+                    help="with --check (implied): write the new vendor-manifest.json and "
+                         "docs/architectures.md here when every step passed")
     args = parser.parse_args(argv)
     if args.cmd == "bump":
         return _bump(args)
@@ -105,11 +112,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _bump(args) -> int:
-    from dgr.vendor.bump import bump, report_markdown
+    from dgr.vendor import repo_root
+    from dgr.vendor.bump import bump, prove, report_markdown, write_pin
 
     try:
         r = bump(args.to, commit=args.commit,
                  workdir=Path(args.workdir) if args.workdir else None)
+        if r["applies"] and (args.check or args.write):
+            print(report_markdown(r), end="", file=sys.stderr)  # the patches' part, at once
+            r["steps"] = prove(r)
     except VendorError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -117,4 +128,8 @@ def _bump(args) -> int:
     print(text, end="")
     if args.report:
         Path(args.report).write_text(text)
-    return 0 if r["applies"] else 1
+    proved = not r["steps"] or all(st.ok for st in r["steps"])
+    if args.write and r["steps"] and proved and not r["same"]:
+        for path in write_pin(r, repo_root()):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0 if r["applies"] and proved else 1

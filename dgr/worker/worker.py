@@ -172,7 +172,8 @@ class Worker:
             state_snapshots=int(p.info.get("state_snapshots", 0)),
             n_ctx=p.n_ctx, n_ctx_train=int(p.info.get("n_ctx_train", 0)),
             n_ctx_source=str(p.info.get("n_ctx_source", "")),
-            **{k: v for k, v in build_info().items() if k != "backends"},
+            **{k: v for k, v in build_info().items()
+               if k in ("llama_cpp_commit", "patch_stack_hash", "cpu_variant")},
             media_marker=self.media.marker if self.media is not None else "",
             media_vision=self.media is not None and self.media.vision,
             media_audio=self.media is not None and self.media.audio,

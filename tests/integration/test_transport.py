@@ -493,6 +493,30 @@ def test_a_route_of_two_llama_cpp_pins_is_refused_by_name(served):
     check_route([a, dataclasses.replace(bumped, llama_cpp_commit=got.llama_cpp_commit)])
 
 
+def test_a_route_of_two_cpu_variants_is_refused_unless_asked(served):
+    """Describe says the stage's CPU code (``cpu_variant``: this build's); a native stage and
+    a portable wheel's (x86-64-v3) run other kernels, so a route of both is refused as one of
+    two kinds of device is, and taken with ``mixed_devices``."""
+    async def describe():
+        c = ShardClient(served.address)
+        try:
+            return await c.describe()
+        finally:
+            await c.close()
+
+    got = asyncio.run(describe())
+    from dgr._core import BUILD_INFO
+
+    assert got.cpu_variant == BUILD_INFO["cpu_variant"] == "native"
+    a = dataclasses.replace(info("a", 0, 10), cpu_variant="native")
+    b = dataclasses.replace(info("b", 10, 30), cpu_variant="x86-64-v3")
+    with pytest.raises(errors.ModelMismatch,
+                       match="b runs x86-64-v3 CPU code, a native: other kernels"):
+        check_route([a, b])
+    assert [s.endpoint for s in check_route([a, b], mixed_devices=True)] == ["a", "b"]
+    check_route([a, dataclasses.replace(b, cpu_variant="")])  # an older worker: not said
+
+
 def test_route_refuses_a_draining_stage():
     s = dataclasses.replace(info("a", 0, 30), draining=True)
     with pytest.raises(errors.WorkerDraining):

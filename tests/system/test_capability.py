@@ -253,10 +253,18 @@ def test_certified_lane_is_advertised_only_while_it_matches(tiny_llama, store, m
     monkeypatch.setattr(capability, "_vendor_facts", lambda: ("f" * 40, patches))
     rec = lanes_of(tiny_llama, store)
     assert rec.lanes == [] and rec.uncertified[0].reasons[0].startswith("llama.cpp commit")
+    # another CPU variant (a portable wheel's x86-64-v3 kernels): another lane
+    monkeypatch.undo()
+    monkeypatch.setattr(capability, "cpu_variant", lambda: ("x86-64-v3", ("AVX2", "FMA")))
+    rec = lanes_of(tiny_llama, store)
+    assert rec.lanes == [] and rec.uncertified[0].reasons == ["CPU variant native != x86-64-v3"]
+    assert rec.compatibility.cpu_variant == "x86-64-v3"
     monkeypatch.undo()
     rec = lanes_of(tiny_llama, store)
     assert [ln.lane_id for ln in rec.lanes] == [cert.lane_id]
     assert rec.compatibility.arch == cert.arch == "llama" and rec.compatibility.arch_splittable
+    assert cert.cpu_variant == rec.compatibility.cpu_variant == "native"
+    assert rec.compatibility.cpu_compiled == list(capability.cpu_variant()[1])
 
 
 def test_a_split_lane_needs_an_architecture_this_build_splits(tiny_llama, store, monkeypatch):

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from dgr.testing.packaging import fresh_venv, run_demo, tracked_copy
+
 pytest.importorskip("build")
 
 pytestmark = pytest.mark.slow
@@ -31,10 +33,8 @@ def _tracked() -> list[str]:
 @pytest.fixture(scope="module")
 def sdist(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("sdist")
-    src = tmp / "src"
-    for f in _tracked():  # the tracked tree only: no build output can stand in for a source
-        (src / f).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / f, src / f)
+    _tracked()
+    src = tracked_copy(ROOT, tmp / "src")  # no build output can stand in for a source
     subprocess.run([sys.executable, "-m", "build", "--sdist", "-o", str(tmp / "dist"),
                     str(src)], check=True, capture_output=True, timeout=900)
     (out,) = (tmp / "dist").glob("dgr-*.tar.gz")
@@ -53,7 +53,7 @@ def test_the_sdist_holds_what_a_source_build_needs(sdist):
                                                                           ".pxd")))}
     assert not need - names, sorted(need - names)
     built = [n for n in names if n.endswith((".so", ".o", ".a"))
-             or (n.startswith(("dgr/_core/", "dgr/_chat/")) and n.endswith(".cpp"))]
+             or (n.startswith(("dgr/_core/", "dgr/_chat/", "dgr/_cpu/")) and n.endswith(".cpp"))]
     assert not built, built
 
 
@@ -61,13 +61,7 @@ def test_pip_install_of_the_sdist_in_a_fresh_venv_runs_the_demo(sdist, tmp_path)
     """``pip install dgr-*.tar.gz`` into a fresh virtual environment (the CPU backend; the
     pinned llama.cpp from the shared cache when built there before), then the README's demo
     from another directory: the split's text equals the whole model's."""
-    import os
-    import venv
-
-    env_dir = tmp_path / "venv"
-    venv.create(env_dir, with_pip=True)
-    py = str(env_dir / "bin" / "python")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    py, env = fresh_venv(tmp_path / "venv")
     env["DGR_BACKEND"] = "cpu"
     subprocess.run([py, "-m", "pip", "install", "-q", str(sdist)], check=True, env=env,
                    capture_output=True, timeout=3000, cwd=tmp_path)
@@ -78,9 +72,4 @@ def test_pip_install_of_the_sdist_in_a_fresh_venv_runs_the_demo(sdist, tmp_path)
                        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     meta, own = v.stdout.split()
     assert meta == own, v.stdout
-    r = subprocess.run([py, "-m", "dgr", "run", "--max-tokens", "8"], env=env, cwd=tmp_path,
-                       capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    out = r.stdout + r.stderr
-    said = [ln for ln in out.splitlines() if "matches the whole model" in ln]
-    assert said and said[0].rstrip().endswith(": yes"), out[-2000:]
+    run_demo(py, env, tmp_path)

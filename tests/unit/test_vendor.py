@@ -68,6 +68,7 @@ def fake(tmp_path, monkeypatch):
     (cache / "downloads").mkdir(parents=True)
     (cache / "downloads" / "pkg-1.0.tar.gz").write_bytes(archive)
     monkeypatch.delenv("CMAKE_ARGS", raising=False)
+    monkeypatch.delenv("DGR_CPU_VARIANT", raising=False)
     return root, cache
 
 
@@ -162,6 +163,56 @@ def test_a_native_build_is_keyed_by_the_cpus_instruction_sets(fake, monkeypatch)
     assert key_on(amx) == key_on(amx)
     monkeypatch.setenv("CMAKE_ARGS", "-DGGML_NATIVE=OFF")
     assert key_on(avx2) == key_on(amx)
+
+
+def test_the_portable_variant_builds_the_x86_64_v3_baseline_in_its_own_workspace(
+        fake, monkeypatch):
+    """DGR_CPU_VARIANT=x86-64-v3 (a wheel's): ggml's native build off, the baseline's
+    instruction sets on and nothing above them, one key for every host CPU, another than the
+    native build's; the compiled core is told what to check at import."""
+    import dgr.vendor as vendor
+
+    root, cache = fake
+    monkeypatch.setattr(vendor.platform, "machine", lambda: "x86_64")
+    native = Vendor(root, cache)
+    assert (native.cpu_variant, native.cpu_variant_name, native.cpu_requires()) == (
+        "native", "native", ())
+    monkeypatch.setenv("DGR_CPU_VARIANT", "x86-64-v3")
+
+    def on(isa):
+        monkeypatch.setattr(vendor, "cpu_features", lambda: ("a cpu", isa, isa))
+        return Vendor(root, cache)
+
+    v = on(("avx", "avx2", "fma"))
+    assert v.key() == on(("amx_tile", "avx", "avx2", "avx512f", "fma")).key() != native.key()
+    opts = v.cmake_options
+    assert opts[:1] == ["-DX=1"] and "-DGGML_NATIVE=OFF" in opts
+    assert {"-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
+            "-DGGML_AVX512=OFF"} <= set(opts)
+    assert v.cpu_variant_name == "x86-64-v3" and v.status()["cpu_variant"] == "x86-64-v3"
+    assert v.cpu_requires() == ("sse4.2", "avx", "avx2", "fma", "f16c", "bmi2")
+    # CMAKE_ARGS turning the native build off by itself: a build of its own, named custom
+    monkeypatch.delenv("DGR_CPU_VARIANT")
+    monkeypatch.setenv("CMAKE_ARGS", "-DGGML_NATIVE=OFF")
+    assert Vendor(root, cache).cpu_variant_name == "custom"
+
+
+def test_an_unknown_or_foreign_cpu_variant_is_refused(fake, monkeypatch):
+    import dgr.vendor as vendor
+
+    root, cache = fake
+    monkeypatch.setenv("DGR_CPU_VARIANT", "x86-64-v4")
+    with pytest.raises(errors.VendorError, match="unknown CPU variant 'x86-64-v4'.*native"):
+        Vendor(root, cache)
+    monkeypatch.setenv("DGR_CPU_VARIANT", "x86-64-v3")
+    monkeypatch.setattr(vendor.platform, "machine", lambda: "aarch64")
+    with pytest.raises(errors.VendorError, match="for x86-64; this machine is aarch64"):
+        Vendor(root, cache)
+
+
+def test_an_installed_package_without_the_tree_says_where_it_is(tmp_path):
+    with pytest.raises(errors.VendorError, match="installed package.*source checkout"):
+        Vendor(tmp_path / "site-packages", tmp_path / "cache")
 
 
 def test_dgr_cache_env_moves_the_workspace(fake, monkeypatch, tmp_path):

@@ -48,3 +48,27 @@ def test_each_patch_is_reported_as_it_applies(tmp_path):
                             "applies": False})
     assert "4 patches: 1 applied, 1 with fuzz or offsets, 1 failed, 1 not tried" in text
     assert "| 0003-gone.patch | failed |" in text and "refresh the failed patch" in text
+
+
+def test_the_proof_steps_are_reported_and_the_pin_counts_are_read(tmp_path):
+    """--check's steps in the report (each pass/FAIL with its time and last words), and the
+    probe's yardstick: the architectures table's own count, read from the real doc."""
+    from pathlib import Path
+
+    from dgr.vendor.bump import Step, _split_count
+
+    root = Path(__file__).resolve().parents[2]
+    n, split = _split_count(root / "docs" / "architectures.md")
+    assert 100 < split <= n
+    base = {"from": "0.3.36", "from_commit": "a" * 40, "to": "0.3.37", "to_commit": "c" * 40,
+            "sdist": "x.tar.gz", "sdist_sha256": "b" * 64, "tree": str(tmp_path),
+            "patches": [], "clean": True, "applies": True, "work": str(tmp_path),
+            "same": False}
+    ok = [Step("build", True, 601.2, "built"), Step("probe", True, 300, f"{split} of {n}"),
+          Step("parity", True, 40, "matches")]
+    text = report_markdown({**base, "steps": ok})
+    assert "| build | pass | 601 | built |" in text and "`--write` pins it" in text
+    text = report_markdown({**base, "steps": ok[:1] + [Step("probe", False, 9, "3 of 9")]})
+    assert "| probe | FAIL | 9 | 3 of 9 |" in text and f"its log is under `{tmp_path}`" in text
+    assert "nothing to write" in report_markdown({**base, "same": True, "steps": ok})
+    assert "--check" in report_markdown({**base, "steps": []})

@@ -11,3 +11,7 @@
 #ifndef DGR_VENDOR_KEY
 #define DGR_VENDOR_KEY "unknown"
 #endif
+// the CPU code the llama.cpp build compiled (dgr.vendor.CPU_VARIANTS: native, x86-64-v3, custom)
+#ifndef DGR_CPU_VARIANT
+#define DGR_CPU_VARIANT "native"
+#endif

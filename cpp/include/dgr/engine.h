@@ -299,6 +299,8 @@ struct DeviceInfo {
 // Every device this binary's backends see (the CPU first), and the backends it was built with.
 Status ListDevices(std::vector<DeviceInfo> * out);
 std::vector<std::string> BuiltBackends();
+// What the CPU backend's code was compiled for (ggml's feature list: "AVX2", "F16C", "OPENMP", ...).
+std::vector<std::string> CpuFeatures();
 
 // Build facts: whether the patched llama.cpp supports layer ranges.
 bool HasLayerRanges() noexcept;

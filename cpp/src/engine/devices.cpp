@@ -159,4 +159,25 @@ std::vector<std::string> BuiltBackends() {
     return out;
 }
 
+std::vector<std::string> CpuFeatures() {
+    // the CPU backend's ggml_backend_get_features: what its code was compiled for (ggml_cpu_has_*
+    // are compile-time facts in a build without backend loading), e.g. "AVX2", "OPENMP"
+    std::vector<std::string> out;
+    try {
+        backend_init();
+        ggml_backend_reg_t reg = ggml_backend_reg_by_name("CPU");
+        if (reg == nullptr) return out;
+        using get_features_t = ggml_backend_feature * (*)(ggml_backend_reg_t);
+        auto get = (get_features_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_get_features");
+        if (get == nullptr) return out;
+        for (ggml_backend_feature * f = get(reg); f != nullptr && f->name != nullptr; ++f) {
+            std::string value = f->value ? f->value : "";
+            out.emplace_back(value == "1" ? std::string(f->name) : std::string(f->name) + "=" + value);
+        }
+    } catch (...) {
+        // as BuiltBackends: a registry that fails to start reports nothing
+    }
+    return out;
+}
+
 }  // namespace dgr

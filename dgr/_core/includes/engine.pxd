@@ -149,6 +149,7 @@ cdef extern from "dgr/engine.h" namespace "dgr" nogil:
 
     CStatus ListDevices(vector[CDeviceInfo] * out) except +
     vector[string] BuiltBackends() except +
+    vector[string] CpuFeatures() except +
     bool HasLayerRanges()
     bool ArchSupportsLayerRange(const string & arch)
 
@@ -157,6 +158,7 @@ cdef extern from "dgr/build_info.h":
     const char * DGR_LLAMA_COMMIT
     const char * DGR_PATCH_STACK_HASH
     const char * DGR_VENDOR_KEY
+    const char * DGR_CPU_VARIANT
 
 
 cdef extern from "dgr/media.h" namespace "dgr" nogil:
