@@ -462,20 +462,21 @@ def test_check_route_rejects(stages, cls, msg):
         check_route(stages)
 
 
+async def _describe(address):
+    c = ShardClient(address)
+    try:
+        return await c.describe()
+    finally:
+        await c.close()
+
+
 def test_a_route_of_two_llama_cpp_pins_is_refused_by_name(served):
     """Every worker says its compiled core's pin (Describe ``llama_cpp_commit``,
     ``patch_stack_hash``: the build's own); a route whose stages say two pins, or one that
     does not say it (an older worker), is refused naming both."""
     from dgr.control.capability import build_info
 
-    async def describe():
-        c = ShardClient(served.address)
-        try:
-            return await c.describe()
-        finally:
-            await c.close()
-
-    got = asyncio.run(describe())
+    got = asyncio.run(_describe(served.address))
     b = build_info()
     assert (got.llama_cpp_commit, got.patch_stack_hash) == (b["llama_cpp_commit"],
                                                             b["patch_stack_hash"])
@@ -497,14 +498,7 @@ def test_a_route_of_two_cpu_variants_is_refused_unless_asked(served):
     """Describe says the stage's CPU code (``cpu_variant``: this build's); a native stage and
     a portable wheel's (x86-64-v3) run other kernels, so a route of both is refused as one of
     two kinds of device is, and taken with ``mixed_devices``."""
-    async def describe():
-        c = ShardClient(served.address)
-        try:
-            return await c.describe()
-        finally:
-            await c.close()
-
-    got = asyncio.run(describe())
+    got = asyncio.run(_describe(served.address))
     from dgr._core import BUILD_INFO
 
     assert got.cpu_variant == BUILD_INFO["cpu_variant"] == "native"
