@@ -150,7 +150,7 @@ def test_a_native_build_is_keyed_by_the_cpus_instruction_sets(fake, monkeypatch)
     """ggml builds with -march=native by default: a cache shared by hosts of different CPUs
     (a home directory on NFS, a restored CI cache) must not hand an AMX build to a CPU
     without AMX. A portable build (-DGGML_NATIVE=OFF) runs anywhere: one key for all."""
-    import dgr.vendor as vendor
+    import dgr.vendor.cpu as vendor
 
     root, cache = fake
 
@@ -170,7 +170,7 @@ def test_the_portable_variant_builds_the_x86_64_v3_baseline_in_its_own_workspace
     """DGR_CPU_VARIANT=x86-64-v3 (a wheel's): ggml's native build off, the baseline's
     instruction sets on and nothing above them, one key for every host CPU, another than the
     native build's; the compiled core is told what to check at import."""
-    import dgr.vendor as vendor
+    import dgr.vendor.cpu as vendor
 
     root, cache = fake
     monkeypatch.setattr(vendor.platform, "machine", lambda: "x86_64")
@@ -198,7 +198,7 @@ def test_the_portable_variant_builds_the_x86_64_v3_baseline_in_its_own_workspace
 
 
 def test_an_unknown_or_foreign_cpu_variant_is_refused(fake, monkeypatch):
-    import dgr.vendor as vendor
+    import dgr.vendor.cpu as vendor
 
     root, cache = fake
     monkeypatch.setenv("DGR_CPU_VARIANT", "x86-64-v4")
