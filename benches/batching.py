@@ -49,10 +49,13 @@
   nothing else on the machine; the slowest stage's is the route's bound (with more stages than
   cores, the cores over the stages' summed time per token is lower, and is the bound).
 
-The stages' layer ranges: ``--split cost`` (default) balances the layers' and the output
-head's weights multiplied per token (``dgr.protocol.ranges.balance_layers`` of
-``dgr.artifacts.manifest.layer_costs``), ``even`` splits by layer count, ``A,B`` names the
-interior split points. The workers use one thread each, so ``--stages`` 3 runs 3 threads on
+The stages' layer ranges: ``--split cost`` (default) balances each layer's time measured
+on this machine (``dgr.control.layercost``: an engine of each layer, decode steps of the
+ring groups' rows at the most sessions after ``N_PROMPT`` tokens, cached per machine),
+``weights`` the layers' and the output head's weights multiplied per token
+(``dgr.protocol.ranges.balance_layers`` of ``dgr.artifacts.manifest.layer_costs``), ``even``
+splits by layer count, ``A,B`` names the interior split points. The stages' balance is
+printed: each stage's engine alone at the ring groups' batch, slowest over fastest. The workers use one thread each, so ``--stages`` 3 runs 3 threads on
 this machine's cores; the reference is given at each thread count asked for. Results go to
 ``benches/results/``.
 """
@@ -217,14 +220,18 @@ def pipeline_tps(s_tg_group: float, k: int, n_stages: int, cores: int) -> float:
     return min(k, n_stages, cores) * s_tg_group
 
 
-def plan_ranges(path: str, n_layer: int, n_stages: int, split: str):
-    """The stages' ranges for ``--split`` (see the module docstring)."""
+def plan_ranges(path: str, n_layer: int, n_stages: int, split: str, batch: int = 1):
+    """The stages' ranges for ``--split`` (see the module docstring); ``batch``: the rows a
+    stage computes per forward (``cost`` times the layers at it)."""
     from dgr.artifacts.manifest import layer_costs
+    from dgr.control.layercost import route_ranges
     from dgr.protocol.ranges import balance_layers, ranges_for
 
     if n_stages == 1:
         return [None]
     if split == "cost":
+        return route_ranges(path, n_stages, SETTINGS, batch=batch, context=N_PROMPT)
+    if split == "weights":
         costs, head = layer_costs(path)
         return balance_layers(costs, n_stages, head)
     if split == "even":
@@ -266,12 +273,13 @@ def run(path: str, sessions: list[int], n: int, n_stages: int, threads: list[int
         rounds: int, ungrouped: bool = False, split: str = "cost",
         busy_poll_us: int = 0) -> dict:
     import dgr
+    from dgr.vendor.cpu import cpu_features
     from dgr.worker.process import LocalCluster
 
     k_max = max(sessions)
     info = dgr.Engine(path, n_ctx=64, n_slots=1).describe()
     n_layer = int(info["n_layer"])
-    ranges = plan_ranges(path, n_layer, n_stages, split)
+    ranges = plan_ranges(path, n_layer, n_stages, split, group_rows(k_max, n_stages))
     res: dict = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                           "model": os.path.basename(path), "stages": n_stages,
                           "ranges": [None if r is None else list(r) for r in ranges],
@@ -279,6 +287,7 @@ def run(path: str, sessions: list[int], n: int, n_stages: int, threads: list[int
                           "settings": {**SETTINGS, "n_slots": k_max}, "tokens": n,
                           "prompt_tokens": N_PROMPT, "rounds": rounds,
                           "machine": platform.machine(), "cpu_count": os.cpu_count(),
+                          "cpu": cpu_features()[0] or platform.processor(),
                           "dgr_version": dgr.__version__},
                  "dgr": [], "llama_batched_bench": {}}
     log(f"whole-model references of {k_max} sessions ...")
@@ -333,6 +342,18 @@ def run(path: str, sessions: list[int], n: int, n_stages: int, threads: list[int
         for _, c in others:
             c.stop()
     return res
+
+
+def balance(res: dict) -> str:
+    """The stages' balance: each one's engine alone at the ring groups' rows of the most
+    sessions (ms per token), slowest over fastest."""
+    bounds, meta = res.get("stage_bounds"), res["meta"]
+    if not bounds or len(bounds) < 2:
+        return "one stage"
+    b = str(group_rows(meta["settings"]["n_slots"], meta["stages"]))
+    ms = [st[b] for st in bounds]
+    return (f"each stage alone at {b} rows: " + ", ".join(f"{m:.3f}" for m in ms)
+            + f" ms/token, slowest/fastest {max(ms) / min(ms):.2f}")
 
 
 #: the modes of the extra sets of workers (``--ungrouped``, ``--busy-poll-us``)
@@ -490,9 +511,10 @@ def main(argv=None) -> int:
     ap.add_argument("--sessions", default="1,16,32")
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens per session")
     ap.add_argument("--split", default="cost",
-                    help="the stages' ranges: cost (balance the weights multiplied per token, "
-                         "the output head's included), even (by layer count), or interior "
-                         "split points A,B")
+                    help="the stages' ranges: cost (balance each layer's time measured on "
+                         "this machine at the ring groups' rows), weights (balance the weights "
+                         "multiplied per token, the output head's included), even (by layer "
+                         "count), or interior split points A,B")
     ap.add_argument("--threads", default="1,2", help="llama-batched-bench thread counts")
     ap.add_argument("--model", help="GGUF (default: SmolLM2-135M from the registry)")
     ap.add_argument("--ungrouped", action="store_true",
@@ -508,7 +530,8 @@ def main(argv=None) -> int:
     res = run(path, sessions, a.tokens, a.stages, threads, a.rounds, ungrouped=a.ungrouped,
               split=a.split, busy_poll_us=a.busy_poll_us)
     res["summary"] = summarize(res, sessions, threads)
-    text = (f"ranges {res['meta']['ranges']} (--split {a.split})\n\n"
+    text = (f"{res['meta']['cpu']}, {res['meta']['cpu_count']} cores\n"
+            f"ranges {res['meta']['ranges']} (--split {a.split}); {balance(res)}\n\n"
             + table(res["summary"], threads, a.stages)
             + ("\n\nbb -t1 pipeline: llama-batched-bench -t 1's S_TG at npl = ceil(sessions"
                " / stages) (a ring group's rows) times the stages busy at once (at most the"

@@ -186,8 +186,8 @@ def _cmd_run(args) -> int:
     from dgr import errors
     from dgr.artifacts import models
     from dgr.core.engine import Engine
+    from dgr.control.layercost import ranges_of
     from dgr.driver.route import Route, RouteConfig
-    from dgr.protocol.ranges import ranges_for
     from dgr.worker.process import LocalCluster
 
     install_interrupts()
@@ -199,7 +199,7 @@ def _cmd_run(args) -> int:
         say(f"model {model}")
         whole = Engine(model, **settings)
         n_layer = whole.n_layer
-        ranges = ranges_for(args.splits, args.stages, n_layer)
+        ranges = ranges_of(args.splits, args.stages, n_layer, model, settings)
         say(f"{len(ranges)} stage(s) over {n_layer} layers: "
              + " ".join(f"[{a},{b})" for a, b in ranges))
         from dgr._core import HAS_LAYER_RANGES
@@ -353,7 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "model on first use. The workers are stopped on exit and on Ctrl-C.")
     r.add_argument("--model", help="GGUF path (default: the registry's default model, SmolLM2-135M)")
     r.add_argument("--stages", type=int, default=3, help="number of workers (default 3)")
-    r.add_argument("--splits", help="interior split layers, e.g. 10,20 (overrides --stages)")
+    r.add_argument("--splits", help="interior split layers, e.g. 10,20 (overrides --stages), "
+                                    "or cost: --stages ranges balanced by each layer's time "
+                                    "measured on this machine (python -m dgr layer-costs)")
     r.add_argument("--start-timeout", type=float, default=180.0,
                    help="seconds to wait for the workers to listen")
     r.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
@@ -414,5 +416,7 @@ def main(argv: list[str] | None = None) -> int:
 
 #: Commands whose parser lives with their module: ``python -m dgr NAME ARGS`` runs its main.
 _TOOLS = (("parity", "dgr.control.parity", "compare a split model with the whole model, per step"),
-          ("models", "dgr.artifacts.models", "the model registry: fetch, list, path"))
+          ("models", "dgr.artifacts.models", "the model registry: fetch, list, path"),
+          ("layer-costs", "dgr.control.layercost",
+           "time each layer on this machine, and the stage ranges that balance them"))
 

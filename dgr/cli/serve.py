@@ -41,7 +41,9 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--route", help="comma-separated host:port of running workers, in any order "
                                    "(default: start local workers)")
     s.add_argument("--stages", type=int, default=3, help="local workers (default 3)")
-    s.add_argument("--splits", help="interior split layers of the local workers, e.g. 10,20")
+    s.add_argument("--splits", help="interior split layers of the local workers, e.g. 10,20, "
+                                    "or cost: --stages ranges balanced by each layer's time "
+                                    "measured on this machine at the route's batch")
     s.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only). Any "
                         "other than loopback needs API keys (--api-key-file, DGR_API_KEYS) "
@@ -256,15 +258,17 @@ def _start_cluster(args):
     ``(model path, endpoints, the LocalCluster)``."""
     from dgr.artifacts import models
     from dgr.cli.interrupts import install_interrupts
+    from dgr.control.layercost import ranges_of
     from dgr.core.engine import Engine
-    from dgr.protocol.ranges import ranges_for
     from dgr.worker.process import LocalCluster
 
     install_interrupts()
     model = args.model or str(models.path(models.DEFAULT_MODEL))
     settings = engine_settings.from_args(args)
     n_layer = Engine(model, n_ctx=64).n_layer
-    ranges = ranges_for(args.splits, args.stages, n_layer)
+    # cost: balanced for a full route, every slot busy, in ring groups of slots/stages rows
+    ranges = ranges_of(args.splits, args.stages, n_layer, model, settings,
+                       batch=-(-settings["n_slots"] // max(args.stages, 1)))
     say(f"model {model}; {len(ranges)} stage(s): " + " ".join(f"[{a},{b})" for a, b in ranges))
     beside = args.mmproj and args.mmproj_on == "first"
     cluster = LocalCluster(model, [None if r == (0, n_layer) else r for r in ranges],

@@ -14,6 +14,7 @@ reasons, never under ``lanes``.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import time
 
@@ -25,6 +26,7 @@ from dgr.protocol.capability import (
     Capacity,
     Compatibility,
     Health,
+    LayerTimes,
     Load,
     PrefixStore,
     Seam,
@@ -253,4 +255,31 @@ def record_for(engine, *, pipeline=None, cert_store: str | os.PathLike | None = 
     if cert_store is not None:
         rec.cert_store = os.fspath(cert_store)
         rec.lanes, rec.uncertified = certificates.match(cert_store, comp, layers)
+    rec.layer_times = layer_times(model_path, {**engine.settings, "device": engine.device})
     return rec
+
+
+def layer_times(model: str, settings: dict) -> list[LayerTimes]:
+    """This machine's measured layer times of ``model`` with ``settings``, by batch (read
+    again only when the measurements' folder or the model file changes)."""
+    from dgr.control.layercost import SETTING_KEYS
+    from dgr.vendor import cache_root
+
+    def mtime(p) -> int:
+        try:
+            return os.stat(p).st_mtime_ns
+        except OSError:
+            return 0
+
+    key = json.dumps({k: settings.get(k) for k in SETTING_KEYS}, sort_keys=True)
+    return list(_layer_times(model, key, mtime(model), mtime(cache_root() / "layer-costs")))
+
+
+@functools.lru_cache(maxsize=64)
+def _layer_times(model: str, settings: str, _model_mtime: int, _dir_mtime: int
+                 ) -> tuple[LayerTimes, ...]:
+    from dgr.control import layercost
+
+    got = layercost.cached(model, json.loads(settings))
+    return tuple(LayerTimes(batch=c.batch, context=c.context, layer_ms=list(c.layer_ms),
+                            overhead_ms=c.overhead_ms) for c in got)

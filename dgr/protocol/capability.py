@@ -13,7 +13,7 @@ from typing import Any, Optional
 import msgspec
 
 __all__ = ["SCHEMA", "Compatibility", "Capacity", "Load", "Seam", "Health", "PrefixStore",
-           "LaneRef", "Uncertified", "Capability", "encode", "decode"]
+           "LaneRef", "Uncertified", "LayerTimes", "Capability", "encode", "decode"]
 
 
 #: Version of this record's JSON form (bumped when a field changes meaning or goes away).
@@ -158,6 +158,19 @@ class Uncertified(msgspec.Struct, kw_only=True):
     reasons: list[str]
 
 
+class LayerTimes(msgspec.Struct, kw_only=True):
+    """Each layer's time measured on this worker's machine and device, with its settings
+    (``python -m dgr layer-costs``, ``dgr.control.layercost``): what a tracker balances a
+    route's ranges by, each machine by its own figures."""
+
+    batch: int                     # rows per forward (decode steps of this many sessions)
+    context: int                   # tokens in each slot before the timed steps
+    layer_ms: list[float]          # every layer of the model, ms per forward: layer 0's with
+                                   # the embedding, the last's with the output head
+    overhead_ms: float             # what a forward costs whatever its layers
+    # a stage of layers [a, b) costs sum(layer_ms[a:b]) + overhead_ms per forward
+
+
 class Capability(msgspec.Struct, kw_only=True):
     schema: int = SCHEMA
     endpoint: str = ""
@@ -171,6 +184,9 @@ class Capability(msgspec.Struct, kw_only=True):
     cert_store: Optional[str] = None
     lanes: list[LaneRef] = []
     uncertified: list[Uncertified] = []
+    #: this machine's measured layer times for the model and these settings, by batch (empty:
+    #: never measured here)
+    layer_times: list[LayerTimes] = []
 
 
 def encode(rec: Capability) -> bytes:

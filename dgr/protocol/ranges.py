@@ -6,7 +6,7 @@ from typing import Sequence
 
 from dgr.errors import InvalidLayerRange
 
-__all__ = ["split_layers", "balance_layers", "parse_splits", "ranges_for"]
+__all__ = ["split_layers", "balance_layers", "balance_stages", "parse_splits", "ranges_for"]
 
 
 def split_layers(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
@@ -31,15 +31,33 @@ def balance_layers(costs: Sequence[float], n_stages: int, last: float = 0.0
     the head weighs as several layers (SmolLM2's tied 49k-vocabulary head is as large as 8
     of its 30 layers). Of the splits as costly, the one nearest to even is taken.
     """
-    n = len(costs)
+    c = [float(x) for x in costs]
+    if c:
+        c[-1] += float(last)  # the head is always the last layer's stage's
+    return balance_stages([c] * n_stages)
+
+
+def balance_stages(stage_costs: Sequence[Sequence[float]],
+                   overheads: Sequence[float] | None = None) -> list[tuple[int, int]]:
+    """:func:`balance_layers` where each stage has costs of its own: ``stage_costs[s][i]`` is
+    layer ``i``'s cost on stage ``s``'s machine (its first layer's holding the embedding, its
+    last the head: they go wherever layer 0 and the last layer go), ``overheads[s]`` what a
+    forward costs stage ``s`` whatever its layers. A route across machines of different
+    speeds gives the faster ones more layers. Of the splits as costly, the one nearest to
+    even is taken (ties: the earlier stages larger)."""
+    n_stages = len(stage_costs)
+    n = len(stage_costs[0]) if stage_costs else 0
     if not 1 <= n_stages <= n:
         raise InvalidLayerRange(f"cannot split {n} layers into {n_stages} stages")
-    pre = [0.0]
-    for c in costs:
-        pre.append(pre[-1] + float(c))
-
-    def cost(a: int, b: int) -> float:
-        return pre[b] - pre[a] + (last if b == n else 0.0)
+    if any(len(c) != n for c in stage_costs):
+        raise ValueError("every stage's costs must name the same layers")
+    over = [0.0] * n_stages if overheads is None else [float(o) for o in overheads]
+    pres = []
+    for costs in stage_costs:
+        pre = [0.0]
+        for c in costs:
+            pre.append(pre[-1] + float(c))
+        pres.append(pre)
 
     # best[s][b]: (costliest stage, sum of squared stage sizes) of layers [0, b) in s stages
     inf = (float("inf"), 0)
@@ -47,12 +65,13 @@ def balance_layers(costs: Sequence[float], n_stages: int, last: float = 0.0
     cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
     best[0][0] = (0.0, 0)
     for s in range(1, n_stages + 1):
+        pre, o = pres[s - 1], over[s - 1]
         for b in range(s, n + 1):
             for a in range(s - 1, b):
                 prev = best[s - 1][a]
                 if prev[0] == float("inf"):
                     continue
-                cand = (max(prev[0], round(cost(a, b), 9)), prev[1] + (b - a) ** 2)
+                cand = (max(prev[0], round(pre[b] - pre[a] + o, 9)), prev[1] + (b - a) ** 2)
                 if cand <= best[s][b]:  # ties: the earlier stages larger, as split_layers
                     best[s][b], cut[s][b] = cand, a
     out, b = [], n

@@ -167,6 +167,7 @@ def _step(name: str, cmd: list[str], cwd: Path, env: dict, log: Path,
           timeout: float) -> tuple[subprocess.CompletedProcess | None, float, str]:
     """Run one step's command, its output to ``log``; (process or None on timeout, seconds,
     the output's last lines)."""
+    print(f"[dgr.vendor] bump: {name} (its output: {log})", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     with open(log, "w") as f:
         try:
@@ -235,8 +236,9 @@ def write_pin(r: dict, root: Path) -> list[Path]:
     return [root / "vendor-manifest.json", root / "docs" / "architectures.md"]
 
 
-def report_markdown(r: dict) -> str:
-    """The report as one screen of Markdown."""
+def report_markdown(r: dict, *, advice: bool = True) -> str:
+    """The report as one screen of Markdown; ``advice=False`` leaves out what to do next
+    (the patches' part, said while the proof runs)."""
     n = {s: sum(a.status == s for a in r["patches"])
          for s in ("applied", "fuzz", "failed", "not tried")}
     lines = [f"# Patch stack on llama-cpp-python {r['to']}",
@@ -264,6 +266,8 @@ def report_markdown(r: dict) -> str:
                                                 if r["same"] else "`--write` pins it (the "
                                                 "manifest and docs/architectures.md).")
                        if proved else f"A step failed: its log is under `{r['work']}`.")]
+        return "\n".join(lines) + "\n"
+    if not advice:
         return "\n".join(lines) + "\n"
     lines += ["", "Next, " + ("the stack applies: build it, probe the architectures and run "
                               "the parity suite: `python -m dgr.vendor bump --to "

@@ -119,7 +119,7 @@ def _bump(args) -> int:
         r = bump(args.to, commit=args.commit,
                  workdir=Path(args.workdir) if args.workdir else None)
         if r["applies"] and (args.check or args.write):
-            print(report_markdown(r), end="", file=sys.stderr)  # the patches' part, at once
+            print(report_markdown(r, advice=False), end="", file=sys.stderr)  # the patches' part, at once
             r["steps"] = prove(r)
     except VendorError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -161,3 +161,12 @@ def test_ring_trace_counts_forwards_by_size_and_stages_at_once():
     share = ring_trace.concurrency([s for s in spans if s["n"] == 1], 0.5)
     # from 1.0 to 3.5: one stage 1.0-1.5 and 3.0-3.5, two 1.5-2.0 and 2.0-3.0 (0 never)
     assert share == pytest.approx({0: 0.0, 1: 0.4, 2: 0.6})
+
+
+def test_the_stages_balance_is_each_one_alone_at_the_ring_groups_rows():
+    """16 sessions on 2 stages: ring groups of 8 rows; the slowest stage over the fastest."""
+    res = {"meta": {"stages": 2, "settings": {"n_slots": 16}},
+           "stage_bounds": [{"1": 1.0, "8": 0.5}, {"1": 0.9, "8": 0.6}]}
+    text = batching.balance(res)
+    assert "alone at 8 rows: 0.500, 0.600 ms/token" in text and "slowest/fastest 1.20" in text
+    assert batching.balance({"meta": {"stages": 1}, "stage_bounds": [{"1": 1.0}]}) == "one stage"

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from dgr import errors
-from dgr.protocol.ranges import balance_layers, parse_splits, ranges_for, split_layers
+from dgr.protocol.ranges import (balance_layers, balance_stages, parse_splits, ranges_for,
+                                 split_layers)
 from dgr.protocol.sampling import Sampler, SamplingParams, sample_rows, top_k
 
 
@@ -142,6 +143,23 @@ def test_balanced_ranges_give_the_last_stage_fewer_layers_for_the_head():
     for bad in (0, 3):
         with pytest.raises(errors.InvalidLayerRange):
             balance_layers([1.0, 1.0], bad)
+
+
+def test_stages_on_machines_of_different_speeds_get_layers_by_their_own_costs():
+    """Measured per machine: a stage twice as fast takes twice the layers; a forward's fixed
+    cost (graph, dispatch) counts once per stage, whatever its layers."""
+    assert balance_stages([[1.0] * 30] * 2) == [(0, 15), (15, 30)]
+    assert balance_stages([[1.0] * 30, [2.0] * 30]) == [(0, 20), (20, 30)]
+    assert balance_stages([[2.0] * 30, [1.0] * 30]) == [(0, 10), (10, 30)]
+    # a stage with a costlier fixed part takes fewer layers
+    assert balance_stages([[1.0] * 30] * 2, overheads=[0.0, 4.0]) == [(0, 17), (17, 30)]
+    # the same as balance_layers where every machine is alike, the head in the last layer
+    head = [1.0] * 29 + [9.0]
+    assert balance_stages([head] * 3) == balance_layers([1.0] * 30, 3, last=8.0)
+    with pytest.raises(ValueError, match="same layers"):
+        balance_stages([[1.0] * 4, [1.0] * 5])
+    with pytest.raises(errors.InvalidLayerRange):
+        balance_stages([[1.0]] * 2)
 
 
 def test_penalties_are_llama_cpps_over_the_last_n_tokens():

@@ -72,3 +72,5 @@ def test_the_proof_steps_are_reported_and_the_pin_counts_are_read(tmp_path):
     assert "| probe | FAIL | 9 | 3 of 9 |" in text and f"its log is under `{tmp_path}`" in text
     assert "nothing to write" in report_markdown({**base, "same": True, "steps": ok})
     assert "--check" in report_markdown({**base, "steps": []})
+    # said while the proof runs: the patches, without advice to run what is running
+    assert "Next," not in report_markdown({**base, "steps": []}, advice=False)
