@@ -2,8 +2,9 @@
 ``llama-batched-bench`` on the whole model, side by side in one run.
 
     python benches/batching.py [--sessions 1,16,32] [--tokens 64] [--stages 3]
-                               [--split cost|even|A,B] [--threads 1,2] [--rounds 1]
-                               [--ungrouped] [--busy-poll-us US] [--name batching]
+                               [--split cost|weights|even|A,B] [--threads 1,2] [--rounds 1]
+                               [--ungrouped] [--busy-poll-us US] [--pin] [--contention]
+                               [--name batching]
                                [--json out.json]
 
 - **dgr**: ``--stages`` worker processes on loopback (one thread each, ``max(sessions)``
@@ -55,8 +56,11 @@ ring groups' rows at the most sessions after ``N_PROMPT`` tokens, cached per mac
 ``weights`` the layers' and the output head's weights multiplied per token
 (``dgr.protocol.ranges.balance_layers`` of ``dgr.artifacts.manifest.layer_costs``), ``even``
 splits by layer count, ``A,B`` names the interior split points. The stages' balance is
-printed: each stage's engine alone at the ring groups' batch, slowest over fastest. The workers use one thread each, so ``--stages`` 3 runs 3 threads on
-this machine's cores; the reference is given at each thread count asked for. Results go to
+printed: each stage's engine alone at the ring groups' batch, slowest over fastest. The
+workers use one thread each, so ``--stages`` 3 runs 3 threads on this machine's cores; the
+reference is given at each thread count asked for. ``--pin`` pins stage i's process to core
+i; ``--contention`` measures the host's share of the stages' slowdown when they compute at
+once (:func:`contention`). The CPU model is printed with the figures. Results go to
 ``benches/results/``.
 """
 
@@ -269,9 +273,59 @@ def batched_bench(path: str, sessions: list[int], n: int, threads: int) -> dict[
     return {k: m["record"] | {"command": cmd} for k, m in res.items()}
 
 
+def pin_process(pid: int, core: int) -> None:
+    """Every thread of process ``pid`` onto CPU ``core`` (threads made later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), {core})
+        except OSError:  # a thread that has just ended
+            pass
+
+
+def contention(path: str, rows: list[int], n: int, copies: int, pin: bool) -> dict:
+    """The host's share of the in-route slowdown: ``llama-batched-bench -t 1`` at each of
+    ``rows`` (a ring group's rows), alone, then ``copies`` of it at once (as many stages
+    computing at once; each on a core of its own with ``pin``). {rows: {"alone": S_TG,
+    "at_once": [S_TG of each copy], "slowdown": alone over the copies' mean}}. Two stages of
+    one host computing at once share its memory bandwidth and last-level cache; if
+    llama.cpp's own engine slows as much, the slowdown is the host's, not dgr's."""
+    import subprocess
+    import threading
+
+    exe = llama_tools.tool("llama-batched-bench", build=True)
+    settings = {**SETTINGS, "n_slots": max(rows)}
+    out = {}
+    for g in rows:
+        cmd = llama_tools.batched_bench_command(settings, [g], n, 1, path, exe=str(exe),
+                                                n_prompt=N_PROMPT)
+        alone = llama_tools.batched_bench(cmd, settings, [g], n, 1,
+                                          N_PROMPT)[g]["aggregate_tps"]
+        got: list = [None] * copies
+
+        def one(i: int) -> None:
+            c = (["taskset", "-c", str(i % (os.cpu_count() or 1))] if pin else []) + cmd
+            r = subprocess.run(c, capture_output=True, text=True, timeout=1800)
+            if r.returncode == 0:
+                got[i] = llama_tools.parse_batched_bench(r.stdout, settings, [g], n, 1,
+                                                         N_PROMPT)[g]["aggregate_tps"]
+
+        ts = [threading.Thread(target=one, args=(i,)) for i in range(copies)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        if None in got:
+            raise RuntimeError(f"a copy of {' '.join(cmd)} failed")
+        out[g] = {"alone": alone, "at_once": got,
+                  "slowdown": alone / statistics.mean(got)}
+        log(f"llama-batched-bench -t 1 -npl {g}: alone {alone:.1f} tok/s, {copies} at once "
+            + ", ".join(f"{x:.1f}" for x in got) + f": {out[g]['slowdown']:.2f}x slower")
+    return out
+
+
 def run(path: str, sessions: list[int], n: int, n_stages: int, threads: list[int],
         rounds: int, ungrouped: bool = False, split: str = "cost",
-        busy_poll_us: int = 0) -> dict:
+        busy_poll_us: int = 0, pin: bool = False, contend: bool = False) -> dict:
     import dgr
     from dgr.vendor.cpu import cpu_features
     from dgr.worker.process import LocalCluster
@@ -283,7 +337,7 @@ def run(path: str, sessions: list[int], n: int, n_stages: int, threads: list[int
     res: dict = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                           "model": os.path.basename(path), "stages": n_stages,
                           "ranges": [None if r is None else list(r) for r in ranges],
-                          "split": split,
+                          "split": split, "pinned": pin,
                           "settings": {**SETTINGS, "n_slots": k_max}, "tokens": n,
                           "prompt_tokens": N_PROMPT, "rounds": rounds,
                           "machine": platform.machine(), "cpu_count": os.cpu_count(),
@@ -314,6 +368,14 @@ def run(path: str, sessions: list[int], n: int, n_stages: int, threads: list[int
     try:
         for _, c in others:
             c.start(timeout=180)
+        if pin:  # stage i's process on core i (of the cores there are)
+            for c in [cluster] + [c for _, c in others]:
+                for i, w in enumerate(c.workers):
+                    pin_process(w.proc.pid, i % (os.cpu_count() or 1))
+        if contend:
+            res["contention"] = {str(g): v for g, v in contention(
+                path, sorted({group_rows(k, n_stages) for k in sessions}), n,
+                min(n_stages, os.cpu_count() or 1), pin).items()}
         modes = [("batched", cluster, True), ("solo", cluster, False)]
         modes += [(mode, c, True) for mode, c in others]
         for r in range(rounds):
@@ -521,6 +583,12 @@ def main(argv=None) -> int:
                     help="also run workers started --no-ring-groups (batched, no ring groups)")
     ap.add_argument("--busy-poll-us", type=int, default=0, metavar="US",
                     help="also run workers started --busy-poll-us US (batched)")
+    ap.add_argument("--pin", action="store_true",
+                    help="pin stage i's worker process (every thread) to core i")
+    ap.add_argument("--contention", action="store_true",
+                    help="also run llama-batched-bench -t 1 at a ring group's rows alone and as "
+                         "many copies at once as stages compute at once (pinned with --pin): "
+                         "the host's share of the in-route slowdown")
     ap.add_argument("--name", default="batching",
                     help="results go to benches/results/<name>-<date>.{json,txt}")
     a = ap.parse_args(argv)
@@ -528,7 +596,7 @@ def main(argv=None) -> int:
     threads = [int(x) for x in a.threads.split(",")]
     path = a.model or smollm2_path()
     res = run(path, sessions, a.tokens, a.stages, threads, a.rounds, ungrouped=a.ungrouped,
-              split=a.split, busy_poll_us=a.busy_poll_us)
+              split=a.split, busy_poll_us=a.busy_poll_us, pin=a.pin, contend=a.contention)
     res["summary"] = summarize(res, sessions, threads)
     text = (f"{res['meta']['cpu']}, {res['meta']['cpu_count']} cores\n"
             f"ranges {res['meta']['ranges']} (--split {a.split}); {balance(res)}\n\n"
@@ -536,7 +604,11 @@ def main(argv=None) -> int:
             + ("\n\nbb -t1 pipeline: llama-batched-bench -t 1's S_TG at npl = ceil(sessions"
                " / stages) (a ring group's rows) times the stages busy at once (at most the"
                " sessions, the stages and the cores)" if 1 in threads else "")
-            + "\n\nWhere each stage's time went, ms per output token:\n\n" + breakdown(res))
+            + "\n\nWhere each stage's time went, ms per output token:\n\n" + breakdown(res)
+            + "".join(f"\n\nllama-batched-bench -t 1 -npl {g}: alone {v['alone']:.1f} tok/s, "
+                      f"{len(v['at_once'])} at once " + ", ".join(f"{x:.1f}" for x in v["at_once"])
+                      + f" each: {v['slowdown']:.2f}x slower (the host's share)"
+                      for g, v in res.get("contention", {}).items()))
     print(text)
     day = datetime.date.today().isoformat()
     os.makedirs(os.path.join(fresh.BENCHES, "results"), exist_ok=True)
