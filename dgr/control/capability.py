@@ -262,7 +262,7 @@ def record_for(engine, *, pipeline=None, cert_store: str | os.PathLike | None = 
 def layer_times(model: str, settings: dict) -> list[LayerTimes]:
     """This machine's measured layer times of ``model`` with ``settings``, by batch (read
     again only when the measurements' folder or the model file changes)."""
-    from dgr.control.layercost import SETTING_KEYS
+    from dgr.control.layercost import key_settings
     from dgr.vendor import cache_root
 
     def mtime(p) -> int:
@@ -271,7 +271,7 @@ def layer_times(model: str, settings: dict) -> list[LayerTimes]:
         except OSError:
             return 0
 
-    key = json.dumps({k: settings.get(k) for k in SETTING_KEYS}, sort_keys=True)
+    key = json.dumps(key_settings(settings), sort_keys=True)
     return list(_layer_times(model, key, mtime(model), mtime(cache_root() / "layer-costs")))
 
 

@@ -6,11 +6,16 @@ a model of that time, and a CPU's caches, kernels and attention over the context
 wrong by tens of percent. ``measure`` times it instead, on the stage's own device with the
 stage's settings, at the batch (rows per forward) and the context the route will run:
 
-- an engine of each single layer ``[i, i+1)``: a prompt of ``context`` tokens in each of
-  ``batch`` slots, then decode steps of the ``batch`` slots in one forward, the median of
+- an engine of each single layer ``[i, i+1)``, with the stage's settings (its context and
+  slots too: attention and its mask cover every slot's cells): a prompt of ``context`` tokens
+  in each of
+  ``batch`` slots, then decode steps of the ``batch`` slots in one forward, the fastest of
   ``steps`` of them (``warmup`` before, untimed). Layer 0's engine takes token ids (it holds
   the embedding), the last layer's returns logits (it holds the head), the others take and
   return boundary rows, as their stages do;
+- each engine ``repeats`` times, afresh, the fastest taken: one instance of an engine may
+  run a third slower than the next for its whole life (where its buffers landed in memory),
+  and a stage in a route is one instance;
 - an engine of ``k`` consecutive layers in the middle, timed the same way: what ``k`` layers
   cost in one forward against the sum of their single-layer times says what a forward costs
   whatever its layers (graph, scheduling, the boundary's copies), ``overhead_ms``; each
@@ -28,7 +33,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -37,11 +41,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from dgr import errors
+
 __all__ = ["LayerCosts", "measure", "plan", "cache_path", "cached", "route_ranges", "ranges_of"]
 
-#: the engine settings a measurement takes from a stage's (the rest do not change its time)
-SETTING_KEYS = ("n_threads", "n_ubatch", "flash_attn", "type_k", "type_v", "batch_invariant",
-                "device")
+#: the engine settings a measurement takes from a stage's: every one that changes a forward's
+#: time (the context and the slots too: attention and its mask cover every slot's cells)
+SETTING_KEYS = ("n_ctx", "n_slots", "n_threads", "n_ubatch", "flash_attn", "type_k", "type_v",
+                "batch_invariant", "device", "kv_budget_mib")
 
 
 @dataclass
@@ -98,6 +105,16 @@ def _machine(device: str) -> dict[str, Any]:
             "cpu_variant": BUILD_INFO.get("cpu_variant", "native")}
 
 
+def key_settings(settings: dict) -> dict:
+    """The settings a measurement is keyed by: :data:`SETTING_KEYS`, given ones only, the
+    device ``cpu`` when not given, a KV budget only where one is set (it sizes ``n_ctx=0``)."""
+    s = {k: settings[k] for k in SETTING_KEYS if settings.get(k) is not None}
+    if not s.get("kv_budget_mib"):
+        s.pop("kv_budget_mib", None)
+    s.setdefault("device", "cpu")
+    return s
+
+
 def cache_path(model: str | os.PathLike, batch: int, context: int, settings: dict) -> Path:
     """Where a measurement of this model, batch, context and settings on this machine is
     kept: the key holds the file (path, size, modification time), the build, the CPU and
@@ -105,10 +122,10 @@ def cache_path(model: str | os.PathLike, batch: int, context: int, settings: dic
     from dgr.vendor import cache_root
 
     st = os.stat(model)
-    s = {k: settings.get(k) for k in SETTING_KEYS}
+    s = key_settings(settings)
     key = json.dumps({"model": os.path.realpath(model), "size": st.st_size,
                       "mtime_ns": st.st_mtime_ns, "batch": batch, "context": context,
-                      "settings": s, "machine": _machine(s.get("device") or "cpu")},
+                      "settings": s, "machine": _machine(s["device"])},
                      sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_root() / "layer-costs" / f"{Path(model).stem}-b{batch}-c{context}-{digest}.json"
@@ -116,11 +133,20 @@ def cache_path(model: str | os.PathLike, batch: int, context: int, settings: dic
 
 def _time_range(model: str, a: int, b: int, batch: int, context: int, steps: int, warmup: int,
                 settings: dict) -> float:
-    """Median ms of one decode forward of ``batch`` slots through an engine of ``[a, b)``."""
+    """The fastest of ``steps`` decode forwards of ``batch`` slots through an engine of
+    ``[a, b)``, ms (the least disturbed by the rest of the machine: on a shared VM a median
+    moves by a third from one minute to the next, the fastest by a few percent)."""
     from dgr.core.engine import Engine
 
-    e = Engine(model, (a, b), n_ctx=context + warmup + steps + 1, n_slots=batch,
-               **{k: v for k, v in settings.items() if k in SETTING_KEYS})
+    kw = {k: v for k, v in settings.items() if k in SETTING_KEYS}
+    kw.setdefault("n_ctx", context + warmup + steps + 1)
+    kw.setdefault("n_slots", batch)
+    e = Engine(model, (a, b), **kw)
+    if e.n_slots < batch or e.n_ctx < context + warmup + steps:
+        raise errors.InvalidArgument(
+            f"timing {batch} rows after {context} tokens (and {warmup + steps} steps) needs "
+            f"{batch} slots of {context + warmup + steps} tokens; the settings give "
+            f"{e.n_slots} of {e.n_ctx}")
     gen = np.random.default_rng(a)
     w = e.n_embd_boundary
 
@@ -137,20 +163,25 @@ def _time_range(model: str, a: int, b: int, batch: int, context: int, steps: int
         t0 = time.perf_counter()
         e.forward_batch(slots, pos, tok, bnd)
         times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times[warmup:])
+    return 1e3 * min(times[warmup:])
 
 
 def measure(model: str | os.PathLike, *, batch: int = 1, context: int = 64,
-            settings: dict | None = None, steps: int = 16, warmup: int = 4, chunk: int = 4,
-            use_cache: bool = True, progress: bool = True) -> LayerCosts:
+            settings: dict | None = None, steps: int = 16, warmup: int = 4, chunk: int = 8,
+            repeats: int = 3, use_cache: bool = True, progress: bool = True) -> LayerCosts:
     """Time each layer of ``model`` on this machine (see the module docstring); a cached
     measurement of the same inputs is returned as it is (``cached`` True)."""
     from dgr.core.engine import Engine
 
     model = os.fspath(model)
     settings = {k: v for k, v in (settings or {}).items() if k in SETTING_KEYS}
-    if batch < 1 or context < 1 or steps < 1:
-        raise ValueError("batch, context and steps must be positive")
+    if batch < 1 or context < 1 or steps < 1 or repeats < 1:
+        raise ValueError("batch, context, steps and repeats must be positive")
+
+    def timed(a: int, b: int) -> float:  # the fastest of ``repeats`` engines of [a, b)
+        return min(_time_range(model, a, b, batch, context, steps, warmup, settings)
+                   for _ in range(repeats))
+
     path = cache_path(model, batch, context, settings)
     if use_cache and path.exists():
         try:
@@ -163,14 +194,14 @@ def measure(model: str | os.PathLike, *, batch: int = 1, context: int = 64,
     n = Engine(model, n_ctx=64).n_layer
     single = []
     for i in range(n):
-        single.append(_time_range(model, i, i + 1, batch, context, steps, warmup, settings))
+        single.append(timed(i, i + 1))
         if progress:
             print(f"\r[dgr] timing layer {i + 1}/{n} at batch {batch}: {single[-1]:.3f} ms",
                   end="", file=sys.stderr, flush=True)
     k = min(chunk, n)
     a = max(0, (n - k) // 2)
     if k >= 2:
-        chunk_ms = _time_range(model, a, a + k, batch, context, steps, warmup, settings)
+        chunk_ms = timed(a, a + k)
         overhead = max(0.0, (sum(single[a:a + k]) - chunk_ms) / (k - 1))
     else:
         chunk_ms, overhead = single[0], 0.0
@@ -255,7 +286,8 @@ def _table(c: LayerCosts, stages: Sequence[int]) -> str:
 
     lines = [f"{os.path.basename(c.model)}: {c.n_layer} layers at batch {c.batch} after "
              f"{c.context} tokens, on {c.machine.get('cpu') or '?'} ({c.machine.get('device')}, "
-             f"{c.settings.get('n_threads', 1)} thread(s))"
+             f"{c.settings.get('n_threads', 1)} thread(s), "
+             + ", ".join(f"{k}={v}" for k, v in c.settings.items() if k != "n_threads") + ")"
              + (" [cached]" if c.cached else f", timed in {c.seconds:.1f} s"),
              f"a forward's fixed cost {c.overhead_ms:.3f} ms (layers {c.chunk[0]}-"
              f"{c.chunk[1] - 1} together: {c.chunk_ms:.3f} ms)", "",
@@ -278,7 +310,6 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m dgr layer-costs``."""
     import argparse
 
-    from dgr import errors
     from dgr.protocol import settings as engine_settings
 
     ap = argparse.ArgumentParser(
@@ -293,24 +324,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="rows per forward: the sessions a stage computes at once (default 1)")
     ap.add_argument("--context", type=int, default=64,
                     help="tokens in each slot before the timed steps (default 64)")
-    ap.add_argument("--steps", type=int, default=16, help="timed steps per engine (median)")
+    ap.add_argument("--steps", type=int, default=16, help="timed steps per engine (the fastest is taken)")
     ap.add_argument("--stages", default="2,3", help="stage counts to plan (default 2,3)")
     ap.add_argument("--no-cache", action="store_true", help="measure again")
     ap.add_argument("--json", action="store_true", help="print the measurement as JSON")
     engine_settings.add_arguments(ap)
     args = ap.parse_args(argv)
     try:
-        for flag in engine_settings.given(args):
-            if flag in ("--ctx", "--slots", "--kv-budget"):
-                raise errors.InvalidArgument(
-                    f"{flag} does not change a layer's time here: --context and --batch set "
-                    "the context and the rows measured")
         from dgr.artifacts import models
 
         model = args.model or str(models.path(models.DEFAULT_MODEL))
         stages = [int(x) for x in args.stages.split(",") if x.strip()]
+        settings = engine_settings.from_args(args)
+        if "--slots" not in engine_settings.given(args):  # room for the rows measured
+            settings["n_slots"] = max(settings["n_slots"], args.batch)
         c = measure(model, batch=args.batch, context=args.context, steps=args.steps,
-                    settings=engine_settings.from_args(args), use_cache=not args.no_cache)
+                    settings=settings, use_cache=not args.no_cache)
     except (errors.DgrError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -77,9 +77,9 @@ def test_the_command_prints_the_layers_and_the_balanced_ranges(tiny_llama, cache
     assert "4 layers at batch 2 after 8 tokens" in out and "(with the head)" in out
     assert "2 stages, measured: [0," in out and "3 stages, even: [0,2) [2,3) [3,4)" in out
     assert layercost.main(argv) == 0 and "[cached]" in capsys.readouterr().out
-    # a setting that does not change the measurement is refused, not ignored
-    assert layercost.main([*argv, "--ctx", "128"]) == 2
-    assert "--ctx does not change a layer's time" in capsys.readouterr().err
+    # the stage's slots and context are the measured engines': too few for the rows is refused
+    assert layercost.main([*argv, "--slots", "1"]) == 2
+    assert "needs 2 slots of 14 tokens; the settings give 1 of" in capsys.readouterr().err
     assert layercost.main(["--model", str(cache / "missing.gguf")]) == 2
     with pytest.raises(errors.InvalidArgument):
         layercost.measure(tiny_llama, batch=1, settings={"n_threads": 0}, progress=False)
@@ -94,9 +94,10 @@ def test_the_capability_record_carries_this_machines_figures(tiny_llama, cache, 
 
     e = dgr.Engine(tiny_llama, layers=(2, 4), n_ctx=128, n_slots=3, n_threads=1, n_ubatch=8)
     assert record_for(e).layer_times == []
-    # measured by the command with the worker's settings (its --ctx and --slots do not count)
+    # measured by the command with the worker's settings
     assert layercost.main(["--model", str(tiny_llama), "--batch", "2", "--context", "8",
-                           "--steps", "2", "--threads", "1", "--ubatch", "8"]) == 0
+                           "--steps", "2", "--threads", "1", "--ubatch", "8", "--ctx", "128",
+                           "--slots", "3"]) == 0
     capsys.readouterr()
     (c,) = layercost.cached(tiny_llama, {**e.settings, "device": e.device})
     rec = record_for(e)
@@ -105,6 +106,7 @@ def test_the_capability_record_carries_this_machines_figures(tiny_llama, cache, 
     assert len(rec.layer_times[0].layer_ms) == 4  # every layer's, not the stage's range only
     # another setting's figures are not this worker's
     layercost.measure(tiny_llama, batch=1, context=8, steps=2, warmup=1,
-                      settings={"n_threads": 1, "n_ubatch": 16}, progress=False)
+                      settings={**e.settings, "device": e.device, "n_ubatch": 16},
+                      progress=False)
     assert len(record_for(e).layer_times) == 1
     assert schema.decode(schema.encode(rec)).layer_times == rec.layer_times
