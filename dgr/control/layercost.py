@@ -7,15 +7,14 @@ wrong by tens of percent. ``measure`` times it instead, on the stage's own devic
 stage's settings, at the batch (rows per forward) and the context the route will run:
 
 - an engine of each single layer ``[i, i+1)``, with the stage's settings (its context and
-  slots too: attention and its mask cover every slot's cells): a prompt of ``context`` tokens
-  in each of
-  ``batch`` slots, then decode steps of the ``batch`` slots in one forward, the fastest of
-  ``steps`` of them (``warmup`` before, untimed). Layer 0's engine takes token ids (it holds
+  slots too: they size its KV cache): a prompt of ``context`` tokens in each of ``batch``
+  slots, then decode steps of the ``batch`` slots in one forward, the fastest of ``steps`` of
+  them (``warmup`` before, untimed). Layer 0's engine takes token ids (it holds
   the embedding), the last layer's returns logits (it holds the head), the others take and
   return boundary rows, as their stages do;
-- each engine ``repeats`` times, afresh, the fastest taken: one instance of an engine may
-  run a third slower than the next for its whole life (where its buffers landed in memory),
-  and a stage in a route is one instance;
+- each engine ``repeats`` times, afresh, the fastest taken: on the VMs measured, one instance
+  of an identical engine ran 1.6x slower than the next for its whole life (llama.cpp's own
+  programs too: docs/performance.md), and a stage in a route is one instance;
 - an engine of ``k`` consecutive layers in the middle, timed the same way: what ``k`` layers
   cost in one forward against the sum of their single-layer times says what a forward costs
   whatever its layers (graph, scheduling, the boundary's copies), ``overhead_ms``; each
@@ -45,8 +44,8 @@ from dgr import errors
 
 __all__ = ["LayerCosts", "measure", "plan", "cache_path", "cached", "route_ranges", "ranges_of"]
 
-#: the engine settings a measurement takes from a stage's: every one that changes a forward's
-#: time (the context and the slots too: attention and its mask cover every slot's cells)
+#: the engine settings a measurement takes from a stage's: every one that may change a
+#: forward's time (the context and the slots too: they size the KV cache)
 SETTING_KEYS = ("n_ctx", "n_slots", "n_threads", "n_ubatch", "flash_attn", "type_k", "type_v",
                 "batch_invariant", "device", "kv_budget_mib")
 
@@ -134,8 +133,8 @@ def cache_path(model: str | os.PathLike, batch: int, context: int, settings: dic
 def _time_range(model: str, a: int, b: int, batch: int, context: int, steps: int, warmup: int,
                 settings: dict) -> float:
     """The fastest of ``steps`` decode forwards of ``batch`` slots through an engine of
-    ``[a, b)``, ms (the least disturbed by the rest of the machine: on a shared VM a median
-    moves by a third from one minute to the next, the fastest by a few percent)."""
+    ``[a, b)``, ms (the least disturbed by the rest of the machine: on a shared VM the median
+    moved by a third from one minute to the next, the fastest by a few percent)."""
     from dgr.core.engine import Engine
 
     kw = {k: v for k, v in settings.items() if k in SETTING_KEYS}
@@ -171,7 +170,7 @@ def measure(model: str | os.PathLike, *, batch: int = 1, context: int = 64,
             repeats: int = 3, use_cache: bool = True, progress: bool = True) -> LayerCosts:
     """Time each layer of ``model`` on this machine (see the module docstring); a cached
     measurement of the same inputs is returned as it is (``cached`` True)."""
-    from dgr.core.engine import Engine
+    from dgr.artifacts.manifest import layer_costs
 
     model = os.fspath(model)
     settings = {k: v for k, v in (settings or {}).items() if k in SETTING_KEYS}
@@ -191,7 +190,7 @@ def measure(model: str | os.PathLike, *, batch: int = 1, context: int = 64,
         except (OSError, ValueError, TypeError, KeyError):
             pass  # unreadable: measure again
     t_start = time.monotonic()
-    n = Engine(model, n_ctx=64).n_layer
+    n = len(layer_costs(model)[0])  # the trunk's layers, from the headers
     single = []
     for i in range(n):
         single.append(timed(i, i + 1))
@@ -217,7 +216,7 @@ def measure(model: str | os.PathLike, *, batch: int = 1, context: int = 64,
               f"fixed cost {overhead:.3f} ms, layers {min(layer_ms):.3f}-{max(layer_ms):.3f} "
               f"ms", file=sys.stderr, flush=True)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # another process may measure too
     tmp.write_text(json.dumps(got.to_json(), indent=1) + "\n")
     os.replace(tmp, path)
     return got
