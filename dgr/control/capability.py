@@ -271,12 +271,17 @@ def layer_times(model: str, settings: dict) -> list[LayerTimes]:
         except OSError:
             return 0
 
+    folder = cache_root() / "layer-costs"
+    try:  # the files too: two writes within one tick of the file system's clock
+        files = len(os.listdir(folder))
+    except OSError:
+        files = 0
     key = json.dumps(key_settings(settings), sort_keys=True)
-    return list(_layer_times(model, key, mtime(model), mtime(cache_root() / "layer-costs")))
+    return list(_layer_times(model, key, mtime(model), mtime(folder), files))
 
 
 @functools.lru_cache(maxsize=64)
-def _layer_times(model: str, settings: str, _model_mtime: int, _dir_mtime: int
+def _layer_times(model: str, settings: str, _model_mtime: int, _dir_mtime: int, _files: int
                  ) -> tuple[LayerTimes, ...]:
     from dgr.control import layercost
 

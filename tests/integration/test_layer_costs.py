@@ -109,4 +109,8 @@ def test_the_capability_record_carries_this_machines_figures(tiny_llama, cache, 
                       settings={**e.settings, "device": e.device, "n_ubatch": 16},
                       progress=False)
     assert len(record_for(e).layer_times) == 1
+    # a later measurement with the worker's settings shows at the next record
+    layercost.measure(tiny_llama, batch=3, context=8, steps=2, warmup=1,
+                      settings={**e.settings, "device": e.device}, progress=False)
+    assert [t.batch for t in record_for(e).layer_times] == [2, 3]
     assert schema.decode(schema.encode(rec)).layer_times == rec.layer_times
