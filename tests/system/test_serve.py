@@ -568,7 +568,11 @@ SCHEMAS = [
                                                            "maxLength": 8}},
      "required": ["name", "nick"]},
     {"type": "object", "properties": {"scores": {"type": "object", "properties": {
-        "math": {"type": "integer"}, "art": {"type": "integer"}},
+        # bounded: an unbounded integer is a valid place for greedy SmolLM2 to write digits
+        # until max_tokens (it does on an AVX2-only EPYC, whose kernels give other bits than
+        # AVX-512's); the grammar holds the bounds and jsonschema checks them
+        "math": {"type": "integer", "minimum": 0, "maximum": 100},
+        "art": {"type": "integer", "minimum": 0, "maximum": 100}},
         "required": ["math", "art"], "additionalProperties": False}}, "required": ["scores"],
      "additionalProperties": False},
 ]
