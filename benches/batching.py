@@ -289,7 +289,6 @@ def contention(path: str, rows: list[int], n: int, copies: int, pin: bool) -> di
     "at_once": [S_TG of each copy], "slowdown": alone over the copies' mean}}. Two stages of
     one host computing at once share its memory bandwidth and last-level cache; if
     llama.cpp's own engine slows as much, the slowdown is the host's, not dgr's."""
-    import subprocess
     import threading
 
     exe = llama_tools.tool("llama-batched-bench", build=True)
@@ -302,12 +301,10 @@ def contention(path: str, rows: list[int], n: int, copies: int, pin: bool) -> di
                                           N_PROMPT)[g]["aggregate_tps"]
         got: list = [None] * copies
 
-        def one(i: int) -> None:
+        def one(i: int) -> None:  # a failed copy leaves None (its error on stderr)
             c = (["taskset", "-c", str(i % (os.cpu_count() or 1))] if pin else []) + cmd
-            r = subprocess.run(c, capture_output=True, text=True, timeout=1800)
-            if r.returncode == 0:
-                got[i] = llama_tools.parse_batched_bench(r.stdout, settings, [g], n, 1,
-                                                         N_PROMPT)[g]["aggregate_tps"]
+            got[i] = llama_tools.batched_bench(c, settings, [g], n, 1,
+                                               N_PROMPT)[g]["aggregate_tps"]
 
         ts = [threading.Thread(target=one, args=(i,)) for i in range(copies)]
         for t in ts:

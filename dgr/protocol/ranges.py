@@ -31,6 +31,8 @@ def balance_layers(costs: Sequence[float], n_stages: int, last: float = 0.0
     the head weighs as several layers (SmolLM2's tied 49k-vocabulary head is as large as 8
     of its 30 layers). Of the splits as costly, the one nearest to even is taken.
     """
+    if not 1 <= n_stages <= len(costs):
+        raise InvalidLayerRange(f"cannot split {len(costs)} layers into {n_stages} stages")
     c = [float(x) for x in costs]
     if c:
         c[-1] += float(last)  # the head is always the last layer's stage's
